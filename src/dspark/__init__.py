@@ -1,0 +1,51 @@
+"""DSpark: data-parallel training on 1 to N devices that scales, and proves that it scales.
+
+Example::
+
+    import dspark, functools, torch
+    world = dspark.init()
+    engine = dspark.Engine(model, optimizer=functools.partial(torch.optim.AdamW, lr=3e-4),
+                           strategy="zero2", precision="bf16")
+    x, y = dspark.distribute_batch((inputs, targets), shard_dim=0)
+    loss = torch.nn.functional.cross_entropy(engine(x), y)
+    engine.backward(loss)
+    engine.step()
+    dspark.shutdown()
+"""
+
+from dspark._version import __version__
+from dspark.comm import World, get_world, init, shutdown
+from dspark.errors import (
+    CollectiveError,
+    CollectiveTimeoutError,
+    DSparkError,
+    NotInitializedError,
+    PlacementError,
+)
+from dspark.tensor import (
+    REPLICATE,
+    DistTensor,
+    Replicate,
+    Shard,
+    distribute_batch,
+    distribute_tensor,
+)
+
+__all__ = [
+    "REPLICATE",
+    "CollectiveError",
+    "CollectiveTimeoutError",
+    "DSparkError",
+    "DistTensor",
+    "NotInitializedError",
+    "PlacementError",
+    "Replicate",
+    "Shard",
+    "World",
+    "__version__",
+    "distribute_batch",
+    "distribute_tensor",
+    "get_world",
+    "init",
+    "shutdown",
+]

@@ -1,0 +1,55 @@
+"""DSpark's communication layer: the only package that calls ``torch.distributed``."""
+
+from dspark.comm.collectives import (
+    Group,
+    Handle,
+    all_gather,
+    all_gather_into_tensor,
+    all_gather_object,
+    all_reduce,
+    barrier,
+    broadcast,
+    broadcast_object,
+    default_group,
+    destroy_group,
+    device_mesh,
+    new_group,
+    reduce_scatter_tensor,
+)
+from dspark.comm.stats import CollectiveStats, reset_stats, stats
+from dspark.comm.world import (
+    BACKENDS,
+    World,
+    available_backends,
+    get_world,
+    init,
+    is_initialized,
+    shutdown,
+)
+
+__all__ = [
+    "BACKENDS",
+    "CollectiveStats",
+    "Group",
+    "Handle",
+    "World",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "all_reduce",
+    "available_backends",
+    "barrier",
+    "broadcast",
+    "broadcast_object",
+    "default_group",
+    "destroy_group",
+    "device_mesh",
+    "get_world",
+    "init",
+    "is_initialized",
+    "new_group",
+    "reduce_scatter_tensor",
+    "reset_stats",
+    "shutdown",
+    "stats",
+]

@@ -1,0 +1,289 @@
+"""Every collective DSpark runs goes through this module: the one place that calls
+``torch.distributed`` ops, counts bytes, turns backend failures into errors that name the
+collective, the rank and the timeout, and stands in with no-ops when the world has one process.
+
+Each collective takes ``async_op``; with ``async_op=True`` it returns a :class:`Handle` whose
+``wait()`` completes it (and raises the same errors)."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import pickle
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dspark.comm import stats as _stats
+from dspark.comm.world import get_world
+from dspark.errors import CollectiveError, CollectiveTimeoutError
+
+__all__ = [
+    "Group",
+    "Handle",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "all_reduce",
+    "barrier",
+    "broadcast",
+    "broadcast_object",
+    "default_group",
+    "destroy_group",
+    "device_mesh",
+    "new_group",
+    "reduce_scatter_tensor",
+]
+
+# PyTorch renamed the flat collectives (``*_into_tensor`` / ``*_tensor`` -> ``*_single``); this is
+# the one place that knows. Both are called on flat views, the layout every backend accepts.
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+_VALID_OPS = ("sum", "avg", "max", "min")
+
+
+@dataclass(frozen=True, slots=True)
+class Group:
+    """A set of ranks that run collectives together. ``pg is None`` means the default group, or
+    the no-op stand-in when ``size == 1`` and no process group exists."""
+
+    pg: Any
+    rank: int
+    size: int
+    timeout_s: float
+
+
+_subgroups: list[Group] = []
+
+
+def default_group() -> Group:
+    world = get_world()
+    return Group(pg=None, rank=world.rank, size=world.world_size, timeout_s=world.timeout_s)
+
+
+def new_group(ranks: Sequence[int] | None = None, *, timeout: float | None = None) -> Group:
+    """A new group over ``ranks`` (all ranks by default) with its own timeout in seconds. Every
+    rank of the world must call it, in the same order."""
+    world = get_world()
+    timeout_s = world.timeout_s if timeout is None else float(timeout)
+    if not world.is_distributed:
+        return Group(pg=None, rank=0, size=1, timeout_s=timeout_s)
+    members = list(range(world.world_size)) if ranks is None else sorted(set(ranks))
+    pg = dist.new_group(members, timeout=_dt.timedelta(seconds=timeout_s))
+    rank = members.index(world.rank) if world.rank in members else -1
+    group = Group(pg=pg, rank=rank, size=len(members), timeout_s=timeout_s)
+    _subgroups.append(group)
+    return group
+
+
+def destroy_group(group: Group) -> None:
+    if group.pg is not None and group in _subgroups:
+        _subgroups.remove(group)
+        dist.destroy_process_group(group.pg)
+
+
+def _drop_groups() -> None:
+    global _mesh
+    _mesh = None
+    for group in list(_subgroups):
+        destroy_group(group)
+
+
+def _is_noop(group: Group) -> bool:
+    return group.size == 1 and not get_world().is_distributed
+
+
+def _raise_from(exc: BaseException, kind: str, group: Group, nbytes: int) -> None:
+    text = str(exc)
+    rank = get_world().rank
+    if "timed out" in text.lower() or "timeout" in text.lower():
+        raise CollectiveTimeoutError(
+            f"rank {rank}: {kind} of {nbytes} bytes timed out after {group.timeout_s:g} s: "
+            f"another rank of the {group.size}-rank group never joined this collective "
+            f"(it skipped it, crashed, or called a different one). Backend said: {text[:300]}"
+        ) from exc
+    raise CollectiveError(f"rank {rank}: {kind} of {nbytes} bytes failed: {text[:500]}") from exc
+
+
+class Handle:
+    """An in-flight collective. ``wait()`` blocks until it is done and is safe to call twice."""
+
+    __slots__ = ("_after", "_done", "_group", "_kind", "_nbytes", "_work")
+
+    def __init__(self, work: Any, kind: str, group: Group, nbytes: int,
+                 after: Callable[[], None] | None = None) -> None:
+        self._work = work
+        self._kind = kind
+        self._group = group
+        self._nbytes = nbytes
+        self._after = after
+        self._done = work is None
+        if self._done and after is not None:
+            after()
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        try:
+            self._work.wait()
+        except Exception as exc:  # the backend's error, re-raised with our context
+            _raise_from(exc, self._kind, self._group, self._nbytes)
+        self._done = True
+        if self._after is not None:
+            self._after()
+
+    def is_completed(self) -> bool:
+        return self._done or bool(self._work.is_completed())
+
+
+def _run(kind: str, group: Group, nbytes: int, launch: Callable[[], Any], async_op: bool,
+         after: Callable[[], None] | None = None) -> Handle | None:
+    _stats.record(kind, nbytes, group.size)
+    try:
+        work = launch()
+    except Exception as exc:
+        _raise_from(exc, kind, group, nbytes)
+    handle = Handle(work, kind, group, nbytes, after)
+    if async_op:
+        return handle
+    handle.wait()
+    return None
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    dst.copy_(src.reshape(dst.shape))
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def all_reduce(tensor: torch.Tensor, op: str = "sum", *, async_op: bool = False,
+               group: Group | None = None) -> Handle | None:
+    """Reduce ``tensor`` in place across ranks (``op``: sum, avg, max, min)."""
+    if op not in _VALID_OPS:
+        raise ValueError(f"op={op!r} is not one of {_VALID_OPS}")
+    g = group or default_group()
+    if _is_noop(g):
+        return _run("all_reduce", g, _nbytes(tensor), lambda: None, async_op)
+    # gloo has no AVG: sum, then divide once the sum has landed.
+    after = (lambda: tensor.div_(g.size)) if op == "avg" else None
+    reduce_op = _REDUCE_OPS["sum" if op == "avg" else op]
+    return _run("all_reduce", g, _nbytes(tensor),
+                lambda: dist.all_reduce(tensor, op=reduce_op, group=g.pg, async_op=True),
+                async_op, after)
+
+
+def all_gather_into_tensor(output: torch.Tensor, shard: torch.Tensor, *, async_op: bool = False,
+                           group: Group | None = None) -> Handle | None:
+    """Concatenate every rank's ``shard`` (equal sizes) along dim 0 into ``output``."""
+    return _all_gather("all_gather", output, shard, async_op, group)
+
+
+def _all_gather(kind: str, output: torch.Tensor, shard: torch.Tensor, async_op: bool,
+                group: Group | None) -> Handle | None:
+    g = group or default_group()
+    if output.numel() != shard.numel() * g.size:
+        raise ValueError(f"{kind}: output has {output.numel()} elements, expected "
+                         f"{g.size} ranks x {shard.numel()} = {g.size * shard.numel()}")
+    if _is_noop(g):
+        return _run(kind, g, _nbytes(shard), lambda: _copy(output, shard), async_op)
+    return _run(kind, g, _nbytes(shard),
+                lambda: _ALL_GATHER(output.view(-1), shard.reshape(-1), group=g.pg, async_op=True),
+                async_op)
+
+
+def all_gather(shard: torch.Tensor, *, group: Group | None = None,
+               _kind: str = "all_gather") -> list[torch.Tensor]:
+    """Every rank's ``shard`` (equal shapes), as a list indexed by rank."""
+    g = group or default_group()
+    flat = torch.empty((g.size, *shard.shape), dtype=shard.dtype, device=shard.device)
+    _all_gather(_kind, flat, shard.contiguous(), False, g)
+    return list(flat.unbind(0))
+
+
+def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: str = "sum", *,
+                          async_op: bool = False, group: Group | None = None) -> Handle | None:
+    """Reduce ``input`` (``N`` equal chunks along dim 0) across ranks; rank ``r`` gets chunk ``r``
+    in ``output``."""
+    if op not in ("sum", "avg"):
+        raise ValueError(f"reduce_scatter op={op!r} is not one of ('sum', 'avg')")
+    g = group or default_group()
+    if input.numel() != output.numel() * g.size:
+        raise ValueError(f"reduce_scatter_tensor: input has {input.numel()} elements, expected "
+                         f"{g.size} ranks x {output.numel()} = {g.size * output.numel()}")
+    if _is_noop(g):
+        return _run("reduce_scatter", g, _nbytes(input), lambda: _copy(output, input), async_op)
+    after = (lambda: output.div_(g.size)) if op == "avg" else None
+    return _run("reduce_scatter", g, _nbytes(input),
+                lambda: _REDUCE_SCATTER(output.view(-1), input.reshape(-1), op=dist.ReduceOp.SUM,
+                                        group=g.pg, async_op=True),
+                async_op, after)
+
+
+def broadcast(tensor: torch.Tensor, src: int = 0, *, async_op: bool = False,
+              group: Group | None = None) -> Handle | None:
+    """Copy ``tensor`` from rank ``src`` to every rank, in place."""
+    g = group or default_group()
+    if not 0 <= src < g.size:
+        raise ValueError(f"broadcast src={src} is outside [0, {g.size})")
+    if _is_noop(g):
+        return _run("broadcast", g, _nbytes(tensor), lambda: None, async_op)
+    global_src = src if g.pg is None else dist.get_global_rank(g.pg, src)
+    return _run("broadcast", g, _nbytes(tensor),
+                lambda: dist.broadcast(tensor, src=global_src, group=g.pg, async_op=True),
+                async_op)
+
+
+def device_mesh() -> Any:
+    """PyTorch's 1-D ``DeviceMesh`` over the whole world (for DTensor interop), built once."""
+    global _mesh
+    world = get_world()
+    if not world.is_distributed:
+        raise CollectiveError(
+            "rank 0: PyTorch DTensor needs a process group, and this is the single-process "
+            "stand-in; start with `dspark run` or call dspark.init(backend='gloo')"
+        )
+    if _mesh is None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        _mesh = init_device_mesh(world.device.type, (world.world_size,))
+    return _mesh
+
+
+_mesh: Any = None
+
+
+def barrier(*, group: Group | None = None) -> None:
+    """Block until every rank of the group arrives (a tiny all-reduce, so the timeout applies)."""
+    g = group or default_group()
+    if _is_noop(g):
+        return
+    flag = torch.zeros(1, device=get_world().device)
+    _run("barrier", g, 0, lambda: dist.all_reduce(flag, group=g.pg, async_op=True), False)
+
+
+def all_gather_object(obj: Any, *, group: Group | None = None) -> list[Any]:
+    """Every rank's picklable ``obj``, as a list indexed by rank."""
+    g = group or default_group()
+    if _is_noop(g):
+        _stats.record("all_gather_object", 0, 1)
+        return [obj]
+    device = get_world().device
+    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
+    size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
+    sizes = all_gather(size, group=g, _kind="all_gather_object")
+    longest = int(max(int(s.item()) for s in sizes))
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[: payload.numel()] = payload
+    gathered = all_gather(padded, group=g, _kind="all_gather_object")
+    return [pickle.loads(bytes(t[: int(s.item())].cpu().numpy()))
+            for t, s in zip(gathered, sizes, strict=True)]
+
+
+def broadcast_object(obj: Any, src: int = 0, *, group: Group | None = None) -> Any:
+    """``obj`` as rank ``src`` holds it, on every rank."""
+    return all_gather_object(obj if (group or default_group()).rank == src else None, group=group)[src]

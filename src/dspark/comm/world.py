@@ -1,0 +1,180 @@
+"""Process-group lifecycle: ``init`` reads PyTorch's launcher environment (or runs as a single
+process), picks the backend and the device, and ``shutdown`` tears it down without aborting."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import gc
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from dspark.errors import NotInitializedError
+
+__all__ = ["BACKENDS", "World", "available_backends", "get_world", "init", "is_initialized", "shutdown"]
+
+BACKENDS = ("auto", "gloo", "nccl", "mpi")
+_LAUNCHER_VARS = ("RANK", "WORLD_SIZE")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class World:
+    """Where this process stands in the job. ``backend == "none"`` is the single-process stand-in
+    (no process group: every collective is a no-op)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+    backend: str
+    timeout_s: float
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_distributed(self) -> bool:
+        """True when a real process group exists (even of one rank)."""
+        return self.backend != "none"
+
+
+_world: World | None = None
+
+
+def available_backends() -> list[str]:
+    """The process-group backends built into this PyTorch (``nccl`` also needs a CUDA device)."""
+    names = []
+    if dist.is_available():
+        if dist.is_gloo_available():
+            names.append("gloo")
+        if dist.is_nccl_available() and torch.cuda.is_available():
+            names.append("nccl")
+        if dist.is_mpi_available():
+            names.append("mpi")
+    return names
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+def _choose_backend(backend: str, local_world_size: int) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not one of {', '.join(map(repr, BACKENDS))}")
+    have = available_backends()
+    if backend == "auto":
+        cuda_per_rank = torch.cuda.is_available() and torch.cuda.device_count() >= local_world_size
+        return "nccl" if cuda_per_rank and "nccl" in have else "gloo"
+    if backend not in have:
+        raise ValueError(
+            f"backend={backend!r} is not available in this PyTorch build on this machine; "
+            f"available: {', '.join(have) or 'none'} (use backend='auto' to choose for you)"
+        )
+    return backend
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _timeout_seconds(timeout: float | _dt.timedelta) -> float:
+    seconds = timeout.total_seconds() if isinstance(timeout, _dt.timedelta) else float(timeout)
+    if not seconds > 0:
+        raise ValueError(f"timeout={timeout!r} must be a positive number of seconds")
+    return seconds
+
+
+def init(backend: str = "auto", *, timeout: float | _dt.timedelta = 300.0) -> World:
+    """Join the job started by ``dspark run`` / ``torchrun``, or run as one process.
+
+    With the launcher's environment (``RANK``, ``WORLD_SIZE``, ...) this creates the default
+    process group. Without it, ``backend="auto"`` gives a single-process stand-in where every
+    collective is a no-op, and an explicit backend creates a real one-rank group on loopback.
+    ``timeout`` (seconds) bounds every collective: a rank that never joins raises
+    :class:`dspark.CollectiveTimeoutError` instead of hanging.
+
+    Example::
+
+        world = dspark.init()
+        print(world.rank, world.world_size, world.device)
+    """
+    global _world
+    timeout_s = _timeout_seconds(timeout)
+    if _world is not None:
+        return _world
+    launched = all(name in os.environ for name in _LAUNCHER_VARS)
+    rank = _env_int("RANK", 0)
+    world_size = _env_int("WORLD_SIZE", 1)
+    local_rank = _env_int("LOCAL_RANK", rank if launched else 0)
+    local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size if launched else 1)
+    if not 0 <= rank < world_size:
+        raise ValueError(f"RANK={rank} is outside [0, WORLD_SIZE={world_size})")
+
+    if not launched and backend == "auto":
+        device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+        _world = World(rank=0, world_size=1, local_rank=0, local_world_size=1, device=device,
+                       backend="none", timeout_s=timeout_s)
+        return _world
+
+    chosen = _choose_backend(backend, local_world_size)
+    if chosen == "nccl":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    kwargs: dict[str, object] = {}
+    if chosen == "nccl":
+        kwargs["device_id"] = device
+    if launched:
+        init_method = "env://"
+    else:
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+    dist.init_process_group(
+        backend=chosen, init_method=init_method, rank=rank, world_size=world_size,
+        timeout=_dt.timedelta(seconds=timeout_s), **kwargs,  # type: ignore[arg-type]
+    )
+    _world = World(rank=rank, world_size=world_size, local_rank=local_rank,
+                   local_world_size=local_world_size, device=device, backend=chosen,
+                   timeout_s=timeout_s)
+    return _world
+
+
+def is_initialized() -> bool:
+    return _world is not None
+
+
+def get_world() -> World:
+    """The current :class:`World`; raises :class:`dspark.NotInitializedError` before ``init``."""
+    if _world is None:
+        raise NotInitializedError(
+            "DSpark is not initialised: call dspark.init() first (it runs as a single process "
+            "when not started by `dspark run`)"
+        )
+    return _world
+
+
+def shutdown() -> None:
+    """Leave the job. Collects garbage first so that no model or optimizer still references the
+    process group when it is destroyed (gloo aborts at exit otherwise)."""
+    global _world
+    from dspark.comm import collectives
+
+    collectives._drop_groups()
+    gc.collect()
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    _world = None
+    gc.collect()

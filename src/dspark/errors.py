@@ -1,0 +1,32 @@
+"""DSpark's exception types. User-input errors subclass ValueError/TypeError; distributed
+failures name the rank that saw them."""
+
+from __future__ import annotations
+
+__all__ = [
+    "CollectiveError",
+    "CollectiveTimeoutError",
+    "DSparkError",
+    "NotInitializedError",
+    "PlacementError",
+]
+
+
+class DSparkError(Exception):
+    """Base class of DSpark's own errors."""
+
+
+class PlacementError(DSparkError, ValueError):
+    """A placement that would split or replicate a tensor wrongly (e.g. ``shard_dim=None``)."""
+
+
+class NotInitializedError(DSparkError, RuntimeError):
+    """A distributed call was made before :func:`dspark.init`."""
+
+
+class CollectiveError(DSparkError, RuntimeError):
+    """A collective failed on this rank; the message starts with ``rank R:``."""
+
+
+class CollectiveTimeoutError(CollectiveError, TimeoutError):
+    """A collective did not complete within the group's timeout (a rank never joined)."""

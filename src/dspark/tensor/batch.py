@@ -1,0 +1,78 @@
+"""Splitting a global batch across ranks (strong scaling: each rank keeps 1/N of it)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+import torch
+
+from dspark import comm
+from dspark.tensor.placement import PlacementError, Replicate, to_placement
+from dspark.tensor.shard_math import shard_range
+
+__all__ = ["distribute_batch"]
+
+B = TypeVar("B")
+
+
+def _leaves(batch: Any, path: str) -> list[tuple[str, torch.Tensor]]:
+    if isinstance(batch, torch.Tensor):
+        return [(path, batch)]
+    if isinstance(batch, Mapping):
+        return [leaf for k, v in batch.items() for leaf in _leaves(v, f"{path}[{k!r}]")]
+    if isinstance(batch, (tuple, list)):
+        return [leaf for i, v in enumerate(batch) for leaf in _leaves(v, f"{path}[{i}]")]
+    return []
+
+
+def _map(batch: Any, fn: Any) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return fn(batch)
+    if isinstance(batch, Mapping):
+        return type(batch)({k: _map(v, fn) for k, v in batch.items()})  # type: ignore[call-arg]
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
+        return type(batch)(*(_map(v, fn) for v in batch))
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_map(v, fn) for v in batch)
+    return batch
+
+
+def distribute_batch(batch: B, shard_dim: Any = 0, *, allow_uneven: bool = False) -> B:
+    """Keep this rank's slice of every tensor in ``batch`` (a tensor, tuple/list or dict, nested).
+
+    Every rank passes the same global batch; all tensors must have the same size along
+    ``shard_dim``. That size must divide by the world size, so that every rank's loss weighs the
+    same number of samples; ``allow_uneven=True`` accepts any size and follows the uneven split
+    rule of :mod:`dspark.tensor.shard_math` (first ranks get one more sample). Non-tensor leaves
+    pass through. ``shard_dim=dspark.REPLICATE`` keeps the whole batch on every rank (each rank
+    then does all the work: only for comparisons). ``None`` raises :class:`dspark.PlacementError`.
+
+    Example::
+
+        x, y = dspark.distribute_batch((images, labels), shard_dim=0)
+    """
+    leaves = _leaves(batch, "batch")
+    if not leaves:
+        raise TypeError(f"distribute_batch found no tensor in a {type(batch).__name__}; pass a "
+                        "tensor, or a tuple/list/dict of tensors")
+    first_path, first = leaves[0]
+    placement = to_placement(shard_dim, tuple(first.shape), what=f"{first_path}")
+    if isinstance(placement, Replicate):
+        return batch
+    dim = placement.dim
+    size = first.shape[dim]
+    for path, leaf in leaves[1:]:
+        to_placement(dim, tuple(leaf.shape), what=path)
+        if leaf.shape[dim] != size:
+            raise PlacementError(f"{path} has {leaf.shape[dim]} rows along dim {dim}, but "
+                                 f"{first_path} has {size}: every tensor of a batch needs the same size")
+    world = comm.get_world()
+    if size % world.world_size and not allow_uneven:
+        lower = size - size % world.world_size
+        raise PlacementError(
+            f"a global batch of {size} along dim {dim} does not divide by world size "
+            f"{world.world_size}: ranks would weigh different sample counts. Use a batch of "
+            f"{lower or world.world_size} or {lower + world.world_size}, or pass allow_uneven=True")
+    start, stop = shard_range(size, world.world_size, world.rank)
+    return _map(batch, lambda t: t.narrow(dim, start, stop - start))  # type: ignore[no-any-return]

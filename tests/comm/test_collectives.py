@@ -1,0 +1,95 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dspark
+from dspark import comm
+
+
+def _sum_and_counters() -> dict:
+    world = dspark.get_world()
+    comm.reset_stats()
+    t = torch.full((4,), float(world.rank + 1))
+    comm.all_reduce(t)
+    avg = torch.full((2,), float(world.rank))
+    comm.all_reduce(avg, op="avg")
+    out = torch.empty(world.world_size * 3)
+    comm.all_gather_into_tensor(out, torch.full((3,), float(world.rank)))
+    rs = torch.empty(2)
+    handle = comm.reduce_scatter_tensor(rs, torch.arange(4.0), async_op=True)
+    assert handle is not None
+    handle.wait()
+    handle.wait()  # idempotent
+    objs = comm.all_gather_object({"rank": world.rank})
+    return {"sum": t.tolist(), "avg": avg.tolist(), "gathered": out.tolist(), "rs": rs.tolist(),
+            "objs": objs, "stats": {k: (v.calls, v.bytes, v.wire_bytes) for k, v in comm.stats().items()}}
+
+
+def test_collectives_and_byte_counters(pool) -> None:
+    r0, r1 = pool.run(_sum_and_counters)
+    assert r0["sum"] == r1["sum"] == [3.0] * 4
+    assert r0["avg"] == [0.5, 0.5]
+    assert r0["gathered"] == [0, 0, 0, 1, 1, 1]
+    assert r0["rs"] == [0.0, 2.0] and r1["rs"] == [4.0, 6.0]
+    assert r0["objs"] == [{"rank": 0}, {"rank": 1}]
+    stats = r0["stats"]
+    assert stats["all_reduce"] == (2, 16 + 8, 16 + 8)  # 2*(N-1)/N * bytes with N=2
+    assert stats["all_gather"][:2] == (1, 12)
+    assert stats["reduce_scatter"] == (1, 16, 8)
+
+
+def _skip_collective_on_rank_1() -> str:
+    world = dspark.get_world()
+    group = comm.new_group(timeout=2.0)
+    try:
+        if world.rank == 0:
+            try:
+                comm.all_reduce(torch.ones(8), group=group)
+            except dspark.CollectiveTimeoutError as exc:
+                return str(exc)
+            return "no error"
+        return "skipped"
+    finally:
+        comm.barrier()  # rank 1 waits here on the default group until rank 0 has timed out
+        comm.destroy_group(group)
+
+
+def test_timeout_names_collective_rank_and_timeout(pool) -> None:
+    message, skipped = pool.run(_skip_collective_on_rank_1)
+    assert skipped == "skipped"
+    assert message.startswith("rank 0: all_reduce of 32 bytes timed out after 2 s"), message
+
+
+def test_world_size_one_stand_in_is_noop(single_process) -> None:
+    comm.reset_stats()
+    t = torch.arange(3.0)
+    comm.all_reduce(t)
+    assert t.tolist() == [0.0, 1.0, 2.0]
+    out = torch.empty(3)
+    comm.all_gather_into_tensor(out, t)
+    assert out.tolist() == t.tolist()
+    assert comm.all_gather_object("x") == ["x"]
+    assert comm.stats()["all_reduce"].bytes == 0
+    comm.barrier()
+
+
+def test_unknown_backend_lists_choices() -> None:
+    with pytest.raises(ValueError, match="'auto', 'gloo', 'nccl', 'mpi'"):
+        dspark.init(backend="tcp")
+
+
+def test_unavailable_backend_names_available(monkeypatch) -> None:
+    dspark.shutdown()
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    if "mpi" in comm.available_backends():
+        pytest.skip("this PyTorch has MPI")
+    with pytest.raises(ValueError, match="available: gloo"):
+        dspark.init(backend="mpi")
+
+
+def test_calls_before_init_say_how_to_fix() -> None:
+    dspark.shutdown()
+    with pytest.raises(dspark.NotInitializedError, match=r"dspark.init\(\)"):
+        comm.all_reduce(torch.ones(1))

@@ -1,0 +1,40 @@
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture(scope="session")
+def pool() -> Iterator[object]:
+    """Two real gloo ranks, shared by the whole session (see tests/rank_pool.py)."""
+    from tests.rank_pool import RankPool
+
+    rank_pool = RankPool()
+    yield rank_pool
+    rank_pool.close()
+
+
+@pytest.fixture
+def single_process() -> Iterator[object]:
+    """DSpark initialised as the world-size-1 stand-in in this (test) process."""
+    import dspark
+
+    dspark.shutdown()
+    world = dspark.init()
+    yield world
+    dspark.shutdown()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA devices")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
