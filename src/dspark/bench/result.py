@@ -92,10 +92,16 @@ class BenchResult:
     # what the runner saw
     local_batch: int
     """Samples each rank actually processed per step (global / N when sharded)."""
+    model_state_bytes_expected_per_rank: int = 0
+    """What the strategy should hold for parameters + gradients + optimizer state (ZeRO formulas)."""
+    replicated_inputs: list[str] = field(default_factory=list)
+    """Batch tensors each rank held whole although num_devices > 1 (e.g. ``"batch[0]"``)."""
     comm_bytes_per_step: int = 0
     """Collective payload bytes one rank sent per step (from the comm layer's counters)."""
+    comm_wire_bytes_per_step: int = 0
+    """The same traffic as a ring algorithm puts it on the wire (for the cost model)."""
     bus_bytes_per_s: float = 0.0
-    """All-reduce bandwidth measured on the spot (0 with one device)."""
+    """Collective bandwidth measured on the spot (wire bytes / s of a large all-reduce; 0 with one device)."""
     # scaling, filled by the analysis against the 1-device run
     speedup: float | None = None
     efficiency: float | None = None
