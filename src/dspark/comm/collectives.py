@@ -2,8 +2,9 @@
 ``torch.distributed`` ops, counts bytes, turns backend failures into errors that name the
 collective, the rank and the timeout, and stands in with no-ops when the world has one process.
 
-Each collective takes ``async_op``; with ``async_op=True`` it returns a :class:`Handle` whose
-``wait()`` completes it (and raises the same errors)."""
+Each collective takes ``async_op`` and returns a :class:`Handle`; with ``async_op=True`` the
+collective is in flight until ``handle.wait()`` (which raises the same errors), otherwise the handle
+is already complete."""
 
 from __future__ import annotations
 
@@ -114,7 +115,7 @@ class Handle:
     __slots__ = ("_after", "_done", "_group", "_kind", "_nbytes", "_work")
 
     def __init__(self, work: Any, kind: str, group: Group, nbytes: int,
-                 after: Callable[[], None] | None = None) -> None:
+                 after: Callable[[], object] | None = None) -> None:
         self._work = work
         self._kind = kind
         self._group = group
@@ -140,17 +141,16 @@ class Handle:
 
 
 def _run(kind: str, group: Group, nbytes: int, launch: Callable[[], Any], async_op: bool,
-         after: Callable[[], None] | None = None) -> Handle | None:
+         after: Callable[[], object] | None = None) -> Handle:
     _stats.record(kind, nbytes, group.size)
     try:
         work = launch()
     except Exception as exc:
         _raise_from(exc, kind, group, nbytes)
     handle = Handle(work, kind, group, nbytes, after)
-    if async_op:
-        return handle
-    handle.wait()
-    return None
+    if not async_op:
+        handle.wait()
+    return handle
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -162,7 +162,7 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def all_reduce(tensor: torch.Tensor, op: str = "sum", *, async_op: bool = False,
-               group: Group | None = None) -> Handle | None:
+               group: Group | None = None) -> Handle:
     """Reduce ``tensor`` in place across ranks (``op``: sum, avg, max, min)."""
     if op not in _VALID_OPS:
         raise ValueError(f"op={op!r} is not one of {_VALID_OPS}")
@@ -178,13 +178,13 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", *, async_op: bool = False,
 
 
 def all_gather_into_tensor(output: torch.Tensor, shard: torch.Tensor, *, async_op: bool = False,
-                           group: Group | None = None) -> Handle | None:
+                           group: Group | None = None) -> Handle:
     """Concatenate every rank's ``shard`` (equal sizes) along dim 0 into ``output``."""
     return _all_gather("all_gather", output, shard, async_op, group)
 
 
 def _all_gather(kind: str, output: torch.Tensor, shard: torch.Tensor, async_op: bool,
-                group: Group | None) -> Handle | None:
+                group: Group | None) -> Handle:
     g = group or default_group()
     if output.numel() != shard.numel() * g.size:
         raise ValueError(f"{kind}: output has {output.numel()} elements, expected "
@@ -206,7 +206,7 @@ def all_gather(shard: torch.Tensor, *, group: Group | None = None,
 
 
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: str = "sum", *,
-                          async_op: bool = False, group: Group | None = None) -> Handle | None:
+                          async_op: bool = False, group: Group | None = None) -> Handle:
     """Reduce ``input`` (``N`` equal chunks along dim 0) across ranks; rank ``r`` gets chunk ``r``
     in ``output``."""
     if op not in ("sum", "avg"):
@@ -225,7 +225,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: str = "
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0, *, async_op: bool = False,
-              group: Group | None = None) -> Handle | None:
+              group: Group | None = None) -> Handle:
     """Copy ``tensor`` from rank ``src`` to every rank, in place."""
     g = group or default_group()
     if not 0 <= src < g.size:

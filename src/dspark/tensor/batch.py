@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
@@ -29,6 +30,12 @@ def _leaves(batch: Any, path: str) -> list[tuple[str, torch.Tensor]]:
 def _map(batch: Any, fn: Any) -> Any:
     if isinstance(batch, torch.Tensor):
         return fn(batch)
+    if isinstance(batch, dict):
+        # A shallow copy keeps a dict subclass's own state (defaultdict's factory), which
+        # ``type(batch)(items)`` would pass as the wrong constructor argument.
+        mapped = copy.copy(batch)
+        mapped.update((k, _map(v, fn)) for k, v in batch.items())
+        return mapped
     if isinstance(batch, Mapping):
         return type(batch)({k: _map(v, fn) for k, v in batch.items()})  # type: ignore[call-arg]
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
@@ -42,7 +49,7 @@ def distribute_batch(batch: B, shard_dim: Any = 0, *, allow_uneven: bool = False
     """Keep this rank's slice of every tensor in ``batch`` (a tensor, tuple/list or dict, nested).
 
     Every rank passes the same global batch; all tensors must have the same size along
-    ``shard_dim``. That size must divide by the world size, so that every rank's loss weighs the
+    ``shard_dim`` (a negative one counts from each tensor's own end). That size must divide by the world size, so that every rank's loss weighs the
     same number of samples; ``allow_uneven=True`` accepts any size and follows the uneven split
     rule of :mod:`dspark.tensor.shard_math` (first ranks get one more sample). Non-tensor leaves
     pass through. ``shard_dim=dspark.REPLICATE`` keeps the whole batch on every rank (each rank
@@ -62,17 +69,25 @@ def distribute_batch(batch: B, shard_dim: Any = 0, *, allow_uneven: bool = False
         return batch
     dim = placement.dim
     size = first.shape[dim]
+
+    def leaf_dim(leaf: torch.Tensor, path: str = "batch") -> int:
+        # Resolved per leaf, so that a negative dim counts from each tensor's own end (images
+        # and labels differ in ndim) and the error echoes the value the caller gave.
+        return to_placement(shard_dim, tuple(leaf.shape), what=path).dim  # type: ignore[union-attr]
+
     for path, leaf in leaves[1:]:
-        to_placement(dim, tuple(leaf.shape), what=path)
-        if leaf.shape[dim] != size:
-            raise PlacementError(f"{path} has {leaf.shape[dim]} rows along dim {dim}, but "
+        own_dim = leaf_dim(leaf, path)
+        if leaf.shape[own_dim] != size:
+            raise PlacementError(f"{path} has {leaf.shape[own_dim]} rows along dim {own_dim}, but "
                                  f"{first_path} has {size}: every tensor of a batch needs the same size")
     world = comm.get_world()
     if size % world.world_size and not allow_uneven:
         lower = size - size % world.world_size
+        # Below the world size the only even batch nearby is one sample per rank.
+        sizes = f"{lower} or {lower + world.world_size}" if lower else f"{world.world_size}"
         raise PlacementError(
             f"a global batch of {size} along dim {dim} does not divide by world size "
             f"{world.world_size}: ranks would weigh different sample counts. Use a batch of "
-            f"{lower or world.world_size} or {lower + world.world_size}, or pass allow_uneven=True")
+            f"{sizes}, or pass allow_uneven=True")
     start, stop = shard_range(size, world.world_size, world.rank)
-    return _map(batch, lambda t: t.narrow(dim, start, stop - start))  # type: ignore[no-any-return]
+    return _map(batch, lambda t: t.narrow(leaf_dim(t), start, stop - start))  # type: ignore[no-any-return]

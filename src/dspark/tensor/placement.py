@@ -44,8 +44,10 @@ REPLICATE = Replicate()
 
 
 def _fix(ndim: int) -> str:
-    dims = f"an int in [{-ndim}, {ndim - 1}]" if ndim else "no dim (the tensor is 0-d)"
-    return (f"pass shard_dim={dims} to split it across ranks, "
+    if not ndim:  # a 0-d tensor has no dim to split, so only one spelling can work
+        return ("a 0-d tensor has no dim to split (shard_dim=<int> needs at least 1 dim); "
+                "pass shard_dim=dspark.REPLICATE to copy it on every rank")
+    return (f"pass shard_dim=<int> in [{-ndim}, {ndim - 1}] to split it across ranks, "
             f"or shard_dim=dspark.REPLICATE to copy it on every rank")
 
 
@@ -80,5 +82,5 @@ def to_placement(shard_dim: object, shape: Sequence[int], *, what: str = "tensor
         dim = int(shard_dim)
     if not -ndim <= dim < ndim:
         raise PlacementError(
-            f"{where}: shard_dim={dim} is out of range for {ndim} dims; " + _fix(ndim))
+            f"{where}: shard_dim={shard_dim!r} is out of range for {ndim} dims; " + _fix(ndim))
     return Shard(dim % ndim)

@@ -9,6 +9,7 @@ every shard to ``c`` rows gives equal-sized pieces for collectives.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 
 __all__ = [
@@ -20,7 +21,16 @@ __all__ = [
 ]
 
 
+def _check_int(name: str, value: object) -> None:
+    # A float would flow through ``//`` and come back as fractional row counts; bool is an int
+    # to Python but never a row count.
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name}={value!r} must be an int, got {type(value).__name__}")
+
+
 def _check(size: int, num_ranks: int) -> None:
+    _check_int("size", size)
+    _check_int("num_ranks", num_ranks)
     if num_ranks < 1:
         raise ValueError(f"num_ranks={num_ranks} must be >= 1")
     if size < 0:
@@ -40,20 +50,26 @@ def padded_size(size: int, num_ranks: int) -> int:
 
 def shard_range(size: int, num_ranks: int, rank: int) -> tuple[int, int]:
     """``(start, stop)`` of the rows ``rank`` holds (see the uneven split rule)."""
+    c = chunk_size(size, num_ranks)  # validates size and num_ranks before rank is judged by them
+    _check_int("rank", rank)
     if not 0 <= rank < num_ranks:
         raise ValueError(f"rank={rank} is outside [0, {num_ranks})")
-    c = chunk_size(size, num_ranks)
     return min(rank * c, size), min((rank + 1) * c, size)
 
 
 def shard_sizes(size: int, num_ranks: int) -> tuple[int, ...]:
     """Rows per rank; they sum to ``size``."""
+    _check(size, num_ranks)  # with no ranks the loop below would return () instead of failing
     return tuple(stop - start for start, stop in
                  (shard_range(size, num_ranks, r) for r in range(num_ranks)))
 
 
 def shard_shape(shape: Sequence[int], dim: int, num_ranks: int, rank: int) -> tuple[int, ...]:
     """Shape of ``rank``'s shard of a tensor of ``shape`` split along ``dim``."""
+    _check_int("dim", dim)
+    if not -len(shape) <= dim < len(shape):
+        raise ValueError(f"dim={dim} is out of range for shape {tuple(shape)} "
+                         f"(valid: [{-len(shape)}, {len(shape) - 1}])")
     start, stop = shard_range(shape[dim], num_ranks, rank)
     out = list(shape)
     out[dim] = stop - start

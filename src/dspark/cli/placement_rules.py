@@ -1,0 +1,353 @@
+"""Static rules for risky placements, read from the source with ``ast`` (the code is never imported).
+
+The seed's bug was one argument, ``shard_dim=None``, that silently replicated a batch. These rules
+find that argument, and its cousins, before anything runs. Each finding has a code:
+
+DSP000 (error) the file cannot be read or parsed. Fix: make it valid Python (the other rules
+    cannot run on it).
+DSP001 (error) ``shard_dim=None`` (or ``Shard(None)``) in a DSpark call. DSpark raises
+    ``PlacementError`` at run time; torch-style code would replicate silently. Fix: ``shard_dim=0``
+    (or the dim to split), or ``shard_dim=dspark.REPLICATE`` when every rank needs the whole tensor.
+DSP002 (error) ``dspark.distribute_tensor(t)`` without ``shard_dim``: it has no default, on purpose.
+    Fix: pass ``shard_dim=0`` or ``shard_dim=dspark.REPLICATE``.
+DSP003 (error) ``shard_dim`` is a float, str, bool or other non-int literal (``0.0``, ``"0"``,
+    ``True``). Fix: an int literal such as ``0`` or ``-1``, or ``dspark.REPLICATE``.
+DSP004 (error) ``shard_dim`` is a variable (or parameter default) assigned ``None`` in the same
+    scope, so the call may receive ``None``. Fix: give it an int (or ``dspark.REPLICATE``) on every
+    path; do not use ``None`` to mean "not split".
+DSP005 (error) PyTorch's ``distribute_tensor(t, mesh)`` without ``placements`` (or
+    ``placements=None``): PyTorch then replicates the tensor on every rank without a word. Fix:
+    ``placements=[Shard(0)]`` to split, or ``[Replicate()]`` written out when a copy is meant.
+DSP006 (warning) a batch-looking value (a name with batch, input(s), data, or ``x`` as a word;
+    or anything passed to ``distribute_batch``) is replicated (``REPLICATE`` / ``Replicate()``):
+    every rank then does all the work and N devices are no faster than one. Fix: ``shard_dim=0``;
+    keep the replica only for a deliberate comparison (``# dspark: ignore[DSP006]`` on that line).
+
+A ``# dspark: ignore[DSPnnn]`` comment (or a bare ``# dspark: ignore``) on the finding's line
+silences it; not ``# noqa``, which other linters own and would report as an unknown code.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["CODES", "Finding", "check_paths", "check_source", "python_files"]
+
+CODES: dict[str, tuple[str, str]] = {
+    "DSP000": ("error", "cannot parse"),
+    "DSP001": ("error", "shard_dim=None"),
+    "DSP002": ("error", "missing shard_dim"),
+    "DSP003": ("error", "shard_dim is not an int"),
+    "DSP004": ("error", "shard_dim may be None"),
+    "DSP005": ("error", "DTensor without placements replicates silently"),
+    "DSP006": ("warning", "batch replicated"),
+}
+"""Each code's severity and short title (the module docstring has the fix)."""
+
+_FIX = "use shard_dim=0 to split it, or shard_dim=dspark.REPLICATE to copy it on purpose"
+_SCOPES = (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)
+_BATCH_WORDS = re.compile(r"batch|inputs?|data")
+_IGNORE = re.compile(r"#\s*dspark:\s*ignore(?:\[([\w, ]+)\])?", re.IGNORECASE)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Finding:
+    """One risky placement at ``path:line:col`` (1-based line and column)."""
+
+    path: str
+    line: int
+    col: int
+    code: str
+    message: str
+
+    @property
+    def severity(self) -> str:
+        """``"error"`` or ``"warning"``."""
+        return CODES[self.code][0]
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.line}:{self.col}: {self.code} {self.message}"
+
+
+def _dotted(node: ast.expr) -> str | None:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        base = _dotted(node.value)
+        return None if base is None else f"{base}.{node.attr}"
+    return None
+
+
+def _imports(tree: ast.Module) -> dict[str, str]:
+    """Local name -> the dotted origin it was imported as (``dt`` -> ``torch.distributed.tensor``)."""
+    names: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.asname:
+                    names[alias.asname] = alias.name
+                else:
+                    top = alias.name.split(".")[0]
+                    names[top] = top
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                names[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+    return names
+
+
+def _origin(func: ast.expr, imports: dict[str, str]) -> str | None:
+    dotted = _dotted(func)
+    if dotted is None:
+        return None
+    head, _, rest = dotted.partition(".")
+    base = imports.get(head, head)
+    return f"{base}.{rest}" if rest else base
+
+
+_Scope = ast.Module | ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda | ast.ClassDef
+
+
+def _bindings(scope: _Scope) -> dict[str, list[tuple[bool, int]]]:
+    """Each name bound directly in ``scope`` -> [(bound to the literal None?, line)]."""
+    found: dict[str, list[tuple[bool, int]]] = {}
+
+    def bind(target: ast.expr, value: ast.expr | None, line: int) -> None:
+        is_none = isinstance(value, ast.Constant) and value.value is None
+        for name in ast.walk(target):
+            if isinstance(name, ast.Name):
+                # only a plain `name = None` is known None; unpacking targets are unknown values
+                found.setdefault(name.id, []).append((is_none and name is target, line))
+
+    if isinstance(scope, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+        args = scope.args
+        positional = [*args.posonlyargs, *args.args]
+        defaults: list[ast.expr | None] = [None] * (len(positional) - len(args.defaults))
+        for arg, default in [*zip(positional, [*defaults, *args.defaults], strict=True),
+                             *zip(args.kwonlyargs, args.kw_defaults, strict=True)]:
+            is_none = isinstance(default, ast.Constant) and default.value is None
+            found.setdefault(arg.arg, []).append((is_none, arg.lineno))
+    body = scope.body if isinstance(scope.body, list) else [scope.body]
+    for node in _walk_scope(body):
+        if isinstance(node, ast.Assign):
+            for target in node.targets:
+                bind(target, node.value, node.lineno)
+        elif isinstance(node, (ast.AnnAssign, ast.AugAssign, ast.NamedExpr)) and node.value is not None:
+            bind(node.target, node.value if not isinstance(node, ast.AugAssign) else None, node.lineno)
+        elif isinstance(node, (ast.For, ast.AsyncFor)):
+            bind(node.target, None, node.lineno)
+        elif isinstance(node, ast.withitem) and node.optional_vars is not None:
+            bind(node.optional_vars, None, node.context_expr.lineno)
+    return found
+
+
+def _walk_scope(body: list[ast.stmt] | list[ast.expr]) -> Iterator[ast.AST]:
+    """Every node of a scope's body, not descending into nested functions, lambdas or classes."""
+    stack: list[ast.AST] = list(reversed(body))
+    while stack:
+        node = stack.pop()
+        yield node
+        for child in ast.iter_child_nodes(node):
+            if not isinstance(child, _SCOPES):
+                stack.append(child)
+
+
+def _is_replicate(node: ast.expr | None, imports: dict[str, str]) -> bool:
+    if node is None:
+        return False
+    if isinstance(node, ast.Call):
+        node = node.func
+    origin = _origin(node, imports) or ""
+    return origin.split(".")[-1] in ("REPLICATE", "Replicate")
+
+
+def _words(node: ast.expr) -> list[str]:
+    if isinstance(node, (ast.Tuple, ast.List)):
+        return [w for elt in node.elts for w in _words(elt)]
+    if isinstance(node, ast.Subscript):
+        return _words(node.value)
+    dotted = _dotted(node)
+    if dotted is None:
+        return []
+    leaf = dotted.split(".")[-1]
+    return [w.lower() for w in re.split(r"_|(?<=[a-z])(?=[A-Z])", leaf) if w]
+
+
+def _looks_like_batch(node: ast.expr) -> bool:
+    return any(w == "x" or _BATCH_WORDS.search(w) for w in _words(node))
+
+
+def _arg(call: ast.Call, position: int, keyword: str) -> tuple[bool, ast.expr | None]:
+    """(was it passed?, its expression). A ``*args`` / ``**kwargs`` call counts as passed: unknown."""
+    for kw in call.keywords:
+        if kw.arg == keyword:
+            return True, kw.value
+        if kw.arg is None:
+            return True, None
+    if any(isinstance(a, ast.Starred) for a in call.args[: position + 1]):
+        return True, None
+    if len(call.args) > position:
+        return True, call.args[position]
+    return False, None
+
+
+class _Checker(ast.NodeVisitor):
+    def __init__(self, path: str, imports: dict[str, str]) -> None:
+        self.path = path
+        self.imports = imports
+        self.findings: list[Finding] = []
+        self.scopes: list[dict[str, list[tuple[bool, int]]]] = []
+
+    def report(self, node: ast.AST, code: str, message: str) -> None:
+        self.findings.append(Finding(path=self.path, line=getattr(node, "lineno", 1),
+                                     col=getattr(node, "col_offset", 0) + 1, code=code, message=message))
+
+    def visit_scope(self, node: _Scope) -> None:
+        self.scopes.append(_bindings(node))
+        self.generic_visit(node)
+        self.scopes.pop()
+
+    visit_Module = visit_FunctionDef = visit_AsyncFunctionDef = visit_Lambda = visit_ClassDef = visit_scope
+
+    def visit_Call(self, node: ast.Call) -> None:
+        origin = _origin(node.func, self.imports) or ""
+        name = origin.split(".")[-1]
+        if name == "distribute_tensor":
+            self.check_distribute_tensor(node, origin)
+        elif name == "distribute_batch":
+            self.check_shard_dim(node, "distribute_batch", required=False)
+        elif name == "Shard":
+            passed, value = _arg(node, 0, "dim")
+            if passed and isinstance(value, ast.Constant) and value.value is None:
+                self.report(node, "DSP001", f"Shard(None) is not a placement: {_FIX}")
+        self.generic_visit(node)
+
+    def check_distribute_tensor(self, node: ast.Call, origin: str) -> None:
+        keywords = {kw.arg for kw in node.keywords}
+        # dspark's takes (tensor, shard_dim); torch's takes (tensor, device_mesh, placements).
+        is_torch = (origin.startswith("torch.") or bool(keywords & {"device_mesh", "placements"})
+                    or len(node.args) >= 3)
+        if origin.startswith("dspark.") or "shard_dim" in keywords:
+            is_torch = False
+        if not is_torch:
+            self.check_shard_dim(node, "distribute_tensor", required=True)
+            return
+        passed, placements = _arg(node, 2, "placements")
+        if not passed or (isinstance(placements, ast.Constant) and placements.value is None):
+            self.report(node, "DSP005", "torch distribute_tensor without placements replicates the "
+                        "tensor on every rank silently: pass placements=[Shard(0)] to split it, or "
+                        "[Replicate()] to copy it on purpose")
+        elif isinstance(placements, (ast.List, ast.Tuple)) and node.args:
+            if any(_is_replicate(p, self.imports) for p in placements.elts) and _looks_like_batch(node.args[0]):
+                self.report(node, "DSP006", f"{ast.unparse(node.args[0])!s} looks like a batch but is "
+                            "placed with Replicate(): every rank does all the work; use Shard(0)")
+
+    def check_shard_dim(self, node: ast.Call, func: str, *, required: bool) -> None:
+        passed, value = _arg(node, 1, "shard_dim")
+        if not passed:
+            if required:
+                self.report(node, "DSP002", f"{func}() without shard_dim (it has no default): {_FIX}")
+            return
+        if value is None:  # hidden behind *args / **kwargs
+            return
+        if isinstance(value, ast.Constant):
+            if value.value is None:
+                self.report(value, "DSP001", f"{func}(shard_dim=None) is not a placement: {_FIX}")
+            elif isinstance(value.value, bool) or not isinstance(value.value, int):
+                self.report(value, "DSP003", f"{func}(shard_dim={value.value!r}) is a "
+                            f"{type(value.value).__name__}, not an int: {_FIX}")
+        elif _is_replicate(value, self.imports):
+            if node.args and (func == "distribute_batch" or _looks_like_batch(node.args[0])):
+                self.report(value, "DSP006", f"{func}({ast.unparse(node.args[0])}, shard_dim="
+                            f"{ast.unparse(value)}) replicates a batch: every rank does all the work "
+                            "and N devices are no faster than one; use shard_dim=0")
+        elif isinstance(value, ast.Name) and self.scopes:
+            nones = [line for is_none, line in self.scopes[-1].get(value.id, []) if is_none]
+            if nones:
+                self.report(value, "DSP004", f"{func}(shard_dim={value.id}): {value.id!r} is assigned "
+                            f"None at line {nones[0]} in this scope: {_FIX}")
+
+
+def _silenced(finding: Finding, lines: list[str]) -> bool:
+    line = lines[finding.line - 1] if 0 < finding.line <= len(lines) else ""
+    match = _IGNORE.search(line)
+    if match is None:
+        return False
+    codes = match.group(1)
+    return codes is None or finding.code in {c.strip().upper() for c in codes.split(",")}
+
+
+def check_source(source: str, path: str = "<string>") -> list[Finding]:
+    """The risky placements in Python ``source``, in line order (see the module docstring).
+
+    Example::
+
+        check_source("import dspark\\nx = dspark.distribute_tensor(t, shard_dim=None)\\n", "a.py")
+        # [Finding(path='a.py', line=2, col=39, code='DSP001', message='distribute_tensor(...')]
+    """
+    try:
+        tree = ast.parse(source, filename=path)
+    except SyntaxError as exc:
+        return [Finding(path=path, line=exc.lineno or 1, col=exc.offset or 1, code="DSP000",
+                        message=f"cannot parse: {exc.msg}")]
+    checker = _Checker(path, _imports(tree))
+    checker.visit(tree)
+    lines = source.splitlines()
+    kept = [f for f in checker.findings if not _silenced(f, lines)]
+    return sorted(kept, key=lambda f: (f.line, f.col, f.code))
+
+
+def python_files(paths: Sequence[str | Path]) -> list[Path]:
+    """The files to check: each file as given, and the ``*.py`` files under each directory
+    (skipping hidden directories, ``__pycache__`` and virtual environments). A path that does not
+    exist raises ``ValueError`` naming it.
+
+    Example::
+
+        python_files(["train.py", "src/"])   # [Path('train.py'), Path('src/model.py'), ...]
+    """
+    if not paths:
+        raise ValueError("no path given: pass the files or directories to check")
+    files: list[Path] = []
+    for raw in paths:
+        path = Path(raw)
+        if path.is_file():
+            files.append(path)
+        elif path.is_dir():
+            files += sorted(f for f in path.rglob("*.py") if f.is_file() and not _skipped(f, path))
+        else:
+            raise ValueError(f"path {str(raw)!r} does not exist (looked for {str(path.resolve())!r})")
+    return files
+
+
+def _skipped(file: Path, root: Path) -> bool:
+    for parent in file.relative_to(root).parents:
+        if parent == Path("."):
+            continue
+        name = parent.name
+        if name.startswith(".") or name == "__pycache__" or (root / parent / "pyvenv.cfg").exists():
+            return True
+    return False
+
+
+def check_paths(paths: Sequence[str | Path]) -> tuple[list[Finding], int]:
+    """The findings in every file under ``paths``, and how many files were checked.
+
+    Example::
+
+        findings, num_files = check_paths(["examples/"])
+    """
+    files = python_files(paths)
+    findings: list[Finding] = []
+    for file in files:
+        try:
+            source = file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            findings.append(Finding(path=str(file), line=1, col=1, code="DSP000",
+                                    message=f"cannot read: {exc}"))
+            continue
+        findings += check_source(source, str(file))
+    return findings, len(files)

@@ -1,0 +1,81 @@
+"""``dspark run``: start a script (or module) on N processes through ``torch.distributed.run``.
+
+Parsing only; :mod:`dspark.launcher` builds the launcher's command and runs it. Everything after
+the script path belongs to the script, untouched, flags included::
+
+    dspark run --nproc 2 train.py --strategy zero2
+    dspark run --nproc 2 -m dspark.bench.worker --config cfg.json
+    dspark run --nproc 8 --nnodes 2 --node-rank 0 --master-addr node0 --master-port 29500 train.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+
+from dspark.launcher import LaunchSpec, launch, launcher_command
+
+__all__ = ["add_parser", "run", "spec_from_args"]
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Register ``dspark run``."""
+    parser = subparsers.add_parser(
+        "run", help="run a script on N processes (wraps torch.distributed.run)",
+        description="Start SCRIPT on --nproc processes per node through PyTorch's launcher "
+                    "(torch.distributed.run), with OMP_NUM_THREADS=1 per worker unless set and, on "
+                    "one node, a rendezvous on 127.0.0.1 at a free port. Returns the launcher's "
+                    "exit code.")
+    parser.add_argument("--nproc", "--nproc-per-node", dest="nproc", type=int, required=True,
+                        help="worker processes on this node (one device each: a GPU or a CPU core)")
+    parser.add_argument("--nnodes", type=int, default=1, help="nodes in the job (default 1)")
+    parser.add_argument("--node-rank", type=int, default=0, help="this node's rank (default 0)")
+    parser.add_argument("--master-addr", default=None,
+                        help="host of node 0 (default 127.0.0.1 on one node; required for several)")
+    parser.add_argument("--master-port", type=int, default=None,
+                        help="port on node 0 (default: a free port on one node, 29500 on several)")
+    parser.add_argument("--rdzv-endpoint", default=None,
+                        help="host:port of a c10d rendezvous (instead of --master-addr/--master-port)")
+    parser.add_argument("--rdzv-id", default="dspark", help="job id for the c10d rendezvous")
+    parser.add_argument("--max-restarts", type=int, default=0,
+                        help="restart the worker group this many times after a failure (default 0)")
+    parser.add_argument("-m", "--module", action="store_true",
+                        help="SCRIPT is a module name, run as `python -m SCRIPT`")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the launcher command instead of running it")
+    # One REMAINDER positional: a separate `script` positional would let argparse eat a "--" that
+    # follows the script, and the script's own arguments must arrive untouched.
+    parser.add_argument("command", nargs=argparse.REMAINDER, metavar="SCRIPT [ARGS ...]",
+                        help="the script path (or module with -m) and its arguments")
+    parser.set_defaults(func=run)
+
+
+def spec_from_args(args: argparse.Namespace) -> LaunchSpec:
+    """The :class:`~dspark.launcher.LaunchSpec` that parsed ``dspark run`` arguments describe.
+
+    Example::
+
+        spec_from_args(parser.parse_args(["run", "--nproc", "2", "train.py", "--lr", "3e-4"]))
+        # LaunchSpec(target='train.py', nproc=2, args=('--lr', '3e-4'), ...)
+    """
+    command = list(args.command)
+    if command[:1] == ["--"]:  # `dspark run --nproc 2 -- train.py`: the separator, not the script
+        command = command[1:]
+    if not command:
+        raise ValueError("no script given: usage is `dspark run --nproc N SCRIPT [ARGS ...]` "
+                         "(or `-m MODULE [ARGS ...]`)")
+    return LaunchSpec(target=command[0], args=tuple(command[1:]), module=args.module,
+                      nproc=args.nproc, nnodes=args.nnodes, node_rank=args.node_rank,
+                      master_addr=args.master_addr, master_port=args.master_port,
+                      rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
+                      max_restarts=args.max_restarts)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Launch the job and return the launcher's exit code."""
+    spec = spec_from_args(args)
+    if args.dry_run:
+        sys.stdout.write(shlex.join(launcher_command(spec)) + "\n")
+        return 0
+    return launch(spec)

@@ -1,0 +1,239 @@
+"""Starting a job: the library half of ``dspark run``, a thin layer over ``torch.distributed.run``.
+
+DSpark has no process manager of its own. :func:`launch` starts PyTorch's launcher (torchrun) as a
+child process, so that the caller survives a worker crash and gets the launcher's exit code back.
+What DSpark adds is the defaults a small job wants:
+
+* single node (``nnodes=1``): the rendezvous is on loopback (``127.0.0.1``) on a free port, so two
+  jobs on one box never collide on torchrun's fixed default port 29500;
+* ``OMP_NUM_THREADS=1`` per worker unless the caller set it: one worker is one core on CPU, and
+  N workers each spawning N OpenMP threads would oversubscribe the machine;
+* a module target (``module=True``) runs ``python -m NAME`` in every worker, which is how the
+  benchmark runner starts ``dspark.bench.worker``.
+
+Multi-node jobs pass ``master_addr`` / ``master_port`` through to torchrun's static rendezvous, or
+``rdzv_endpoint`` for c10d rendezvous (what Slurm users pass from ``srun``).
+
+Example::
+
+    from dspark.launcher import LaunchSpec, launch
+    exit_code = launch(LaunchSpec(target="train.py", nproc=2, args=("--strategy", "zero2")))
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, overload
+
+__all__ = [
+    "DEFAULT_MASTER_PORT",
+    "LOOPBACK_ADDR",
+    "LaunchSpec",
+    "free_port",
+    "launch",
+    "launcher_argv",
+    "launcher_command",
+    "launcher_env",
+]
+
+_log = logging.getLogger(__name__)
+
+LOOPBACK_ADDR = "127.0.0.1"
+DEFAULT_MASTER_PORT = 29500
+"""torchrun's own default; multi-node jobs need one port that every node agrees on."""
+
+# How long a child gets to shut its workers down after Ctrl-C before it is terminated, then killed.
+_INTERRUPT_GRACE_S = 15.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LaunchSpec:
+    """What to start, on how many processes and nodes."""
+
+    target: str
+    """Path of the Python script, or the module name when ``module=True``."""
+    nproc: int
+    """Worker processes on this node (one device each: a GPU, or one CPU core)."""
+    args: tuple[str, ...] = ()
+    """Arguments for the script, passed untouched (``--strategy zero2`` included)."""
+    module: bool = False
+    """Run ``target`` as ``python -m target`` instead of as a script path."""
+    nnodes: int = 1
+    """Nodes in the job."""
+    node_rank: int = 0
+    """This node's rank in ``[0, nnodes)`` (static rendezvous)."""
+    master_addr: str | None = None
+    """Host of node 0. Single node: defaults to loopback. Multi-node: required (unless ``rdzv_endpoint``)."""
+    master_port: int | None = None
+    """Port on node 0. Single node: a free port. Multi-node: defaults to 29500 (torchrun's)."""
+    rdzv_endpoint: str | None = None
+    """``host:port`` of a c10d rendezvous; replaces master_addr/port and node_rank when set."""
+    rdzv_id: str = "dspark"
+    """Job id for the c10d rendezvous (every node of one job passes the same)."""
+    max_restarts: int = 0
+    """How many times torchrun restarts the whole worker group after a worker fails."""
+
+    def __post_init__(self) -> None:
+        _check_int("nproc", self.nproc, low=1)
+        _check_int("nnodes", self.nnodes, low=1)
+        _check_int("node_rank", self.node_rank, low=0)
+        _check_int("max_restarts", self.max_restarts, low=0)
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"node_rank={self.node_rank} must be in [0, nnodes={self.nnodes})")
+        if self.master_port is not None:
+            _check_int("master_port", self.master_port, low=1)
+            if self.master_port > 65535:
+                raise ValueError(f"master_port={self.master_port} must be in [1, 65535]")
+        if not isinstance(self.args, tuple) or not all(isinstance(a, str) for a in self.args):
+            raise TypeError(f"args={self.args!r} must be a tuple of str")
+        if not isinstance(self.target, str) or not self.target:
+            raise ValueError(f"target={self.target!r} must name a script path or, with module=True, a module")
+        if self.module:
+            if not all(part.isidentifier() for part in self.target.split(".")):
+                raise ValueError(f"module target={self.target!r} is not a dotted module name "
+                                 f"(e.g. 'dspark.bench.worker'); pass module=False for a script path")
+        elif not Path(self.target).is_file():
+            where = Path(self.target).resolve()
+            raise ValueError(f"script {self.target!r} does not exist or is not a file "
+                             f"(looked for {str(where)!r} from cwd {os.getcwd()!r})")
+        if self.rdzv_endpoint is not None:
+            if self.master_addr is not None or self.master_port is not None:
+                raise ValueError(f"rdzv_endpoint={self.rdzv_endpoint!r} replaces master_addr/master_port: "
+                                 f"pass one or the other, not both")
+            if ":" not in self.rdzv_endpoint:
+                raise ValueError(f"rdzv_endpoint={self.rdzv_endpoint!r} must be 'host:port'")
+        elif self.nnodes > 1 and not self.master_addr:
+            raise ValueError(f"nnodes={self.nnodes} needs master_addr (the host of node 0, reachable from "
+                             f"every node) or rdzv_endpoint='host:port'; loopback only works on one node")
+
+
+def _check_int(name: str, value: object, *, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}={value!r} must be an int, got {type(value).__name__}")
+    if value < low:
+        raise ValueError(f"{name}={value} must be >= {low}")
+
+
+def free_port(host: str = LOOPBACK_ADDR) -> int:
+    """A TCP port that is free on ``host`` right now (the OS picks it).
+
+    Another process may take it before torchrun binds it; on loopback that race is rare enough.
+
+    Example::
+
+        port = free_port()   # e.g. 41237
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def launcher_argv(spec: LaunchSpec) -> list[str]:
+    """The arguments for ``python -m torch.distributed.run`` that start ``spec``.
+
+    Single-node specs without a port get a free loopback port, so two calls may differ in the port.
+
+    Example::
+
+        launcher_argv(LaunchSpec(target="dspark.bench.worker", module=True, nproc=2))
+        # ['--nnodes', '1', '--nproc-per-node', '2', '--max-restarts', '0', '--node-rank', '0',
+        #  '--master-addr', '127.0.0.1', '--master-port', '41237', '-m', 'dspark.bench.worker']
+    """
+    argv = ["--nnodes", str(spec.nnodes), "--nproc-per-node", str(spec.nproc),
+            "--max-restarts", str(spec.max_restarts)]
+    if spec.rdzv_endpoint is not None:
+        argv += ["--rdzv-backend", "c10d", "--rdzv-endpoint", spec.rdzv_endpoint,
+                 "--rdzv-id", spec.rdzv_id]
+    else:
+        if spec.nnodes == 1:
+            addr = spec.master_addr or LOOPBACK_ADDR
+            port = spec.master_port if spec.master_port is not None else free_port()
+        else:
+            addr = str(spec.master_addr)
+            port = spec.master_port if spec.master_port is not None else DEFAULT_MASTER_PORT
+        argv += ["--node-rank", str(spec.node_rank), "--master-addr", addr, "--master-port", str(port)]
+    if spec.module:
+        argv.append("-m")
+    # torchrun hands everything after the target to the script (argparse REMAINDER), flags included.
+    argv += [spec.target, *spec.args]
+    return argv
+
+
+def launcher_command(spec: LaunchSpec) -> list[str]:
+    """The whole command line :func:`launch` runs: this interpreter, torchrun, then its argv.
+
+    Example::
+
+        " ".join(launcher_command(LaunchSpec(target="train.py", nproc=2)))
+    """
+    return [sys.executable, "-m", "torch.distributed.run", *launcher_argv(spec)]
+
+
+def launcher_env(base_env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The workers' environment: ``base_env`` (default: this process's) with ``OMP_NUM_THREADS=1``
+    added when it is unset or empty. Nothing else is changed.
+
+    Example::
+
+        launcher_env({"PATH": "/usr/bin"})   # {'PATH': '/usr/bin', 'OMP_NUM_THREADS': '1'}
+    """
+    env = dict(os.environ if base_env is None else base_env)
+    if not env.get("OMP_NUM_THREADS"):
+        env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+@overload
+def launch(spec: LaunchSpec, *, env: Mapping[str, str] | None = ...,
+           capture: Literal[False] = ...) -> int: ...
+@overload
+def launch(spec: LaunchSpec, *, env: Mapping[str, str] | None = ...,
+           capture: Literal[True]) -> subprocess.CompletedProcess[str]: ...
+def launch(spec: LaunchSpec, *, env: Mapping[str, str] | None = None,
+           capture: bool = False) -> subprocess.CompletedProcess[str] | int:
+    """Run ``spec`` under ``torch.distributed.run`` in a child process and wait for it.
+
+    Returns the launcher's exit code (0 when every worker succeeded), or with ``capture=True`` the
+    completed process with its ``stdout`` / ``stderr`` as text. ``env`` is the base environment
+    (default: this process's), passed through :func:`launcher_env`.
+
+    Example::
+
+        done = launch(LaunchSpec(target="dspark.bench.worker", module=True, nproc=2,
+                                 args=("--config", "cfg.json")), capture=True)
+        done.returncode, done.stdout
+    """
+    command = launcher_command(spec)
+    _log.info("launching: %s", " ".join(command))
+    pipe = subprocess.PIPE if capture else None
+    child = subprocess.Popen(command, env=launcher_env(env), stdout=pipe, stderr=pipe, text=True)
+    try:
+        stdout, stderr = child.communicate()
+    except KeyboardInterrupt:
+        # Ctrl-C reached torchrun too (same process group); let it stop its workers rather than
+        # kill it at once and orphan them (what subprocess.run would do).
+        _stop(child)
+        raise
+    if capture:
+        return subprocess.CompletedProcess(command, child.returncode, stdout, stderr)
+    return child.returncode
+
+
+def _stop(child: subprocess.Popen[str]) -> None:
+    try:
+        child.wait(timeout=_INTERRUPT_GRACE_S)
+        return
+    except subprocess.TimeoutExpired:
+        child.terminate()  # torchrun turns SIGTERM into a shutdown of its workers
+    try:
+        child.wait(timeout=_INTERRUPT_GRACE_S)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait()

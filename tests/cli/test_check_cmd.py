@@ -1,0 +1,104 @@
+"""`dspark check`: each finding code on a fixture, a clean file, directories and exit codes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dspark.cli.main import main
+from dspark.cli.placement_rules import CODES, check_source
+
+# One fixture per code: (source, the code it must raise, the 1-based line it must point at).
+FIXTURES: dict[str, tuple[str, int]] = {
+    "DSP000": ("def broken(:\n", 1),
+    "DSP001": ("import dspark\nx = dspark.distribute_tensor(t, shard_dim=None)\n", 2),
+    "DSP002": ("from dspark import distribute_tensor\nw = distribute_tensor(weight)\n", 2),
+    "DSP003": ("import dspark as ds\n\nb = ds.distribute_batch(batch, shard_dim='0')\n", 3),
+    "DSP004": ("import dspark\n\ndef f(t):\n    dim = None\n    return dspark.distribute_tensor(t, dim)\n", 5),
+    "DSP005": ("from torch.distributed.tensor import distribute_tensor\n"
+               "w = distribute_tensor(weight, mesh)\n", 2),
+    "DSP006": ("import dspark\nxs = dspark.distribute_batch(inputs, shard_dim=dspark.REPLICATE)\n", 2),
+}
+
+CLEAN = """\
+import dspark
+from dspark import REPLICATE, Shard
+from torch.distributed.tensor import Replicate, distribute_tensor as dt
+
+def train(weight, batch, mesh, dim=0):
+    w = dspark.distribute_tensor(weight, shard_dim=0)
+    r = dspark.distribute_tensor(weight, shard_dim=REPLICATE)   # a weight, not a batch
+    s = dspark.distribute_tensor(weight, shard_dim=Shard(-1))
+    n = dspark.distribute_tensor(weight, dim)
+    x, y = dspark.distribute_batch(batch)                       # distribute_batch defaults to 0
+    v = dt(weight, mesh, [Replicate()])
+    kw = dspark.distribute_tensor(weight, **options)           # unknown: not guessed
+    return w, r, s, n, x, y, v, kw
+"""
+
+
+@pytest.mark.parametrize("code", sorted(FIXTURES))
+def test_each_code_fires_on_its_fixture(code: str) -> None:
+    source, line = FIXTURES[code]
+    findings = check_source(source, "f.py")
+    assert [(f.code, f.line) for f in findings] == [(code, line)], findings
+    assert findings[0].severity == CODES[code][0]
+    assert str(findings[0]).startswith(f"f.py:{line}:")
+
+
+def test_clean_code_has_no_findings() -> None:
+    assert check_source(CLEAN, "clean.py") == []
+
+
+@pytest.mark.parametrize(("source", "codes"), [
+    ("dspark.distribute_tensor(t, shard_dim=True)\n", ["DSP003"]),
+    ("dspark.distribute_tensor(t, shard_dim=0.0)\n", ["DSP003"]),
+    ("dspark.distribute_tensor(t, shard_dim=-1)\n", []),
+    ("dspark.Shard(None)\n", ["DSP001"]),
+    ("def f(t, dim=None):\n    return dspark.distribute_tensor(t, shard_dim=dim)\n", ["DSP004"]),
+    ("dim = None\ndef f(t, dim=0):\n    return dspark.distribute_tensor(t, dim)\n", []),  # another scope
+    ("import torch.distributed.tensor as tdt\ntdt.distribute_tensor(t, mesh, placements=None)\n", ["DSP005"]),
+    ("from torch.distributed.tensor import distribute_tensor\n"
+     "distribute_tensor(x_batch, mesh, [Replicate()])\n", ["DSP006"]),
+    ("dspark.distribute_tensor(x, shard_dim=dspark.REPLICATE)\n", ["DSP006"]),
+    ("dspark.distribute_tensor(index, shard_dim=dspark.REPLICATE)\n", []),  # 'x' only as a word
+    ("distribute_tensor(t, mesh, [Shard(0)])\n", []),   # torch's signature, whatever the import
+    ("distribute_tensor(t, mesh, None)\n", ["DSP005"]),
+    ("dspark.distribute_tensor(t, shard_dim=None)  # dspark: ignore[DSP001]\n", []),
+    ("dspark.distribute_tensor(t, shard_dim=None)  # dspark: ignore\n", []),
+    ("dspark.distribute_tensor(t, shard_dim=None)  # dspark: ignore[DSP006]\n", ["DSP001"]),
+    ("dspark.distribute_tensor(t, shard_dim=None)  # noqa: DSP001\n", ["DSP001"]),
+])
+def test_rule_details(source: str, codes: list[str]) -> None:
+    assert [f.code for f in check_source("import dspark\n" + source)] == codes
+
+
+def test_cli_exit_codes_and_output(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    clean = tmp_path / "clean.py"
+    clean.write_text(CLEAN)
+    assert main(["check", str(clean)]) == 0
+    assert capsys.readouterr().out.strip() == "no risky placements in 1 file"
+
+    project = tmp_path / "project"
+    for code, (source, _) in FIXTURES.items():
+        (project / "pkg").mkdir(parents=True, exist_ok=True)
+        (project / "pkg" / f"{code.lower()}.py").write_text(source)
+    (project / ".venv" / "lib").mkdir(parents=True)
+    (project / ".venv" / "lib" / "skipped.py").write_text(FIXTURES["DSP001"][0])
+    assert main(["check", str(project), str(clean)]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert sorted(line.split(": ")[1].split()[0] for line in out[:-1]) == sorted(FIXTURES)
+    assert out[-1] == "6 errors, 1 warning in 8 files"  # DSP000..005 errors, DSP006 a warning
+
+
+def test_warnings_alone_pass(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "w.py"
+    path.write_text(FIXTURES["DSP006"][0])
+    assert main(["check", str(path)]) == 0
+    assert "DSP006" in capsys.readouterr().out
+
+
+def test_missing_path_is_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check", str(tmp_path / "nope.py")]) == 2
+    assert "nope.py" in capsys.readouterr().err

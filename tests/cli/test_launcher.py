@@ -1,0 +1,80 @@
+"""`dspark.launcher`: the torchrun argv and environment, without launching (pure logic)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dspark.launcher import LaunchSpec, launcher_argv, launcher_command, launcher_env
+
+
+@pytest.fixture
+def script(tmp_path: Path) -> str:
+    path = tmp_path / "train.py"
+    path.write_text("print('hi')\n")
+    return str(path)
+
+
+def _flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def test_single_node_defaults_to_loopback_on_a_free_port(script: str) -> None:
+    argv = launcher_argv(LaunchSpec(target=script, nproc=2))
+    assert _flag(argv, "--nproc-per-node") == "2" and _flag(argv, "--nnodes") == "1"
+    assert _flag(argv, "--master-addr") == "127.0.0.1"
+    port = int(_flag(argv, "--master-port"))
+    assert 1024 <= port <= 65535 and port != 29500
+    assert argv[-1] == script and "-m" not in argv
+
+
+def test_script_arguments_pass_untouched_after_the_script(script: str) -> None:
+    args = ("--strategy", "zero2", "--", "-m", "--nproc", "7")
+    argv = launcher_argv(LaunchSpec(target=script, nproc=1, args=args))
+    assert argv[argv.index(script):] == [script, *args]
+    assert _flag(argv, "--nproc-per-node") == "1"
+
+
+def test_module_target_runs_with_dash_m() -> None:
+    argv = launcher_argv(LaunchSpec(target="dspark.bench.worker", module=True, nproc=2,
+                                    args=("--config", "{}")))
+    assert argv[-4:] == ["-m", "dspark.bench.worker", "--config", "{}"]
+    assert launcher_command(LaunchSpec(target="a.b", module=True, nproc=1))[1:3] == [
+        "-m", "torch.distributed.run"]
+
+
+def test_multi_node_passes_master_and_node_rank_through(script: str) -> None:
+    argv = launcher_argv(LaunchSpec(target=script, nproc=4, nnodes=2, node_rank=1,
+                                    master_addr="node0", max_restarts=3))
+    assert (_flag(argv, "--nnodes"), _flag(argv, "--node-rank"), _flag(argv, "--master-addr"),
+            _flag(argv, "--master-port"), _flag(argv, "--max-restarts")) == ("2", "1", "node0", "29500", "3")
+    c10d = launcher_argv(LaunchSpec(target=script, nproc=4, nnodes=2, rdzv_endpoint="node0:29400",
+                                    rdzv_id="job7"))
+    assert (_flag(c10d, "--rdzv-backend"), _flag(c10d, "--rdzv-endpoint"), _flag(c10d, "--rdzv-id")) == (
+        "c10d", "node0:29400", "job7")
+    assert "--master-addr" not in c10d
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"nproc": 0}, "nproc=0 must be >= 1"),
+    ({"nproc": True}, "nproc=True must be an int"),
+    ({"nnodes": 2}, "nnodes=2 needs master_addr"),
+    ({"nnodes": 2, "node_rank": 2, "master_addr": "h"}, "node_rank=2 must be in [0, nnodes=2)"),
+    ({"master_port": 70000}, "master_port=70000"),
+    ({"max_restarts": -1}, "max_restarts=-1"),
+    ({"rdzv_endpoint": "h:1", "master_addr": "h"}, "not both"),
+    ({"target": "missing.py"}, "script 'missing.py' does not exist"),
+    ({"target": "not a module", "module": True}, "not a dotted module name"),
+])
+def test_bad_specs_are_rejected_with_the_value(script: str, kwargs: dict[str, object], message: str) -> None:
+    fields: dict[str, object] = {"target": script, "nproc": 2, **kwargs}
+    with pytest.raises((ValueError, TypeError)) as info:
+        LaunchSpec(**fields)  # type: ignore[arg-type]
+    assert message in str(info.value)
+
+
+def test_env_sets_omp_threads_only_when_unset() -> None:
+    assert launcher_env({"PATH": "/bin"}) == {"PATH": "/bin", "OMP_NUM_THREADS": "1"}
+    assert launcher_env({"OMP_NUM_THREADS": "4"}) == {"OMP_NUM_THREADS": "4"}
+    assert launcher_env({"OMP_NUM_THREADS": ""})["OMP_NUM_THREADS"] == "1"

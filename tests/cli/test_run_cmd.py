@@ -1,0 +1,88 @@
+"""`dspark run`: argument parsing into a launch spec, and real launches through torchrun."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import dspark
+from dspark.cli.main import build_parser, main
+from dspark.cli.run_cmd import spec_from_args
+from dspark.launcher import LaunchSpec, launch
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "hello_distributed.py"
+
+
+def _spec(*argv: str) -> LaunchSpec:
+    return spec_from_args(build_parser().parse_args(["run", *argv]))
+
+
+def test_parsing_keeps_script_arguments_untouched(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("")
+    spec = _spec("--nproc", "2", "--max-restarts", "1", str(script),
+                 "--strategy", "zero2", "--", "--nproc", "9", "-h")
+    assert (spec.target, spec.nproc, spec.max_restarts, spec.module) == (str(script), 2, 1, False)
+    assert spec.args == ("--strategy", "zero2", "--", "--nproc", "9", "-h")
+    # a "--" before the script separates it from dspark's options and is not the script
+    assert _spec("--nproc", "1", "--", str(script), "a").args == ("a",)
+
+
+def test_parsing_multi_node_and_module_targets() -> None:
+    spec = _spec("--nproc-per-node", "8", "--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1",
+                 "--master-port", "29501", "-m", "dspark.bench.worker", "--out", "x.json")
+    assert (spec.nproc, spec.nnodes, spec.node_rank, spec.master_addr, spec.master_port) == (
+        8, 2, 1, "10.0.0.1", 29501)
+    assert (spec.module, spec.target, spec.args) == (True, "dspark.bench.worker", ("--out", "x.json"))
+
+
+def test_dry_run_prints_the_torchrun_command(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "--dry-run", "--nproc", "3", str(EXAMPLE), "--flag"]) == 0
+    out = capsys.readouterr().out
+    assert "-m torch.distributed.run" in out and "--nproc-per-node 3" in out
+    assert out.rstrip().endswith(f"{EXAMPLE} --flag")
+
+
+@pytest.mark.slow
+def test_dspark_run_hello_distributed_on_two_ranks_from_another_cwd(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    done = subprocess.run([sys.executable, "-m", "dspark.cli.main", "run", "--nproc", "2", str(EXAMPLE)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("rank ")]
+    assert sorted(line.split(":")[0] for line in lines) == ["rank 0/2 [gloo]", "rank 1/2 [gloo]"], done.stdout
+    for line in lines:
+        assert "full() == whole: True" in line and "shard_dim=None refused: PlacementError" in line
+    assert "batch rows [0, 1, 2, 3] of 8" in done.stdout and "batch rows [4, 5, 6, 7] of 8" in done.stdout
+
+
+def test_example_runs_as_a_plain_process() -> None:
+    done = subprocess.run([sys.executable, str(EXAMPLE)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.startswith("rank 0/1 [none]") and "refused: PlacementError" in done.stdout
+
+
+@pytest.mark.slow
+def test_launch_runs_a_module_target_with_its_arguments_and_omp_threads(tmp_path: Path) -> None:
+    package = tmp_path / "probe_pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "probe.py").write_text(
+        "import os, sys\n"
+        "sys.stdout.write(f\"{os.environ['RANK']} {os.environ['WORLD_SIZE']} "
+        "{os.environ['OMP_NUM_THREADS']} {' '.join(sys.argv[1:])}\\n\")\n"
+        "sys.exit(int(os.environ.get('PROBE_EXIT', '0')))\n")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    env["PYTHONPATH"] = f"{tmp_path}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    spec = LaunchSpec(target="probe_pkg.probe", module=True, nproc=2, args=("--strategy", "zero2", "-m"))
+    done = launch(spec, env=env, capture=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(done.stdout.split("\n")[:2]) == ["0 2 1 --strategy zero2 -m", "1 2 1 --strategy zero2 -m"]
+    # a failing worker: the launcher's nonzero exit code comes back, and this process survives it
+    assert launch(LaunchSpec(target="probe_pkg.probe", module=True, nproc=1),
+                  env={**env, "PROBE_EXIT": "3"}, capture=True).returncode != 0
+    assert dspark.__version__  # still here
