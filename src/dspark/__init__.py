@@ -15,6 +15,7 @@ Example::
 
 from dspark._version import __version__
 from dspark.comm import World, get_world, init, shutdown
+from dspark.engine import Engine
 from dspark.errors import (
     CollectiveError,
     CollectiveTimeoutError,
@@ -37,6 +38,7 @@ __all__ = [
     "CollectiveTimeoutError",
     "DSparkError",
     "DistTensor",
+    "Engine",
     "NotInitializedError",
     "PlacementError",
     "Replicate",

@@ -1,0 +1,71 @@
+"""Strategy and precision as frozen policy values: what the one engine shards, and in which dtypes it
+computes. [Note: ZeRO as policy] The engine has a single code path; each stage only flips what is
+sharded: optimizer state (zero1), + gradients (zero2), + parameters (zero3)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["PRECISIONS", "STRATEGIES", "PrecisionPolicy", "ShardingPolicy", "precision_policy",
+           "sharding_policy"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ShardingPolicy:
+    name: str
+    shard_optimizer: bool
+    """Each rank keeps optimizer state for its shard of every parameter only."""
+    shard_grads: bool
+    """Gradients are reduce-scattered; each rank keeps its shard only."""
+    shard_params: bool
+    """Parameters live as shards, gathered just in time for forward/backward and freed after."""
+
+    def __str__(self) -> str:
+        return self.name
+
+
+STRATEGIES: dict[str, ShardingPolicy] = {
+    "replicate": ShardingPolicy(name="replicate", shard_optimizer=False, shard_grads=False, shard_params=False),
+    "zero1": ShardingPolicy(name="zero1", shard_optimizer=True, shard_grads=False, shard_params=False),
+    "zero2": ShardingPolicy(name="zero2", shard_optimizer=True, shard_grads=True, shard_params=False),
+    "zero3": ShardingPolicy(name="zero3", shard_optimizer=True, shard_grads=True, shard_params=True),
+}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PrecisionPolicy:
+    name: str
+    compute_dtype: torch.dtype | None
+    """Autocast dtype for forward/backward; None computes in the parameters' dtype (fp32)."""
+    loss_scaling: bool
+    """Dynamic loss scaling (fp16: its range is too small for small gradients)."""
+
+    def __str__(self) -> str:
+        return self.name
+
+
+PRECISIONS: dict[str, PrecisionPolicy] = {
+    "fp32": PrecisionPolicy(name="fp32", compute_dtype=None, loss_scaling=False),
+    "bf16": PrecisionPolicy(name="bf16", compute_dtype=torch.bfloat16, loss_scaling=False),
+    "fp16": PrecisionPolicy(name="fp16", compute_dtype=torch.float16, loss_scaling=True),
+}
+
+
+def sharding_policy(strategy: str | ShardingPolicy) -> ShardingPolicy:
+    if isinstance(strategy, ShardingPolicy):
+        return strategy
+    try:
+        return STRATEGIES[strategy]
+    except (KeyError, TypeError):
+        raise ValueError(f"strategy={strategy!r} is not one of {', '.join(map(repr, STRATEGIES))}") from None
+
+
+def precision_policy(precision: str | PrecisionPolicy) -> PrecisionPolicy:
+    if isinstance(precision, PrecisionPolicy):
+        return precision
+    try:
+        return PRECISIONS[precision]
+    except (KeyError, TypeError):
+        raise ValueError(f"precision={precision!r} is not one of {', '.join(map(repr, PRECISIONS))}") from None

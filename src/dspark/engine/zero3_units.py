@@ -1,0 +1,173 @@
+"""zero3: parameters live as shards and are gathered just in time.
+
+[Note: units] A *unit* is a module whose parameters are gathered together: the root module, and every
+module held in an ``nn.ModuleList`` / ``nn.Sequential`` (a model's repeated blocks), at any depth. A
+parameter belongs to the units it sits under, minus nested units; so the root unit holds what no block
+claims (embeddings, heads) for the whole forward, which keeps functional uses such as a tied output
+head working.
+
+Lifecycle of one unit in a step:
+  forward pre-hook   gather its parameters (waiting on a prefetch if one is in flight), then start
+                     gathering the next unit of the previous forward's order (prefetch)
+  forward post-hook  free its parameters; hook its outputs so that backward regathers them
+  pre-backward       (the outputs' gradient arrived) gather again, prefetch the unit that ran before it
+  post-accumulate    each parameter is freed as soon as its gradient is accumulated (autograd calls
+                     that hook once all uses of the parameter are done)
+Every gather is an all-gather started in the same order on every rank (same graph, same hooks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+from dspark.engine.param_slot import ParamSlot
+
+__all__ = ["Zero3Scheduler"]
+
+
+class _Unit:
+    def __init__(self, index: int, name: str, module: nn.Module, slots: list[ParamSlot]) -> None:
+        self.index = index
+        self.name = name
+        self.module = module
+        self.slots = slots
+
+
+def _unit_modules(root: nn.Module) -> list[tuple[str, nn.Module]]:
+    units = [("", root)]
+    for name, module in root.named_modules():
+        if isinstance(module, (nn.ModuleList, nn.Sequential)):
+            for child_name, child in module.named_children():
+                if any(True for _ in child.parameters()):
+                    units.append((f"{name}.{child_name}" if name else child_name, child))
+    # deduplicate (a module can sit in two containers) while keeping order
+    seen: set[int] = set()
+    unique = []
+    for name, module in units:
+        if id(module) not in seen:
+            seen.add(id(module))
+            unique.append((name, module))
+    return unique
+
+
+class Zero3Scheduler:
+    def __init__(self, root: nn.Module, slots: list[ParamSlot]) -> None:
+        by_param = {id(s.param): s for s in slots}
+        modules = _unit_modules(root)
+        unit_ids = {id(m) for _, m in modules}
+        self.units: list[_Unit] = []
+        for index, (name, module) in enumerate(modules):
+            owned = self._owned_params(module, unit_ids)
+            unit_slots = [by_param[id(p)] for p in owned if id(p) in by_param]
+            self.units.append(_Unit(index, name, module, unit_slots))
+        self._holders: dict[int, int] = {id(s): 0 for s in slots}
+        self._slots = slots
+        self._order: list[int] = []  # unit indices in the previous forward's order
+        self._current_order: list[int] = []
+        self._grad_done: set[int] = set()
+        self._handles: list[Any] = []
+        for unit in self.units:
+            self._handles.append(unit.module.register_forward_pre_hook(self._pre_forward_hook(unit)))
+            self._handles.append(unit.module.register_forward_hook(self._post_forward_hook(unit)))
+
+    @staticmethod
+    def _owned_params(module: nn.Module, unit_ids: set[int]) -> list[nn.Parameter]:
+        """Parameters under ``module`` that no nested unit claims (tied ones may appear in several)."""
+        params: list[nn.Parameter] = list(module.parameters(recurse=False))
+        for child in module.children():
+            if id(child) in unit_ids:
+                continue
+            params.extend(Zero3Scheduler._owned_params(child, unit_ids))
+        seen: set[int] = set()
+        return [p for p in params if not (id(p) in seen or seen.add(id(p)))]  # type: ignore[func-returns-value]
+
+    # -- gathering -------------------------------------------------------------------------------
+    def _gather(self, slots: Iterable[ParamSlot]) -> None:
+        pending = [s for s in slots if not s.gathered and id(s) not in self._grad_done]
+        for slot in pending:
+            slot.start_gather()
+        for slot in pending:
+            slot.finish_gather()
+
+    def _prefetch(self, unit_index: int | None) -> None:
+        if unit_index is None:
+            return
+        for slot in self.units[unit_index].slots:
+            if id(slot) not in self._grad_done:
+                slot.start_gather()
+
+    def _neighbour(self, unit: _Unit, step: int) -> int | None:
+        if unit.index not in self._order:
+            return None
+        pos = self._order.index(unit.index) + step
+        return self._order[pos] if 0 <= pos < len(self._order) else None
+
+    # -- hooks -----------------------------------------------------------------------------------
+    def _pre_forward_hook(self, unit: _Unit) -> Any:
+        def hook(module: nn.Module, args: Any) -> None:
+            if unit.index == 0:
+                self._current_order = []
+            self._current_order.append(unit.index)
+            for slot in unit.slots:
+                self._holders[id(slot)] += 1
+            self._gather(unit.slots)
+            self._prefetch(self._neighbour(unit, +1))
+        return hook
+
+    def _post_forward_hook(self, unit: _Unit) -> Any:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            for slot in unit.slots:
+                self._holders[id(slot)] -= 1
+                if self._holders[id(slot)] == 0 and slot.gathered:
+                    slot.free_full()
+            if unit.index == 0:
+                self._order = self._current_order
+            if torch.is_grad_enabled() and unit.slots:
+                fired = [False]
+
+                def pre_backward(grad: torch.Tensor) -> None:
+                    if not fired[0]:
+                        fired[0] = True
+                        self._gather(unit.slots)
+                        self._prefetch(self._neighbour(unit, -1))
+
+                for leaf in tree_leaves(output):
+                    if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                        leaf.register_hook(pre_backward)
+        return hook
+
+    def on_grad_accumulated(self, slot: ParamSlot) -> None:
+        """The parameter's gradient is complete for this backward: its full value is not needed."""
+        self._grad_done.add(id(slot))
+        if slot.pending is not None:
+            slot.finish_gather()
+        if slot.gathered:
+            slot.free_full()
+
+    def end_backward(self) -> None:
+        """Free whatever is still gathered (or in flight) and reset for the next step."""
+        for slot in self._slots:
+            if slot.pending is not None:
+                slot.finish_gather()
+            if slot.gathered:
+                slot.free_full()
+            self._holders[id(slot)] = 0
+        self._grad_done.clear()
+
+    def gather_all(self) -> None:
+        self._gather(self._slots)
+
+    def free_all(self) -> None:
+        for slot in self._slots:
+            if slot.gathered:
+                slot.free_full()
+
+    def remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()

@@ -1,0 +1,74 @@
+"""What each strategy sends, and that gradient reduction starts while backward still runs."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import dspark
+from dspark import comm
+from tests.engine import tiny_models as tm
+from tests.engine.harness import engine_state
+
+EXPECTED_KINDS = {
+    "replicate": {"all_reduce"},
+    "zero1": {"all_reduce", "all_gather"},
+    "zero2": {"reduce_scatter", "all_gather"},
+    "zero3": {"reduce_scatter", "all_gather"},
+}
+
+
+@pytest.mark.parametrize("strategy", sorted(EXPECTED_KINDS))
+def test_byte_counters_match_the_strategy(pool, strategy: str) -> None:
+    stats = pool.run(engine_state, "mlp", strategy, 1)[0]["stats"]
+    assert set(stats) == EXPECTED_KINDS[strategy]
+    params = list(tm.make("mlp").parameters())
+    if strategy == "replicate":
+        # one all-reduce of every gradient (+ one used-flag per parameter tensor)
+        assert stats["all_reduce"][1] == 4 * (sum(p.numel() for p in params) + len(params))
+
+
+def _launched_before_backward_ends() -> int:
+    engine = dspark.Engine(tm.make("mlp"), optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+                           bucket_mb=1e-4)
+    first_layer = engine.module.layers[0].weight  # its gradient comes last in backward
+    seen: list[int] = []
+    first_layer.register_post_accumulate_grad_hook(
+        lambda p: seen.append(comm.stats().get("all_reduce", comm.CollectiveStats()).calls))
+    comm.reset_stats()
+    x, y = dspark.distribute_batch(tm.batch("mlp", 8, 0), shard_dim=0)
+    engine.backward(tm.loss_fn("mlp", engine(x), y))
+    engine.step()
+    engine.close()
+    return seen[0]
+
+
+def test_buckets_launch_during_backward(pool) -> None:
+    launched = pool.run(_launched_before_backward_ends)
+    assert all(n >= 3 for n in launched), launched  # tiny buckets: one per parameter, all but the last
+
+
+def _zero3_frees_full_parameters() -> dict:
+    engine = dspark.Engine(tm.make("tied"), optimizer=functools.partial(torch.optim.AdamW, lr=1e-2),
+                           strategy="zero3")
+    most_gathered = [0]
+
+    def count(*_: object) -> None:
+        most_gathered[0] = max(most_gathered[0], sum(s.gathered for s in engine.slots))
+
+    for module in engine.module.modules():
+        module.register_forward_hook(count)
+    x, y = dspark.distribute_batch(tm.batch("tied", 8, 0), shard_dim=0)
+    engine.backward(tm.loss_fn("tied", engine(x), y))
+    engine.step()
+    sizes = [p.numel() for p in engine.module.parameters()]
+    engine.close()
+    return {"sizes": sizes, "most_gathered": most_gathered[0], "slots": len(engine.slots)}
+
+
+def test_zero3_keeps_only_shards_between_steps(pool) -> None:
+    for result in pool.run(_zero3_frees_full_parameters):
+        assert all(size == 0 for size in result["sizes"])
+        assert result["most_gathered"] < result["slots"]

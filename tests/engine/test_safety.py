@@ -1,0 +1,101 @@
+"""Errors a user can make, and the consistency checks the engine does at construction."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+import dspark
+from tests.engine import tiny_models as tm
+
+ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3)
+
+
+def _mismatched_model() -> str:
+    world = dspark.get_world()
+    model = tm.TinyMLP(hidden=7 if world.rank == 0 else 8)
+    try:
+        dspark.Engine(model, optimizer=ADAMW)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_model_mismatch_names_the_first_differing_parameter(pool) -> None:
+    for rank, message in enumerate(pool.run(_mismatched_model)):
+        assert message.startswith(f"rank {rank}: the model differs between ranks"), message
+        assert "layers.0.weight (7, 6) torch.float32 on rank 0" in message
+        assert "layers.0.weight (8, 6) torch.float32 on rank 1" in message
+
+
+def _buffers_and_batchnorm() -> dict:
+    world = dspark.get_world()
+    torch.manual_seed(world.rank)  # different init per rank: the engine must broadcast rank 0's
+    model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 2))
+    model[1].running_mean.fill_(float(world.rank))
+    engine = dspark.Engine(model, optimizer=ADAMW, strategy="zero2")
+    at_start = engine.full_state_dict()
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(3))
+    local = dspark.distribute_batch(x, shard_dim=0)
+    engine.backward(engine(local).square().mean())
+    engine.step()
+    after = engine.full_state_dict()
+    engine.close()
+    return {"start": at_start, "after": after}
+
+
+def test_parameters_and_buffers_start_from_rank_0_and_bn_stats_stay_per_rank(pool) -> None:
+    r0, r1 = pool.run(_buffers_and_batchnorm)
+    for key in r0["start"]:
+        assert torch.equal(r0["start"][key], r1["start"][key]), key
+    assert float(r0["start"]["1.running_mean"].abs().sum()) == 0.0  # rank 0's value won
+    # BatchNorm running statistics follow each rank's own slice of the batch (as in DDP)
+    assert not torch.equal(r0["after"]["1.running_mean"], r1["after"]["1.running_mean"])
+    assert torch.equal(r0["after"]["0.weight"], r1["after"]["0.weight"])
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"strategy": "zero4"}, "'replicate', 'zero1', 'zero2', 'zero3'"),
+    ({"strategy": None}, "'replicate', 'zero1'"),
+    ({"precision": "fp8"}, "'fp32', 'bf16', 'fp16'"),
+    ({"grad_accum_steps": 0}, "grad_accum_steps=0"),
+    ({"clip_grad_norm": -1.0}, "clip_grad_norm=-1.0"),
+    ({"bucket_mb": 0}, "bucket_mb=0"),
+    ({"reduce_dtype": torch.int8}, "reduce_dtype=torch.int8"),
+])
+def test_bad_settings_are_errors_that_list_the_choices(single_process, kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match.replace("(", r"\(").replace(")", r"\)")):
+        dspark.Engine(tm.make("mlp"), optimizer=ADAMW, **kwargs)
+
+
+def test_optimizer_instance_instead_of_factory(single_process) -> None:
+    model = tm.make("mlp")
+    with pytest.raises(TypeError, match=r"functools\.partial"):
+        dspark.Engine(model, optimizer=torch.optim.AdamW(model.parameters()))
+
+
+def test_step_and_backward_out_of_order(single_process) -> None:
+    engine = dspark.Engine(tm.make("mlp"), optimizer=ADAMW, grad_accum_steps=2)
+    with pytest.raises(RuntimeError, match="before backward"):
+        engine.step()
+    x, y = tm.batch("mlp", 4, 0)
+    engine.backward(tm.loss_fn("mlp", engine(x), y))
+    with pytest.raises(RuntimeError, match="after 1 of grad_accum_steps=2"):
+        engine.step()
+    engine.backward(tm.loss_fn("mlp", engine(x), y))
+    with pytest.raises(RuntimeError, match="called 3 times"):
+        engine.backward(tm.loss_fn("mlp", engine(x), y))
+    assert engine.step() is True
+    with pytest.raises(ValueError, match="scalar loss"):
+        engine.backward(engine(x))
+
+
+def test_single_process_engine_matches_plain_pytorch(single_process) -> None:
+    from tests.engine.harness import engine_state, reference_state, rel_error
+
+    for strategy in ("replicate", "zero3"):
+        got = engine_state("tied", strategy, 2)["state"]
+        assert rel_error(got, reference_state("tied", 2)) <= 1e-6
