@@ -1,0 +1,31 @@
+"""The README's examples run as a user runs them: through `dspark run`, from another directory."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def _dspark_run(tmp_path: Path, *args: str) -> str:
+    done = subprocess.run([sys.executable, "-m", "dspark.cli.main", "run", "--nproc", "2", *args],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy,precision", [("zero2", "bf16"), ("zero3", "fp32")])
+def test_train_gpt_loss_goes_down(tmp_path: Path, strategy: str, precision: str) -> None:
+    out = _dspark_run(tmp_path, str(EXAMPLES / "train_gpt.py"), "--strategy", strategy,
+                      "--precision", precision, "--steps", "25")
+    match = re.search(r"2 rank\(s\), (\w+), (\w+): loss ([\d.]+) -> ([\d.]+)", out)
+    assert match, out
+    assert match.group(1) == strategy and match.group(2) == precision
+    first, last = float(match.group(3)), float(match.group(4))
+    assert last < 0.85 * first, out
