@@ -1,0 +1,83 @@
+"""The benchmark workloads by name: the seed's real sizes and CPU-sized presets of the same code.
+
+==============  =============================================  ===========  =====  =========
+name            model and data                                 parameters   batch  precision
+==============  =============================================  ===========  =====  =========
+resnet50        ResNet-50; 3x224x224 images, 1000 classes       25,557,032    256  fp16
+gpt2-124m       GPT-2 124M; 1024 tokens, vocabulary 50257      124,439,808    256  fp16
+resnet50-cpu    ResNet-50 layout at width 16; 3x96x96, 100       1,532,276    128  bf16
+gpt2-cpu        GPT-2 layout, 4 layers x 256; 128 tokens, 2048   3,716,608     32  bf16
+==============  =============================================  ===========  =====  =========
+
+The real sizes carry the seed article's config (global batch 256, fp16 mixed precision). The
+presets are sized so that one training step (forward, backward, AdamW) takes under a second on
+one CPU core while the model stays small next to that compute: the gradient all-reduce over
+loopback gloo is a few percent of a step, so 2 cores can approach the ideal 2x.
+
+[Note: CPU precision] Measured on the project's 2-core AMD EPYC box (Zen 5, native bf16 dot
+products; torch 2.13 CPU, one thread, ``OMP_NUM_THREADS=1``, machine otherwise idle), one step at
+the default global batch, median of 6 after 2 warm-up steps::
+
+    OMP_NUM_THREADS=1 .venv/bin/python -m dspark.models.step_time resnet50-cpu gpt2-cpu --steps 6
+
+    resnet50-cpu  (batch 128)  fp32  598 ms   bf16 autocast  399 ms   (bf16 1.5x faster)
+    gpt2-cpu      (batch 32)   fp32 1047 ms   bf16 autocast  454 ms   (bf16 2.3x faster)
+
+So bf16 is both presets' default. fp16 never is on a CPU: it has no fast kernels there (one
+512x512 matmul: fp32 2.8 ms, bf16 0.67 ms, fp16 103 ms). With the batch split over 2 cores (one rank per core, one blocking
+all-reduce of all gradients after backward, no overlap) the same steps took 197 ms (1.93x) and
+267 ms (1.84x; its 15 MB all-reduce took 15 ms). Numbers move by 10-50 % when other processes
+share the two cores: measure on an idle machine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+
+from dspark.models.gpt import GPTConfig
+from dspark.models.resnet import ResNetConfig
+from dspark.models.workload import ImageClassification, LanguageModeling, Workload
+
+__all__ = ["WORKLOADS", "get_workload"]
+
+_ALL: tuple[Workload, ...] = (
+    ImageClassification(
+        name="resnet50",
+        description="ResNet-50 on ImageNet-shaped images (3x224x224, 1000 classes)",
+        default_global_batch=256, default_precision="fp16",
+        model=ResNetConfig(), image_size=224),
+    LanguageModeling(
+        name="gpt2-124m",
+        description="GPT-2 124M on token sequences (1024 tokens, vocabulary 50257)",
+        default_global_batch=256, default_precision="fp16",
+        model=GPTConfig(), seq_len=1024),
+    ImageClassification(
+        name="resnet50-cpu",
+        description="ResNet-50 layout at width 16 on 3x96x96 images, 100 classes (CPU-sized)",
+        default_global_batch=128, default_precision="bf16",
+        model=ResNetConfig(base_width=16, num_classes=100), image_size=96),
+    LanguageModeling(
+        name="gpt2-cpu",
+        description="GPT-2 layout, 4 layers x 256 wide, 128 tokens, vocabulary 2048 (CPU-sized)",
+        default_global_batch=32, default_precision="bf16",
+        model=GPTConfig(vocab_size=2048, context_len=128, num_layers=4, num_heads=4, width=256),
+        seq_len=128),
+)
+
+WORKLOADS: Mapping[str, Workload] = MappingProxyType({wl.name: wl for wl in _ALL})
+"""Every workload by name (read-only)."""
+
+
+def get_workload(name: str) -> Workload:
+    """The workload registered as ``name``; an unknown name raises ``ValueError`` listing the valid ones.
+
+    Example::
+
+        wl = get_workload("gpt2-cpu")
+        tokens, targets = wl.make_batch(wl.default_global_batch, seed=0)
+    """
+    try:
+        return WORKLOADS[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown workload {name!r}; valid names: {', '.join(WORKLOADS)}") from None
