@@ -96,6 +96,6 @@ def test_step_and_backward_out_of_order(single_process) -> None:
 def test_single_process_engine_matches_plain_pytorch(single_process) -> None:
     from tests.engine.harness import engine_state, reference_state, rel_error
 
-    for strategy in ("replicate", "zero3"):
+    for strategy in ("replicate", "zero1", "zero2", "zero3"):
         got = engine_state("tied", strategy, 2)["state"]
         assert rel_error(got, reference_state("tied", 2)) <= 1e-6

@@ -188,7 +188,7 @@ class Engine:
         def hook(param: torch.Tensor) -> None:
             if self._zero3 is not None:
                 self._zero3.on_grad_accumulated(slot)
-            if not self._sync_grads:
+            if not self._sync_grads or self.world.world_size == 1:
                 return
             bucket, index = self._bucket_of[id(slot)]
             if bucket.mark_ready(index):
@@ -237,12 +237,15 @@ class Engine:
             self._finish_grad_sync()
 
     def _finish_grad_sync(self) -> None:
-        for bucket in self.buckets[self._next_bucket:]:
-            bucket.launch(self._pre_scale())
-        post = self._post_scale()
-        for bucket in self.buckets:
-            bucket.finish(post)
-        self._next_bucket = 0
+        if self.world.world_size == 1:
+            self._finish_single_rank()
+        else:
+            for bucket in self.buckets[self._next_bucket:]:
+                bucket.launch(self._pre_scale())
+            post = self._post_scale()
+            for bucket in self.buckets:
+                bucket.finish(post)
+            self._next_bucket = 0
         for slot in self.slots:
             if slot.opt_param is None:
                 continue
@@ -253,6 +256,17 @@ class Engine:
                 full = slot.param.grad
                 slot.opt_param.grad = None if full is None else slot.rows_view(full)[slot.start:slot.stop]
         self._grads_bytes_held = storage_bytes(self._grad_tensors())
+
+    def _finish_single_rank(self) -> None:
+        """One rank: nothing to reduce, so no bucket copies; the shard is the whole gradient."""
+        post = self._post_scale()
+        for slot in self.slots:
+            grad = slot.param.grad
+            if grad is not None and post != 1.0:
+                grad.mul_(post)
+            if self.strategy.shard_grads:
+                slot.shard_grad = None if grad is None else grad.reshape(-1)
+                slot.param.grad = None
 
     def _grad_tensors(self) -> Iterator[torch.Tensor | None]:
         for slot in self.slots:
