@@ -1,0 +1,165 @@
+"""The report's figures, drawn with matplotlib's object API and the Agg canvas.
+
+No ``pyplot``: it keeps global state and picks a GUI backend from the environment, while a report
+must render the same on a headless box; a bare ``Figure`` saves through Agg and is freed with it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from matplotlib.axes import Axes
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from dspark.bench.formatting import BYTES_PER_MB
+from dspark.bench.result import BenchResult
+
+__all__ = ["ReportFigure", "memory_figure", "report_figures", "speedup_figure",
+           "step_time_figure"]
+
+_FLAGGED = "#c0392b"
+_HEALTHY = "#2874a6"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ReportFigure:
+    """A figure with the file stem and the caption the report gives it."""
+
+    name: str
+    caption: str
+    figure: Figure
+
+
+def _new_figure(num_bars: int, *, legend: bool) -> Figure:
+    # ~1.3 inch per bar keeps three-line tick labels apart; the legend sits beside the axes.
+    width = max(6.0, 1.3 * num_bars + 1.5) + (3.5 if legend else 0.0)
+    figure = Figure(figsize=(width, 4.5), layout="constrained")
+    FigureCanvasAgg(figure)  # attach the raster canvas explicitly (no pyplot backend lookup)
+    return figure
+
+
+def _batch_words(placement: str) -> str:
+    return "batch replicated" if placement == "replicate" else "batch sharded"
+
+
+def _config_label(result: BenchResult) -> str:
+    return (f"{result.workload}\n{result.num_devices} dev {result.strategy} {result.precision}\n"
+            f"{_batch_words(result.batch_placement)}")
+
+
+def _legend_outside(axes: Axes) -> None:
+    axes.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
+
+
+def speedup_figure(results: Sequence[BenchResult]) -> Figure | None:
+    """Speedup against devices, one line per workload/strategy/precision/placement, with the
+    ideal ``y = x``; None when no result carries a speedup.
+
+    Example::
+
+        speedup_figure(annotate(results)).savefig("speedup.png")
+    """
+    lines: dict[tuple[str, str, str, str, int], list[tuple[int, float]]] = {}
+    for r in results:
+        if r.speedup is not None:
+            group = (r.workload, r.strategy, r.precision, r.batch_placement, r.global_batch)
+            lines.setdefault(group, []).append((r.num_devices, r.speedup))
+    if not lines:
+        return None
+    figure = _new_figure(0, legend=True)
+    axes = figure.add_subplot()
+    max_devices = max(n for points in lines.values() for n, _ in points)
+    axes.plot([1, max_devices], [1, max_devices], linestyle="--", color="grey", label="ideal")
+    for (workload, strategy, precision, placement, batch), points in sorted(lines.items()):
+        # Every line starts at its 1-device baseline (speedup 1 by definition), which a
+        # replicated-batch line does not hold itself: its baseline is the sharded 1-device run.
+        if all(n != 1 for n, _ in points):
+            points = [(1, 1.0), *points]
+        devices, speedups = zip(*sorted(points), strict=True)
+        style = ":" if placement == "replicate" else "-"
+        axes.plot(devices, speedups, marker="o", linestyle=style,
+                  label=f"{workload}, {strategy} {precision}, batch {batch} "
+                        f"{'replicated' if placement == 'replicate' else 'sharded'}")
+    axes.set_xlabel("devices")
+    axes.set_ylabel("speedup vs 1 device")
+    axes.set_title("Strong scaling (global batch fixed)")
+    axes.set_xticks(sorted({n for points in lines.values() for n, _ in points} | {1}))
+    axes.set_ylim(bottom=0)
+    _legend_outside(axes)
+    return figure
+
+
+def step_time_figure(results: Sequence[BenchResult]) -> Figure:
+    """Median step time per configuration, p10-p90 as error bars; flagged results in red.
+
+    Example::
+
+        step_time_figure(results).savefig("step_time.png")
+    """
+    figure = _new_figure(len(results), legend=False)
+    axes = figure.add_subplot()
+    positions = range(len(results))
+    below = [max(0.0, r.step_ms - r.step_ms_p10) for r in results]
+    above = [max(0.0, r.step_ms_p90 - r.step_ms) for r in results]
+    axes.bar(positions, [r.step_ms for r in results], yerr=[below, above], capsize=4,
+             color=[_FLAGGED if r.anomalies else _HEALTHY for r in results])
+    axes.set_xticks(list(positions), [_config_label(r) for r in results], fontsize="small")
+    axes.set_ylabel("step time, ms (median, p10-p90)")
+    axes.set_title("Step time per configuration (red: anomalies)")
+    return figure
+
+
+def memory_figure(results: Sequence[BenchResult]) -> Figure:
+    """Peak and model-state MB per rank for each configuration, with the strategy's expected
+    model state as a black tick where known.
+
+    Example::
+
+        memory_figure(results).savefig("memory.png")
+    """
+    figure = _new_figure(len(results), legend=True)
+    axes = figure.add_subplot()
+    width = 0.4
+    left = [i - width / 2 for i in range(len(results))]
+    right = [i + width / 2 for i in range(len(results))]
+    axes.bar(left, [r.peak_bytes_per_rank / BYTES_PER_MB for r in results], width,
+             label="peak")
+    axes.bar(right, [r.model_state_bytes_per_rank / BYTES_PER_MB for r in results], width,
+             label="model state")
+    expected = [(x, r.model_state_bytes_expected_per_rank / BYTES_PER_MB)
+                for x, r in zip(right, results, strict=True)
+                if r.model_state_bytes_expected_per_rank > 0]
+    if expected:
+        xs, ys = zip(*expected, strict=True)
+        axes.scatter(xs, ys, marker="_", s=400, color="black", zorder=3,
+                     label="model state the strategy needs")
+    axes.set_xticks(list(range(len(results))), [_config_label(r) for r in results],
+                    fontsize="small")
+    axes.set_ylabel("MB per rank")
+    axes.set_title("Memory per rank by strategy")
+    _legend_outside(axes)
+    return figure
+
+
+def report_figures(results: Sequence[BenchResult]) -> list[ReportFigure]:
+    """Every figure of the HTML report, in order.
+
+    Example::
+
+        [f.name for f in report_figures(results)]   # ["speedup", "step_time", "memory"]
+    """
+    figures = []
+    speedup = speedup_figure(results)
+    if speedup is not None:
+        figures.append(ReportFigure(
+            name="speedup", figure=speedup,
+            caption="Speedup against the 1-device run; the dashed line is perfect scaling."))
+    figures.append(ReportFigure(
+        name="step_time", figure=step_time_figure(results),
+        caption="Median step time per configuration; bars span p10-p90 of the timed steps."))
+    figures.append(ReportFigure(
+        name="memory", figure=memory_figure(results),
+        caption="Peak and model-state memory per rank; ticks mark what the strategy needs."))
+    return figures

@@ -1,0 +1,163 @@
+"""Results in the terminal (rich tables) and, through :mod:`dspark.bench.html_report`, as HTML.
+
+Renderers only render: they print what the results carry (speedup, anomalies), so pass results
+through :func:`dspark.bench.analysis.annotate` first. Every figure printed comes from a result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from dspark.bench.compare import Comparison
+from dspark.bench.formatting import (
+    BYTES_PER_MB,
+    RESULT_COLUMNS,
+    TEXT_COLUMNS,
+    anomaly_kinds,
+    format_number,
+    format_ratio,
+    result_cells,
+)
+from dspark.bench.html_report import write_html_report
+from dspark.bench.result import BenchResult
+
+__all__ = ["render_comparison", "render_results_table", "render_seed_table", "write_html_report"]
+
+_VERDICT_STYLE = {"faster": "green", "slower": "bold red", "within noise": "dim",
+                  "only in A": "yellow", "only in B": "yellow"}
+
+
+def _print_messages(console: Console, results: Sequence[BenchResult]) -> None:
+    for result in results:
+        for anomaly in result.anomalies:
+            label = (f"{result.workload}, {result.num_devices} dev, {result.strategy}, "
+                     f"{result.precision}, batch {result.batch_placement} {result.global_batch}")
+            console.print(Text.assemble(("! ", "bold red"), (f"{anomaly.get('kind')} ", "bold"),
+                                        (f"[{label}] ", "dim"), str(anomaly.get("message", ""))))
+
+
+def render_results_table(results: Sequence[BenchResult], console: Console | None = None) -> None:
+    """One row per result, then every anomaly's message under the table.
+
+    Example::
+
+        render_results_table(annotate(results), Console())
+    """
+    console = console or Console()
+    table = Table(title="DSpark benchmark results", title_justify="left")
+    for column in RESULT_COLUMNS:
+        if column == "anomalies":
+            table.add_column(column, style="bold red", no_wrap=True)
+        else:
+            table.add_column(column, justify="left" if column in TEXT_COLUMNS else "right")
+    for r in results:
+        # One kind per line keeps the widest column narrow.
+        table.add_row(*result_cells(r)[:-1], "\n".join(anomaly_kinds(r)) or "-")
+    console.print(table)
+    _print_messages(console, results)
+
+
+def _find(results: Sequence[BenchResult], group: tuple[str, str, str, int], num_devices: int,
+          placement: str) -> BenchResult | None:
+    found = [r for r in results if (r.workload, r.strategy, r.precision, r.global_batch) == group
+             and r.num_devices == num_devices and r.batch_placement == placement]
+    return found[-1] if found else None
+
+
+def _verdict_line(label: str, result: BenchResult | None) -> Text:
+    if result is None:
+        return Text(f"{label}: not measured", style="dim")
+    if result.anomalies:
+        return Text.assemble((f"{label}: ", "bold"), ("FLAGGED", "bold red"),
+                             f" ({', '.join(anomaly_kinds(result))})")
+    if result.speedup is None or result.efficiency is None:
+        return Text.assemble((f"{label}: ", "bold"), ("healthy", "bold green"),
+                             " (no 1-device baseline to compare with)")
+    scaling = f" ({format_ratio(result.speedup)}, efficiency {result.efficiency:.0%})"
+    return Text.assemble((f"{label}: ", "bold"), ("healthy", "bold green"), scaling)
+
+
+def render_seed_table(results: Sequence[BenchResult], console: Console | None = None) -> None:
+    """The seed article's table: per workload, step ms on 1 device, on N with the batch
+    replicated (the bug) and sharded (the fix), and the fixed speedup; then each N-device run's
+    anomaly verdict with the messages.
+
+    Example::
+
+        render_seed_table(annotate(seed_suite_results))
+    """
+    console = console or Console()
+    groups = list(dict.fromkeys((r.workload, r.strategy, r.precision, r.global_batch)
+                                for r in results))
+    rows = [(group, n) for group in groups for n in sorted(
+        {r.num_devices for r in results
+         if (r.workload, r.strategy, r.precision, r.global_batch) == group and r.num_devices > 1})]
+    sizes = sorted({n for _, n in rows})
+    n_label = f"{sizes[0]} devices" if len(sizes) == 1 else "N devices"
+    show_devices = len(sizes) != 1  # one N: it is in the headers already
+    # What all rows share goes in the title; what differs qualifies each row's name.
+    words = [(f"{group[1]} strategy", group[2], f"global batch {group[3]}") for group in groups]
+    shared = [i for i in range(3) if len({w[i] for w in words}) == 1]
+    title = ", ".join(words[0][i] for i in shared) if words else ""
+    table = Table(title=f"Step time (ms){': ' + title if title else ''}", title_justify="left")
+    table.add_column("workload")
+    if show_devices:
+        table.add_column("devices", justify="right")
+    for header in ("1 device", f"{n_label}, bug (batch replicated)",
+                   f"{n_label}, fixed (sharded)", "speedup fixed / 1"):
+        table.add_column(header, justify="right")
+    verdicts: list[Text] = []
+    for group, num_devices in rows:
+        one = _find(results, group, 1, "shard")
+        bug = _find(results, group, num_devices, "replicate")
+        fixed = _find(results, group, num_devices, "shard")
+        varying = [w for i, w in enumerate(words[groups.index(group)]) if i not in shared]
+        name = group[0] + (f" ({', '.join(varying)})" if varying else "")
+        cells = [format_number(r.step_ms) if r else "-" for r in (one, bug, fixed)]
+        ratio = format_ratio(one.step_ms / fixed.step_ms) if one and fixed else "-"
+        table.add_row(name, *([str(num_devices)] if show_devices else []), *cells, ratio)
+        prefix = f"{name}, {num_devices} devices"
+        verdicts += [_verdict_line(f"{prefix}, replicated batch", bug),
+                     _verdict_line(f"{prefix}, sharded", fixed)]
+    console.print(table)
+    for line in verdicts:
+        console.print(line)
+    flagged = [r for r in results if r.num_devices > 1 and r.anomalies]
+    if flagged:
+        _print_messages(console, flagged)
+
+
+def render_comparison(comparison: Comparison, console: Console | None = None) -> None:
+    """A row per configuration: A and B step ms, the change, the verdict, the memory change.
+
+    Example::
+
+        render_comparison(compare(ledger.resolve("previous"), ledger.resolve("latest")))
+    """
+    console = console or Console()
+    a, b = comparison.a_label, comparison.b_label
+    table = Table(title=f"{b} vs {a}", title_justify="left")
+    table.add_column("configuration")
+    for header in (f"{a} step ms", f"{b} step ms", "delta", "noise band", "verdict",
+                   "peak MB/rank delta"):
+        table.add_column(header, justify="right")
+    for row in comparison.rows:
+        workload, num_devices, strategy, precision, placement, global_batch = row.key
+        delta = row.delta_pct
+        band = row.noise_band
+        peak = row.peak_bytes_delta
+        table.add_row(
+            f"{workload} {num_devices} dev {strategy} {precision} {placement} {global_batch}",
+            "-" if row.a_step_ms is None else format_number(row.a_step_ms),
+            "-" if row.b_step_ms is None else format_number(row.b_step_ms),
+            "-" if delta is None else f"{delta:+.1f}%",
+            "-" if band is None else f"±{band:.0%}",
+            Text(row.verdict, style=_VERDICT_STYLE.get(row.verdict, "")),
+            "-" if peak is None else f"{peak / BYTES_PER_MB:+.1f}")
+    console.print(table)
+    counts = {v: len(comparison.by_verdict(v)) for v in _VERDICT_STYLE}
+    console.print(", ".join(f"{count} {verdict}" for verdict, count in counts.items()))

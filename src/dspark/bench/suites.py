@@ -1,0 +1,182 @@
+"""The benchmark suites, as lists of :class:`BenchConfig`.
+
+* ``quick`` (the default): the CPU presets on 1 and 2 devices, batch sharded, each preset's own
+  precision and batch. Sized to finish in a few minutes on a 2-core machine, start-up included.
+* ``seed``: the article's table. Per workload: 1 device; N devices with the batch *replicated*
+  (the seed's bug, on purpose); N devices sharded. On CPU the presets; with 2 or more GPUs the
+  real ResNet-50 and GPT-2 124M, whose defaults are the article's (global batch 256, fp16).
+* ``full``: the real sizes, every strategy, 1 to all GPUs (needs at least 2).
+
+Every default can be overridden (:class:`SuiteOverrides`); a device count the machine does not
+have is an error, not a silent oversubscription: on CPU one device is one core.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dspark.bench.result import BenchConfig
+from dspark.engine.policy import PRECISIONS, STRATEGIES
+
+__all__ = ["SUITES", "Machine", "SuiteOverrides", "build_suite"]
+
+SUITES = ("quick", "seed", "full")
+
+_log = logging.getLogger(__name__)
+
+_CPU_WORKLOADS = ("resnet50-cpu", "gpt2-cpu")
+_GPU_WORKLOADS = ("resnet50", "gpt2-124m")
+_DEFAULT_STRATEGY = "replicate"
+# (warm-up, measured) steps. CPU steps take ~0.3-1 s, so a handful keeps `quick` to minutes;
+# GPU steps are short and noisier, so they get more of both.
+_CPU_STEPS = (2, 8)
+_GPU_STEPS = (5, 20)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Machine:
+    """The devices a suite may use."""
+
+    num_gpus: int
+    """CUDA devices visible to this process."""
+    num_cpu_cores: int
+    """Cores this process may run on (its CPU affinity)."""
+
+    @classmethod
+    def detect(cls) -> Machine:
+        """This machine.
+
+        Example::
+
+            Machine.detect()   # Machine(num_gpus=0, num_cpu_cores=2)
+        """
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        return cls(num_gpus=torch.cuda.device_count() if torch.cuda.is_available() else 0,
+                   num_cpu_cores=cores or 1)
+
+    @property
+    def device_kind(self) -> str:
+        """``"GPU"`` when CUDA devices are visible (the workers then use them), else ``"CPU core"``."""
+        return "GPU" if self.num_gpus else "CPU core"
+
+    @property
+    def num_devices(self) -> int:
+        return self.num_gpus or self.num_cpu_cores
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SuiteOverrides:
+    """Choices that replace a suite's defaults; ``None`` / empty keeps the default."""
+
+    workloads: tuple[str, ...] = ()
+    """Workload names from ``dspark.models``."""
+    devices: tuple[int, ...] = ()
+    """Device counts; the seed suite runs its replicated and sharded pair at each count > 1."""
+    strategies: tuple[str, ...] = ()
+    """Engine strategies: replicate, zero1, zero2, zero3."""
+    precision: str | None = None
+    """fp32, fp16 or bf16 for every configuration (default: each workload's own)."""
+    global_batch: int | None = None
+    """Samples per step across all devices (default: each workload's own)."""
+    warmup_steps: int | None = None
+    measure_steps: int | None = None
+
+
+def _valid(kind: str, values: Sequence[str], valid: Sequence[str]) -> None:
+    unknown = [v for v in values if v not in valid]
+    if unknown:
+        raise ValueError(f"unknown {kind} {', '.join(map(repr, unknown))}; valid: {', '.join(valid)}")
+
+
+def _check_devices(devices: Sequence[int], machine: Machine) -> None:
+    bad = [d for d in devices if isinstance(d, bool) or not isinstance(d, int) or d < 1]
+    if bad:
+        raise ValueError(f"devices={list(devices)!r}: every device count must be an int >= 1")
+    need = max(devices)
+    if need > machine.num_devices:
+        hint = (" (or hide the GPUs with CUDA_VISIBLE_DEVICES= to run on CPU cores)"
+                if machine.num_gpus else "")
+        raise ValueError(
+            f"devices={list(devices)!r} needs {need} devices, but this machine has "
+            f"{machine.num_devices} {machine.device_kind}(s) (one device = one "
+            f"{machine.device_kind}); choose device counts in 1..{machine.num_devices}{hint}")
+
+
+def _full_device_counts(num_gpus: int) -> tuple[int, ...]:
+    counts = [n for n in (1, 2, 4, 8, 16, 32, 64) if n <= num_gpus]
+    return tuple(counts + ([num_gpus] if num_gpus not in counts else []))
+
+
+def _suite_defaults(name: str, machine: Machine) -> tuple[tuple[str, ...], tuple[int, ...],
+                                                        tuple[str, ...]]:
+    """(workloads, devices, strategies) of a suite on ``machine``."""
+    if name == "quick":
+        return _CPU_WORKLOADS, (1, 2), (_DEFAULT_STRATEGY,)
+    if name == "seed":
+        return (_GPU_WORKLOADS if machine.num_gpus >= 2 else _CPU_WORKLOADS), (1, 2), (_DEFAULT_STRATEGY,)
+    if machine.num_gpus < 2:
+        raise ValueError(
+            f"suite 'full' measures the real-size models ({', '.join(_GPU_WORKLOADS)}) on 1 to all "
+            f"GPUs and needs at least 2 CUDA devices; this machine has {machine.num_gpus}. "
+            "Run `dspark bench --suite seed` (the article's table on the CPU presets) or "
+            "`dspark bench --suite quick` instead")
+    return _GPU_WORKLOADS, _full_device_counts(machine.num_gpus), tuple(STRATEGIES)
+
+
+def build_suite(name: str = "quick", overrides: SuiteOverrides | None = None, *,
+                machine: Machine | None = None) -> list[BenchConfig]:
+    """The configurations of suite ``name`` on ``machine`` (default: this one), with
+    ``overrides`` applied, in the order they should run (each workload's 1-device baseline first).
+
+    Example::
+
+        build_suite("seed")   # 1 device; 2 devices replicated; 2 devices sharded; per workload
+        build_suite("quick", SuiteOverrides(workloads=("gpt2-cpu",), measure_steps=3))
+    """
+    from dspark.models import get_workload
+
+    if name not in SUITES:
+        raise ValueError(f"suite={name!r} is not one of {', '.join(SUITES)}")
+    overrides = overrides or SuiteOverrides()
+    machine = machine or Machine.detect()
+    workloads, devices, strategies = _suite_defaults(name, machine)
+    workloads = overrides.workloads or workloads
+    devices = tuple(sorted(set(overrides.devices or devices)))
+    strategies = overrides.strategies or strategies
+    _valid("strategy", strategies, tuple(STRATEGIES))
+    if overrides.precision is not None:
+        _valid("precision", (overrides.precision,), tuple(PRECISIONS))
+    _check_devices(devices, machine)
+    warmup, measure = _GPU_STEPS if machine.num_gpus else _CPU_STEPS
+    steps = {"warmup_steps": warmup if overrides.warmup_steps is None else overrides.warmup_steps,
+             "measure_steps": measure if overrides.measure_steps is None else overrides.measure_steps}
+
+    configs = []
+    for workload_name in workloads:
+        workload = get_workload(workload_name)  # unknown names raise, listing the valid ones
+        precision = overrides.precision or workload.default_precision
+        global_batch = (workload.default_global_batch if overrides.global_batch is None
+                        else overrides.global_batch)
+        uneven = [n for n in devices if global_batch % n]
+        if uneven and (overrides.devices or overrides.global_batch is not None):
+            raise ValueError(f"global batch {global_batch} of {workload_name!r} does not split evenly "
+                             f"over {', '.join(map(str, uneven))} devices; choose a global batch "
+                             f"divisible by every device count in {list(devices)}")
+        if uneven:  # a default count (e.g. all 6 GPUs) the default batch does not fit: skip it
+            _log.warning("suite %r: skipping %s devices for %s: global batch %d does not split "
+                         "evenly", name, ", ".join(map(str, uneven)), workload_name, global_batch)
+        for strategy in strategies:
+            common: dict[str, Any] = {"workload": workload_name, "strategy": strategy, "precision": precision,
+                      "global_batch": global_batch, **steps}
+            for num_devices in (n for n in devices if n not in uneven):
+                if name == "seed" and num_devices > 1:
+                    configs.append(BenchConfig(num_devices=num_devices, batch_placement="replicate",
+                                               **common))
+                configs.append(BenchConfig(num_devices=num_devices, batch_placement="shard", **common))
+    return configs

@@ -1,0 +1,291 @@
+"""``dspark bench``: run a suite, and read the ledger (list, compare, rerun, report, export).
+
+Thin by design: it parses, calls :mod:`dspark.bench`, and prints. Everything it reads comes from
+the installed package and the ledger file, never from the current directory, so it works from
+anywhere.
+
+Example::
+
+    dspark bench --suite seed --report bench-report
+    dspark bench compare previous latest
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+__all__ = ["add_parser", "run"]
+
+EXIT_FAILED = 1
+_CSV_LIST_FIELDS = ("replicated_inputs", "anomalies")
+# Rich assumes 80 columns when stdout is not a terminal (`make bench | tee`, CI logs), which
+# squeezes the results table into unreadable cells.
+_PIPE_WIDTH = 180
+
+
+def _console(*, stderr: bool = False) -> Console:
+    console = Console(stderr=stderr)
+    if not console.is_terminal:
+        console = Console(stderr=stderr, width=_PIPE_WIDTH)
+    return console
+
+
+def _names(text: str) -> tuple[str, ...]:
+    names = tuple(part.strip() for part in text.split(",") if part.strip())
+    if not names:
+        raise argparse.ArgumentTypeError(f"{text!r} names nothing; give a comma-separated list")
+    return names
+
+
+def _counts(text: str) -> tuple[int, ...]:
+    try:
+        counts = tuple(int(part) for part in _names(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of device counts (e.g. 1,2)") from None
+    return counts
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be >= 0")
+    return value
+
+
+def _add_db(parser: argparse.ArgumentParser, *, default: Any) -> None:
+    parser.add_argument("--db", type=Path, default=default, metavar="PATH",
+                        help="the ledger (SQLite); default: $DSPARK_LEDGER or "
+                             "~/.local/share/dspark/ledger.sqlite")
+
+
+def _add_outputs(parser: argparse.ArgumentParser, *, default: Any) -> None:
+    parser.add_argument("--json", type=Path, default=default, metavar="PATH",
+                        help="also write the results as a JSON list of objects")
+    parser.add_argument("--report", type=Path, default=default, metavar="DIR",
+                        help="also write an HTML report with plots to DIR")
+    parser.add_argument("--no-progress", action="store_true", default=default,
+                        help="no progress bar")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Register ``dspark bench`` and its actions.
+
+    Example::
+
+        add_parser(parser.add_subparsers())
+    """
+    from dspark.bench.suites import SUITES
+
+    parser = subparsers.add_parser(
+        "bench", help="run benchmark suites; list, compare, rerun and export results",
+        description="Measure data-parallel training on 1..N devices, keep every result in a "
+                    "ledger, and flag scaling anomalies. Without an action, runs a suite.")
+    parser.add_argument("--suite", choices=SUITES, default="quick",
+                        help="quick (CPU presets, 1 and 2 devices; default), seed (the article's "
+                             "table), full (real sizes on GPUs)")
+    parser.add_argument("--workloads", type=_names, metavar="A,B", help="workloads to run")
+    parser.add_argument("--devices", type=_counts, metavar="1,2", help="device counts")
+    parser.add_argument("--strategies", type=_names, metavar="S,T",
+                        help="replicate, zero1, zero2, zero3")
+    parser.add_argument("--precision", help="fp32, fp16 or bf16 (default: the workload's)")
+    parser.add_argument("--global-batch", type=_non_negative, metavar="N",
+                        help="samples per step across all devices")
+    parser.add_argument("--warmup", type=_non_negative, metavar="N", help="warm-up steps (discarded)")
+    parser.add_argument("--steps", type=_non_negative, metavar="N", help="timed steps")
+    _add_db(parser, default=None)
+    _add_outputs(parser, default=None)
+    parser.set_defaults(func=run, action=None)
+
+    # Options repeated on the actions default to SUPPRESS, so that `dspark bench --db X list`
+    # and `dspark bench list --db X` both work (a sub-parser default would overwrite X).
+    actions = parser.add_subparsers(dest="action", metavar="[ACTION]")
+    listing = actions.add_parser("list", help="one row per result in the ledger")
+    _add_db(listing, default=argparse.SUPPRESS)
+    comparing = actions.add_parser("compare", help="two runs or commits side by side")
+    comparing.add_argument("a", metavar="A", help="run id, commit, 'latest' or 'previous'")
+    comparing.add_argument("b", metavar="B", help="run id, commit, 'latest' or 'previous'")
+    _add_db(comparing, default=argparse.SUPPRESS)
+    rerunning = actions.add_parser("rerun", help="re-run configurations measured on other code")
+    rerunning.add_argument("--stale", action="store_true", required=True,
+                           help="re-run exactly the configurations whose latest result was "
+                                "recorded against another commit (or a dirty tree)")
+    _add_db(rerunning, default=argparse.SUPPRESS)
+    _add_outputs(rerunning, default=argparse.SUPPRESS)
+    reporting = actions.add_parser("report", help="write the HTML report of a run")
+    reporting.add_argument("--run", default="latest", metavar="REF",
+                           help="run id, commit, 'latest' (default) or 'previous'")
+    reporting.add_argument("--report", type=Path, required=True, metavar="DIR",
+                           help="directory to write the report into")
+    _add_db(reporting, default=argparse.SUPPRESS)
+    exporting = actions.add_parser("export", help="every result (or one run's) as JSON or CSV")
+    target = exporting.add_mutually_exclusive_group(required=True)
+    target.add_argument("--json", type=Path, metavar="PATH", help="write a JSON list of objects")
+    target.add_argument("--csv", type=Path, metavar="PATH", help="write a CSV file")
+    exporting.add_argument("--run", metavar="REF", help="only this run or commit (default: all)")
+    _add_db(exporting, default=argparse.SUPPRESS)
+
+
+def _db_path(args: argparse.Namespace) -> Path:
+    from dspark.bench.ledger import default_db_path
+
+    return Path(args.db) if args.db is not None else default_db_path()
+
+
+def run(args: argparse.Namespace) -> int:
+    """Dispatch ``dspark bench [ACTION]``; returns the exit code (1 when a configuration failed).
+
+    Example::
+
+        run(build_parser().parse_args(["bench", "list"]))
+    """
+    handlers = {None: _run_suite, "list": _list, "compare": _compare, "rerun": _rerun,
+                "report": _report, "export": _export}
+    return handlers[args.action](args)
+
+
+def _run_and_show(configs: Sequence[Any], args: argparse.Namespace, *, seed_table: bool) -> int:
+    from dspark.bench.report import render_results_table, render_seed_table, write_html_report
+    from dspark.bench.runner import RunFailure, new_run_id, run_suite
+
+    out, err = _console(), _console(stderr=True)
+    db = _db_path(args)
+    failures: list[RunFailure] = []
+    run_id = new_run_id()
+    started = time.perf_counter()
+    results = run_suite(configs, db=db, progress=not args.no_progress, run_id=run_id,
+                        console=err, failures=failures)
+    wall_s = time.perf_counter() - started
+    if results:
+        render_results_table(results, out)
+        if seed_table:
+            render_seed_table(results, out)
+    if args.json is not None:
+        args.json.write_text(json.dumps([r.to_dict() for r in results], indent=2))
+        out.print(f"wrote {len(results)} results to {args.json}")
+    if args.report is not None and results:
+        out.print(f"wrote the report to {write_html_report(results, args.report)}")
+    out.print(f"run {run_id}: {len(results)} configurations measured in {wall_s:.0f} s, "
+              f"recorded in {db}")
+    # Each failure's error output was logged when it happened; this is the summary.
+    for failure in failures:
+        err.print(f"[bold red]FAILED[/] {_describe(failure.config)} (exit code "
+                  f"{failure.exit_code}); nothing was recorded for it", highlight=False)
+    return EXIT_FAILED if failures else 0
+
+
+def _describe(config: Any) -> str:
+    from dspark.bench.runner import describe_config
+
+    return describe_config(config)
+
+
+def _run_suite(args: argparse.Namespace) -> int:
+    from dspark.bench.suites import SuiteOverrides, build_suite
+
+    overrides = SuiteOverrides(
+        workloads=args.workloads or (), devices=args.devices or (),
+        strategies=args.strategies or (), precision=args.precision,
+        global_batch=args.global_batch, warmup_steps=args.warmup, measure_steps=args.steps)
+    configs = build_suite(args.suite, overrides)
+    return _run_and_show(configs, args, seed_table=args.suite == "seed")
+
+
+def _rerun(args: argparse.Namespace) -> int:
+    from dspark.bench.ledger import Ledger
+    from dspark.bench.provenance import source_commit
+
+    commit, dirty = source_commit()
+    if not commit:
+        raise ValueError("the installed DSpark is not a git checkout, so there is no current "
+                         "commit to call results stale against; install it from a clone "
+                         "(pip install -e .)")
+    with Ledger(_db_path(args)) as ledger:
+        stale = ledger.stale(commit)
+    out = _console()
+    if not stale:
+        out.print(f"nothing is stale: every configuration's latest result was measured at "
+                  f"{commit[:12]}")
+        return 0
+    out.print(f"re-running {len(stale)} configuration(s) recorded against other code than "
+              f"{commit[:12]}{' (dirty tree)' if dirty else ''}:")
+    for config in stale:
+        out.print(f"  {_describe(config)}", highlight=False)
+    return _run_and_show(stale, args, seed_table=False)
+
+
+def _list(args: argparse.Namespace) -> int:
+    from dspark.bench.ledger import Ledger
+
+    with Ledger(_db_path(args)) as ledger:
+        results = ledger.results()
+    table = Table(title=f"{len(results)} results in {_db_path(args)}", title_justify="left")
+    for header in ("run", "time (UTC)", "commit", "workload", "devices", "strategy", "precision",
+                   "batch", "step ms", "speedup", "anomalies"):
+        table.add_column(header)
+    for r in results:
+        table.add_row(r.run_id, r.timestamp[:19], r.git_commit[:10] + ("+" if r.git_dirty else ""),
+                      r.workload, str(r.num_devices), r.strategy, r.precision,
+                      f"{r.batch_placement} {r.global_batch}", f"{r.step_ms:.1f}",
+                      "-" if r.speedup is None else f"{r.speedup:.2f}x",
+                      ", ".join(str(a.get("kind")) for a in r.anomalies) or "-")
+    _console().print(table)
+    return 0
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from dspark.bench.compare import compare
+    from dspark.bench.ledger import Ledger
+    from dspark.bench.report import render_comparison
+
+    with Ledger(_db_path(args)) as ledger:
+        a, b = ledger.resolve(args.a), ledger.resolve(args.b)
+    render_comparison(compare(a, b, a_label=args.a, b_label=args.b), _console())
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from dspark.bench.ledger import Ledger
+    from dspark.bench.report import write_html_report
+
+    with Ledger(_db_path(args)) as ledger:
+        results = ledger.resolve(args.run)
+    _console().print(f"wrote the report of {len(results)} results to "
+                    f"{write_html_report(results, args.report)}")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from dspark.bench.ledger import Ledger
+    from dspark.bench.result import BenchResult
+
+    with Ledger(_db_path(args)) as ledger:
+        results = ledger.resolve(args.run) if args.run else ledger.results()
+    rows = [r.to_dict() for r in results]
+    if args.json is not None:
+        args.json.write_text(json.dumps(rows, indent=2))
+        path = args.json
+    else:
+        names = list(BenchResult.__dataclass_fields__)
+        with open(args.csv, "w", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=names)
+            writer.writeheader()
+            for row in rows:
+                # Lists and dicts as JSON text: one cell each, and readable back.
+                writer.writerow({k: json.dumps(v) if k in _CSV_LIST_FIELDS else v
+                                 for k, v in row.items()})
+        path = args.csv
+    _console().print(f"wrote {len(rows)} results to {path}")
+    return 0

@@ -1,0 +1,112 @@
+from __future__ import annotations
+
+import base64
+import io
+import re
+from pathlib import Path
+
+import pytest
+from matplotlib.image import imread
+from rich.console import Console
+
+from dspark.bench.analysis import annotate
+from dspark.bench.compare import compare
+from dspark.bench.report import (
+    render_comparison,
+    render_results_table,
+    render_seed_table,
+    write_html_report,
+)
+from tests.bench.factory import make_result, seed_results
+
+
+def _console() -> Console:
+    return Console(record=True, width=250, color_system=None)
+
+
+def _seed() -> list:
+    return annotate(seed_results("resnet50", 245.0, 280.0, 130.0)
+                    + seed_results("gpt2-124m", 520.0, 610.0, 270.0))
+
+
+def test_results_table_lists_every_result_and_anomaly() -> None:
+    console = _console()
+    render_results_table(_seed(), console)
+    text = console.export_text()
+    assert "gpt2-124m" in text and "resnet50" in text
+    assert "280 (274-286)" in text  # median (p10-p90)
+    assert "1.88x" in text and "94%" in text
+    assert text.count("negative_scaling") == 4 and text.count("replicated_batch") == 4
+    assert "2 devices are 1.14x slower than 1 (280 ms vs 245 ms)" in text
+    assert "2 devices are 1.17x slower than 1 (610 ms vs 520 ms)" in text
+
+
+def test_seed_table_reproduces_the_article_and_its_verdicts() -> None:
+    console = _console()
+    render_seed_table(_seed(), console)
+    text = console.export_text()
+    assert "2 devices, bug (batch replicated)" in text
+    rows = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:-1]]
+            for line in text.splitlines() if line.startswith("│")}
+    assert rows["resnet50"] == ["245", "280", "130", "1.88x"]
+    assert rows["gpt2-124m"] == ["520", "610", "270", "1.93x"]
+    assert re.search(r"resnet50, 2 devices, replicated batch: FLAGGED \(negative_scaling, "
+                     r"replicated_batch\)", text)
+    assert "resnet50, 2 devices, sharded: healthy (1.88x, efficiency 94%)" in text
+    assert "gpt2-124m, 2 devices, sharded: healthy (1.93x, efficiency 96%)" in text
+
+
+def test_seed_table_marks_a_flagged_fix_and_missing_runs() -> None:
+    one, _, _ = seed_results()
+    slow_fix = make_result(num_devices=2, step_ms=300.0)
+    console = _console()
+    render_seed_table(annotate([one, slow_fix]), console)
+    text = console.export_text()
+    assert "replicated batch: not measured" in text
+    assert "sharded: FLAGGED (negative_scaling, below_cost_model)" in text
+
+
+def test_comparison_renders_rows_and_counts() -> None:
+    console = _console()
+    a = [make_result(step_ms=100.0), make_result(num_devices=2, step_ms=60.0)]
+    b = [make_result(step_ms=130.0)]
+    render_comparison(compare(a, b, a_label="run-1", b_label="run-2"), console)
+    text = console.export_text()
+    assert "run-2 vs run-1" in text and "+30.0%" in text and "±5%" in text
+    assert "0 faster, 1 slower, 0 within noise, 1 only in A, 0 only in B" in text
+
+
+def test_html_report_is_self_contained(tmp_path: Path) -> None:
+    index = write_html_report(_seed(), tmp_path / "report", title="Seed <check>")
+    page = index.read_text()
+    assert index.name == "index.html"
+    assert "<title>Seed &lt;check&gt;</title>" in page
+    images = re.findall(r'src="data:image/png;base64,([A-Za-z0-9+/=]+)"', page)
+    assert len(images) == 3
+    for name, encoded in zip(("speedup", "step_time", "memory"), images, strict=True):
+        png = base64.b64decode(encoded)
+        assert png == (index.parent / f"{name}.png").read_bytes()
+        pixels = imread(io.BytesIO(png), format="png")
+        assert pixels.ndim == 3 and pixels.shape[0] > 100 and pixels.shape[1] > 100
+    assert "2 devices are 1.14x slower than 1 (280 ms vs 245 ms)" in page
+    assert "1e5fe8e01ae526ecb264d4b703095e4a7abb7127" in page  # provenance
+    with pytest.raises(ValueError, match=r"results=\[\] is empty"):
+        write_html_report([], tmp_path / "empty")
+
+
+def test_html_report_without_speedups_skips_that_plot(tmp_path: Path) -> None:
+    index = write_html_report([make_result(num_devices=2)], tmp_path)
+    assert index.read_text().count("data:image/png;base64,") == 2
+    assert not (tmp_path / "speedup.png").exists()
+
+
+def test_seed_table_puts_shared_settings_in_the_title_and_the_rest_in_rows() -> None:
+    small = [make_result(workload="gpt2-cpu", global_batch=32, local_batch=32 // n,
+                         num_devices=n, step_ms=ms)
+             for n, ms in ((1, 500.0), (2, 260.0))]
+    console = _console()
+    render_seed_table(annotate(seed_results() + small), console)
+    text = console.export_text()
+    assert "Step time (ms): replicate strategy, fp16" in text
+    assert "│ resnet50 (global batch 256) " in text and "│ gpt2-cpu (global batch 32) " in text
+    assert "gpt2-cpu (global batch 32), 2 devices, replicated batch: not measured" in text

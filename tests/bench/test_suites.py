@@ -1,0 +1,87 @@
+"""Suites as configuration lists, on machines described rather than detected."""
+
+from __future__ import annotations
+
+import pytest
+
+from dspark.bench.suites import Machine, SuiteOverrides, build_suite
+
+TWO_CORES = Machine(num_gpus=0, num_cpu_cores=2)
+EIGHT_GPUS = Machine(num_gpus=8, num_cpu_cores=64)
+
+
+def _shape(configs: list) -> list[tuple]:
+    return [(c.workload, c.num_devices, c.batch_placement) for c in configs]
+
+
+def test_quick_is_the_cpu_presets_on_one_and_two_devices_sharded() -> None:
+    configs = build_suite("quick", machine=TWO_CORES)
+    assert _shape(configs) == [("resnet50-cpu", 1, "shard"), ("resnet50-cpu", 2, "shard"),
+                               ("gpt2-cpu", 1, "shard"), ("gpt2-cpu", 2, "shard")]
+    assert {c.precision for c in configs} == {"bf16"}  # the presets' own precision
+    assert [c.global_batch for c in configs] == [128, 128, 32, 32]
+
+
+def test_seed_on_cpu_is_one_device_bug_and_fix_per_preset() -> None:
+    configs = build_suite("seed", machine=TWO_CORES)
+    assert _shape(configs) == [
+        ("resnet50-cpu", 1, "shard"), ("resnet50-cpu", 2, "replicate"), ("resnet50-cpu", 2, "shard"),
+        ("gpt2-cpu", 1, "shard"), ("gpt2-cpu", 2, "replicate"), ("gpt2-cpu", 2, "shard")]
+
+
+def test_seed_on_gpus_is_the_articles_config() -> None:
+    configs = build_suite("seed", machine=EIGHT_GPUS)
+    assert {c.workload for c in configs} == {"resnet50", "gpt2-124m"}
+    assert {(c.global_batch, c.precision) for c in configs} == {(256, "fp16")}
+    assert {c.num_devices for c in configs} == {1, 2}
+
+
+def test_full_covers_every_strategy_and_device_count_on_gpus() -> None:
+    configs = build_suite("full", machine=EIGHT_GPUS)
+    assert {c.num_devices for c in configs} == {1, 2, 4, 8}
+    assert {c.strategy for c in configs} == {"replicate", "zero1", "zero2", "zero3"}
+    assert len(configs) == 2 * 4 * 4
+
+
+def test_full_skips_a_gpu_count_the_batch_does_not_split_over() -> None:
+    configs = build_suite("full", machine=Machine(num_gpus=6, num_cpu_cores=32))
+    assert {c.num_devices for c in configs} == {1, 2, 4}  # 256 / 6 is uneven
+
+
+def test_full_without_gpus_says_what_to_run_instead() -> None:
+    with pytest.raises(ValueError, match=r"at least 2 CUDA devices; this machine has 0.*--suite seed"):
+        build_suite("full", machine=TWO_CORES)
+
+
+def test_overrides_replace_the_defaults() -> None:
+    configs = build_suite("quick", SuiteOverrides(
+        workloads=("gpt2-cpu",), devices=(2,), strategies=("zero1", "zero2"), precision="fp32",
+        global_batch=8, warmup_steps=0, measure_steps=3), machine=TWO_CORES)
+    assert [(c.workload, c.num_devices, c.strategy, c.precision, c.global_batch,
+             c.warmup_steps, c.measure_steps) for c in configs] == [
+        ("gpt2-cpu", 2, "zero1", "fp32", 8, 0, 3), ("gpt2-cpu", 2, "zero2", "fp32", 8, 0, 3)]
+
+
+@pytest.mark.parametrize(("name", "overrides", "message"), [
+    ("nope", SuiteOverrides(), r"suite='nope' is not one of quick, seed, full"),
+    ("quick", SuiteOverrides(workloads=("bert",)), r"unknown workload 'bert'; valid names: resnet50"),
+    ("quick", SuiteOverrides(strategies=("zero4",)), r"unknown strategy 'zero4'; valid: replicate, zero1"),
+    ("quick", SuiteOverrides(precision="fp8"), r"unknown precision 'fp8'; valid: fp32"),
+    ("quick", SuiteOverrides(devices=(1, 3)), r"needs 3 devices, but this machine has 2 CPU core"),
+    ("quick", SuiteOverrides(devices=(0,)), r"must be an int >= 1"),
+    ("quick", SuiteOverrides(global_batch=5), r"global batch 5 of 'resnet50-cpu' does not split evenly over 2"),
+])
+def test_bad_choices_are_errors_listing_valid_ones(name: str, overrides: SuiteOverrides,
+                                                   message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        build_suite(name, overrides, machine=TWO_CORES)
+
+
+def test_more_devices_than_gpus_suggests_cpu_cores() -> None:
+    with pytest.raises(ValueError, match=r"needs 2 devices, but this machine has 1 GPU.*CUDA_VISIBLE_DEVICES"):
+        build_suite("quick", machine=Machine(num_gpus=1, num_cpu_cores=16))
+
+
+def test_detect_sees_this_machine() -> None:
+    machine = Machine.detect()
+    assert machine.num_cpu_cores >= 1 and machine.num_devices >= 1
