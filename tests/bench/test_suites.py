@@ -63,7 +63,7 @@ def test_overrides_replace_the_defaults() -> None:
 
 
 @pytest.mark.parametrize(("name", "overrides", "message"), [
-    ("nope", SuiteOverrides(), r"suite='nope' is not one of quick, seed, full"),
+    ("nope", SuiteOverrides(), r"suite='nope' is not one of quick, seed, peers, full"),
     ("quick", SuiteOverrides(workloads=("bert",)), r"unknown workload 'bert'; valid names: resnet50"),
     ("quick", SuiteOverrides(strategies=("zero4",)), r"unknown strategy 'zero4'; valid: replicate, zero1"),
     ("quick", SuiteOverrides(precision="fp8"), r"unknown precision 'fp8'; valid: fp32"),

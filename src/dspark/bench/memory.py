@@ -50,9 +50,12 @@ def peak_of_running_sum(deltas: Iterable[int]) -> int:
 
 
 def _storage_key(tensor: torch.Tensor) -> tuple[int, int] | None:
-    storage = tensor.untyped_storage()
-    nbytes = storage.nbytes()
-    return (storage.data_ptr(), nbytes) if nbytes else None
+    try:
+        storage = tensor.untyped_storage()
+        nbytes = storage.nbytes()
+        return (storage.data_ptr(), nbytes) if nbytes else None
+    except RuntimeError:  # a storage another library freed in place (FSDP2's resharded params)
+        return None
 
 
 def held_tensor_bytes(device: torch.device | str = "cpu") -> int:

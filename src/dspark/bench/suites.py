@@ -5,6 +5,8 @@
 * ``seed``: the article's table. Per workload: 1 device; N devices with the batch *replicated*
   (the seed's bug, on purpose); N devices sharded. On CPU the presets; with 2 or more GPUs the
   real ResNet-50 and GPT-2 124M, whose defaults are the article's (global batch 256, fp16).
+* ``peers``: DSpark's replicate and zero3 beside PyTorch's DDP and FSDP2 (:mod:`dspark.bench.peers`)
+  on the CPU presets, 1 and 2 devices: a speedup claim checked against PyTorch's own tools.
 * ``full``: the real sizes, every strategy, 1 to all GPUs (needs at least 2).
 
 Every default can be overridden (:class:`SuiteOverrides`); a device count the machine does not
@@ -21,12 +23,13 @@ from typing import Any
 
 import torch
 
+from dspark.bench.peers import PEERS
 from dspark.bench.result import BenchConfig
 from dspark.engine.policy import PRECISIONS, STRATEGIES
 
 __all__ = ["SUITES", "Machine", "SuiteOverrides", "build_suite"]
 
-SUITES = ("quick", "seed", "full")
+SUITES = ("quick", "seed", "peers", "full")
 
 _log = logging.getLogger(__name__)
 
@@ -120,6 +123,9 @@ def _suite_defaults(name: str, machine: Machine) -> tuple[tuple[str, ...], tuple
         return _CPU_WORKLOADS, (1, 2), (_DEFAULT_STRATEGY,)
     if name == "seed":
         return (_GPU_WORKLOADS if machine.num_gpus >= 2 else _CPU_WORKLOADS), (1, 2), (_DEFAULT_STRATEGY,)
+    if name == "peers":
+        # each DSpark strategy beside the PyTorch tool it stands in for, measured the same way
+        return _CPU_WORKLOADS, (1, 2), ("replicate", "torch-ddp", "zero3", "torch-fsdp2")
     if machine.num_gpus < 2:
         raise ValueError(
             f"suite 'full' measures the real-size models ({', '.join(_GPU_WORKLOADS)}) on 1 to all "
@@ -149,7 +155,7 @@ def build_suite(name: str = "quick", overrides: SuiteOverrides | None = None, *,
     workloads = overrides.workloads or workloads
     devices = tuple(sorted(set(overrides.devices or devices)))
     strategies = overrides.strategies or strategies
-    _valid("strategy", strategies, tuple(STRATEGIES))
+    _valid("strategy", strategies, (*STRATEGIES, *PEERS))
     if overrides.precision is not None:
         _valid("precision", (overrides.precision,), tuple(PRECISIONS))
     _check_devices(devices, machine)

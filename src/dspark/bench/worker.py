@@ -15,7 +15,6 @@ timed region, as they are outside the peak memory region.
 from __future__ import annotations
 
 import argparse
-import functools
 import gc
 import json
 import logging
@@ -34,6 +33,7 @@ import torch
 import dspark
 from dspark import comm
 from dspark.bench.memory import measure_peak_bytes
+from dspark.bench.peers import make_engine
 from dspark.bench.provenance import collect_provenance
 from dspark.bench.result import BenchConfig, BenchResult
 
@@ -129,9 +129,8 @@ class _Trainer:
         self.world = world
         self.workload = get_workload(config.workload)
         model = self.workload.build_model(seed=_MODEL_SEED, device=world.device)
-        self.engine: dspark.Engine | None = dspark.Engine(
-            model, optimizer=functools.partial(torch.optim.AdamW, lr=_LEARNING_RATE),
-            strategy=config.strategy, precision=config.precision)
+        self.engine: Any = make_engine(config.strategy, model, world, lr=_LEARNING_RATE,
+                                       precision=config.precision)
         self.shard_dim: Any = 0 if config.batch_placement == "shard" else dspark.REPLICATE
         self.local_batch = 0
         """Samples this rank got in the last batch."""
@@ -202,6 +201,12 @@ def run_config(config: BenchConfig) -> BenchResult:
         comm.reset_stats()
         local_step_ms = _timed_steps(trainer, config.warmup_steps, config.measure_steps)
         traffic = comm.stats()  # read before the reductions below add their own bytes
+        estimate = getattr(trainer.engine, "estimated_traffic_per_step", None)
+        if estimate is not None:  # a PyTorch peer: its collectives bypass DSpark's counters
+            payload, wire = estimate()
+            traffic = {"estimated": comm.CollectiveStats(config.measure_steps,
+                                                         payload * config.measure_steps,
+                                                         wire * config.measure_steps)}
         memory = trainer.memory_report()
         peak_batch = trainer.batch(config.warmup_steps + config.measure_steps)
         peak_bytes = measure_peak_bytes(lambda: trainer.step(peak_batch), device)

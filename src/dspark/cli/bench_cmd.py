@@ -95,11 +95,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
                     "ledger, and flag scaling anomalies. Without an action, runs a suite.")
     parser.add_argument("--suite", choices=SUITES, default="quick",
                         help="quick (CPU presets, 1 and 2 devices; default), seed (the article's "
-                             "table), full (real sizes on GPUs)")
+                             "table), peers (DSpark beside PyTorch's DDP and FSDP2), full (real "
+                             "sizes on GPUs)")
     parser.add_argument("--workloads", type=_names, metavar="A,B", help="workloads to run")
     parser.add_argument("--devices", type=_counts, metavar="1,2", help="device counts")
     parser.add_argument("--strategies", type=_names, metavar="S,T",
-                        help="replicate, zero1, zero2, zero3")
+                        help="replicate, zero1, zero2, zero3, or the PyTorch peers torch-ddp, torch-fsdp2")
     parser.add_argument("--precision", help="fp32, fp16 or bf16 (default: the workload's)")
     parser.add_argument("--global-batch", type=_non_negative, metavar="N",
                         help="samples per step across all devices")

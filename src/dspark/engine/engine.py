@@ -17,8 +17,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -26,10 +28,13 @@ from torch import nn
 from dspark import comm
 from dspark.engine.grad_bucket import GradBucket, make_buckets
 from dspark.engine.loss_scaler import LossScaler
-from dspark.engine.memory import optimizer_state_elements, storage_bytes
+from dspark.engine.memory import expected_state_bytes, optimizer_state_elements, storage_bytes
 from dspark.engine.param_slot import ParamSlot
 from dspark.engine.policy import precision_policy, sharding_policy
 from dspark.engine.zero3_units import Zero3Scheduler
+
+if TYPE_CHECKING:
+    from dspark.checkpoint import CheckpointInfo
 
 __all__ = ["Engine"]
 
@@ -389,25 +394,53 @@ class Engine:
             if self._zero3 is not None:
                 self._zero3.free_all()
 
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        """Save a sharded checkpoint directory at ``path`` (see :mod:`dspark.checkpoint`): every rank
+        writes its shards of the parameters and optimizer state; the step count, hyper-parameters
+        and fp16 loss scale come along. A checkpoint already at ``path`` is replaced only once the new
+        one is complete. Collective: call it on every rank, between steps.
+
+        Example::
+
+            engine.save("ckpt/latest")
+        """
+        self._check_between_steps("save")
+        # imported here: DCP is heavy to import and most runs never checkpoint
+        from dspark.checkpoint import save_checkpoint
+
+        return save_checkpoint(self, path)
+
+    def load(self, path: str | os.PathLike[str]) -> CheckpointInfo:
+        """Load the checkpoint at ``path``, whatever world size and strategy wrote it: parameters,
+        buffers, optimizer state (also before the first step), hyper-parameters, step count, fp16
+        loss scale. Collective: call it on every rank, between steps. Returns what the checkpoint's
+        ``dspark.json`` says (step, strategy, world size, versions).
+
+        Example::
+
+            info = engine.load("ckpt/latest")   # engine.step_count == info.step_count
+        """
+        self._check_between_steps("load")
+        from dspark.checkpoint import load_checkpoint
+
+        return load_checkpoint(self, path)
+
+    def _check_between_steps(self, what: str) -> None:
+        if self._micro_step != 0:
+            raise RuntimeError(f"rank {self.world.rank}: {what}() after {self._micro_step} of "
+                               f"grad_accum_steps={self.grad_accum_steps} backward() calls; call it "
+                               "between steps (after engine.step())")
+
     def memory_report(self) -> dict[str, int | str]:
         """Bytes this rank holds for parameters, gradients (as held at the end of the last backward)
         and optimizer state, measured from the tensors, next to what the strategy should hold."""
-        n, itemsize = self.world.world_size, 4
+        n = self.world.world_size
         params_actual = storage_bytes(
             s.padded_shard if self.strategy.shard_params else s.param for s in self.slots)
-        exp_params = exp_grads = 0
-        opt_elements = 0
-        opt_tensors = 0
-        for s in self.slots:
-            itemsize = s.param.element_size()
-            full, padded = s.numel * itemsize, s.shard_numel * itemsize
-            exp_params += padded if self.strategy.shard_params else full
-            exp_grads += padded if self.strategy.shard_grads else full
-            held = s.local_numel if self.strategy.shard_optimizer else s.numel
-            opt_elements += held * itemsize
-            opt_tensors += held > 0
-        per_element, has_step = optimizer_state_elements(self.optimizer)
-        exp_opt = per_element * opt_elements + (4 * opt_tensors if has_step else 0)
+        expected = expected_state_bytes(
+            (torch.empty(s.shape, dtype=s.dtype, device="meta") for s in self.slots), self.strategy,
+            rank=self.world.rank, num_ranks=n, optimizer_state=optimizer_state_elements(self.optimizer))
+        exp_params, exp_grads, exp_opt = expected["params"], expected["grads"], expected["optimizer"]
         opt_actual = storage_bytes(v for state in self.optimizer.state.values()
                                    for v in state.values() if isinstance(v, torch.Tensor))
         report: dict[str, int | str] = {

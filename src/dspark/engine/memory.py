@@ -14,6 +14,9 @@ from collections.abc import Iterable
 
 import torch
 
+from dspark.engine.policy import ShardingPolicy
+from dspark.tensor.shard_math import chunk_size, shard_range
+
 __all__ = ["optimizer_state_elements", "storage_bytes"]
 
 # Per-element optimizer state tensors, and whether a per-tensor step scalar is kept.
@@ -30,8 +33,11 @@ def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
     for t in tensors:
         if t is None:
             continue
-        storage = t.untyped_storage()
-        key = (storage.data_ptr(), storage.nbytes())
+        try:
+            storage = t.untyped_storage()
+            key = (storage.data_ptr(), storage.nbytes())
+        except RuntimeError:  # a storage freed in place (FSDP2's resharded parameters): holds nothing
+            continue
         if key in seen or storage.nbytes() == 0:
             continue
         seen.add(key)
@@ -59,3 +65,31 @@ def optimizer_state_elements(optimizer: torch.optim.Optimizer) -> tuple[int, boo
         has_step = any(isinstance(v, torch.Tensor) and v.dim() == 0 for v in state.values())
         return per_element, has_step
     return 0, False
+
+
+def expected_state_bytes(params: Iterable[torch.Tensor], policy: ShardingPolicy, *, rank: int,
+                         num_ranks: int, optimizer_state: tuple[int, bool]) -> dict[str, int]:
+    """What ``policy`` should make one rank hold for ``params`` (any tensors with the parameters'
+    shapes and dtypes, even on the meta device): ``{"params", "grads", "optimizer"}`` in bytes.
+
+    ``optimizer_state`` is :func:`optimizer_state_elements`'s answer. Sharded parts use the padded
+    chunk of rows (what a collective moves); optimizer state the rows this rank owns.
+
+    Example::
+
+        expected_state_bytes(model.parameters(), STRATEGIES["zero2"], rank=0, num_ranks=2,
+                             optimizer_state=(2, True))
+    """
+    per_element, has_step = optimizer_state
+    out = {"params": 0, "grads": 0, "optimizer": 0}
+    for p in params:
+        itemsize = p.element_size()
+        rows = p.shape[0] if p.dim() else 1
+        row_numel = p.numel() // rows if rows else 0
+        padded = chunk_size(rows, num_ranks) * row_numel * itemsize
+        start, stop = shard_range(rows, num_ranks, rank)
+        held = (stop - start) * row_numel if policy.shard_optimizer else p.numel()
+        out["params"] += padded if policy.shard_params else p.numel() * itemsize
+        out["grads"] += padded if policy.shard_grads else p.numel() * itemsize
+        out["optimizer"] += per_element * held * itemsize + (4 if has_step and held else 0)
+    return out

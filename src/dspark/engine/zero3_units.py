@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_leaves
 
 from dspark.engine.param_slot import ParamSlot
 
-__all__ = ["Zero3Scheduler"]
+__all__ = ["Zero3Scheduler", "unit_modules"]
 
 
 class _Unit:
@@ -38,7 +38,8 @@ class _Unit:
         self.slots = slots
 
 
-def _unit_modules(root: nn.Module) -> list[tuple[str, nn.Module]]:
+def unit_modules(root: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` of every unit, the root first (see [Note: units])."""
     units = [("", root)]
     for name, module in root.named_modules():
         if isinstance(module, (nn.ModuleList, nn.Sequential)):
@@ -58,7 +59,7 @@ def _unit_modules(root: nn.Module) -> list[tuple[str, nn.Module]]:
 class Zero3Scheduler:
     def __init__(self, root: nn.Module, slots: list[ParamSlot]) -> None:
         by_param = {id(s.param): s for s in slots}
-        modules = _unit_modules(root)
+        modules = unit_modules(root)
         unit_ids = {id(m) for _, m in modules}
         self.units: list[_Unit] = []
         for index, (name, module) in enumerate(modules):
