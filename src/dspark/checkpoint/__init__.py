@@ -1,0 +1,28 @@
+"""Sharded checkpoints on PyTorch's distributed checkpoint (DCP): every rank writes its own shards,
+any world size and any strategy can load them, and a save is published atomically.
+
+Example::
+
+    engine.save("ckpt/latest")          # collective; replaces ckpt/latest once the new one is whole
+    info = engine.load("ckpt/latest")   # at another world size or strategy just as well
+    info.step_count, info.world_size, info.strategy
+
+The layout is described in [Note: checkpoint layout] (:mod:`dspark.checkpoint.layout`), atomic
+publication in [Note: atomic save] (:mod:`dspark.checkpoint.atomic`).
+"""
+
+from dspark.checkpoint.errors import CheckpointError, CheckpointNotFoundError, CheckpointSaveError
+from dspark.checkpoint.info import CheckpointInfo, is_checkpoint, read_checkpoint_info
+from dspark.checkpoint.load import load_checkpoint
+from dspark.checkpoint.save import save_checkpoint
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointInfo",
+    "CheckpointNotFoundError",
+    "CheckpointSaveError",
+    "is_checkpoint",
+    "load_checkpoint",
+    "read_checkpoint_info",
+    "save_checkpoint",
+]

@@ -138,7 +138,17 @@ def init(backend: str = "auto", *, timeout: float | _dt.timedelta = 300.0) -> Wo
     kwargs: dict[str, object] = {}
     if chosen == "nccl":
         kwargs["device_id"] = device
-    if launched:
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if launched and restart is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun keeps one store for all restarts of the worker group, and the process group's keys
+        # carry no attempt number: a restarted rank could read a dead peer's address left by the
+        # previous attempt (gloo then fails to connect). Each attempt gets its own key prefix.
+        agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                    world_size, is_master=False,
+                                    timeout=_dt.timedelta(seconds=timeout_s))
+        kwargs["store"] = dist.PrefixStore(f"dspark/attempt_{restart}", agent_store)
+        init_method = None
+    elif launched:
         init_method = "env://"
     else:
         init_method = f"tcp://127.0.0.1:{_free_port()}"

@@ -1,0 +1,127 @@
+"""``dspark.json``: a small, human-readable description of a checkpoint next to DCP's files (what
+wrote it, at which step, on how many ranks, with which versions). Loading does not depend on it for
+the data, only to recognise a DSpark checkpoint; DCP's ``.metadata`` is the authority on tensors."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dspark.checkpoint.errors import CheckpointError, CheckpointNotFoundError
+
+__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "INFO_FILE", "CheckpointInfo", "is_checkpoint",
+           "read_checkpoint_info", "write_info"]
+
+INFO_FILE = "dspark.json"
+FORMAT_NAME = "dspark-checkpoint"
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CheckpointInfo:
+    """What ``dspark.json`` says about a checkpoint."""
+
+    step_count: int
+    """Optimizer steps the engine had taken when it saved."""
+    strategy: str
+    """The strategy that wrote it ("replicate", "zero1", ...); any strategy can load it."""
+    precision: str
+    """The engine's precision ("fp32", "bf16", "fp16")."""
+    world_size: int
+    """Ranks that wrote it; any world size can load it."""
+    optimizer: str
+    """The optimizer's class name, e.g. "AdamW"."""
+    num_param_groups: int
+    """Parameter groups of the optimizer (the loading optimizer must have as many)."""
+    num_params: int
+    """Elements of all trainable parameters (tied ones once)."""
+    params: dict[str, list[int]] = field(default_factory=dict)
+    """Trainable parameter name -> global shape as saved (0-d parameters as [1])."""
+    dspark_version: str = ""
+    torch_version: str = ""
+    created_utc: str = ""
+    """ISO-8601 time of the save."""
+    format_version: int = FORMAT_VERSION
+
+    def __post_init__(self) -> None:
+        if self.format_version != FORMAT_VERSION:
+            raise CheckpointError(f"checkpoint format_version={self.format_version!r} is not supported "
+                                  f"by this DSpark (valid: {FORMAT_VERSION})")
+
+
+def is_checkpoint(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a directory holding a DSpark checkpoint (its ``dspark.json``).
+
+    Example::
+
+        if dspark.checkpoint.is_checkpoint("ckpt"):
+            engine.load("ckpt")
+    """
+    return (Path(path) / INFO_FILE).is_file()
+
+
+def write_info(directory: Path, info: CheckpointInfo) -> None:
+    """Write ``info`` as ``directory/dspark.json`` (rank 0 only; the directory is not yet published).
+
+    Example::
+
+        write_info(Path("/tmp/ck.tmp"), CheckpointInfo(step_count=3, strategy="zero2", ...))
+    """
+    payload = {"format": FORMAT_NAME, **asdict(info)}
+    path = directory / INFO_FILE
+    with open(path, "w", encoding="utf-8") as out:
+        json.dump(payload, out, indent=2)
+        out.write("\n")
+        out.flush()
+        os.fsync(out.fileno())
+
+
+def read_checkpoint_info(path: str | os.PathLike[str]) -> CheckpointInfo:
+    """The description of the checkpoint at ``path``.
+
+    Raises :class:`CheckpointNotFoundError` when there is no DSpark checkpoint there and
+    :class:`CheckpointError` when ``dspark.json`` is damaged.
+
+    Example::
+
+        info = dspark.checkpoint.read_checkpoint_info("ckpt")
+        info.step_count, info.strategy, info.world_size    # (200, 'zero3', 2)
+    """
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path={path!r} must be a str or os.PathLike, got {type(path).__name__}")
+    directory = Path(path)
+    if not directory.exists():
+        stranded = sorted(p.name for p in directory.parent.glob(f".{directory.name}.old-*"))
+        hint = (f"; a previous checkpoint was left at {stranded[0]!r} by a save interrupted while "
+                "it was being replaced: rename it to restore it") if stranded else ""
+        raise CheckpointNotFoundError(f"no checkpoint at {str(path)!r}: the path does not exist{hint}")
+    if not directory.is_dir():
+        raise CheckpointNotFoundError(f"no checkpoint at {str(path)!r}: it is a file, a checkpoint "
+                                      "is a directory")
+    info_path = directory / INFO_FILE
+    if not info_path.is_file():
+        raise CheckpointNotFoundError(
+            f"no checkpoint at {str(path)!r}: the directory has no {INFO_FILE} (a DSpark checkpoint "
+            f"is written by engine.save(path); it holds {_listing(directory)})")
+    try:
+        raw: Any = json.loads(info_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{str(info_path)!r} is damaged ({type(exc).__name__}: {exc})") from exc
+    if not isinstance(raw, dict) or raw.pop("format", None) != FORMAT_NAME:
+        raise CheckpointError(f"{str(info_path)!r} is not a DSpark checkpoint description "
+                              f"(no \"format\": {FORMAT_NAME!r})")
+    try:
+        return CheckpointInfo(**raw)
+    except TypeError as exc:
+        raise CheckpointError(f"{str(info_path)!r} has unexpected fields ({exc})") from exc
+
+
+def _listing(directory: Path, limit: int = 5) -> str:
+    names = sorted(p.name for p in directory.iterdir())
+    if not names:
+        return "nothing"
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(repr(n) for n in names[:limit]) + more

@@ -1,0 +1,123 @@
+"""Where each piece of an engine's state lives in a checkpoint, as pure rules (no process group).
+
+[Note: checkpoint layout] One flat DCP state dict, keyed by name, independent of the strategy and
+world size that wrote it:
+
+    model/<name>              trainable parameters, in their *rows view* (a 0-d parameter is saved
+                              as shape (1,), the only way to split it along dim 0), written as
+                              Shard(0) shards by every rank under zero1/2/3, once under replicate;
+                              frozen parameters and persistent buffers as they are
+    optim/<name>/<key>        optimizer state of that parameter: per-element tensors (AdamW's
+                              exp_avg, exp_avg_sq) in the parameter's rows view and split like it;
+                              scalars (``step``) and other values replicated
+    optim_groups              the param_groups' hyper-parameters (lr, betas, ...), without params
+    engine/step_count         optimizer steps taken
+    engine/loss_scale, engine/loss_scale_good_steps     the fp16 loss scaler, when there is one
+
+A tied parameter is saved once, under its first name. Because every sharded tensor is saved with
+its global shape, DCP can load it at any world size and into any strategy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+
+__all__ = [
+    "GROUPS_KEY",
+    "LOSS_SCALE_GOOD_STEPS_KEY",
+    "LOSS_SCALE_KEY",
+    "STEP_COUNT_KEY",
+    "first_mismatch",
+    "is_per_element",
+    "model_key",
+    "optim_key",
+    "optim_prefix",
+    "rows_shape",
+]
+
+GROUPS_KEY = "optim_groups"
+STEP_COUNT_KEY = "engine/step_count"
+LOSS_SCALE_KEY = "engine/loss_scale"
+LOSS_SCALE_GOOD_STEPS_KEY = "engine/loss_scale_good_steps"
+
+
+def model_key(name: str) -> str:
+    """The checkpoint key of a parameter or buffer: ``model_key("layers.0.weight")`` is
+    ``"model/layers.0.weight"``."""
+    return f"model/{name}"
+
+
+def optim_prefix(name: str) -> str:
+    """The prefix of every optimizer-state key of parameter ``name`` (names never hold ``/``)."""
+    return f"optim/{name}/"
+
+
+def optim_key(name: str, state_key: str) -> str:
+    """The checkpoint key of one optimizer-state entry: ``optim_key("w", "exp_avg")`` is
+    ``"optim/w/exp_avg"``."""
+    return optim_prefix(name) + state_key
+
+
+def rows_shape(shape: Sequence[int]) -> tuple[int, ...]:
+    """A parameter's shape as it is split along dim 0: 0-d parameters count as one row.
+
+    Example::
+
+        rows_shape(())      # (1,)
+        rows_shape((7, 2))  # (7, 2)
+    """
+    return tuple(int(s) for s in shape) if len(shape) else (1,)
+
+
+def is_per_element(state_key: str, value_shape: Sequence[int], param_shape: Sequence[int]) -> bool:
+    """Whether an optimizer-state tensor holds one value per parameter element (and so is sharded
+    like the parameter) rather than a scalar for the whole parameter (replicated).
+
+    A state tensor of the parameter's shape is per-element. A 0-d parameter makes that ambiguous:
+    its exp_avg and its ``step`` are both 0-d; there ``step`` (the one scalar PyTorch's optimizers
+    keep per parameter) is the scalar.
+
+    Example::
+
+        is_per_element("exp_avg", (7, 2), (7, 2))   # True
+        is_per_element("step", (), (7, 2))          # False
+        is_per_element("step", (), ())              # False: the 0-d case, decided by the key
+    """
+    if tuple(value_shape) != tuple(param_shape):
+        return False
+    return len(param_shape) > 0 or state_key != "step"
+
+
+def first_mismatch(model: Sequence[tuple[str, tuple[int, ...]]],
+                   checkpoint: Mapping[str, tuple[int, ...]], *,
+                   aliases: Collection[str] = ()) -> str | None:
+    """The first difference between a model's tensors and a checkpoint's, in the model's order,
+    worded for an error message; None when they match.
+
+    ``model`` lists ``(name, shape)``; ``checkpoint`` maps name to shape; ``aliases`` are the model's
+    other names of tied parameters (a checkpoint may hold them, e.g. one written by an untied model).
+
+    Example::
+
+        first_mismatch([("w", (3, 2))], {"w": (4, 2)})
+        # "parameter 'w' has shape (3, 2) in the model but (4, 2) in the checkpoint"
+    """
+    for name, shape in model:
+        if name not in checkpoint:
+            return (f"parameter {name!r} {tuple(shape)} is not in the checkpoint (it holds "
+                    f"{_some(checkpoint)})")
+        if tuple(checkpoint[name]) != tuple(shape):
+            return (f"parameter {name!r} has shape {tuple(shape)} in the model but "
+                    f"{tuple(checkpoint[name])} in the checkpoint")
+    known = {name for name, _ in model} | set(aliases)
+    extra = [name for name in checkpoint if name not in known]
+    if extra:
+        return (f"the checkpoint holds parameter {extra[0]!r} {tuple(checkpoint[extra[0]])} that the "
+                f"model does not have ({len(extra)} such tensor(s))")
+    return None
+
+
+def _some(names: Mapping[str, object], limit: int = 4) -> str:
+    listed = ", ".join(repr(n) for n in list(names)[:limit])
+    more = len(names) - limit
+    return f"{listed}{f' and {more} more' if more > 0 else ''}" if names else "no parameters"

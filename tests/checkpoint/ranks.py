@@ -1,0 +1,105 @@
+"""Rank functions shared by the checkpoint tests (module-level, so the rank pool can run them).
+
+Every function trains on this rank's slice of the same global batches as tests/engine/harness.py,
+so a run at any world size and strategy follows the same trajectory up to float rounding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any
+from unittest import mock
+
+import torch
+
+import dspark
+from dspark.checkpoint import CheckpointSaveError
+from tests.engine import tiny_models as tm
+from tests.engine.harness import GLOBAL_BATCH, LR
+
+SAVED_STEPS = 2
+"""Steps taken before the save; the test then compares one more step after it."""
+SAVED_LR = LR / 2
+"""The learning rate at the save, changed mid-run as a schedule would: a load must bring it back."""
+SAVED_LOSS_SCALE = 2.0**10
+"""An fp16 loss scale after some back-offs: a load must bring it back (the default is 2**16)."""
+
+
+def make_engine(name: str, strategy: str, *, seed: int = 0, precision: str = "fp32") -> dspark.Engine:
+    return dspark.Engine(tm.make(name, seed=seed), optimizer=functools.partial(torch.optim.AdamW, lr=LR),
+                         strategy=strategy, precision=precision, bucket_mb=1e-4)
+
+
+def train(engine: dspark.Engine, name: str, steps: range) -> None:
+    for step in steps:
+        x, y = tm.batch(name, GLOBAL_BATCH, step)
+        xl, yl = dspark.distribute_batch((x, y), shard_dim=0)
+        engine.backward(tm.loss_fn(name, engine(xl), yl))
+        if not engine.step():
+            raise AssertionError(f"step {step} was skipped (fp16 overflow): the test needs every step")
+
+
+def save_then_continue(path: str, name: str, strategy: str, *, precision: str = "fp32") -> dict[str, Any]:
+    """Train SAVED_STEPS steps, save at ``path``, train one more: the state a resumed run must reach."""
+    engine = make_engine(name, strategy, precision=precision)
+    train(engine, name, range(SAVED_STEPS))
+    for group in engine.optimizer.param_groups:
+        group["lr"] = SAVED_LR
+    if engine.loss_scaler is not None:
+        engine.loss_scaler.scale = SAVED_LOSS_SCALE
+    engine.save(path)
+    train(engine, name, range(SAVED_STEPS, SAVED_STEPS + 1))
+    out = {"state": engine.full_state_dict(), "step_count": engine.step_count}
+    engine.close()
+    return out
+
+
+def load_then_continue(path: str, name: str, strategy: str, *, precision: str = "fp32") -> dict[str, Any]:
+    """A fresh engine (another initialisation, no optimizer step yet) loads ``path`` and takes the
+    step after the save."""
+    engine = make_engine(name, strategy, seed=1, precision=precision)
+    info = engine.load(path)
+    loaded = {"step_count": engine.step_count, "lr": engine.optimizer.param_groups[0]["lr"],
+              "loss_scale": engine.loss_scale, "info": info,
+              "optimizer_bytes": engine.memory_report()["optimizer_bytes"]}
+    train(engine, name, range(SAVED_STEPS, SAVED_STEPS + 1))
+    out = {**loaded, "state": engine.full_state_dict()}
+    engine.close()
+    return out
+
+
+def save_with_failing_rank(path: str, failing_rank: int) -> str:
+    """Train one step and save with ``failing_rank``'s shard write failing (a full disk, say);
+    returns the error this rank raised."""
+    import torch.distributed.checkpoint as dcp
+
+    engine = make_engine("mlp", "zero2")
+    train(engine, "mlp", range(1))
+
+    def disk_full(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(28, "No space left on device (simulated)")
+
+    failing = dspark.get_world().rank == failing_rank
+    patch = (mock.patch.object(dcp.FileSystemWriter, "write_data", disk_full) if failing
+             else contextlib.nullcontext())
+    try:
+        with patch:
+            engine.save(path)
+    except CheckpointSaveError as exc:
+        return str(exc)
+    finally:
+        engine.close()
+    raise AssertionError("the save did not fail")
+
+
+def load_error(path: str, name: str, strategy: str) -> tuple[str, str]:
+    """Load ``path`` into a ``name`` engine; returns (error type, message) of what it raised."""
+    engine = make_engine(name, strategy)
+    try:
+        engine.load(path)
+    except Exception as exc:
+        return type(exc).__name__, str(exc)
+    finally:
+        engine.close()
+    raise AssertionError("the load did not fail")

@@ -1,0 +1,118 @@
+"""What a failed save leaves behind (nothing new), and the errors a load gives: no checkpoint,
+another model, a partial or damaged directory; on every rank, before anything is changed."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from dspark.checkpoint import CheckpointError, CheckpointNotFoundError, read_checkpoint_info
+from tests.checkpoint.ranks import (
+    load_error,
+    load_then_continue,
+    make_engine,
+    save_then_continue,
+    save_with_failing_rank,
+    train,
+)
+
+
+@pytest.fixture(scope="module")
+def two_rank_checkpoint(pool, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A zero3 checkpoint written by 2 ranks (two shard files); tests damage copies of it."""
+    path = tmp_path_factory.mktemp("saved") / "ckpt"
+    pool.run(save_then_continue, str(path), "mlp", "zero3")
+    return path
+
+
+@pytest.fixture
+def copy(two_rank_checkpoint: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(two_rank_checkpoint, tmp_path / "ckpt"))
+
+
+@pytest.mark.parametrize("failing_rank", [0, 1])
+def test_a_failed_save_keeps_the_old_checkpoint_and_leaves_no_partial_dir(
+        pool, single_process, two_rank_checkpoint: Path, copy: Path, failing_rank: int) -> None:
+    before = {p.name: p.read_bytes() for p in copy.iterdir()}
+    messages = pool.run(save_with_failing_rank, str(copy), failing_rank)
+    for message in messages:  # every rank raised, naming the rank whose write failed
+        assert f"failed on rank(s) [{failing_rank}]" in message and "No space left" in message
+    assert {p.name: p.read_bytes() for p in copy.iterdir()} == before
+    assert sorted(p.name for p in copy.parent.iterdir()) == ["ckpt"]  # the staging dir is gone
+    assert load_then_continue(str(copy), "mlp", "replicate")["step_count"] == 2  # and it still loads
+
+
+def test_a_save_replaces_the_old_checkpoint(single_process, copy: Path) -> None:
+    assert read_checkpoint_info(copy).world_size == 2
+    engine = make_engine("mlp", "zero1")
+    train(engine, "mlp", range(1))
+    engine.save(copy)
+    info = read_checkpoint_info(copy)
+    assert (info.world_size, info.strategy, info.step_count) == (1, "zero1", 1)
+    assert sorted(p.name for p in copy.iterdir()) == [".metadata", "__0_0.distcp", "dspark.json"]
+    assert sorted(p.name for p in copy.parent.iterdir()) == ["ckpt"]
+
+
+def test_a_save_refuses_to_replace_what_is_not_a_checkpoint(single_process, tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="is not a DSpark checkpoint") as info:
+        make_engine("mlp", "replicate").save(tmp_path)
+    assert str(tmp_path) in str(info.value)
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_save_and_load_only_between_steps(single_process, copy: Path) -> None:
+    engine = make_engine("mlp", "zero2")
+    x = torch.randn(4, 6)
+    engine.backward(engine(x).square().mean())
+    for call in (engine.save, engine.load):
+        with pytest.raises(RuntimeError, match=r"after 1 of grad_accum_steps=1 backward\(\) calls"):
+            call(copy)
+
+
+def test_another_model_is_refused_on_every_rank_naming_the_first_differing_parameter(
+        pool, two_rank_checkpoint: Path) -> None:
+    for kind, message in pool.run(load_error, str(two_rank_checkpoint), "tied", "zero2"):
+        assert kind == "CheckpointError"
+        assert "'embed.weight' (11, 6) is not in the checkpoint" in message, message
+
+
+def test_a_changed_shape_is_named(single_process, two_rank_checkpoint: Path, monkeypatch) -> None:
+    from tests.engine import tiny_models as tm
+
+    monkeypatch.setattr(tm.TinyMLP.__init__, "__defaults__", (6, 8, 3))  # hidden 7 -> 8
+    kind, message = load_error(str(two_rank_checkpoint), "mlp", "replicate")
+    assert kind == "CheckpointError"
+    assert "'layers.0.weight' has shape (8, 6) in the model but (7, 6) in the checkpoint" in message
+
+
+def test_no_checkpoint_at_the_path(single_process, tmp_path: Path) -> None:
+    engine = make_engine("mlp", "replicate")
+    with pytest.raises(CheckpointNotFoundError, match="the path does not exist") as info:
+        engine.load(tmp_path / "missing")
+    assert isinstance(info.value, FileNotFoundError) and isinstance(info.value, ValueError)
+    with pytest.raises(CheckpointNotFoundError, match=r"has no dspark\.json"):
+        engine.load(tmp_path)
+    with pytest.raises(TypeError, match=r"path=3 must be a str or os\.PathLike"):
+        engine.load(3)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("damage,message", [
+    (lambda d: (d / "__1_0.distcp").unlink(), "partial checkpoint: shard file '__1_0.distcp' is missing"),
+    (lambda d: (d / "__0_0.distcp").write_bytes(b"cut"), "shard file '__0_0.distcp' has 3 bytes"),
+    (lambda d: (d / ".metadata").unlink(), "has no .metadata file"),
+    (lambda d: (d / ".metadata").write_bytes(b"\x80garbage"), ".metadata' cannot be read"),
+    (lambda d: (d / "dspark.json").write_text("{"), "dspark.json' is damaged"),
+])
+def test_partial_or_damaged_checkpoints_are_named(single_process, copy: Path, damage, message: str) -> None:
+    damage(copy)
+    engine = make_engine("mlp", "replicate")
+    before = {k: v.clone() for k, v in engine.module.state_dict().items()}
+    with pytest.raises(CheckpointError) as info:
+        engine.load(copy)
+    assert message in str(info.value)
+    after = engine.module.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # nothing was changed

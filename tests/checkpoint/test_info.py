@@ -1,0 +1,61 @@
+"""``dspark.json``: written for humans, read back to recognise a checkpoint (no process group)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dspark.checkpoint import (
+    CheckpointError,
+    CheckpointInfo,
+    CheckpointNotFoundError,
+    is_checkpoint,
+    read_checkpoint_info,
+)
+from dspark.checkpoint.info import write_info
+
+
+def _info(**overrides: object) -> CheckpointInfo:
+    fields: dict[str, object] = dict(step_count=7, strategy="zero3", precision="bf16", world_size=2,
+                                     optimizer="AdamW", num_param_groups=1, num_params=91,
+                                     params={"w": [7, 6]}, dspark_version="0.1.0", torch_version="2.13")
+    return CheckpointInfo(**{**fields, **overrides})  # type: ignore[arg-type]
+
+
+def test_round_trip_and_readable_json(tmp_path: Path) -> None:
+    write_info(tmp_path, _info())
+    assert is_checkpoint(tmp_path) and not is_checkpoint(tmp_path / "nothing")
+    assert read_checkpoint_info(tmp_path) == _info()
+    raw = json.loads((tmp_path / "dspark.json").read_text())
+    assert raw["format"] == "dspark-checkpoint" and raw["strategy"] == "zero3" and raw["params"]["w"] == [7, 6]
+
+
+def test_a_stranded_old_copy_is_pointed_to(tmp_path: Path) -> None:
+    (tmp_path / ".ck.old-abc").mkdir()
+    with pytest.raises(CheckpointNotFoundError, match=r"left at '.ck.old-abc'"):
+        read_checkpoint_info(tmp_path / "ck")
+
+
+def test_a_file_is_not_a_checkpoint(tmp_path: Path) -> None:
+    (tmp_path / "ck").write_text("x")
+    with pytest.raises(CheckpointNotFoundError, match="it is a file"):
+        read_checkpoint_info(tmp_path / "ck")
+
+
+@pytest.mark.parametrize("payload,message", [
+    ({"format": "other"}, "is not a DSpark checkpoint description"),
+    ({"format": "dspark-checkpoint", "step_count": 1}, "unexpected fields"),
+    ({"format": "dspark-checkpoint", "bogus": 1}, "unexpected fields"),
+])
+def test_foreign_or_damaged_descriptions_are_refused(tmp_path: Path, payload: dict[str, object],
+                                                      message: str) -> None:
+    (tmp_path / "dspark.json").write_text(json.dumps(payload))
+    with pytest.raises(CheckpointError, match=message):
+        read_checkpoint_info(tmp_path)
+
+
+def test_an_unknown_format_version_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match=r"format_version=99 is not supported .*valid: 1"):
+        _info(format_version=99)
