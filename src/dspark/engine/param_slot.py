@@ -11,11 +11,11 @@ per rank and reload at another world size.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import nn
 
-from dspark import comm
 from dspark.tensor import DistTensor, Shard
 from dspark.tensor.shard_math import chunk_size, shard_range
 
@@ -50,8 +50,7 @@ class ParamSlot:
         self.opt_param: nn.Parameter | None = None  # what the optimizer updates
         self.shard_grad: torch.Tensor | None = None  # zero2/3: this rank's reduced gradient, padded
         self.gathered = True
-        self.pending: comm.Handle | None = None
-        self.pending_full: torch.Tensor | None = None
+        self.pending: Any = None  # zero3: the in-flight gather that will fill this parameter
 
     @property
     def name(self) -> str:
@@ -104,24 +103,8 @@ class ParamSlot:
         self.param.data = _empty_like(self.param)
         self.gathered = False
 
-    def start_gather(self) -> None:
-        """Launch the all-gather of the full parameter (no-op when gathered or already in flight)."""
-        if self.gathered or self.pending is not None:
-            return
-        if self.padded_shard is None:
-            raise AssertionError(f"{self.name}: gather without a shard")
-        full = self.padded_shard.new_empty((self.chunk * self.num_ranks, *self.padded_shard.shape[1:]))
-        self.pending = comm.all_gather_into_tensor(full, self.padded_shard, async_op=True)
-        self.pending_full = full
-
-    def finish_gather(self) -> None:
-        if self.gathered:
-            return
-        self.start_gather()
-        if self.pending is None or self.pending_full is None:
-            raise AssertionError(f"{self.name}: gather was not launched")
-        self.pending.wait()
-        full = self.pending_full
-        self.pending = self.pending_full = None
-        self.param.data = full.reshape(-1)[: self.numel].view(self.shape)
+    def set_full(self, padded_full: torch.Tensor) -> None:
+        """Install the gathered parameter (``chunk * N`` rows, the padding at the end)."""
+        self.param.data = padded_full.reshape(-1)[: self.numel].view(self.shape)
         self.gathered = True
+        self.pending = None

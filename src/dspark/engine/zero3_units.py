@@ -25,9 +25,45 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from dspark import comm
 from dspark.engine.param_slot import ParamSlot
 
 __all__ = ["Zero3Scheduler", "unit_modules"]
+
+
+class _Gather:
+    """One all-gather of several parameters' shards, packed into one flat buffer.
+
+    Rank ``r``'s segment of the output holds its shard of every parameter in order, so parameter
+    ``i`` is the strided column ``out[:, off_i:off_i + shard_i]``; copying it out gives the full,
+    padded parameter (``chunk * N`` rows)."""
+
+    def __init__(self, slots: list[ParamSlot]) -> None:
+        self.slots = slots
+        send = torch.cat([_shard(s).reshape(-1) for s in slots])
+        self.out = send.new_empty((slots[0].num_ranks, send.numel()))  # (N, sum of shards)
+        self.handle: comm.Handle | None = comm.all_gather_into_tensor(self.out, send, async_op=True)
+        for slot in slots:
+            slot.pending = self
+
+    def finish(self) -> None:
+        if self.handle is None:
+            return
+        self.handle.wait()
+        self.handle = None
+        offset = 0
+        for slot in self.slots:
+            column = self.out[:, offset: offset + slot.shard_numel]
+            offset += slot.shard_numel
+            if slot.pending is self:
+                slot.set_full(column.reshape(-1))
+        del self.out
+
+
+def _shard(slot: ParamSlot) -> torch.Tensor:
+    if slot.padded_shard is None:
+        raise AssertionError(f"{slot.name}: gather without a shard")
+    return slot.padded_shard
 
 
 class _Unit:
@@ -88,19 +124,22 @@ class Zero3Scheduler:
         return [p for p in params if not (id(p) in seen or seen.add(id(p)))]  # type: ignore[func-returns-value]
 
     # -- gathering -------------------------------------------------------------------------------
+    def _start(self, slots: Iterable[ParamSlot]) -> None:
+        """Launch one batched all-gather for the slots that are neither gathered nor in flight."""
+        todo = [s for s in slots if not s.gathered and s.pending is None and id(s) not in self._grad_done]
+        if todo:
+            _Gather(todo)
+
     def _gather(self, slots: Iterable[ParamSlot]) -> None:
-        pending = [s for s in slots if not s.gathered and id(s) not in self._grad_done]
-        for slot in pending:
-            slot.start_gather()
-        for slot in pending:
-            slot.finish_gather()
+        slots = list(slots)
+        self._start(slots)
+        for slot in slots:
+            if slot.pending is not None:
+                slot.pending.finish()
 
     def _prefetch(self, unit_index: int | None) -> None:
-        if unit_index is None:
-            return
-        for slot in self.units[unit_index].slots:
-            if id(slot) not in self._grad_done:
-                slot.start_gather()
+        if unit_index is not None:
+            self._start(self.units[unit_index].slots)
 
     def _neighbour(self, unit: _Unit, step: int) -> int | None:
         if unit.index not in self._order:
@@ -146,7 +185,7 @@ class Zero3Scheduler:
         """The parameter's gradient is complete for this backward: its full value is not needed."""
         self._grad_done.add(id(slot))
         if slot.pending is not None:
-            slot.finish_gather()
+            slot.pending.finish()
         if slot.gathered:
             slot.free_full()
 
@@ -154,7 +193,7 @@ class Zero3Scheduler:
         """Free whatever is still gathered (or in flight) and reset for the next step."""
         for slot in self._slots:
             if slot.pending is not None:
-                slot.finish_gather()
+                slot.pending.finish()
             if slot.gathered:
                 slot.free_full()
             self._holders[id(slot)] = 0
