@@ -136,7 +136,7 @@ def test_regression_beyond_noise_with_what_changed() -> None:
                       torch_version="2.13.0")
     (found,) = regression(new, old)
     assert found["message"].startswith("step time rose 14.3% since run run-old (280 ms vs 245 ms),"
-                                       " beyond the noise band of 5.0%; what changed: commit")
+                                       " beyond the noise band of 10.0%; what changed: commit")
     assert "PyTorch '2.12.0' -> '2.13.0'" in found["message"]
     assert found["previous_run_id"] == "run-old"
     same_code = make_result(run_id="run-new", step_ms=280.0)

@@ -22,7 +22,7 @@ def test_spread_and_band() -> None:
 
 @pytest.mark.parametrize(("old", "new", "verdict"), [
     (_run(245.0), _run(280.0), "slower"),                  # +14% on steady runs
-    (_run(245.0), _run(255.0), "within noise"),            # +4% < the 5% floor
+    (_run(245.0), _run(265.0), "within noise"),            # +8% < the 10% floor
     (_run(245.0, 0.20), _run(280.0, 0.20), "within noise"),  # +14% but steps scatter by 20%
     (_run(280.0), _run(245.0), "faster"),
     (_run(100.0, 0.30), _run(70.0), "faster"),            # 100/70 = 1.43 > 1.30

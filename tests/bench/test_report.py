@@ -72,7 +72,7 @@ def test_comparison_renders_rows_and_counts() -> None:
     b = [make_result(step_ms=130.0)]
     render_comparison(compare(a, b, a_label="run-1", b_label="run-2"), console)
     text = console.export_text()
-    assert "run-2 vs run-1" in text and "+30.0%" in text and "±5%" in text
+    assert "run-2 vs run-1" in text and "+30.0%" in text and "±10%" in text
     assert "0 faster, 1 slower, 0 within noise, 1 only in A, 0 only in B" in text
 
 

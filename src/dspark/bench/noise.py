@@ -2,10 +2,11 @@
 
 [Note: noise rule]
 Two measurements of one configuration differ beyond noise when the median moved by more than
-the noise band, ``band = max(5%, spread(a), spread(b))`` where ``spread = (p90 - p10) / median``
+the noise band, ``band = max(10%, spread(a), spread(b))`` where ``spread = (p90 - p10) / median``
 of each run's timed steps. So a run whose steps scatter by 12% needs a 12% move before it counts,
-and even perfectly steady runs need 5% (timers, frequency scaling and background load move a
-CPU step by a few percent between invocations). The test is symmetric in ratio: B is *slower*
+and even perfectly steady runs need 10%: between invocations a CPU step moves more than within
+one (on this project's shared 2-core box, five back-to-back runs of the same 1-device
+resnet50-cpu configuration had medians from 398 to 453 ms, each with a p10-p90 spread under 5%). The test is symmetric in ratio: B is *slower*
 when ``B > A * (1 + band)`` and *faster* when ``B < A / (1 + band)``. Regressions (analysis) and
 ``dspark bench compare`` both use it, so a report and a comparison never disagree.
 """
@@ -18,7 +19,7 @@ from dspark.bench.result import BenchResult
 
 __all__ = ["NOISE_FLOOR", "Verdict", "noise_band", "relative_spread", "timing_verdict"]
 
-NOISE_FLOOR = 0.05
+NOISE_FLOOR = 0.10
 """The smallest relative change ever called a difference (see [Note: noise rule])."""
 
 Verdict = Literal["faster", "slower", "within noise"]
@@ -41,7 +42,7 @@ def noise_band(a: BenchResult, b: BenchResult) -> float:
 
     Example::
 
-        noise_band(old, new)   # 0.05 for two steady runs
+        noise_band(old, new)   # 0.10 for two steady runs
     """
     return max(NOISE_FLOOR, relative_spread(a), relative_spread(b))
 
