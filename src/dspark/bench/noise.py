@@ -6,9 +6,10 @@ the noise band, ``band = max(10%, spread(a), spread(b))`` where ``spread = (p90 
 of each run's timed steps. So a run whose steps scatter by 12% needs a 12% move before it counts,
 and even perfectly steady runs need 10%: between invocations a CPU step moves more than within
 one (on this project's shared 2-core box, five back-to-back runs of the same 1-device
-resnet50-cpu configuration had medians from 398 to 453 ms, each with a p10-p90 spread under 5%). The test is symmetric in ratio: B is *slower*
-when ``B > A * (1 + band)`` and *faster* when ``B < A / (1 + band)``. Regressions (analysis) and
-``dspark bench compare`` both use it, so a report and a comparison never disagree.
+resnet50-cpu configuration had medians from 398 to 453 ms, each with a p10-p90 spread under 5%).
+The test is symmetric in ratio: B is *slower* when ``B > A * (1 + band)`` and *faster* when
+``B < A / (1 + band)``. Regressions (analysis) and ``dspark bench compare`` both use it, so a
+report and a comparison never disagree.
 """
 
 from __future__ import annotations
