@@ -72,3 +72,32 @@ def test_zero3_keeps_only_shards_between_steps(pool) -> None:
     for result in pool.run(_zero3_frees_full_parameters):
         assert all(size == 0 for size in result["sizes"])
         assert result["most_gathered"] < result["slots"]
+
+
+def _placements_and_shards(strategy: str) -> dict:
+    engine = dspark.Engine(tm.make("mlp"), optimizer=functools.partial(torch.optim.AdamW, lr=1e-2),
+                           strategy=strategy)
+    out: dict = {"placements": engine.placements()}
+    if strategy != "replicate":
+        shards = engine.sharded_parameters()
+        out["full"] = {name: d.full() for name, d in shards.items()}
+        out["local_rows"] = {name: d.local.shape[0] for name, d in shards.items()}
+    out["state"] = engine.full_state_dict()
+    engine.close()
+    return out
+
+
+@pytest.mark.parametrize("strategy,sharded", [
+    ("replicate", (False, False, False)), ("zero1", (False, False, True)),
+    ("zero2", (False, True, True)), ("zero3", (True, True, True))])
+def test_placements_say_what_each_strategy_shards(pool, strategy: str, sharded: tuple) -> None:
+    r0, r1 = pool.run(_placements_and_shards, strategy)
+    for part, is_sharded in zip(("params", "grads", "optimizer_state"), sharded, strict=True):
+        want = dspark.Shard(0) if is_sharded else dspark.Replicate()
+        assert set(r0["placements"][part].values()) == {want}, (part, r0["placements"][part])
+    if strategy != "replicate":
+        # the shards are real: rows split 4 + 3 for the 7-row layers, and gathering them back
+        # gives the whole parameter
+        assert r0["local_rows"]["layers.0.weight"] == 4 and r1["local_rows"]["layers.0.weight"] == 3
+        for name, full in r0["full"].items():
+            assert torch.equal(full.reshape(r0["state"][name].shape), r0["state"][name]), name

@@ -32,6 +32,7 @@ from dspark.engine.memory import expected_state_bytes, optimizer_state_elements,
 from dspark.engine.param_slot import ParamSlot
 from dspark.engine.policy import precision_policy, sharding_policy
 from dspark.engine.zero3_units import Zero3Scheduler
+from dspark.tensor import DistTensor, Placement, Replicate, Shard
 
 if TYPE_CHECKING:
     from dspark.checkpoint import CheckpointInfo
@@ -382,6 +383,31 @@ class Engine:
     def loss_scale(self) -> float | None:
         """The current fp16 loss scale (None unless precision is fp16)."""
         return None if self.loss_scaler is None else self.loss_scaler.scale
+
+    def placements(self) -> dict[str, dict[str, Placement]]:
+        """How this engine lays out each trainable parameter, its gradient and its optimizer state
+        across ranks: ``{"params" | "grads" | "optimizer_state": {name: Shard(dim=0) | Replicate()}}``.
+        Nothing is replicated unless the strategy says so.
+
+        Example::
+
+            dspark.Engine(model, optimizer=opt, strategy="zero2").placements()["grads"]["fc.weight"]
+            # Shard(dim=0)
+        """
+        def layout(sharded: bool) -> dict[str, Placement]:
+            return {s.name: (Shard(0) if sharded else Replicate()) for s in self.slots}
+
+        return {"params": layout(self.strategy.shard_params),
+                "grads": layout(self.strategy.shard_grads),
+                "optimizer_state": layout(self.strategy.shard_optimizer)}
+
+    def sharded_parameters(self) -> dict[str, DistTensor]:
+        """This rank's rows of every trainable parameter as a ``Shard(0)`` :class:`DistTensor` (the
+        tensors the optimizer updates); raises under ``replicate``, which shards nothing."""
+        if not self.strategy.shard_optimizer:
+            raise ValueError(f"strategy={self.strategy.name!r} shards nothing; sharded_parameters() "
+                             "needs zero1, zero2 or zero3")
+        return {s.name: s.dist_shard() for s in self.slots}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's parameters and buffers, by name as in ``model.state_dict()``, on every
