@@ -39,6 +39,9 @@ _DEFAULT_STRATEGY = "replicate"
 # (warm-up, measured) steps. CPU steps take ~0.3-1 s, so a handful keeps `quick` to minutes;
 # GPU steps are short and noisier, so they get more of both.
 _CPU_STEPS = (2, 8)
+# The seed table compares runs a few percent apart (a replicated batch on CPU costs each rank the
+# whole compute plus the all-reduce): more steps narrow the median's noise.
+_CPU_SEED_STEPS = (3, 12)
 _GPU_STEPS = (5, 20)
 
 
@@ -159,7 +162,8 @@ def build_suite(name: str = "quick", overrides: SuiteOverrides | None = None, *,
     if overrides.precision is not None:
         _valid("precision", (overrides.precision,), tuple(PRECISIONS))
     _check_devices(devices, machine)
-    warmup, measure = _GPU_STEPS if machine.num_gpus else _CPU_STEPS
+    warmup, measure = (_GPU_STEPS if machine.num_gpus
+                       else _CPU_SEED_STEPS if name == "seed" else _CPU_STEPS)
     steps = {"warmup_steps": warmup if overrides.warmup_steps is None else overrides.warmup_steps,
              "measure_steps": measure if overrides.measure_steps is None else overrides.measure_steps}
 
