@@ -118,9 +118,7 @@ def _destination(engine: Engine, entries: dict[str, Any], names: dict[int, str]
     state: dict[str, Any] = {}
     for slot in engine.slots:
         global_rows = layout.rows_shape(slot.shape)
-        if strategy.shard_params:
-            if slot.padded_shard is None:
-                raise AssertionError(f"{slot.name}: zero3 without a shard")
+        if slot.padded_shard is not None:  # zero3 on several ranks
             state[layout.model_key(names[id(slot)])] = for_dcp(
                 slot.padded_shard[: slot.local_rows], global_rows, sharded=True)
         else:  # every rank holds the whole parameter: read all of it, no gather needed after

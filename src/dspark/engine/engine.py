@@ -112,10 +112,12 @@ class Engine:
         self.slots = self._make_slots()
         n = self.world.world_size
         self._zero3: Zero3Scheduler | None = None
-        if self.strategy.shard_params:
+        if self.strategy.shard_params and n > 1:
             opt_params = [s.shard_and_free_full() for s in self.slots]
             self._zero3 = Zero3Scheduler(self.module, self.slots)
         elif self.strategy.shard_optimizer:
+            # one rank's shard of a parameter is the whole parameter: zero3 on one rank keeps it
+            # in place rather than copying it out and back around every use
             opt_params = [s.view_shard_of_full() for s in self.slots]
         else:
             opt_params = [s.param for s in self.slots]
@@ -462,7 +464,7 @@ class Engine:
         and optimizer state, measured from the tensors, next to what the strategy should hold."""
         n = self.world.world_size
         params_actual = storage_bytes(
-            s.padded_shard if self.strategy.shard_params else s.param for s in self.slots)
+            s.padded_shard if s.padded_shard is not None else s.param for s in self.slots)
         expected = expected_state_bytes(
             (torch.empty(s.shape, dtype=s.dtype, device="meta") for s in self.slots), self.strategy,
             rank=self.world.rank, num_ranks=n, optimizer_state=optimizer_state_elements(self.optimizer))
