@@ -54,13 +54,12 @@ class BenchConfig:
     @property
     def key(self) -> ConfigKey:
         """What makes two results comparable (same workload, devices, strategy, ...)."""
-        return (self.workload, self.num_devices, self.strategy, self.precision,
-                self.batch_placement, self.global_batch)
+        return _key(self)
 
     @property
     def baseline_key(self) -> ConfigKey:
         """The 1-device configuration this one's speedup is measured against."""
-        return (self.workload, 1, self.strategy, self.precision, "shard", self.global_batch)
+        return _baseline_key(self)
 
     def config_hash(self) -> str:
         payload = json.dumps(asdict(self), sort_keys=True)
@@ -125,12 +124,11 @@ class BenchResult:
 
     @property
     def key(self) -> ConfigKey:
-        return (self.workload, self.num_devices, self.strategy, self.precision,
-                self.batch_placement, self.global_batch)
+        return _key(self)
 
     @property
     def baseline_key(self) -> ConfigKey:
-        return (self.workload, 1, self.strategy, self.precision, "shard", self.global_batch)
+        return _baseline_key(self)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -139,3 +137,12 @@ class BenchResult:
     def from_dict(cls, data: dict[str, Any]) -> BenchResult:
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in names})
+
+
+def _key(item: BenchConfig | BenchResult) -> ConfigKey:
+    return (item.workload, item.num_devices, item.strategy, item.precision,
+            item.batch_placement, item.global_batch)
+
+
+def _baseline_key(item: BenchConfig | BenchResult) -> ConfigKey:
+    return (item.workload, 1, item.strategy, item.precision, "shard", item.global_batch)
