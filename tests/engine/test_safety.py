@@ -99,3 +99,10 @@ def test_single_process_engine_matches_plain_pytorch(single_process) -> None:
     for strategy in ("replicate", "zero1", "zero2", "zero3"):
         got = engine_state("tied", strategy, 2)["state"]
         assert rel_error(got, reference_state("tied", 2)) <= 1e-6
+
+
+def test_plain_loss_backward_is_refused_with_the_fix(single_process) -> None:
+    engine = dspark.Engine(tm.make("mlp"), optimizer=ADAMW)
+    x, y = tm.batch("mlp", 4, 0)
+    with pytest.raises(RuntimeError, match=r"call engine\.backward\(loss\)"):
+        tm.loss_fn("mlp", engine(x), y).backward()

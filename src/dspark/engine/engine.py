@@ -132,6 +132,7 @@ class Engine:
             id(slot): (bucket, i) for bucket in self.buckets for i, slot in enumerate(bucket.slots)}
         self._next_bucket = 0
         self._sync_grads = True
+        self._in_backward = False
         self._hooks = [s.param.register_post_accumulate_grad_hook(self._grad_ready_hook(s))
                        for s in self.slots]
 
@@ -194,6 +195,11 @@ class Engine:
 
     def _grad_ready_hook(self, slot: ParamSlot) -> Callable[[torch.Tensor], None]:
         def hook(param: torch.Tensor) -> None:
+            if not self._in_backward:
+                raise RuntimeError(
+                    f"rank {self.world.rank}: gradients of {slot.name} were computed outside "
+                    "engine.backward(loss) (a plain loss.backward()?); call engine.backward(loss) so "
+                    "that the engine can scale, accumulate and reduce them across ranks")
             if self._zero3 is not None:
                 self._zero3.on_grad_accumulated(slot)
             if not self._sync_grads or self.world.world_size == 1:
@@ -238,7 +244,11 @@ class Engine:
         scale = 1.0 / self.grad_accum_steps
         if self.loss_scaler is not None:
             scale *= self.loss_scaler.scale
-        (loss * scale if scale != 1.0 else loss).backward()
+        self._in_backward = True
+        try:
+            (loss * scale if scale != 1.0 else loss).backward()
+        finally:
+            self._in_backward = False
         if self._zero3 is not None:
             self._zero3.end_backward()
         if self._sync_grads:
