@@ -106,3 +106,31 @@ def test_plain_loss_backward_is_refused_with_the_fix(single_process) -> None:
     x, y = tm.batch("mlp", 4, 0)
     with pytest.raises(RuntimeError, match=r"call engine\.backward\(loss\)"):
         tm.loss_fn("mlp", engine(x), y).backward()
+
+
+class _UsesABlockWeightOutsideTheBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(4, 4) for _ in range(2)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x @ self.blocks[0].weight.T  # read outside its block: gone under zero3
+
+
+def _outside_use() -> str:
+    engine = dspark.Engine(_UsesABlockWeightOutsideTheBlock(), optimizer=ADAMW, strategy="zero3")
+    try:
+        engine(torch.randn(2, 4))
+    except RuntimeError as exc:
+        return str(exc)
+    finally:
+        engine.close()
+    return "no error"
+
+
+def test_zero3_explains_a_parameter_used_outside_its_block(pool) -> None:
+    for message in pool.run(_outside_use):
+        assert "[DSpark zero3] parameters are whole only while the block" in message, message
+        assert "blocks.0.weight" in message and "strategy='zero2'" in message

@@ -190,8 +190,22 @@ class Engine:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the model's forward (under autocast for bf16/fp16)."""
-        with self._autocast():
-            return self.module(*args, **kwargs)
+        try:
+            with self._autocast():
+                return self.module(*args, **kwargs)
+        except RuntimeError as exc:
+            if self._zero3 is None:
+                raise
+            freed = [s.name for s in self.slots if not s.gathered]
+            self._zero3.end_backward()  # a failed forward leaves blocks half-gathered: start clean
+            if "shape" not in str(exc) and "size" not in str(exc):
+                raise
+            raise RuntimeError(
+                f"{exc}\n[DSpark zero3] parameters are whole only while the block that owns them runs "
+                f"its forward (blocks are the children of nn.ModuleList/nn.Sequential; the root owns "
+                f"the rest). A parameter read outside its block, e.g. by the parent's forward, is an "
+                f"empty tensor there; freed now: {', '.join(freed[:5])}{' ...' if len(freed) > 5 else ''}. "
+                f"Move that use into the block's forward, or use strategy='zero2'.") from exc
 
     def _grad_ready_hook(self, slot: ParamSlot) -> Callable[[torch.Tensor], None]:
         def hook(param: torch.Tensor) -> None:
