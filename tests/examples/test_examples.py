@@ -29,3 +29,17 @@ def test_train_gpt_loss_goes_down(tmp_path: Path, strategy: str, precision: str)
     assert match.group(1) == strategy and match.group(2) == precision
     first, last = float(match.group(3)), float(match.group(4))
     assert last < 0.85 * first, out
+
+
+def _readme_example() -> str:
+    readme = (EXAMPLES.parent / "README.md").read_text()
+    match = re.search(r"```python\n(.*?)```", readme, re.S)
+    assert match, "README has no python example"
+    return match.group(1)
+
+
+@pytest.mark.slow
+def test_the_readme_example_runs_on_two_ranks(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(_readme_example())
+    _dspark_run(tmp_path, str(script))
