@@ -34,7 +34,6 @@ class GradBucket:
         self.launched = False
         self._handle: comm.Handle | None = None
         self._buffer: torch.Tensor | None = None  # what the collective writes
-        self._used_here: list[bool] = []
 
     def mark_ready(self, slot_index: int) -> bool:
         """Record that slot ``slot_index`` of this bucket has its gradient; True when all have."""
@@ -57,8 +56,8 @@ class GradBucket:
         n = len(self.slots)
         dtype = self._wire_dtype()
         device = self.slots[0].param.device
-        self._used_here = [s.param.grad is not None for s in self.slots]
-        flags = torch.tensor([float(u) for u in self._used_here], dtype=dtype, device=device)
+        flags = torch.tensor([float(s.param.grad is not None) for s in self.slots], dtype=dtype,
+                             device=device)
         if not self.shard_grads:
             buf = torch.empty(self.numel + n, dtype=dtype, device=device)
             offset = 0
