@@ -96,6 +96,18 @@ def test_model_state_above_the_strategy_formula() -> None:
     assert memory_above_expected(make_result(model_state_bytes_expected_per_rank=0), None) == []
 
 
+def test_model_state_excess_names_the_tensors_that_exceed() -> None:
+    # zero2 on 2 ranks with gradients left whole: params 100 (100), grads 100 (50), optimizer 100 (100)
+    parts = {"params": [100 * MB, 100 * MB], "grads": [100 * MB, 50 * MB],
+             "optimizer": [100 * MB, 100 * MB]}
+    result = make_result(num_devices=2, strategy="zero2", model_state_bytes_per_rank=300 * MB,
+                         model_state_bytes_expected_per_rank=250 * MB, model_state_parts=parts)
+    (found,) = memory_above_expected(result, make_result())
+    assert found["message"].endswith(
+        "(1.20x): the gradients (100.0 MB held, 50.0 MB needed) held whole where the strategy "
+        "shards them"), found["message"]
+
+
 def test_activations_above_a_sharded_share() -> None:
     one = make_result()  # 2000 MB of activations on 1 device: 1000 MB is a 1/2 share
     heavy = make_result(num_devices=2, peak_bytes_per_rank=MODEL_STATE_BYTES + 1600 * MB)

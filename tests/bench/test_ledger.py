@@ -28,6 +28,7 @@ def _every_field_set() -> BenchResult:
         step_ms_p90=14.0, samples_per_s=5120.0, peak_bytes_per_rank=123_456_789,
         model_state_bytes_per_rank=98_765_432, local_batch=64,
         model_state_bytes_expected_per_rank=55_555_555, replicated_inputs=["batch[0]"],
+        model_state_parts={"params": [1, 2], "grads": [3, 4], "optimizer": [5, 6]},
         comm_bytes_per_step=4321, comm_wire_bytes_per_step=8642, bus_bytes_per_s=1.5e9,
         speedup=0.87, efficiency=0.435,
         anomalies=[{"kind": "negative_scaling", "message": "slow", "speedup": 0.87}],

@@ -171,6 +171,21 @@ def replicated_batch(result: BenchResult, baseline: BenchResult | None) -> list[
     return [_anomaly("replicated_batch", message, **numbers)]
 
 
+_PART_NAMES = {"params": "the parameters", "grads": "the gradients",
+               "optimizer": "the optimizer state"}
+
+
+def _excess_parts(result: BenchResult) -> str:
+    """Which model-state tensors exceed the formula, e.g. "the gradients (59.5 MB held, 29.7 MB
+    needed) are replicated where they should be sharded"."""
+    over = [f"{_PART_NAMES.get(part, part)} ({format_mb(held)} held, {format_mb(need)} needed)"
+            for part, (held, need) in result.model_state_parts.items()
+            if held > need * (1 + MODEL_STATE_TOLERANCE) + MEMORY_SLACK_BYTES / 3]
+    if not over:
+        return "a tensor is replicated where it should be sharded"
+    return " and ".join(over) + " held whole where the strategy shards them"
+
+
 def memory_above_expected(result: BenchResult,
                           baseline: BenchResult | None) -> list[dict[str, Any]]:
     """A rank holds more than its strategy needs: (a) model state above the ZeRO formula, or
@@ -188,8 +203,7 @@ def memory_above_expected(result: BenchResult,
         found.append(_anomaly(
             "memory_above_expected",
             f"rank holds {format_mb(held)} of model state, the {result.strategy} strategy needs "
-            f"{format_mb(expected_state)} ({held / expected_state:.2f}x): a tensor is replicated "
-            "where it should be sharded",
+            f"{format_mb(expected_state)} ({held / expected_state:.2f}x): {_excess_parts(result)}",
             memory="model_state", model_state_bytes_per_rank=held,
             model_state_bytes_expected_per_rank=expected_state, ratio=held / expected_state))
     expected_activation = _expected_activation_bytes(result, baseline)

@@ -93,6 +93,9 @@ class BenchResult:
     """Samples each rank actually processed per step (global / N when sharded)."""
     model_state_bytes_expected_per_rank: int = 0
     """What the strategy should hold for parameters + gradients + optimizer state (ZeRO formulas)."""
+    model_state_parts: dict[str, list[int]] = field(default_factory=dict)
+    """``{"params" | "grads" | "optimizer": [bytes held, bytes the strategy needs]}`` on the rank
+    holding the most model state: which tensors exceed the formula when the total does."""
     replicated_inputs: list[str] = field(default_factory=list)
     """Batch tensors each rank held whole although num_devices > 1 (e.g. ``"batch[0]"``)."""
     comm_bytes_per_step: int = 0

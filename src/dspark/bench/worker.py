@@ -45,6 +45,7 @@ _LEARNING_RATE = 3e-4
 _BUS_PROBE_BYTES = 16 * 2**20
 """Large enough that a ring all-reduce is bandwidth-bound, small enough to take milliseconds."""
 _BUS_PROBE_REPEATS = 3
+_STATE_PARTS = ("params", "grads", "optimizer")
 
 Batch = tuple[torch.Tensor, ...]
 
@@ -220,6 +221,13 @@ def run_config(config: BenchConfig) -> BenchResult:
                              int(memory["total_bytes_expected"])], dtype=torch.int64, device=device)
     comm.all_reduce(per_rank, op="max")
     peak_max, state_max, state_expected_max = (int(v) for v in per_rank.tolist())
+    parts = {part: [int(memory[f"{part}_bytes"]), int(memory[f"{part}_bytes_expected"])]
+             for part in _STATE_PARTS}
+    # the parts of the rank that holds the most model state (every rank asks; all get one answer)
+    owner = torch.tensor([int(memory["total_bytes"]), world.rank], dtype=torch.int64, device=device)
+    everyone = comm.all_gather(owner)
+    heaviest = max(range(len(everyone)), key=lambda r: (int(everyone[r][0]), -r))
+    parts = comm.broadcast_object(parts, src=heaviest)
     median_ms, p10_ms, p90_ms = step_time_summary(step_ms.tolist())
     provenance = collect_provenance(device=device, backend=world.backend)
     return BenchResult(
@@ -228,7 +236,7 @@ def run_config(config: BenchConfig) -> BenchResult:
         samples_per_s=config.global_batch / (median_ms / 1e3),
         peak_bytes_per_rank=peak_max,
         model_state_bytes_per_rank=state_max,
-        model_state_bytes_expected_per_rank=state_expected_max,
+        model_state_bytes_expected_per_rank=state_expected_max, model_state_parts=parts,
         local_batch=trainer.local_batch, replicated_inputs=trainer.replicated,
         comm_bytes_per_step=sum(e.bytes for e in traffic.values()) // config.measure_steps,
         comm_wire_bytes_per_step=sum(e.wire_bytes for e in traffic.values()) // config.measure_steps,

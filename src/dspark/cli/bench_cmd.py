@@ -26,7 +26,6 @@ from rich.table import Table
 __all__ = ["add_parser", "run"]
 
 EXIT_FAILED = 1
-_CSV_LIST_FIELDS = ("replicated_inputs", "anomalies")
 # Rich assumes 80 columns when stdout is not a terminal (`make bench | tee`, CI logs), which
 # squeezes the results table into unreadable cells.
 _PIPE_WIDTH = 180
@@ -285,7 +284,7 @@ def _export(args: argparse.Namespace) -> int:
             writer.writeheader()
             for row in rows:
                 # Lists and dicts as JSON text: one cell each, and readable back.
-                writer.writerow({k: json.dumps(v) if k in _CSV_LIST_FIELDS else v
+                writer.writerow({k: json.dumps(v) if isinstance(v, (list, dict)) else v
                                  for k, v in row.items()})
         path = args.csv
     _console().print(f"wrote {len(rows)} results to {path}")
