@@ -61,3 +61,10 @@ def test_a_bug_keeps_its_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(env_cmd, "run", broken)
     with pytest.raises(RuntimeError, match="internal bug"):
         main(["env"])
+
+
+def test_run_errors_name_the_subcommand(capsys) -> None:
+    from dspark.cli.main import main
+
+    assert main(["run", "--nproc", "0", "x.py"]) == 2
+    assert capsys.readouterr().err.startswith("dspark run: error: nproc=0 must be >= 1")

@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"dspark {__version__}")
     parser.add_argument("-v", "--verbose", action="count", default=0,
                         help="log more (-v: info, -vv: debug)")
-    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    subparsers = parser.add_subparsers(dest="subcommand", metavar="COMMAND", required=True)
     for name in COMMAND_MODULES:
         importlib.import_module(name).add_parser(subparsers)
     return parser
@@ -91,7 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         parser = build_parser()
         args = parser.parse_args(args_list)
-        command = f"dspark {args.command}"
+        command = f"dspark {args.subcommand}"
         logging.basicConfig(level=(logging.WARNING, logging.INFO, logging.DEBUG)[min(args.verbose, 2)],
                             format="%(levelname)s %(name)s: %(message)s")
         return int(args.func(args))
