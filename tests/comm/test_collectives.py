@@ -93,3 +93,9 @@ def test_calls_before_init_say_how_to_fix() -> None:
     dspark.shutdown()
     with pytest.raises(dspark.NotInitializedError, match=r"dspark.init\(\)"):
         comm.all_reduce(torch.ones(1))
+
+
+def test_init_twice_returns_the_world_or_refuses_another_backend(single_process) -> None:
+    assert dspark.init() is single_process
+    with pytest.raises(ValueError, match="already initialised with backend 'none'"):
+        dspark.init(backend="gloo")

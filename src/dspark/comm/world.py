@@ -114,6 +114,9 @@ def init(backend: str = "auto", *, timeout: float | _dt.timedelta = 300.0) -> Wo
     global _world
     timeout_s = _timeout_seconds(timeout)
     if _world is not None:
+        if backend not in ("auto", _world.backend):
+            raise ValueError(f"dspark.init(backend={backend!r}): already initialised with backend "
+                             f"{_world.backend!r}; call dspark.shutdown() first to change it")
         return _world
     launched = all(name in os.environ for name in _LAUNCHER_VARS)
     rank = _env_int("RANK", 0)
