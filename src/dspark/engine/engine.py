@@ -347,7 +347,8 @@ class Engine:
         return True
 
     def _found_overflow(self, grads: list[torch.Tensor]) -> bool:
-        local = any(not bool(torch.isfinite(g).all()) for g in grads)
+        # one sync for all gradients: an inf/nan anywhere in a tensor makes its norm inf/nan
+        local = bool(grads) and not bool(torch.isfinite(torch.stack(torch._foreach_norm(grads))).all())
         if not self.strategy.shard_grads:
             return local  # every rank holds the same all-reduced gradients: inf/nan is everywhere
         flag = torch.tensor([1.0 if local else 0.0], device=self.world.device)
@@ -362,8 +363,8 @@ class Engine:
         else:
             local = [s.param.grad for s in self.slots if s.param.grad is not None]
         total = torch.zeros(1, dtype=torch.float64, device=self.world.device)
-        for g in local:
-            total += g.double().pow(2).sum()
+        if local:  # one fused norm per tensor, as clip_grad_norm_ does; no float64 copies of gradients
+            total += torch.stack(torch._foreach_norm(local)).double().pow(2).sum()
         if self.strategy.shard_grads:
             comm.all_reduce(total)
         return math.sqrt(float(total.item()))
