@@ -33,9 +33,9 @@ class ReportFigure:
 
 
 def _new_figure(num_bars: int, *, legend: bool) -> Figure:
-    # ~1.3 inch per bar keeps three-line tick labels apart; the legend sits beside the axes.
+    # ~1.3 inch per bar keeps the tick labels apart; the legend sits beside the axes.
     width = max(6.0, 1.3 * num_bars + 1.5) + (3.5 if legend else 0.0)
-    figure = Figure(figsize=(width, 4.5), layout="constrained")
+    figure = Figure(figsize=(width, 4.8), layout="constrained")
     FigureCanvasAgg(figure)  # attach the raster canvas explicitly (no pyplot backend lookup)
     return figure
 
@@ -45,7 +45,8 @@ def _batch_words(placement: str) -> str:
 
 
 def _config_label(result: BenchResult) -> str:
-    return (f"{result.workload}\n{result.num_devices} dev {result.strategy} {result.precision}\n"
+    # one short fact per line: long strategy names (torch-fsdp2) must not run into the next bar
+    return (f"{result.workload}\n{result.strategy}\n{result.num_devices} dev, {result.precision}\n"
             f"{_batch_words(result.batch_placement)}")
 
 
