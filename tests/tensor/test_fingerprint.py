@@ -1,0 +1,43 @@
+"""Batch fingerprints: pure logic, no process group."""
+
+from __future__ import annotations
+
+import torch
+
+from dspark.tensor.fingerprint import (
+    FINGERPRINT_LEN,
+    batch_fingerprint,
+    batch_leaves,
+    identical_ranks,
+)
+
+
+def test_equal_batches_give_equal_fingerprints_and_halves_differ() -> None:
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 3, 4, 4, generator=g), torch.randint(0, 10, (8,), generator=g)
+    whole = batch_fingerprint((x, y))
+    assert whole.shape == (FINGERPRINT_LEN,) and whole.dtype == torch.float64
+    assert torch.equal(whole, batch_fingerprint((x.clone(), y.clone())))
+    first, second = batch_fingerprint((x[:4], y[:4])), batch_fingerprint((x[4:], y[4:]))
+    assert identical_ranks([first, second]) == []
+    assert identical_ranks([whole, batch_fingerprint((x.clone(), y.clone())), first]) == [(0, 1)]
+
+
+def test_a_permutation_of_the_same_rows_is_a_different_batch() -> None:
+    tokens = torch.arange(64).reshape(8, 8)
+    assert not torch.equal(batch_fingerprint(tokens), batch_fingerprint(tokens.flip(0)))
+
+
+def test_empty_batches_never_match_and_nested_leaves_are_found() -> None:
+    empty = batch_fingerprint(torch.empty(0, 3))
+    assert identical_ranks([empty, empty.clone()]) == []
+    x, m = torch.ones(2, 2), torch.zeros(2, dtype=torch.bool)
+    assert [t.shape for t in batch_leaves((x, {"mask": m}, 3))] == [x.shape, m.shape]
+    assert batch_fingerprint((x, {"mask": m}))[0] == 2
+
+
+def test_large_float_batch_has_no_float64_copy_and_is_stable() -> None:
+    x = torch.randn(64, 3, 64, 64)
+    a, b = batch_fingerprint(x), batch_fingerprint(x)
+    assert torch.equal(a, b)
+    assert a[1] == x.numel()
