@@ -8,6 +8,7 @@ __all__ = [
     "CollectiveTimeoutError",
     "DSparkError",
     "NotInitializedError",
+    "OtherRankError",
     "PlacementError",
 ]
 
@@ -30,3 +31,13 @@ class CollectiveError(DSparkError, RuntimeError):
 
 class CollectiveTimeoutError(CollectiveError, TimeoutError):
     """A collective did not complete within the group's timeout (a rank never joined)."""
+
+
+class OtherRankError(DSparkError, RuntimeError):
+    """Another rank failed at a step every rank takes together; this rank stops too instead of waiting
+    for it in a collective. The message names the failed ranks and the first error."""
+
+    def __init__(self, message: str, *, failed_ranks: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.failed_ranks = failed_ranks
+        """The ranks where the step failed."""

@@ -27,8 +27,8 @@ def _mismatched_model() -> str:
 def test_model_mismatch_names_the_first_differing_parameter(pool) -> None:
     for rank, message in enumerate(pool.run(_mismatched_model)):
         assert message.startswith(f"rank {rank}: the model differs between ranks"), message
-        assert "layers.0.weight (7, 6) torch.float32 on rank 0" in message
-        assert "layers.0.weight (8, 6) torch.float32 on rank 1" in message
+        assert "parameter layers.0.weight (7, 6) torch.float32, requires_grad on rank 0" in message
+        assert "parameter layers.0.weight (8, 6) torch.float32, requires_grad on rank 1" in message
 
 
 def _buffers_and_batchnorm() -> dict:
@@ -47,14 +47,16 @@ def _buffers_and_batchnorm() -> dict:
     return {"start": at_start, "after": after}
 
 
-def test_parameters_and_buffers_start_from_rank_0_and_bn_stats_stay_per_rank(pool) -> None:
+def test_parameters_and_buffers_start_from_rank_0_and_agree_after_steps(pool) -> None:
     r0, r1 = pool.run(_buffers_and_batchnorm)
     for key in r0["start"]:
         assert torch.equal(r0["start"][key], r1["start"][key]), key
     assert float(r0["start"]["1.running_mean"].abs().sum()) == 0.0  # rank 0's value won
-    # BatchNorm running statistics follow each rank's own slice of the batch (as in DDP)
-    assert not torch.equal(r0["after"]["1.running_mean"], r1["after"]["1.running_mean"])
-    assert torch.equal(r0["after"]["0.weight"], r1["after"]["0.weight"])
+    # each rank's running statistics moved with its own slice of the batch; a full state dict gives
+    # rank 0's on every rank, never a mix
+    assert float(r0["after"]["1.running_mean"].abs().sum()) > 0.0
+    for key in r0["after"]:
+        assert torch.equal(r0["after"][key], r1["after"][key]), key
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -83,8 +85,8 @@ def test_step_and_backward_out_of_order(single_process) -> None:
         engine.step()
     x, y = tm.batch("mlp", 4, 0)
     engine.backward(tm.loss_fn("mlp", engine(x), y))
-    with pytest.raises(RuntimeError, match="after 1 of grad_accum_steps=2"):
-        engine.step()
+    with pytest.raises(RuntimeError, match="save\\(\\) after 1 of grad_accum_steps=2"):
+        engine.save("/nonexistent/ckpt")
     engine.backward(tm.loss_fn("mlp", engine(x), y))
     with pytest.raises(RuntimeError, match="called 3 times"):
         engine.backward(tm.loss_fn("mlp", engine(x), y))
@@ -132,5 +134,5 @@ def _outside_use() -> str:
 
 def test_zero3_explains_a_parameter_used_outside_its_block(pool) -> None:
     for message in pool.run(_outside_use):
-        assert "[DSpark zero3] parameters are whole only while the block" in message, message
+        assert "[DSpark zero3] parameters are whole only while the unit" in message, message
         assert "blocks.0.weight" in message and "strategy='zero2'" in message

@@ -2,14 +2,17 @@
 
 One code path serves every strategy (see :mod:`dspark.engine.policy`):
 
-* gradients are reduced in buckets launched from autograd hooks while backward runs
-  (:mod:`dspark.engine.grad_bucket`): all-reduce when every rank keeps whole gradients
-  (replicate, zero1), reduce-scatter when each keeps its shard (zero2, zero3);
+* gradients are reduced in single-dtype buckets launched from autograd hooks while backward runs
+  (:mod:`dspark.engine.grad_reducer`, :mod:`dspark.engine.grad_bucket`): whole gradients living in the
+  buckets (replicate, zero1), or shards kept from a pooled send buffer (zero2, zero3);
 * the optimizer updates whole parameters (replicate) or this rank's rows of each parameter
   (zero1/2/3); zero1/zero2 then all-gather the updated rows, zero3 keeps only the shard and gathers
   just in time (:mod:`dspark.engine.zero3_units`);
 * compute runs under autocast for bf16/fp16 with fp32 master weights and optimizer state; fp16 adds
-  dynamic loss scaling (:mod:`dspark.engine.loss_scaler`).
+  dynamic loss scaling (:mod:`dspark.engine.loss_scaler`);
+* BatchNorm buffers follow rank 0 before each training forward as in DDP
+  (:mod:`dspark.engine.buffer_sync`), or use global batch statistics (``sync_batchnorm=True``,
+  :mod:`dspark.engine.global_batchnorm`).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import contextlib
 import logging
 import math
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,13 +29,19 @@ import torch
 from torch import nn
 
 from dspark import comm
-from dspark.engine.grad_bucket import GradBucket, make_buckets
+from dspark.engine.agreement import agree
+from dspark.engine.buffer_sync import BufferSync, broadcast_tensors
+from dspark.engine.global_batchnorm import convert_batchnorm, restore_batchnorm
+from dspark.engine.grad_reducer import GradReducer, StepWeights
 from dspark.engine.loss_scaler import LossScaler
+from dspark.engine.materialize import has_meta_tensors, materialize
 from dspark.engine.memory import expected_state_bytes, optimizer_state_elements, storage_bytes
+from dspark.engine.param_groups import ParamGroupsFn, group_by_overrides
 from dspark.engine.param_slot import ParamSlot
 from dspark.engine.policy import precision_policy, sharding_policy
-from dspark.engine.zero3_units import Zero3Scheduler
+from dspark.engine.zero3_units import UnitPolicy, Zero3Scheduler
 from dspark.tensor import DistTensor, Placement, Replicate, Shard
+from dspark.tensor.fingerprint import batch_leaves
 
 if TYPE_CHECKING:
     from dspark.checkpoint import CheckpointInfo
@@ -41,7 +50,10 @@ __all__ = ["Engine"]
 
 log = logging.getLogger(__name__)
 
-OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+OptimizerFactory = Callable[..., torch.optim.Optimizer]
+
+# gloo builds reduce-scatter from point-to-point messages: an all-reduce of the same buffer is faster
+_SHARDED_REDUCE = {"nccl": "reduce_scatter"}
 
 
 class Engine:
@@ -57,11 +69,21 @@ class Engine:
             engine.backward(loss)
             engine.step()
 
-    Every rank builds the same model (names, shapes, dtypes are checked at construction; parameters
-    and buffers are then broadcast from rank 0). ``engine.backward(loss)`` is called
-    ``grad_accum_steps`` times, then ``engine.step()``: gradients are communicated only on the last
-    micro-step, and each backward divides the loss by ``grad_accum_steps``. Under zero2/zero3 the
-    whole gradient lives until that last micro-step.
+    Every rank builds the same model (names, shapes, dtypes, ``requires_grad`` and buffers are
+    checked at construction; parameters and buffers are then broadcast from rank 0), on a real device
+    or under ``with torch.device("meta"):`` (the engine then materialises it with the modules'
+    ``reset_parameters()``; zero3 one module at a time). ``engine.backward(loss)`` is called up to
+    ``grad_accum_steps`` times, then ``engine.step()``: gradients are communicated during the last
+    backward of the window (or in ``step()`` when the window ends early), and the update uses the mean
+    over the window's micro-batches and all ranks. ``engine.backward(loss, weight=n)`` weighs each
+    rank's loss by the ``n`` samples (or tokens) it averages over, for unequal local batches.
+
+    Keyword arguments beyond the strategy and precision: ``param_groups(name, param) -> dict`` gives
+    per-parameter optimizer options (weight-decay groups); ``zero3_units`` picks the modules zero3
+    gathers together (module classes or a ``(name, module) -> bool`` predicate); ``sync_batchnorm``
+    normalises BatchNorm layers with global batch statistics (one-process semantics on any backend);
+    ``broadcast_buffers`` (default True) gives every rank rank 0's buffers before each training
+    forward, as DDP does.
     """
 
     def __init__(
@@ -76,23 +98,13 @@ class Engine:
         bucket_mb: float = 25.0,
         reduce_dtype: torch.dtype | None = None,
         loss_scaler: LossScaler | None = None,
+        param_groups: ParamGroupsFn | None = None,
+        zero3_units: UnitPolicy = None,
+        sync_batchnorm: bool = False,
+        broadcast_buffers: bool = True,
     ) -> None:
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if isinstance(optimizer, torch.optim.Optimizer) or not callable(optimizer):
-            raise TypeError(
-                f"optimizer must be a factory that takes the parameters and returns an optimizer, e.g. "
-                f"functools.partial(torch.optim.AdamW, lr=3e-4); got {type(optimizer).__name__} (the "
-                f"engine decides which tensors the optimizer updates: whole parameters or shards)")
-        if isinstance(grad_accum_steps, bool) or not isinstance(grad_accum_steps, int) or grad_accum_steps < 1:
-            raise ValueError(f"grad_accum_steps={grad_accum_steps!r} must be an int >= 1")
-        if clip_grad_norm is not None and not (isinstance(clip_grad_norm, (int, float)) and clip_grad_norm > 0):
-            raise ValueError(f"clip_grad_norm={clip_grad_norm!r} must be None or a number > 0")
-        if not (isinstance(bucket_mb, (int, float)) and bucket_mb > 0):
-            raise ValueError(f"bucket_mb={bucket_mb!r} must be a number > 0 (megabytes per bucket)")
-        if reduce_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
-            raise ValueError(f"reduce_dtype={reduce_dtype!r} must be None, torch.float32, torch.bfloat16 "
-                             "or torch.float16")
+        _check_arguments(model, optimizer, grad_accum_steps, clip_grad_norm, bucket_mb, reduce_dtype,
+                         param_groups, zero3_units)
         self.strategy = sharding_policy(strategy)
         self.precision = precision_policy(precision)
         self.world = comm.get_world()
@@ -104,89 +116,133 @@ class Engine:
         self.last_grad_norm: float | None = None
         self.step_count = 0
         self._micro_step = 0
+        self._weight_sum: float | None = None
+        self._batch_size: int | None = None
         self._grads_bytes_held = 0
-
-        self.module = model.to(self.world.device)
-        self._check_same_model_on_every_rank()
-        self._broadcast_from_rank0()
-        self.slots = self._make_slots()
-        n = self.world.world_size
-        self._zero3: Zero3Scheduler | None = None
-        if self.strategy.shard_params and n > 1:
-            opt_params = [s.shard_and_free_full() for s in self.slots]
-            self._zero3 = Zero3Scheduler(self.module, self.slots)
-        elif self.strategy.shard_optimizer:
-            # one rank's shard of a parameter is the whole parameter: zero3 on one rank keeps it
-            # in place rather than copying it out and back around every use
-            opt_params = [s.view_shard_of_full() for s in self.slots]
-        else:
-            opt_params = [s.param for s in self.slots]
-        opt_params = [p for p in opt_params if p.numel() > 0]
-        self.optimizer = optimizer(opt_params)
-        if not isinstance(self.optimizer, torch.optim.Optimizer):
-            raise TypeError(f"the optimizer factory returned {type(self.optimizer).__name__}, "
-                            "not a torch.optim.Optimizer")
-        self.buckets = make_buckets(self.slots, bucket_mb=self.bucket_mb, num_ranks=n,
-                                    shard_grads=self.strategy.shard_grads, reduce_dtype=reduce_dtype)
-        self._bucket_of: dict[int, tuple[GradBucket, int]] = {
-            id(slot): (bucket, i) for bucket in self.buckets for i, slot in enumerate(bucket.slots)}
-        self._next_bucket = 0
-        self._sync_grads = True
         self._in_backward = False
+        self._synced = False  # this window's gradients are reduced and in place
+        self._has_grads = False  # ... and hold something to apply (not every rank gave weight=0)
+        n = self.world.world_size
+
+        _check_same_model_on_every_rank(model, self.world.rank)
+        named = _unique_params(model)
+        trainable = [(names[0], p) for names, p in named if p.requires_grad]
+        groups = self._agreed("param_groups", lambda: None if param_groups is None else
+                              group_by_overrides(trainable, param_groups))
+        self._shard_params = self.strategy.shard_params and n > 1
+        self.module = model
+        slot_of: dict[int, ParamSlot] = {}
+        self._agreed("placing the model on its device", lambda: self._place(model, named, slot_of))
+        all_slots = [slot_of[id(p)] for _, p in named if id(p) in slot_of]
+        self.slots = [s for s in all_slots if s.requires_grad]
+        """The trainable parameters, one slot each (tied parameters share one)."""
+        self._frozen_slots = [s for s in all_slots if not s.requires_grad]
+        self._batchnorms = convert_batchnorm(model) if sync_batchnorm else []
+        self._buffer_sync = None
+        if broadcast_buffers and n > 1:
+            skip = {id(b) for m in self._batchnorms for b in m.buffers(recurse=False)}
+            self._buffer_sync = BufferSync(model, skip=skip)
+
+        self._zero3: Zero3Scheduler | None = None
+        if self._shard_params:
+            self._zero3 = Zero3Scheduler(model, all_slots, policy=zero3_units,
+                                         in_backward=lambda: self._in_backward)
+        elif self.strategy.shard_optimizer:
+            # one rank's shard of a parameter is the whole parameter: zero3 on one rank keeps it in place
+            for slot in self.slots:
+                slot.view_shard_of_full()
+        self.optimizer = self._agreed("building the optimizer",
+                                      lambda: self._build_optimizer(optimizer, groups))
+        self._reducer: GradReducer | None = None
+        if n > 1:
+            sharded = self.strategy.shard_grads
+            collective = _SHARDED_REDUCE.get(self.world.backend, "all_reduce") if sharded else "all_reduce"
+            self._reducer = GradReducer(self.slots, sharded=sharded, collective=collective,
+                                        bucket_mb=self.bucket_mb, wire_dtype=reduce_dtype,
+                                        rank=self.world.rank, num_ranks=n, device=self.world.device)
         self._hooks = [s.param.register_post_accumulate_grad_hook(self._grad_ready_hook(s))
                        for s in self.slots]
+        self._hooks.append(model.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True))
 
     # -- construction ----------------------------------------------------------------------------
-    def _check_same_model_on_every_rank(self) -> None:
-        mine = [(name, tuple(p.shape), str(p.dtype)) for name, p in self.module.named_parameters()]
-        everyone = comm.all_gather_object(mine)
-        reference = everyone[0]
-        for rank, theirs in enumerate(everyone):
-            if theirs == reference:
-                continue
-            for i in range(max(len(reference), len(theirs))):
-                a = reference[i] if i < len(reference) else None
-                b = theirs[i] if i < len(theirs) else None
-                if a != b:
-                    def fmt(entry: Any) -> str:
-                        return "no parameter" if entry is None else f"{entry[0]} {entry[1]} {entry[2]}"
-                    raise ValueError(
-                        f"rank {self.world.rank}: the model differs between ranks, so data-parallel "
-                        f"training cannot start: parameter #{i} is {fmt(a)} on rank 0 but {fmt(b)} on "
-                        f"rank {rank} ({len(reference)} vs {len(theirs)} parameters). Build the same "
-                        "model on every rank.")
+    def _agreed(self, what: str, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on this rank, then agree with every rank that it succeeded everywhere."""
+        try:
+            out = fn()
+        except Exception as exc:
+            agree(exc, what=what)
+            raise
+        agree(None, what=what)
+        return out
 
-    def _broadcast_from_rank0(self) -> None:
-        if self.world.world_size == 1:
+    def _place(self, model: nn.Module, named: list[tuple[list[str], nn.Parameter]],
+               slot_of: dict[int, ParamSlot]) -> None:
+        """Give the model real storage on this rank's device, equal to rank 0's; zero3 keeps only this
+        rank's rows of each parameter."""
+        rank, n, device = self.world.rank, self.world.world_size, self.world.device
+        names_of = {id(p): names for names, p in named}
+        keep = (lambda p: True) if self._shard_params else (lambda p: p.requires_grad)
+
+        def new_slot(p: nn.Parameter) -> ParamSlot:
+            slot = ParamSlot(names_of[id(p)], p, rank=rank, num_ranks=n)
+            slot_of[id(p)] = slot
+            return slot
+
+        if has_meta_tensors(model):
+            def on_final(name: str, p: nn.Parameter) -> None:
+                if n > 1:
+                    broadcast_tensors([p.data])  # rank 0's values, whatever each rank's seed
+                if keep(p):
+                    slot = new_slot(p)
+                    if self._shard_params:
+                        slot.shard_and_free_full()
+
+            materialize(model, device, on_final)
+            if n > 1:
+                broadcast_tensors(list(model.buffers()))
             return
-        tensors = [p.detach() for p in self.module.parameters()] + list(self.module.buffers())
-        for group in _chunks_by_bytes(tensors, self.bucket_mb * 2**20):
-            by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-            for t in group:
-                by_dtype.setdefault(t.dtype, []).append(t)
-            for same in by_dtype.values():
-                flat = torch.cat([t.reshape(-1) for t in same])
-                comm.broadcast(flat, src=0)
-                offset = 0
-                for t in same:
-                    t.copy_(flat[offset: offset + t.numel()].view_as(t))
-                    offset += t.numel()
+        model.to(device)
+        if n > 1:
+            broadcast_tensors([p.detach() for _, p in named] + list(model.buffers()))
+        for _, p in named:
+            if keep(p):
+                slot = new_slot(p)
+                if self._shard_params:
+                    slot.shard_and_free_full()
 
-    def _make_slots(self) -> list[ParamSlot]:
-        names: dict[int, list[str]] = {}
-        params: dict[int, nn.Parameter] = {}
-        for name, p in self.module.named_parameters(remove_duplicate=False):
-            if p.requires_grad:
-                names.setdefault(id(p), []).append(name)
-                params[id(p)] = p
-        return [ParamSlot(names[k], params[k], rank=self.world.rank, num_ranks=self.world.world_size)
-                for k in params]
+    def _build_optimizer(self, factory: OptimizerFactory,
+                         groups: list[tuple[dict[str, Any], list[int]]] | None) -> torch.optim.Optimizer:
+        def opt_param(slot: ParamSlot) -> nn.Parameter:
+            p = slot.opt_param if self.strategy.shard_optimizer else slot.param
+            if p is None:
+                raise AssertionError(f"{slot.name}: no tensor for the optimizer")
+            return p
+
+        if groups is None:
+            built = factory([opt_param(s) for s in self.slots if opt_param(s).numel() > 0])
+        else:
+            built = factory([{"params": [opt_param(self.slots[i]) for i in indices
+                                         if opt_param(self.slots[i]).numel() > 0], **overrides}
+                             for overrides, indices in groups])
+        if not isinstance(built, torch.optim.Optimizer):
+            raise TypeError(f"the optimizer factory returned {type(built).__name__}, not a "
+                            "torch.optim.Optimizer")
+        return built
 
     # -- forward / backward ----------------------------------------------------------------------
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         if self.precision.compute_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.world.device.type, dtype=self.precision.compute_dtype)
+
+    def _root_pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        if self._in_backward or not torch.is_grad_enabled():
+            return
+        leaves = batch_leaves((args, kwargs))
+        if leaves and leaves[0].dim() > 0:
+            self._batch_size = (self._batch_size or 0) + int(leaves[0].shape[0])
+        if self._buffer_sync is not None and module.training:
+            self._buffer_sync.before_forward()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the model's forward (under autocast for bf16/fp16)."""
@@ -197,15 +253,16 @@ class Engine:
             if self._zero3 is None:
                 raise
             freed = [s.name for s in self.slots if not s.gathered]
-            self._zero3.end_backward()  # a failed forward leaves blocks half-gathered: start clean
+            self._zero3.end_backward()  # a failed forward leaves units half-gathered: start clean
             if "shape" not in str(exc) and "size" not in str(exc):
                 raise
             raise RuntimeError(
-                f"{exc}\n[DSpark zero3] parameters are whole only while the block that owns them runs "
-                f"its forward (blocks are the children of nn.ModuleList/nn.Sequential; the root owns "
-                f"the rest). A parameter read outside its block, e.g. by the parent's forward, is an "
-                f"empty tensor there; freed now: {', '.join(freed[:5])}{' ...' if len(freed) > 5 else ''}. "
-                f"Move that use into the block's forward, or use strategy='zero2'.") from exc
+                f"{exc}\n[DSpark zero3] parameters are whole only while the unit that owns them runs "
+                f"its forward (units are the children of nn.ModuleList/nn.Sequential, or those chosen "
+                f"with zero3_units=; the root owns the rest). A parameter read outside its unit, e.g. by "
+                f"the parent's forward, is an empty tensor there; freed now: {', '.join(freed[:5])}"
+                f"{' ...' if len(freed) > 5 else ''}. Move that use into the unit's forward, or use "
+                "strategy='zero2'.") from exc
 
     def _grad_ready_hook(self, slot: ParamSlot) -> Callable[[torch.Tensor], None]:
         def hook(param: torch.Tensor) -> None:
@@ -214,174 +271,205 @@ class Engine:
                     f"rank {self.world.rank}: gradients of {slot.name} were computed outside "
                     "engine.backward(loss) (a plain loss.backward()?); call engine.backward(loss) so "
                     "that the engine can scale, accumulate and reduce them across ranks")
+            if self._reducer is not None:
+                self._reducer.on_grad(slot)
+            else:
+                slot.arrivals += 1
             if self._zero3 is not None:
                 self._zero3.on_grad_accumulated(slot)
-            if not self._sync_grads or self.world.world_size == 1:
-                return
-            bucket, index = self._bucket_of[id(slot)]
-            if bucket.mark_ready(index):
-                self._launch_ready_buckets()
         return hook
 
-    def _launch_ready_buckets(self) -> None:
-        while self._next_bucket < len(self.buckets):
-            bucket = self.buckets[self._next_bucket]
-            if len(bucket.ready) < len(bucket.slots):
-                return
-            bucket.launch(self._pre_scale())
-            self._next_bucket += 1
+    def backward(self, loss: torch.Tensor, *, weight: float | int | torch.Tensor | None = None) -> None:
+        """Backpropagate ``loss`` (the mean loss of this rank's micro-batch). The update averages the
+        window's ``grad_accum_steps`` micro-batches over all ranks with equal weights; with
+        ``weight=n`` (the samples or tokens this rank's loss averages over) it is the mean over all of
+        them instead, as one process on the whole batch computes it (``weight=0``: this rank
+        contributes nothing). Gradients are reduced across ranks during the window's last backward.
 
-    def _low_precision_wire(self) -> bool:
-        return self.reduce_dtype in (torch.bfloat16, torch.float16)
+        Example::
 
-    def _pre_scale(self) -> float:
-        return 1.0 / self.world.world_size if self._low_precision_wire() else 1.0
-
-    def _post_scale(self) -> float:
-        scale = 1.0 if self._low_precision_wire() else 1.0 / self.world.world_size
-        if self.loss_scaler is not None:
-            scale /= self.loss_scaler.scale
-        return scale
-
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backpropagate ``loss`` (divided by ``grad_accum_steps``, times the fp16 loss scale). On the
-        last micro-step the gradients are reduced across ranks; before it they accumulate locally."""
+            n = int((labels != -100).sum())
+            engine.backward(loss, weight=n)
+        """
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError(f"backward expects a scalar loss tensor, got "
                              f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
+        w = _check_weight(weight)
         if self._micro_step >= self.grad_accum_steps:
             raise RuntimeError(f"rank {self.world.rank}: backward() called {self._micro_step + 1} times "
                                f"with grad_accum_steps={self.grad_accum_steps}; call engine.step() after "
-                               f"every {self.grad_accum_steps} backward() calls")
+                               f"at most {self.grad_accum_steps} backward() calls")
+        if self._micro_step > 0 and (w is None) != (self._weight_sum is None):
+            raise ValueError(f"rank {self.world.rank}: weight= must be given on every backward() of an "
+                             "accumulation window or on none")
         self._micro_step += 1
-        self._sync_grads = self._micro_step == self.grad_accum_steps
-        scale = 1.0 / self.grad_accum_steps
+        sync = self._micro_step == self.grad_accum_steps
+        if w is None:
+            scale = 1.0 / self.grad_accum_steps
+        else:
+            scale = w
+            self._weight_sum = (self._weight_sum or 0.0) + w
         if self.loss_scaler is not None:
             scale *= self.loss_scaler.scale
+        if self._reducer is not None:
+            self._reducer.begin_backward(sync=sync)
+        else:
+            for slot in self.slots:
+                slot.arrivals = 0
         self._in_backward = True
         try:
-            (loss * scale if scale != 1.0 else loss).backward()
+            if w != 0.0:
+                (loss * scale if scale != 1.0 else loss).backward()
+        except BaseException:
+            self._end_window()
+            raise
         finally:
             self._in_backward = False
-        if self._zero3 is not None:
-            self._zero3.end_backward()
-        if self._sync_grads:
-            self._finish_grad_sync()
+            if self._zero3 is not None:
+                self._zero3.end_backward()
+        if sync:
+            self._sync_grads()
 
-    def _finish_grad_sync(self) -> None:
-        if self.world.world_size == 1:
-            self._finish_single_rank()
-        else:
-            for bucket in self.buckets[self._next_bucket:]:
-                bucket.launch(self._pre_scale())
-            post = self._post_scale()
-            for bucket in self.buckets:
-                bucket.finish(post)
-            self._next_bucket = 0
+    def _sync_grads(self) -> None:
+        """The window's gradients, averaged over ranks, where the optimizer reads them."""
+        weights = StepWeights(micro_steps=self._micro_step, accum_steps=self.grad_accum_steps,
+                              weight_sum=self._weight_sum, batch_size=self._batch_size,
+                              loss_scale=1.0 if self.loss_scaler is None else self.loss_scaler.scale)
+        try:
+            if self._reducer is not None:
+                self._has_grads = self._reducer.end_backward(weights)
+            else:
+                self._has_grads = self._finish_single_rank(weights)
+        except BaseException:
+            self._end_window()
+            raise
+        self._synced = True
         for slot in self.slots:
             if slot.opt_param is None:
                 continue
             if self.strategy.shard_grads:
-                grad = slot.shard_grad
-                slot.opt_param.grad = None if grad is None else grad[: slot.local_numel].view(slot.opt_shape)
+                grad = slot.shard_grad_rows()
+                slot.opt_param.grad = None if grad is None else grad
             else:
                 full = slot.param.grad
                 slot.opt_param.grad = None if full is None else slot.rows_view(full)[slot.start:slot.stop]
         self._grads_bytes_held = storage_bytes(self._grad_tensors())
 
-    def _finish_single_rank(self) -> None:
+    def _finish_single_rank(self, weights: StepWeights) -> bool:
         """One rank: nothing to reduce, so no bucket copies; the shard is the whole gradient."""
-        post = self._post_scale()
+        if weights.weight_sum is not None:
+            if weights.weight_sum <= 0:
+                return False
+            post = 1.0 / weights.weight_sum
+        else:
+            post = weights.accum_steps / weights.micro_steps
+        post /= weights.loss_scale
         for slot in self.slots:
             grad = slot.param.grad
             if grad is not None and post != 1.0:
                 grad.mul_(post)
             if self.strategy.shard_grads:
-                slot.shard_grad = None if grad is None else grad.reshape(-1)
+                slot.shard_grad = None if grad is None else _memory_order(slot, grad)
                 slot.param.grad = None
+        return True
 
     def _grad_tensors(self) -> Iterator[torch.Tensor | None]:
         for slot in self.slots:
             yield slot.shard_grad if self.strategy.shard_grads else slot.param.grad
 
-    def _opt_grads(self) -> list[torch.Tensor]:
-        grads = []
-        for slot in self.slots:
-            p = slot.opt_param if self.strategy.shard_optimizer else slot.param
-            if p is not None and p.grad is not None:
-                grads.append(p.grad)
-        return grads
+    def _end_window(self) -> None:
+        """After the step, or a failure: drop this window's gradients and state, so the next window
+        starts clean."""
+        self._micro_step = 0
+        self._weight_sum = None
+        self._batch_size = None
+        self._synced = False
+        if self._reducer is not None:
+            self._reducer.end_window()
+        self._zero_grads()
 
     # -- optimizer step --------------------------------------------------------------------------
     def step(self) -> bool:
-        """Apply the optimizer once the ``grad_accum_steps`` micro-steps are done. Returns False when an
-        fp16 overflow (inf/nan in any rank's gradients) skipped the step: parameters and optimizer
-        state are then untouched and the loss scale is lowered."""
+        """Apply the optimizer to the window's averaged gradients (after 1 to ``grad_accum_steps``
+        ``backward()`` calls; a shorter window, e.g. at the end of an epoch, is reduced here). Returns
+        False when the step was skipped: an fp16 overflow (inf/nan in the gradients on any rank;
+        parameters and optimizer state untouched, the loss scale lowered), or ``weight=0`` on every
+        rank."""
         if self._micro_step == 0:
             raise RuntimeError(f"rank {self.world.rank}: step() before backward(); call "
                                "engine.backward(loss) first")
-        if self._micro_step < self.grad_accum_steps:
-            raise RuntimeError(f"rank {self.world.rank}: step() after {self._micro_step} of "
-                               f"grad_accum_steps={self.grad_accum_steps} backward() calls")
-        self._micro_step = 0
-        grads = self._opt_grads()
-        if self.loss_scaler is not None:
-            overflow = self._found_overflow(grads)
-            self.loss_scaler.update(found_overflow=overflow)
-            if overflow:
-                log.warning("rank %d: fp16 gradients overflowed; step skipped, loss scale now %g",
-                            self.world.rank, self.loss_scaler.scale)
-                self._zero_grads()
-                return False
-        if self.clip_grad_norm is not None:
-            norm = self._global_grad_norm(grads)
+        try:
+            if not self._synced:
+                self._sync_grads()
+            applied = self._apply_update()
+            if self._reducer is not None:
+                self._reducer.after_step()
+            return applied
+        finally:
+            self._end_window()
+
+    def _apply_update(self) -> bool:
+        if not self._has_grads:
+            log.warning("rank %d: every rank gave weight=0: nothing to average, step skipped",
+                        self.world.rank)
+            return False
+        if self.loss_scaler is not None or self.clip_grad_norm is not None:
+            norm = self._global_grad_norm()
+            if self.loss_scaler is not None:
+                overflow = not math.isfinite(norm)
+                self.loss_scaler.update(found_overflow=overflow)
+                if overflow:
+                    log.warning("rank %d: fp16 gradients overflowed; step skipped, loss scale now %g",
+                                self.world.rank, self.loss_scaler.scale)
+                    return False
             self.last_grad_norm = norm
-            coef = self.clip_grad_norm / (norm + 1e-6)
-            if coef < 1.0:
-                torch._foreach_mul_(grads, coef)
+            if self.clip_grad_norm is not None:
+                coef = self.clip_grad_norm / (norm + 1e-6)
+                if coef < 1.0:
+                    grads = [g for g in self._owned_grads() if g is not None]
+                    torch._foreach_mul_(grads, coef)
         self.optimizer.step()
-        if self.strategy.shard_optimizer and not self.strategy.shard_params:
+        if self.strategy.shard_optimizer and not self._shard_params and self.world.world_size > 1:
             self._gather_updated_rows()
-        self._zero_grads()
         self.step_count += 1
         return True
 
-    def _found_overflow(self, grads: list[torch.Tensor]) -> bool:
-        # one sync for all gradients: an inf/nan anywhere in a tensor makes its norm inf/nan
-        local = bool(grads) and not bool(torch.isfinite(torch.stack(torch._foreach_norm(grads))).all())
-        if not self.strategy.shard_grads:
-            return local  # every rank holds the same all-reduced gradients: inf/nan is everywhere
-        flag = torch.tensor([1.0 if local else 0.0], device=self.world.device)
-        comm.all_reduce(flag, op="max")
-        return bool(flag.item() > 0)
-
-    def _global_grad_norm(self, grads: list[torch.Tensor]) -> float:
-        """The L2 norm of the whole gradient, as ``torch.nn.utils.clip_grad_norm_`` computes it in one
-        process. Shards (zero2/3) sum their squares across ranks; padding rows are zero."""
+    def _owned_grads(self) -> list[torch.Tensor | None]:
+        """The gradient tensors this rank holds: shards (zero2/3) or whole gradients (replicate, zero1;
+        identical on every rank after the all-reduce)."""
         if self.strategy.shard_grads:
-            local = [s.shard_grad for s in self.slots if s.shard_grad is not None]
-        else:
-            local = [s.param.grad for s in self.slots if s.param.grad is not None]
+            return [s.shard_grad for s in self.slots]
+        return [s.param.grad for s in self.slots]
+
+    def _global_grad_norm(self) -> float:
+        """The L2 norm of the whole gradient, as ``torch.nn.utils.clip_grad_norm_`` computes it in one
+        process; inf or nan when any rank's gradient holds one. Shards (zero2/3) sum their squares
+        across ranks (padding rows are zero); whole gradients are equal everywhere and need no
+        collective. One host synchronisation."""
+        local = [g for g in self._owned_grads() if g is not None]
         total = torch.zeros(1, dtype=torch.float64, device=self.world.device)
         if local:  # one fused norm per tensor, as clip_grad_norm_ does; no float64 copies of gradients
             total += torch.stack(torch._foreach_norm(local)).double().pow(2).sum()
-        if self.strategy.shard_grads:
+        if self.strategy.shard_grads and self.world.world_size > 1:
             comm.all_reduce(total)
         return math.sqrt(float(total.item()))
 
     def _gather_updated_rows(self) -> None:
-        """zero1/zero2: every rank updated its rows; all-gather them into the full parameters."""
-        n, me = self.world.world_size, self.world.rank
+        """zero1/zero2: every rank updated its rows; all-gather them into the full parameters, one
+        collective per bucket (one dtype each)."""
+        if self._reducer is None:
+            return
+        n, me, device = self.world.world_size, self.world.rank, self.world.device
         inflight = []
-        for bucket in self.buckets:
+        for bucket in self._reducer.buckets:
             seg = sum(s.shard_numel for s in bucket.slots)
-            send = torch.zeros(seg, dtype=bucket.slots[0].dtype, device=self.world.device)
+            send = torch.empty(seg, dtype=bucket.dtype, device=device)
             offset = 0
             for slot in bucket.slots:
                 rows = slot.rows_view(slot.param.detach())[slot.start:slot.stop]
-                send[offset: offset + slot.local_numel].copy_(rows.reshape(-1))
+                slot.view_rows(send[offset:], slot.local_rows).copy_(rows)
                 offset += slot.shard_numel
-            out = torch.empty((n, seg), dtype=send.dtype, device=send.device)
+            out = torch.empty((n, seg), dtype=send.dtype, device=device)
             inflight.append((bucket, out, comm.all_gather_into_tensor(out, send, async_op=True)))
         for bucket, out, handle in inflight:
             handle.wait()
@@ -394,8 +482,7 @@ class Engine:
                     start = min(r * slot.chunk, slot.rows)
                     stop = min((r + 1) * slot.chunk, slot.rows)
                     if stop > start:
-                        full[start:stop].copy_(out[r, offset: offset + (stop - start) * slot.row_numel]
-                                               .view_as(full[start:stop]))
+                        full[start:stop].copy_(slot.view_rows(out[r, offset:], stop - start))
                 offset += slot.shard_numel
 
     def _zero_grads(self) -> None:
@@ -436,16 +523,89 @@ class Engine:
                              "needs zero1, zero2 or zero3")
         return {s.name: s.dist_shard() for s in self.slots}
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The whole model's parameters and buffers, by name as in ``model.state_dict()``, on every
-        rank (zero3 gathers them; collective: call it on every rank)."""
+    def full_state_dict(self, *, rank0_only: bool = False, cpu: bool = False) -> dict[str, torch.Tensor]:
+        """The whole model's parameters and buffers (rank 0's), by name as in ``model.state_dict()``.
+        Collective: call it on every rank. zero3 gathers one unit at a time, so the peak is the result
+        plus one unit. ``rank0_only=True`` returns the result on rank 0 and ``{}`` elsewhere;
+        ``cpu=True`` puts it in CPU memory.
+
+        Example::
+
+            sd = engine.full_state_dict(rank0_only=True, cpu=True)
+            if dspark.get_world().is_main:
+                torch.save(sd, "model.pt")
+        """
+        keep = not rank0_only or self.world.rank == 0
+
+        def own(t: torch.Tensor) -> torch.Tensor:
+            return t.detach().to("cpu", copy=True) if cpu else t.detach().clone()
+
+        self.sync_buffers()
+        values: dict[str, torch.Tensor] = {}
         if self._zero3 is not None:
-            self._zero3.gather_all()
-        try:
-            return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
-        finally:
-            if self._zero3 is not None:
-                self._zero3.free_all()
+            for unit in self._zero3.units:
+                todo = [s for s in unit.slots if s.names[0] not in values]
+                self._zero3.gather_slots(todo)
+                if keep:
+                    for slot in todo:
+                        for name in slot.names:
+                            values[name] = own(slot.param)
+                self._zero3.free_slots(todo)
+        if not keep:
+            return {}
+        out: dict[str, torch.Tensor] = {}
+        for name, value in self.module.state_dict(keep_vars=True).items():
+            out[name] = values[name] if name in values else own(value)
+        return out
+
+    def load_full_state_dict(self, state_dict: Mapping[str, torch.Tensor], *, strict: bool = True) -> None:
+        """Load a plain ``model.state_dict()`` (pretrained weights, every rank passing the same) into the
+        engine, whatever its strategy: zero3 keeps this rank's rows. Optimizer state is untouched.
+        ``strict=False`` ignores keys the model lacks and leaves missing ones as they are.
+
+        Example::
+
+            engine.load_full_state_dict(torch.load("gpt2.pt", weights_only=True))
+        """
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"state_dict must be a mapping of name -> tensor, got {type(state_dict).__name__}")
+        self._check_between_steps("load_full_state_dict")
+        expected = self.module.state_dict(keep_vars=True)
+        slot_of = {name: s for s in (*self.slots, *self._frozen_slots) for name in s.names}
+        missing = [k for k in expected if k not in state_dict and not (k in slot_of and any(
+            n in state_dict for n in slot_of[k].names))]
+        unexpected = [k for k in state_dict if k not in expected]
+        if strict and (missing or unexpected):
+            raise ValueError(f"load_full_state_dict: the state dict does not match the model: missing "
+                             f"{missing[:5]}{' ...' if len(missing) > 5 else ''}, unexpected "
+                             f"{unexpected[:5]}{' ...' if len(unexpected) > 5 else ''} (strict=False "
+                             "skips them)")
+        done: set[int] = set()
+        with torch.no_grad():
+            for name, current in expected.items():
+                if name not in state_dict:
+                    continue
+                value = state_dict[name]
+                slot = slot_of.get(name)
+                shape = tuple(slot.shape) if slot is not None else tuple(current.shape)
+                if tuple(value.shape) != shape:
+                    raise ValueError(f"load_full_state_dict: {name!r} has shape {tuple(value.shape)} in "
+                                     f"the state dict but {shape} in the model")
+                if slot is not None:
+                    if id(slot) in done:
+                        continue
+                    done.add(id(slot))
+                    if slot.padded_shard is not None:
+                        rows = slot.rows_view(value)[slot.start:slot.stop]
+                        slot.padded_shard[: slot.local_rows].copy_(rows)
+                        continue
+                current.copy_(value)
+
+    def sync_buffers(self) -> None:
+        """Give every rank rank 0's buffers now (collective; done before checkpoints and full state
+        dicts, so that they never depend on which rank is asked)."""
+        if self.world.world_size > 1:
+            broadcast_tensors(list(self.module.buffers()))
 
     def save(self, path: str | os.PathLike[str]) -> Path:
         """Save a sharded checkpoint directory at ``path`` (see :mod:`dspark.checkpoint`): every rank
@@ -461,6 +621,7 @@ class Engine:
         # imported here: DCP is heavy to import and most runs never checkpoint
         from dspark.checkpoint import save_checkpoint
 
+        self.sync_buffers()
         return save_checkpoint(self, path)
 
     def load(self, path: str | os.PathLike[str]) -> CheckpointInfo:
@@ -506,6 +667,7 @@ class Engine:
             "grads_bytes_expected": exp_grads,
             "optimizer_bytes": opt_actual,
             "optimizer_bytes_expected": exp_opt,
+            "comm_buffer_bytes": 0 if self._reducer is None else self._reducer.comm_buffer_bytes(),
         }
         report["total_bytes"] = params_actual + self._grads_bytes_held + opt_actual
         report["total_bytes_expected"] = exp_params + exp_grads + exp_opt
@@ -518,17 +680,92 @@ class Engine:
         self._hooks.clear()
         if self._zero3 is not None:
             self._zero3.remove_hooks()
+        restore_batchnorm(self._batchnorms)
+        self._batchnorms = []
 
 
-def _chunks_by_bytes(tensors: Iterable[torch.Tensor], limit: float) -> Iterator[list[torch.Tensor]]:
-    group: list[torch.Tensor] = []
-    size = 0
-    for t in tensors:
-        nbytes = t.numel() * t.element_size()
-        if group and size + nbytes > limit:
-            yield group
-            group, size = [], 0
-        group.append(t)
-        size += nbytes
-    if group:
-        yield group
+def _memory_order(slot: ParamSlot, grad: torch.Tensor) -> torch.Tensor:
+    if tuple(grad.stride()) == slot.strides:
+        return grad.as_strided((slot.numel,), (1,))
+    flat = torch.empty(slot.numel, dtype=grad.dtype, device=grad.device)
+    slot.copy_to_flat(flat, grad)
+    return flat
+
+
+def _unique_params(model: nn.Module) -> list[tuple[list[str], nn.Parameter]]:
+    """``(names, param)`` for every distinct parameter, in ``named_parameters()`` order (tied ones list
+    every name)."""
+    names: dict[int, list[str]] = {}
+    params: dict[int, nn.Parameter] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+        params[id(p)] = p
+    return [(names[k], params[k]) for k in params]
+
+
+def _check_same_model_on_every_rank(model: nn.Module, rank: int) -> None:
+    """Every rank built the same model: parameters (name, shape, dtype, requires_grad) and buffers
+    (name, shape, dtype). A mismatch names the first difference instead of hanging later."""
+    mine = [("parameter", name, tuple(p.shape), str(p.dtype), p.requires_grad)
+            for name, p in model.named_parameters()]
+    mine += [("buffer", name, tuple(b.shape), str(b.dtype), False) for name, b in model.named_buffers()]
+    everyone = comm.all_gather_object(mine)
+    reference = everyone[0]
+    for other, theirs in enumerate(everyone):
+        if theirs == reference:
+            continue
+        for i in range(max(len(reference), len(theirs))):
+            a = reference[i] if i < len(reference) else None
+            b = theirs[i] if i < len(theirs) else None
+            if a != b:
+                def fmt(entry: Any) -> str:
+                    if entry is None:
+                        return "nothing"
+                    kind, name, shape, dtype, grad = entry
+                    req = ", requires_grad" if grad else (", frozen" if kind == "parameter" else "")
+                    return f"{kind} {name} {shape} {dtype}{req}"
+                raise ValueError(
+                    f"rank {rank}: the model differs between ranks, so data-parallel training cannot "
+                    f"start: entry #{i} is {fmt(a)} on rank 0 but {fmt(b)} on rank {other}. Build the "
+                    "same model on every rank (and freeze the same parameters)")
+
+
+def _check_weight(weight: float | int | torch.Tensor | None) -> float | None:
+    if weight is None:
+        return None
+    if isinstance(weight, torch.Tensor):
+        if weight.numel() != 1:
+            raise ValueError(f"weight must be a number or a one-element tensor, got shape {tuple(weight.shape)}")
+        weight = weight.item()
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight < 0:
+        raise ValueError(f"weight={weight!r} must be a finite number >= 0 (the samples or tokens this "
+                         "rank's loss averages over)")
+    return float(weight)
+
+
+def _check_arguments(model: Any, optimizer: Any, grad_accum_steps: Any, clip_grad_norm: Any,
+                     bucket_mb: Any, reduce_dtype: Any, param_groups: Any, zero3_units: Any) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(optimizer, torch.optim.Optimizer) or not callable(optimizer):
+        raise TypeError(
+            f"optimizer must be a factory that takes the parameters and returns an optimizer, e.g. "
+            f"functools.partial(torch.optim.AdamW, lr=3e-4); got {type(optimizer).__name__} (the "
+            f"engine decides which tensors the optimizer updates: whole parameters or shards)")
+    if isinstance(grad_accum_steps, bool) or not isinstance(grad_accum_steps, int) or grad_accum_steps < 1:
+        raise ValueError(f"grad_accum_steps={grad_accum_steps!r} must be an int >= 1")
+    if clip_grad_norm is not None and not (isinstance(clip_grad_norm, (int, float)) and clip_grad_norm > 0):
+        raise ValueError(f"clip_grad_norm={clip_grad_norm!r} must be None or a number > 0")
+    if not (isinstance(bucket_mb, (int, float)) and bucket_mb > 0):
+        raise ValueError(f"bucket_mb={bucket_mb!r} must be a number > 0 (megabytes per bucket)")
+    if reduce_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"reduce_dtype={reduce_dtype!r} must be None, torch.float32, torch.bfloat16 "
+                         "or torch.float16")
+    if param_groups is not None and not callable(param_groups):
+        raise TypeError(f"param_groups must be a function (name, param) -> dict of optimizer options, "
+                        f"got {type(param_groups).__name__}")
+    if zero3_units is not None and not callable(zero3_units):
+        classes = zero3_units if isinstance(zero3_units, (list, tuple)) else None
+        if classes is None or not all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
+            raise TypeError(f"zero3_units={zero3_units!r} must be a list of nn.Module classes or a "
+                            "function (name, module) -> bool")

@@ -1,150 +1,283 @@
-"""Gradient buckets: parameters grouped (in reverse registration order, about ``bucket_mb`` each) so
-that one collective reduces many gradients, launched from autograd hooks as soon as every gradient of
-the bucket is ready — reduction overlaps the rest of backward.
+"""Gradient buckets: gradients of one dtype grouped (about ``bucket_mb`` each) so that one collective
+reduces many of them, launched from autograd hooks as soon as every gradient of the bucket is ready.
 
-[Note: bucket order] Buckets launch strictly in index order on every rank: a ready bucket waits for the
-earlier ones. Ranks therefore issue the same collectives in the same order even when a parameter gets
-no gradient on some rank; such buckets launch when backward ends, the missing gradients counting as
-zeros.
+[Note: gradients live in buckets] Under replicate and zero1 every rank keeps whole gradients, so each
+bucket owns one persistent flat buffer and each parameter's ``.grad`` *is* a view into it (with the
+parameter's strides, see [Note: memory layout]): the all-reduce runs in place, with no copy in or out
+and no second copy of the gradients. Under zero2 and zero3 a rank keeps only its shard of each
+gradient: the bucket owns a persistent flat *shard* buffer (``1/N`` of the gradients), and the whole
+gradients are copied into a pooled send buffer when the bucket launches and freed at once; pooled
+buffers are reused by later buckets once their collective has landed, so sending costs about two
+buckets of memory, not a copy of the model's gradients.
 
-[Note: used flags] Each bucket carries one extra element per parameter: 1 when this rank produced a
-gradient for it. After the reduction a parameter whose flag sums to 0 got no gradient on any rank, and
-keeps ``grad=None`` as in single-process PyTorch (the optimizer skips it).
+[Note: send layout] A sharded bucket sends an ``(N, seg)`` buffer: row ``r`` holds chunk ``r`` (padded)
+of every parameter in turn, so a reduce-scatter hands rank ``r`` exactly its rows. Where the backend's
+reduce-scatter is slow (gloo: it is built from point-to-point messages) the same buffer is all-reduced
+in place and each rank copies out its row: more bytes on the wire, less time.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
 from dspark import comm
 from dspark.engine.param_slot import ParamSlot
 
-__all__ = ["GradBucket", "make_buckets"]
+__all__ = ["BufferPool", "GradBucket", "make_buckets"]
+
+
+class BufferPool:
+    """Flat communication buffers reused in turn (``depth`` per dtype). A buffer goes to the next bucket
+    only after the bucket that held it has collected its result, so reuse never races a collective."""
+
+    def __init__(self, depth: int = 2) -> None:
+        self.depth = depth
+        self._buffers: dict[tuple[torch.dtype, int], torch.Tensor] = {}
+        self._owners: dict[tuple[torch.dtype, int], GradBucket] = {}
+        self._turn: dict[torch.dtype, int] = {}
+
+    def take(self, owner: GradBucket, dtype: torch.dtype, numel: int, device: torch.device) -> torch.Tensor:
+        turn = self._turn.get(dtype, 0)
+        self._turn[dtype] = (turn + 1) % self.depth
+        key = (dtype, turn)
+        previous = self._owners.get(key)
+        if previous is not None and previous is not owner:
+            previous.collect()
+        buf = self._buffers.get(key)
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(numel, dtype=dtype, device=device)
+            self._buffers[key] = buf
+        self._owners[key] = owner
+        return buf[:numel]
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+    def release(self) -> None:
+        """Forget the owners (after every bucket collected): nothing is in flight any more."""
+        self._owners.clear()
 
 
 class GradBucket:
-    def __init__(self, index: int, slots: list[ParamSlot], *, num_ranks: int, shard_grads: bool,
-                 reduce_dtype: torch.dtype | None) -> None:
+    """The gradients of ``slots`` (one dtype), reduced by one collective per backward."""
+
+    def __init__(self, index: int, slots: Sequence[ParamSlot], *, sharded: bool, collective: str,
+                 wire_dtype: torch.dtype | None, rank: int, num_ranks: int, device: torch.device) -> None:
+        dtypes = {s.dtype for s in slots}
+        if len(dtypes) != 1:
+            raise AssertionError(f"bucket {index} mixes dtypes {sorted(map(str, dtypes))}")
+        if collective not in ("all_reduce", "reduce_scatter"):
+            raise AssertionError(f"collective={collective!r}")
         self.index = index
-        self.slots = slots
+        self.slots = list(slots)
+        self.dtype = slots[0].dtype
+        self.wire_dtype = wire_dtype or self.dtype
+        self.sharded = sharded
+        self.collective = collective
+        self.rank = rank
         self.num_ranks = num_ranks
-        self.shard_grads = shard_grads
-        self.reduce_dtype = reduce_dtype
-        self.ready: set[int] = set()
+        self.device = device
+        self.pending = len(self.slots)
+        """Slots whose gradient for this backward is not complete yet."""
         self.launched = False
         self._handle: comm.Handle | None = None
-        self._buffer: torch.Tensor | None = None  # what the collective writes
-
-    def mark_ready(self, slot_index: int) -> bool:
-        """Record that slot ``slot_index`` of this bucket has its gradient; True when all have."""
-        self.ready.add(slot_index)
-        return len(self.ready) == len(self.slots)
+        self._wire: torch.Tensor | None = None  # the pooled buffer the collective writes, if any
+        self._collected = True
+        if sharded:
+            self.offsets = _offsets([s.shard_numel for s in self.slots])
+            self.seg = sum(s.shard_numel for s in self.slots)
+            self.shard_buffer = torch.zeros(self.seg, dtype=self.dtype, device=device)
+            self.grad_buffer = None
+        else:
+            self.offsets = _offsets([s.numel for s in self.slots])
+            self.grad_buffer = torch.zeros(sum(s.numel for s in self.slots), dtype=self.dtype,
+                                           device=device)
+            for slot, offset in zip(self.slots, self.offsets, strict=True):
+                slot.grad_view = slot.view_full(self.grad_buffer[offset: offset + slot.numel])
 
     @property
     def numel(self) -> int:
         return sum(s.numel for s in self.slots)
 
-    def _wire_dtype(self) -> torch.dtype:
-        return self.reduce_dtype or self.slots[0].dtype
+    def persistent_bytes(self) -> int:
+        buf = self.shard_buffer if self.sharded else self.grad_buffer
+        return 0 if buf is None else buf.numel() * buf.element_size()
 
-    def launch(self, pre_scale: float) -> None:
-        """Copy the gradients into one buffer and start the reduction (async). ``pre_scale`` multiplies
-        the gradients on the way in (1/N for low-precision wires, so the sum cannot overflow)."""
+    # -- during backward -------------------------------------------------------------------------
+    def absorb(self, slot: ParamSlot) -> None:
+        """replicate/zero1: make ``slot``'s gradient live in this bucket. A gradient autograd created
+        afresh (the parameter had ``grad=None``) is copied in once; later accumulations then land in
+        the bucket in place."""
+        grad, view = slot.param.grad, slot.grad_view
+        if grad is None or view is None or grad.data_ptr() == view.data_ptr():
+            return
+        view.copy_(grad)
+        slot.param.grad = view
+
+    def launch(self, send_pool: BufferPool, out_pool: BufferPool, pre_scale: float) -> None:
+        """Start the reduction (async). ``pre_scale`` multiplies the gradients on the way in (``1/N`` on
+        a low-precision wire, so that the sum cannot overflow)."""
         if self.launched:
             raise AssertionError(f"bucket {self.index} launched twice")
         self.launched = True
-        n = len(self.slots)
-        dtype = self._wire_dtype()
-        device = self.slots[0].param.device
-        flags = torch.tensor([float(s.param.grad is not None) for s in self.slots], dtype=dtype,
-                             device=device)
-        if not self.shard_grads:
-            buf = torch.empty(self.numel + n, dtype=dtype, device=device)
-            offset = 0
-            for slot in self.slots:
-                dst = buf[offset: offset + slot.numel]
-                grad = slot.param.grad
-                if grad is None:
-                    dst.zero_()
-                else:
-                    dst.copy_(grad.reshape(-1))
-                offset += slot.numel
-            if pre_scale != 1.0:
-                buf[:offset].mul_(pre_scale)
-            buf[offset:] = flags
-            self._buffer = buf
-            self._handle = comm.all_reduce(buf, async_op=True)
+        self._collected = False
+        if self.sharded:
+            self._launch_sharded(send_pool, out_pool, pre_scale)
             return
-        # reduce-scatter: rank r's segment holds chunk r of every parameter, then the flags.
-        seg = sum(s.shard_numel for s in self.slots) + n
-        send = torch.zeros((self.num_ranks, seg), dtype=dtype, device=device)
-        offset = 0
+        grads = self.grad_buffer
+        if grads is None:
+            raise AssertionError(f"bucket {self.index}: no gradient buffer")
         for slot in self.slots:
+            if not slot.used and slot.grad_view is not None:
+                slot.grad_view.zero_()  # stale values of an earlier step: this rank adds nothing
+        if self.wire_dtype == self.dtype:
+            wire = grads
+            if pre_scale != 1.0:
+                wire.mul_(pre_scale)
+        else:  # a low-precision wire: converted on the way in, back in collect()
+            wire = send_pool.take(self, self.wire_dtype, grads.numel(), self.device)
+            wire.copy_(grads)
+            if pre_scale != 1.0:
+                wire.mul_(pre_scale)
+        self._wire = wire
+        self._handle = comm.all_reduce(wire, async_op=True)
+
+    def _launch_sharded(self, send_pool: BufferPool, out_pool: BufferPool, pre_scale: float) -> None:
+        n = self.num_ranks
+        send = send_pool.take(self, self.wire_dtype, n * self.seg, self.device).view(n, self.seg)
+        for slot, offset in zip(self.slots, self.offsets, strict=True):
+            dst = send[:, offset: offset + slot.shard_numel]  # (N, shard): chunk r of the slot in row r
             grad = slot.param.grad
-            if grad is not None:
-                flat = grad.reshape(-1)
-                padded_numel = slot.shard_numel * self.num_ranks
-                if flat.numel() != padded_numel:
-                    flat = torch.cat([flat, flat.new_zeros(padded_numel - flat.numel())])
-                send[:, offset: offset + slot.shard_numel].copy_(flat.view(self.num_ranks, -1))
-                slot.param.grad = None  # the full gradient is not kept under zero2/zero3
-            offset += slot.shard_numel
+            if grad is None or not slot.used:
+                dst.zero_()
+                continue
+            _fill_chunks(dst, _memory_order_flat(slot, grad))
+            slot.param.grad = None  # zero2/zero3 keep no whole gradient
         if pre_scale != 1.0:
-            send[:, :offset].mul_(pre_scale)
-        send[:, offset:] = flags
-        out = torch.empty(seg, dtype=dtype, device=device)
-        self._buffer = out
-        self._handle = comm.reduce_scatter_tensor(out, send, async_op=True)
+            send.mul_(pre_scale)
+        if self.collective == "reduce_scatter":
+            out = (self.shard_buffer if self.wire_dtype == self.dtype else
+                   out_pool.take(self, self.wire_dtype, self.seg, self.device))
+            self._wire = out
+            self._handle = comm.reduce_scatter_tensor(out, send, async_op=True)
+        else:
+            self._wire = send
+            self._handle = comm.all_reduce(send, async_op=True)
 
-    def finish(self, post_scale: float) -> None:
-        """Wait for the reduction and put the averaged gradients where the optimizer reads them."""
-        if self._handle is None or self._buffer is None:
-            raise AssertionError(f"bucket {self.index} finished before it was launched")
+    # -- after the collective ----------------------------------------------------------------------
+    def collect(self) -> None:
+        """Wait for the collective and move its result into the bucket's persistent storage (unscaled)."""
+        if self._collected:
+            return
+        if self._handle is None or self._wire is None:
+            raise AssertionError(f"bucket {self.index} collected before it was launched")
         self._handle.wait()
-        buf = self._buffer
-        n = len(self.slots)
-        used_anywhere = (buf[-n:] > 0).tolist()
-        offset = 0
-        for slot, used in zip(self.slots, used_anywhere, strict=True):
-            size = slot.shard_numel if self.shard_grads else slot.numel
-            piece = buf[offset: offset + size]
-            offset += size
-            if self.shard_grads:
-                if not used:
-                    slot.shard_grad = None
-                    continue
-                grad = torch.empty(slot.shard_numel, dtype=slot.dtype, device=piece.device)
-                grad.copy_(piece).mul_(post_scale)
-                slot.shard_grad = grad
-            else:
-                if not used:
-                    slot.param.grad = None
-                    continue
-                if slot.param.grad is None:
-                    slot.param.grad = torch.zeros_like(slot.param)
-                slot.param.grad.view(-1).copy_(piece).mul_(post_scale)
+        wire = self._wire
+        if self.sharded:
+            if self.collective == "all_reduce":
+                self.shard_buffer.copy_(wire.view(self.num_ranks, self.seg)[self.rank])
+            elif wire is not self.shard_buffer:
+                self.shard_buffer.copy_(wire)
+        elif self.grad_buffer is not None and wire is not self.grad_buffer:
+            self.grad_buffer.copy_(wire)
         self._handle = None
-        self._buffer = None
-        self.ready.clear()
+        self._wire = None
+        self._collected = True
+
+    def finish(self, post_scale: float, used_anywhere: Sequence[bool]) -> None:
+        """Scale the reduced gradients and hand them to the parameters (or their shards): a parameter
+        no rank produced a gradient for keeps ``grad=None``, as in single-process PyTorch."""
+        self.collect()
+        if self.sharded:
+            if post_scale != 1.0:
+                self.shard_buffer.mul_(post_scale)
+            for slot, offset, used in zip(self.slots, self.offsets, used_anywhere, strict=True):
+                slot.shard_grad = self.shard_buffer[offset: offset + slot.shard_numel] if used else None
+        else:
+            if post_scale != 1.0 and self.grad_buffer is not None:
+                self.grad_buffer.mul_(post_scale)
+            for slot, used in zip(self.slots, used_anywhere, strict=True):
+                slot.param.grad = slot.grad_view if used else None
+        self.reset()
+
+    def add_to_shards(self, post_scale: float) -> None:
+        """A bucket of gradients that arrived late (after their first bucket left): add its reduced
+        shards into the slots' shard gradients."""
+        self.collect()
+        for slot, offset in zip(self.slots, self.offsets, strict=True):
+            late = self.shard_buffer[offset: offset + slot.shard_numel]
+            if slot.shard_grad is None:
+                slot.shard_grad = late.mul(post_scale)
+            else:
+                slot.shard_grad.add_(late, alpha=post_scale)
+        self.reset()
+
+    def reset(self) -> None:
+        """Back to the state before a backward (also after a failed one: nothing stays in flight here)."""
         self.launched = False
+        self.pending = len(self.slots)
+        self._handle = None
+        self._wire = None
+        self._collected = True
 
 
-def make_buckets(slots: list[ParamSlot], *, bucket_mb: float, num_ranks: int, shard_grads: bool,
-                 reduce_dtype: torch.dtype | None) -> list[GradBucket]:
-    """Group ``slots`` in reverse order (the order backward produces gradients) into buckets of about
-    ``bucket_mb`` megabytes (at least one parameter each; MB = 2**20 bytes)."""
+def _offsets(sizes: Sequence[int]) -> list[int]:
+    out, total = [], 0
+    for size in sizes:
+        out.append(total)
+        total += size
+    return out
+
+
+def _memory_order_flat(slot: ParamSlot, grad: torch.Tensor) -> torch.Tensor:
+    """``grad``'s elements in the parameter's memory order, as a 1-D tensor (a view when its strides
+    are the parameter's, else a copy)."""
+    if tuple(grad.stride()) == slot.strides:
+        return grad.as_strided((slot.numel,), (1,))
+    flat = torch.empty(slot.numel, dtype=grad.dtype, device=grad.device)
+    slot.copy_to_flat(flat, grad)
+    return flat
+
+
+def _fill_chunks(dst: torch.Tensor, flat: torch.Tensor) -> None:
+    """Write ``flat`` (one parameter, memory order) into ``dst`` (``(N, shard)``: chunk ``r`` in row
+    ``r``), zero-padding the end."""
+    n, shard = dst.shape
+    whole = min(flat.numel() // shard, n) if shard else n
+    if whole:
+        dst[:whole].copy_(flat[: whole * shard].view(whole, shard))
+    if whole < n:
+        rest = flat.numel() - whole * shard
+        dst[whole, :rest].copy_(flat[whole * shard:])
+        dst[whole, rest:].zero_()
+        dst[whole + 1:].zero_()
+
+
+def make_buckets(order: Sequence[ParamSlot], *, bucket_mb: float, sharded: bool, collective: str,
+                 wire_dtype: torch.dtype | None, rank: int, num_ranks: int,
+                 device: torch.device) -> list[GradBucket]:
+    """Group ``order`` (the order backward produces gradients) into single-dtype buckets of about
+    ``bucket_mb`` megabytes (at least one parameter each; MB = 2**20 bytes), listed in the order they
+    are expected to become ready (by their first slot)."""
     limit = bucket_mb * 2**20
-    groups: list[list[ParamSlot]] = []
-    current: list[ParamSlot] = []
-    size = 0.0
-    for slot in reversed(slots):
+    open_groups: dict[torch.dtype, tuple[list[ParamSlot], float]] = {}
+    groups: list[tuple[int, list[ParamSlot]]] = []
+    first_index: dict[int, int] = {}
+    for position, slot in enumerate(order):
+        current, size = open_groups.get(slot.dtype, ([], 0.0))
         nbytes = slot.numel * slot.param.element_size()
         if current and size + nbytes > limit:
-            groups.append(current)
+            groups.append((first_index[id(current)], current))
             current, size = [], 0.0
+        if not current:
+            first_index[id(current)] = position
         current.append(slot)
-        size += nbytes
-    if current:
-        groups.append(current)
-    return [GradBucket(i, g, num_ranks=num_ranks, shard_grads=shard_grads, reduce_dtype=reduce_dtype)
-            for i, g in enumerate(groups)]
+        open_groups[slot.dtype] = (current, size + nbytes)
+    for current, _size in open_groups.values():
+        if current:
+            groups.append((first_index[id(current)], current))
+    groups.sort(key=lambda item: item[0])
+    return [GradBucket(i, g, sharded=sharded, collective=collective, wire_dtype=wire_dtype, rank=rank,
+                       num_ranks=num_ranks, device=device) for i, (_, g) in enumerate(groups)]

@@ -1,15 +1,22 @@
-"""One ``ParamSlot`` per trainable parameter: where its shard lives, how big it is on this rank, and
-(under zero3) whether its full value is currently gathered.
+"""One ``ParamSlot`` per unique parameter: its memory layout, where its shard lives, how big it is on this
+rank, and (under zero3) whether its full value is currently gathered.
 
 [Note: row sharding] Every parameter is split along dim 0 (a 0-d parameter counts as one row) under the
 uneven split rule of :mod:`dspark.tensor.shard_math`: rank ``r`` owns rows ``[start, stop)`` of ``rows``,
 and collectives move pieces padded to ``chunk`` rows. Optimizer state follows the same split, so each
 parameter's shard and state are ``Shard(0)`` DistTensors that PyTorch's distributed checkpoint can save
 per rank and reload at another world size.
+
+[Note: memory layout] A parameter keeps the strides it was built with (``channels_last`` convolutions
+included): every flat buffer DSpark copies it into holds its elements in *memory order*, and every
+parameter-shaped view of such a buffer is made with the parameter's own strides (``as_strided``).
+Row sharding needs dim 0 to be the outermost dimension in memory, which holds for contiguous and
+channels_last tensors; a parameter laid out otherwise (a transposed view) is made contiguous once.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
@@ -19,7 +26,9 @@ from torch import nn
 from dspark.tensor import DistTensor, Shard
 from dspark.tensor.shard_math import chunk_size, shard_range
 
-__all__ = ["ParamSlot"]
+__all__ = ["ParamSlot", "memory_order_strides"]
+
+log = logging.getLogger(__name__)
 
 _EMPTY: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
@@ -31,13 +40,44 @@ def _empty_like(t: torch.Tensor) -> torch.Tensor:
     return _EMPTY[key]
 
 
+def memory_order_strides(t: torch.Tensor) -> tuple[int, ...] | None:
+    """``t``'s strides when its elements fill one dense block with dim 0 outermost (contiguous and
+    channels_last tensors), else None.
+
+    Example::
+
+        memory_order_strides(torch.empty(4, 3, 2, 2).to(memory_format=torch.channels_last))
+        # (12, 1, 6, 3)
+        memory_order_strides(torch.empty(3, 4).t())   # None: dim 0 is not outermost
+    """
+    if t.dim() == 0:
+        return ()
+    expected = 1
+    for d in sorted(range(t.dim()), key=lambda d: (t.stride(d), t.size(d))):
+        if t.size(d) != 1 and t.stride(d) != expected:
+            return None
+        expected *= t.size(d)
+    rows = t.size(0)
+    if rows > 1 and t.stride(0) != t.numel() // rows:
+        return None
+    return tuple(t.stride())
+
+
 class ParamSlot:
     """Bookkeeping for one unique parameter (tied parameters share a slot and list every name)."""
 
     def __init__(self, names: list[str], param: nn.Parameter, *, rank: int, num_ranks: int) -> None:
+        strides = memory_order_strides(param)
+        if strides is None:
+            log.info("%s: strides %s do not keep dim 0 outermost; made contiguous", names[0],
+                     tuple(param.stride()))
+            param.data = param.data.contiguous()
+            strides = tuple(param.stride())
         self.names = names
         self.param = param
+        self.requires_grad = param.requires_grad
         self.shape = param.shape
+        self.strides = strides
         self.dtype = param.dtype
         self.numel = param.numel()
         self.rows = param.shape[0] if param.dim() > 0 else 1
@@ -46,11 +86,16 @@ class ParamSlot:
         self.chunk = chunk_size(self.rows, num_ranks)
         self.start, self.stop = shard_range(self.rows, num_ranks, rank)
         self.local_rows = self.stop - self.start
-        self.padded_shard: torch.Tensor | None = None  # zero3: this rank's chunk rows, padded
-        self.opt_param: nn.Parameter | None = None  # what the optimizer updates
-        self.shard_grad: torch.Tensor | None = None  # zero2/3: this rank's reduced gradient, padded
+        self.shard_flat: torch.Tensor | None = None  # zero3: this rank's chunk rows, padded, flat
+        self.padded_shard: torch.Tensor | None = None  # zero3: shard_flat viewed as (chunk, *rest)
+        self.opt_param: nn.Parameter | None = None  # what the optimizer updates (sharded strategies)
+        self.shard_grad: torch.Tensor | None = None  # zero2/3: this rank's reduced gradient, flat, padded
+        self.grad_view: torch.Tensor | None = None  # replicate/zero1: the gradient's place in its bucket
         self.gathered = True
         self.pending: Any = None  # zero3: the in-flight gather that will fill this parameter
+        self.arrivals = 0  # gradient accumulations seen in this backward
+        self.expected_arrivals = 1  # accumulations per backward, learned on the first step
+        self.used = False  # a gradient arrived in this accumulation window
 
     @property
     def name(self) -> str:
@@ -69,34 +114,73 @@ class ParamSlot:
     def opt_shape(self) -> tuple[int, ...]:
         return (self.local_rows, *self.shape[1:]) if len(self.shape) > 0 else (self.local_rows,)
 
+    @property
+    def grad_complete(self) -> bool:
+        """Every gradient this backward brings for the parameter has been accumulated."""
+        return self.arrivals >= self.expected_arrivals
+
+    # -- views in memory order -------------------------------------------------------------------
     def rows_view(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` (full-sized) as ``(rows, *rest)``, 0-d parameters as ``(1,)``."""
         return t.reshape(1) if t.dim() == 0 else t
+
+    def _rows_strides(self) -> tuple[int, ...]:
+        return (self.row_numel, *self.strides[1:]) if len(self.shape) else (1,)
+
+    def view_rows(self, flat: torch.Tensor, rows: int) -> torch.Tensor:
+        """``rows`` rows of this parameter laid in memory order at the start of the 1-D ``flat``."""
+        shape = (rows, *self.shape[1:]) if len(self.shape) else (rows,)
+        return flat.as_strided(shape, self._rows_strides())
+
+    def view_full(self, flat: torch.Tensor) -> torch.Tensor:
+        """The whole parameter laid in memory order at the start of the 1-D ``flat``."""
+        return flat.as_strided(self.shape, self.strides)
+
+    def copy_to_flat(self, flat: torch.Tensor, t: torch.Tensor) -> None:
+        """Write the parameter-shaped ``t`` (any strides) into ``flat`` in memory order."""
+        self.view_full(flat).copy_(t)
 
     # -- sharded layouts -------------------------------------------------------------------------
     def view_shard_of_full(self) -> nn.Parameter:
         """zero1/zero2: the optimizer's parameter is this rank's rows of the full parameter, as a view
         (no extra memory: the optimizer updates the model's storage in place)."""
         rows = self.rows_view(self.param.detach())
-        self.opt_param = nn.Parameter(rows[self.start:self.stop], requires_grad=True)
+        self.opt_param = nn.Parameter(rows[self.start:self.stop], requires_grad=self.requires_grad)
         return self.opt_param
 
-    def shard_and_free_full(self) -> nn.Parameter:
+    def keep_shard_of(self, full: torch.Tensor) -> None:
+        """zero3: keep this rank's rows of ``full`` (the whole parameter's value) in a padded shard."""
+        flat = torch.zeros(self.shard_numel, dtype=self.dtype, device=full.device)
+        self.shard_flat = flat
+        self.padded_shard = self.view_rows(flat, self.chunk)
+        self.padded_shard[: self.local_rows].copy_(self.rows_view(full)[self.start:self.stop])
+        if self.requires_grad:
+            self.opt_param = nn.Parameter(self.padded_shard[: self.local_rows], requires_grad=True)
+
+    def shard_and_free_full(self) -> nn.Parameter | None:
         """zero3: keep this rank's rows in a padded shard, and free the full parameter."""
-        full = self.rows_view(self.param.detach())
-        padded = full.new_zeros((self.chunk, *full.shape[1:]))
-        padded[: self.local_rows] = full[self.start:self.stop]
-        self.padded_shard = padded
-        self.opt_param = nn.Parameter(padded[: self.local_rows], requires_grad=True)
+        self.keep_shard_of(self.param.detach())
         self.free_full()
         return self.opt_param
 
+    def local_shard(self) -> torch.Tensor:
+        """This rank's rows of the parameter's current value (sharded strategies)."""
+        if self.padded_shard is not None:
+            return self.padded_shard[: self.local_rows]
+        if self.opt_param is not None:
+            return self.opt_param.detach()
+        return self.rows_view(self.param.detach())[self.start:self.stop]
+
     def dist_shard(self) -> DistTensor:
         """This rank's rows as a ``Shard(0)`` DistTensor over the parameter's global shape."""
-        if self.opt_param is None:
-            raise AssertionError(f"{self.name}: no shard exists under a replicate strategy")
         global_shape = tuple(self.shape) if len(self.shape) else (1,)
-        return DistTensor(self.opt_param.detach(), Shard(0), global_shape)
+        return DistTensor(self.local_shard(), Shard(0), global_shape)
+
+    def shard_grad_rows(self) -> torch.Tensor | None:
+        """zero2/3: this rank's reduced gradient shaped like its rows (None when no rank produced one)."""
+        if self.shard_grad is None:
+            return None
+        return self.view_rows(self.shard_grad, self.local_rows)
 
     # -- zero3: gather / free --------------------------------------------------------------------
     def free_full(self) -> None:
@@ -104,7 +188,8 @@ class ParamSlot:
         self.gathered = False
 
     def set_full(self, padded_full: torch.Tensor) -> None:
-        """Install the gathered parameter (``chunk * N`` rows, the padding at the end)."""
-        self.param.data = padded_full.reshape(-1)[: self.numel].view(self.shape)
+        """Install the gathered parameter: ``padded_full`` is 1-D, ``chunk * N`` rows in memory order
+        (the padding at the end)."""
+        self.param.data = self.view_full(padded_full)
         self.gathered = True
         self.pending = None

@@ -1,7 +1,8 @@
 """zero3: parameters live as shards and are gathered just in time.
 
-[Note: units] A *unit* is a module whose parameters are gathered together: the root module, and every
-module held in an ``nn.ModuleList`` / ``nn.Sequential`` (a model's repeated blocks), at any depth. A
+[Note: units] A *unit* is a module whose parameters are gathered together: the root module, and by
+default every module held in an ``nn.ModuleList`` / ``nn.Sequential`` (a model's repeated blocks), at
+any depth; ``Engine(zero3_units=...)`` replaces the default with module classes or a predicate. A
 parameter belongs to the units it sits under, minus nested units; so the root unit holds what no block
 claims (embeddings, heads) for the whole forward, which keeps functional uses such as a tied output
 head working.
@@ -9,38 +10,46 @@ head working.
 Lifecycle of one unit in a step:
   forward pre-hook   gather its parameters (waiting on a prefetch if one is in flight), then start
                      gathering the next unit of the previous forward's order (prefetch)
-  forward post-hook  free its parameters; hook its outputs so that backward regathers them
+  forward post-hook  free its parameters (the root keeps its own until backward reaches them, and
+                     prefetches the unit backward starts with); hook its outputs so that backward
+                     regathers them
   pre-backward       (the outputs' gradient arrived) gather again, prefetch the unit that ran before it
-  post-accumulate    each parameter is freed as soon as its gradient is accumulated (autograd calls
-                     that hook once all uses of the parameter are done)
-Every gather is an all-gather started in the same order on every rank (same graph, same hooks).
+  post-accumulate    each trainable parameter is freed as soon as its gradient is complete
+  post-backward      (units with frozen parameters) free them once the unit's inputs got their gradients
+A forward that runs *during* backward is a recomputation (activation checkpointing): it gathers what it
+needs and frees nothing, the gradients that follow free the parameters. Every gather is an all-gather
+per dtype, started in the same order on every rank (same graph, same hooks).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from dspark import comm
 from dspark.engine.param_slot import ParamSlot
 
-__all__ = ["Zero3Scheduler", "unit_modules"]
+__all__ = ["UnitPolicy", "Zero3Scheduler", "unit_modules"]
+
+UnitPolicy = Sequence[type[nn.Module]] | Callable[[str, nn.Module], bool] | None
+"""Which modules are zero3 units besides the root: module classes, a ``(name, module) -> bool``
+predicate, or None for the default (children of ``nn.ModuleList`` / ``nn.Sequential``)."""
 
 
 class _Gather:
-    """One all-gather of several parameters' shards, packed into one flat buffer.
+    """One all-gather of several same-dtype parameters' shards, packed into one flat buffer.
 
     Rank ``r``'s segment of the output holds its shard of every parameter in order, so parameter
     ``i`` is the strided column ``out[:, off_i:off_i + shard_i]``; copying it out gives the full,
-    padded parameter (``chunk * N`` rows)."""
+    padded parameter (``chunk * N`` rows, memory order)."""
 
     def __init__(self, slots: list[ParamSlot]) -> None:
         self.slots = slots
-        send = torch.cat([_shard(s).reshape(-1) for s in slots])
+        send = torch.cat([_shard(s) for s in slots]) if len(slots) > 1 else _shard(slots[0])
         self.out = send.new_empty((slots[0].num_ranks, send.numel()))  # (N, sum of shards)
         self.handle: comm.Handle | None = comm.all_gather_into_tensor(self.out, send, async_op=True)
         for slot in slots:
@@ -52,18 +61,19 @@ class _Gather:
         self.handle.wait()
         self.handle = None
         offset = 0
+        single = len(self.slots) == 1
         for slot in self.slots:
             column = self.out[:, offset: offset + slot.shard_numel]
             offset += slot.shard_numel
             if slot.pending is self:
-                slot.set_full(column.reshape(-1))
+                slot.set_full(self.out.view(-1) if single else column.reshape(-1))
         del self.out
 
 
 def _shard(slot: ParamSlot) -> torch.Tensor:
-    if slot.padded_shard is None:
+    if slot.shard_flat is None:
         raise AssertionError(f"{slot.name}: gather without a shard")
-    return slot.padded_shard
+    return slot.shard_flat
 
 
 class _Unit:
@@ -72,18 +82,34 @@ class _Unit:
         self.name = name
         self.module = module
         self.slots = slots
+        self.frozen = [s for s in slots if not s.requires_grad]
 
 
-def unit_modules(root: nn.Module) -> list[tuple[str, nn.Module]]:
-    """``(name, module)`` of every unit, the root first (see [Note: units])."""
+def _is_unit(policy: UnitPolicy, name: str, module: nn.Module) -> bool:
+    if callable(policy) and not isinstance(policy, (list, tuple)):
+        return bool(policy(name, module))
+    return isinstance(module, tuple(policy or ()))
+
+
+def unit_modules(root: nn.Module, policy: UnitPolicy = None) -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` of every unit, the root first (see [Note: units]).
+
+    Example::
+
+        unit_modules(gpt, [Block])   # [("", gpt), ("blocks.0", ...), ("blocks.1", ...)]
+    """
     units = [("", root)]
-    for name, module in root.named_modules():
-        if isinstance(module, (nn.ModuleList, nn.Sequential)):
-            for child_name, child in module.named_children():
-                if any(True for _ in child.parameters()):
-                    units.append((f"{name}.{child_name}" if name else child_name, child))
-    # deduplicate (a module can sit in two containers) while keeping order
-    seen: set[int] = set()
+    if policy is None:
+        for name, module in root.named_modules():
+            if isinstance(module, (nn.ModuleList, nn.Sequential)):
+                for child_name, child in module.named_children():
+                    if any(True for _ in child.parameters()):
+                        units.append((f"{name}.{child_name}" if name else child_name, child))
+    else:
+        for name, module in root.named_modules():
+            if name and _is_unit(policy, name, module) and any(True for _ in module.parameters()):
+                units.append((name, module))
+    seen: set[int] = set()  # a module can sit in two containers: keep the first
     unique = []
     for name, module in units:
         if id(module) not in seen:
@@ -92,16 +118,32 @@ def unit_modules(root: nn.Module) -> list[tuple[str, nn.Module]]:
     return unique
 
 
+class _AfterUnitBackward(torch.autograd.Function):
+    """Identity on a unit's inputs whose backward runs once the unit's backward is done."""
+
+    @staticmethod
+    def forward(ctx: Any, callback: Callable[[], None], *tensors: torch.Tensor) -> Any:
+        ctx.callback = callback
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        ctx.callback()
+        return (None, *grads)
+
+
 class Zero3Scheduler:
-    def __init__(self, root: nn.Module, slots: list[ParamSlot]) -> None:
+    def __init__(self, root: nn.Module, slots: list[ParamSlot], *, policy: UnitPolicy = None,
+                 in_backward: Callable[[], bool]) -> None:
         by_param = {id(s.param): s for s in slots}
-        modules = unit_modules(root)
+        modules = unit_modules(root, policy)
         unit_ids = {id(m) for _, m in modules}
         self.units: list[_Unit] = []
         for index, (name, module) in enumerate(modules):
             owned = self._owned_params(module, unit_ids)
             unit_slots = [by_param[id(p)] for p in owned if id(p) in by_param]
             self.units.append(_Unit(index, name, module, unit_slots))
+        self._in_backward = in_backward
         self._holders: dict[int, int] = {id(s): 0 for s in slots}
         self._slots = slots
         self._order: list[int] = []  # unit indices in the previous forward's order
@@ -109,7 +151,8 @@ class Zero3Scheduler:
         self._grad_done: set[int] = set()
         self._handles: list[Any] = []
         for unit in self.units:
-            self._handles.append(unit.module.register_forward_pre_hook(self._pre_forward_hook(unit)))
+            self._handles.append(unit.module.register_forward_pre_hook(
+                self._pre_forward_hook(unit), with_kwargs=True))
             self._handles.append(unit.module.register_forward_hook(self._post_forward_hook(unit)))
 
     @staticmethod
@@ -123,12 +166,20 @@ class Zero3Scheduler:
         seen: set[int] = set()
         return [p for p in params if not (id(p) in seen or seen.add(id(p)))]  # type: ignore[func-returns-value]
 
+    def largest_unit_bytes(self) -> int:
+        return max((sum(s.numel * s.param.element_size() for s in u.slots) for u in self.units), default=0)
+
     # -- gathering -------------------------------------------------------------------------------
-    def _start(self, slots: Iterable[ParamSlot]) -> None:
-        """Launch one batched all-gather for the slots that are neither gathered nor in flight."""
-        todo = [s for s in slots if not s.gathered and s.pending is None and id(s) not in self._grad_done]
-        if todo:
-            _Gather(todo)
+    def _start(self, slots: Iterable[ParamSlot], *, prefetch: bool = False) -> None:
+        """Launch one all-gather per dtype for the slots that are neither gathered nor in flight (a
+        prefetch also skips those whose gradient is complete: backward needs them no more)."""
+        by_dtype: dict[torch.dtype, list[ParamSlot]] = {}
+        for s in slots:
+            if s.gathered or s.pending is not None or (prefetch and id(s) in self._grad_done):
+                continue
+            by_dtype.setdefault(s.dtype, []).append(s)
+        for group in by_dtype.values():
+            _Gather(group)
 
     def _gather(self, slots: Iterable[ParamSlot]) -> None:
         slots = list(slots)
@@ -139,7 +190,7 @@ class Zero3Scheduler:
 
     def _prefetch(self, unit_index: int | None) -> None:
         if unit_index is not None:
-            self._start(self.units[unit_index].slots)
+            self._start(self.units[unit_index].slots, prefetch=True)
 
     def _neighbour(self, unit: _Unit, step: int) -> int | None:
         if unit.index not in self._order:
@@ -147,9 +198,19 @@ class Zero3Scheduler:
         pos = self._order.index(unit.index) + step
         return self._order[pos] if 0 <= pos < len(self._order) else None
 
+    def _free(self, slots: Iterable[ParamSlot]) -> None:
+        for slot in slots:
+            if slot.pending is not None:
+                slot.pending.finish()
+            if slot.gathered and self._holders[id(slot)] == 0:
+                slot.free_full()
+
     # -- hooks -----------------------------------------------------------------------------------
     def _pre_forward_hook(self, unit: _Unit) -> Any:
-        def hook(module: nn.Module, args: Any) -> None:
+        def hook(module: nn.Module, args: Any, kwargs: Any) -> Any:
+            if self._in_backward():  # recomputation: gather, free nothing (gradients will)
+                self._gather(unit.slots)
+                return None
             if unit.index == 0:
                 self._current_order = []
             self._current_order.append(unit.index)
@@ -157,17 +218,38 @@ class Zero3Scheduler:
                 self._holders[id(slot)] += 1
             self._gather(unit.slots)
             self._prefetch(self._neighbour(unit, +1))
+            if unit.frozen and torch.is_grad_enabled():
+                return self._wrap_inputs(unit, args, kwargs)
+            return None
         return hook
+
+    def _wrap_inputs(self, unit: _Unit, args: Any, kwargs: Any) -> Any:
+        leaves, spec = tree_flatten((args, kwargs))
+        positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
+        if not positions:
+            return None
+        wrapped = _AfterUnitBackward.apply(lambda: self._free(unit.frozen), *(leaves[i] for i in positions))
+        for i, tensor in zip(positions, wrapped, strict=True):
+            leaves[i] = tensor
+        return tree_unflatten(leaves, spec)
 
     def _post_forward_hook(self, unit: _Unit) -> Any:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if self._in_backward():
+                return
             for slot in unit.slots:
                 self._holders[id(slot)] -= 1
-                if self._holders[id(slot)] == 0 and slot.gathered:
-                    slot.free_full()
+            grad_enabled = torch.is_grad_enabled()
             if unit.index == 0:
                 self._order = self._current_order
-            if torch.is_grad_enabled() and unit.slots:
+            if unit.index == 0 and grad_enabled:
+                # backward starts with the root's own parameters (the head) and then the last unit:
+                # keep the first, prefetch the second
+                if self._order:
+                    self._prefetch(self._order[-1])
+            else:
+                self._free(unit.slots)
+            if grad_enabled and unit.slots:
                 fired = [False]
 
                 def pre_backward(grad: torch.Tensor) -> None:
@@ -182,7 +264,10 @@ class Zero3Scheduler:
         return hook
 
     def on_grad_accumulated(self, slot: ParamSlot) -> None:
-        """The parameter's gradient is complete for this backward: its full value is not needed."""
+        """A gradient was accumulated into the parameter; once it is complete the full value is not
+        needed any more."""
+        if not slot.grad_complete:
+            return
         self._grad_done.add(id(slot))
         if slot.pending is not None:
             slot.pending.finish()
@@ -199,13 +284,19 @@ class Zero3Scheduler:
             self._holders[id(slot)] = 0
         self._grad_done.clear()
 
+    def gather_slots(self, slots: Iterable[ParamSlot]) -> None:
+        self._gather(slots)
+
+    def free_slots(self, slots: Iterable[ParamSlot]) -> None:
+        for slot in slots:
+            if slot.gathered:
+                slot.free_full()
+
     def gather_all(self) -> None:
         self._gather(self._slots)
 
     def free_all(self) -> None:
-        for slot in self._slots:
-            if slot.gathered:
-                slot.free_full()
+        self.free_slots(self._slots)
 
     def remove_hooks(self) -> None:
         for handle in self._handles:

@@ -1,0 +1,65 @@
+"""Buffers equal on every rank: rank 0's buffers are broadcast before each training forward, as DDP's
+default ``broadcast_buffers=True`` does, so BatchNorm running statistics never drift apart.
+
+[Note: which buffers travel] Broadcasting every buffer on every forward wastes bandwidth on constants
+(attention masks, position ids). The first training forward records each buffer's version counter;
+the second sees which ones changed (running statistics do, constants do not), the ranks agree once on
+the union, and from then on only those travel, coalesced into one broadcast per dtype. A constant
+buffer that changes later on one rank only is not followed (the construction broadcast made them
+equal).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dspark import comm
+
+__all__ = ["BufferSync", "broadcast_tensors"]
+
+
+def broadcast_tensors(tensors: list[torch.Tensor], src: int = 0) -> None:
+    """Overwrite ``tensors`` with rank ``src``'s values: one broadcast per dtype (collective)."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        if t.numel():
+            by_dtype.setdefault(t.dtype, []).append(t)
+    for same in by_dtype.values():
+        flat = torch.cat([t.reshape(-1) for t in same]) if len(same) > 1 else same[0].reshape(-1).clone()
+        comm.broadcast(flat, src=src)
+        offset = 0
+        for t in same:
+            t.copy_(flat[offset: offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
+class BufferSync:
+    """Keep ``module``'s buffers (but those in ``skip``) equal to rank 0's before each training forward."""
+
+    def __init__(self, module: nn.Module, *, skip: set[int] | None = None) -> None:
+        self.module = module
+        self.skip = skip or set()
+        self._versions: dict[str, int] | None = None
+        self._dynamic: list[str] | None = None
+
+    def _named(self) -> dict[str, torch.Tensor]:
+        return {name: b for name, b in self.module.named_buffers() if id(b) not in self.skip}
+
+    def before_forward(self) -> None:
+        """Call on every rank before a forward that will be backpropagated, in training mode."""
+        buffers = self._named()
+        if not buffers:
+            return
+        if self._versions is None:
+            self._versions = {name: b._version for name, b in buffers.items()}
+            return
+        if self._dynamic is None:
+            changed = [name for name, b in buffers.items() if b._version != self._versions.get(name)]
+            union = set().union(*comm.all_gather_object(changed))
+            self._dynamic = [name for name in buffers if name in union]
+        broadcast_tensors([buffers[name] for name in self._dynamic if name in buffers])
+
+    def sync_all(self) -> None:
+        """Every buffer to rank 0's values now (before a checkpoint or a full state dict)."""
+        broadcast_tensors(list(self._named().values()))

@@ -1,0 +1,259 @@
+"""The gradient reducer: counts gradients as autograd accumulates them, launches each bucket's collective
+as soon as its gradients are complete, and at the end of backward averages them across ranks with the
+right weights.
+
+[Note: the first step observes] The first buckets follow the reverse of registration order (the order
+backward usually produces gradients). During the first window that communicates, the reducer records
+the order in which gradients really arrive and how many times each parameter's gradient is accumulated
+(a parameter used inside a reentrant activation checkpoint and outside it gets two). After that step
+the ranks agree on rank 0's order and the largest counts, and the buckets are rebuilt in that order, so
+the first bucket holds the first gradients ready. While observing, whole-gradient buckets (replicate,
+zero1) launch only when backward ends, since a second accumulation into a bucket in flight would race
+the collective; sharded buckets launch early (their gradients must not pile up) and a contribution that
+arrives after its bucket left travels in one extra bucket at the end. From then on a bucket launches
+the moment its last gradient is complete, and a gradient that arrives after its bucket left is an error
+(the count changed between steps), never a silently lost contribution.
+
+[Note: step extras] Besides the buckets, each step all-reduces one small float64 vector:
+``[sum of weights, ranks that gave a weight, per rank its local batch size + 1 (0: unknown), per
+parameter 1 if a gradient arrived on this rank]``. It tells whether a parameter got a gradient on any
+rank (else it keeps ``grad=None``, as in one process), the weights for ``engine.backward(loss, weight=n)``
+and whether unweighted ranks had unequal batches (an error: equal weights would not give the mean).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from dspark import comm
+from dspark.engine.grad_bucket import BufferPool, GradBucket, make_buckets
+from dspark.engine.param_slot import ParamSlot
+
+__all__ = ["GradReducer", "StepWeights", "UnequalBatchesError"]
+
+
+class UnequalBatchesError(ValueError):
+    """Ranks averaged with equal weights saw different numbers of samples."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepWeights:
+    """How this rank's accumulated gradients are to be weighted in the average across ranks."""
+
+    micro_steps: int
+    """``backward()`` calls in this accumulation window."""
+    accum_steps: int
+    """``grad_accum_steps``: each unweighted backward scaled its loss by ``1 / accum_steps``."""
+    weight_sum: float | None
+    """Sum of the ``weight=`` of this window's backward calls (None: no weights given)."""
+    batch_size: int | None
+    """Samples this rank's forwards received in the window (dim 0 of the first input), if known."""
+    loss_scale: float
+    """The fp16 loss scale the losses were multiplied by (1.0 otherwise)."""
+
+
+class GradReducer:
+    """Reduce the gradients of ``slots`` across ranks (see the module notes)."""
+
+    def __init__(self, slots: Sequence[ParamSlot], *, sharded: bool, collective: str, bucket_mb: float,
+                 wire_dtype: torch.dtype | None, rank: int, num_ranks: int, device: torch.device) -> None:
+        self.slots = list(slots)
+        self.sharded = sharded
+        self.collective = collective
+        self.bucket_mb = bucket_mb
+        self.wire_dtype = wire_dtype
+        self.rank = rank
+        self.num_ranks = num_ranks
+        self.device = device
+        self.observing = True
+        self.sync = False
+        self._first_arrivals: list[ParamSlot] = []
+        self._late: list[ParamSlot] = []  # observing: gradients that arrived after their bucket left
+        self._late_bucket: GradBucket | None = None
+        self._send_pool = BufferPool()
+        self._out_pool = BufferPool()
+        self._next = 0
+        self._synced_once = False  # observing: this window communicated
+        self._set_buckets(list(reversed(self.slots)))
+
+    def _set_buckets(self, order: list[ParamSlot]) -> None:
+        self.buckets: list[GradBucket] = []  # dropped first: the old buffers go before new ones come
+        self.buckets = make_buckets(order, bucket_mb=self.bucket_mb, sharded=self.sharded,
+                                    collective=self.collective, wire_dtype=self.wire_dtype,
+                                    rank=self.rank, num_ranks=self.num_ranks, device=self.device)
+        self._bucket_of = {id(s): b for b in self.buckets for s in b.slots}
+        self._flag_order = [s for b in self.buckets for s in b.slots]
+
+    @property
+    def low_precision_wire(self) -> bool:
+        return self.wire_dtype in (torch.bfloat16, torch.float16)
+
+    # -- one backward ------------------------------------------------------------------------------
+    def begin_backward(self, *, sync: bool) -> None:
+        self.sync = sync
+        for slot in self.slots:
+            slot.arrivals = 0
+
+    def on_grad(self, slot: ParamSlot) -> None:
+        """Autograd accumulated a gradient into ``slot``'s parameter."""
+        slot.arrivals += 1
+        if not slot.used:
+            slot.used = True
+            if self.observing:
+                self._first_arrivals.append(slot)
+        bucket = self._bucket_of[id(slot)]
+        if bucket.launched:
+            if self.observing and bucket.sharded:
+                if slot not in self._late:
+                    self._late.append(slot)  # param.grad holds the late part; sent at the end
+                return
+            raise RuntimeError(
+                f"rank {self.rank}: a gradient of {slot.name} arrived after its bucket was sent "
+                f"(arrival {slot.arrivals} in this backward; {slot.expected_arrivals} expected, as "
+                "observed on the first step): the number of times autograd accumulates this parameter's "
+                "gradient changed between steps. This happens with reentrant activation checkpointing "
+                "(torch.utils.checkpoint(..., use_reentrant=True)) when a checkpointed block is also used "
+                "outside the checkpoint only on some steps. Use use_reentrant=False, or keep the graph the "
+                "same on every step")
+        if not bucket.sharded:
+            bucket.absorb(slot)
+            if self.observing:
+                return  # see [Note: the first step observes]
+        if self.sync and slot.arrivals == slot.expected_arrivals:
+            bucket.pending -= 1
+            if bucket.pending == 0:
+                self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
+            self.buckets[self._next].launch(self._send_pool, self._out_pool, self._pre_scale())
+            self._next += 1
+
+    def _pre_scale(self) -> float:
+        return 1.0 / self.num_ranks if self.low_precision_wire else 1.0
+
+    def end_backward(self, weights: StepWeights) -> bool:
+        """Reduce what is left and average: afterwards each parameter (replicate, zero1) or its shard
+        (zero2, zero3) holds the averaged gradient. Returns False when every rank gave ``weight=0``:
+        there is nothing to average and the step should be skipped."""
+        for bucket in self.buckets[self._next:]:
+            bucket.launch(self._send_pool, self._out_pool, self._pre_scale())
+        self._next = len(self.buckets)
+        self._synced_once = True
+        if self.observing and self.sharded:
+            self._launch_late()
+        n = self.num_ranks
+        extras = torch.zeros(2 + n + len(self.slots), dtype=torch.float64, device=self.device)
+        if weights.weight_sum is not None:
+            extras[0] = weights.weight_sum
+            extras[1] = 1.0
+        if weights.batch_size is not None:
+            extras[2 + self.rank] = weights.batch_size + 1
+        extras[2 + n:] = torch.tensor([float(s.used) for s in self._flag_order], dtype=torch.float64)
+        comm.all_reduce(extras)
+        for bucket in self.buckets:  # every rank launched every bucket: waiting cannot hang
+            bucket.collect()
+        if self._late_bucket is not None:
+            self._late_bucket.collect()
+        values = extras.tolist()  # the step's one host synchronisation
+        total_weight, weighted_ranks = values[0], int(values[1])
+        sizes = [int(v) - 1 for v in values[2: 2 + n]]
+        used_anywhere = [v > 0 for v in values[2 + n:]]
+        if 0 < weighted_ranks < n:
+            raise ValueError(f"rank {self.rank}: engine.backward(loss, weight=...) was given on "
+                             f"{weighted_ranks} of {n} ranks; give it on every rank or on none")
+        if weighted_ranks == 0 and min(sizes) >= 0 and len(set(sizes)) > 1:
+            raise UnequalBatchesError(
+                f"rank {self.rank}: the ranks' local batches differ in size ({_per_rank(sizes)} "
+                "samples along dim 0 of the first input) while every rank's loss counts with the same "
+                "weight, so the update is not the mean over all samples. Pass "
+                "engine.backward(loss, weight=n), n being the samples (or tokens) this rank's loss "
+                "averages over, or give every rank the same number of samples (dspark.DataLoader with "
+                "drop_last=True, or a global batch that divides by the world size). To weight ranks "
+                "equally anyway, pass weight=1.0 on every rank")
+        if weighted_ranks == n:
+            if total_weight <= 0:
+                return False
+            base = (n if self.low_precision_wire else 1.0) / total_weight
+        else:
+            base = (1.0 if self.low_precision_wire else 1.0 / n) * weights.accum_steps / weights.micro_steps
+        post = base / weights.loss_scale
+        offset = 0
+        for bucket in self.buckets:
+            bucket.finish(post, used_anywhere[offset: offset + len(bucket.slots)])
+            offset += len(bucket.slots)
+        if self._late_bucket is not None:
+            self._late_bucket.add_to_shards(post)
+            self._late_bucket = None
+        self._send_pool.release()
+        self._out_pool.release()
+        return True
+
+    def _launch_late(self) -> None:
+        """Observing, sharded: reduce the contributions that arrived after their bucket left, in one
+        extra bucket (every rank sends the union of late slots; zeros where it has none)."""
+        index_of = {id(s): i for i, s in enumerate(self.slots)}
+        late_ids = sorted(set().union(*comm.all_gather_object([index_of[id(s)] for s in self._late])))
+        self._late = []
+        if not late_ids:
+            return
+        late = [self.slots[i] for i in late_ids]
+        by_dtype: dict[torch.dtype, list[ParamSlot]] = {}
+        for slot in late:
+            by_dtype.setdefault(slot.dtype, []).append(slot)
+        if len(by_dtype) > 1:
+            raise RuntimeError(f"rank {self.rank}: gradients of several dtypes arrived after their "
+                               "buckets were sent on the first step; use use_reentrant=False activation "
+                               "checkpointing")
+        self._late_bucket = GradBucket(len(self.buckets), late, sharded=True, collective=self.collective,
+                                       wire_dtype=self.wire_dtype, rank=self.rank,
+                                       num_ranks=self.num_ranks, device=self.device)
+        self._late_bucket.launch(self._send_pool, self._out_pool, self._pre_scale())
+
+    def after_step(self) -> None:
+        """Call on every rank once the window's update is done. After the first communicating window,
+        agree on the observed order and counts and rebuild the buckets (see [Note: the first step
+        observes])."""
+        if not self.observing or not self._synced_once:
+            return
+        index_of = {id(s): i for i, s in enumerate(self.slots)}
+        order_ids = comm.broadcast_object([index_of[id(s)] for s in self._first_arrivals])
+        counts = comm.all_gather_object([s.arrivals for s in self.slots])
+        for i, slot in enumerate(self.slots):
+            slot.expected_arrivals = max(1, *(c[i] for c in counts))
+        seen = set(order_ids)
+        order = [self.slots[i] for i in order_ids]
+        order += [s for i, s in reversed(list(enumerate(self.slots))) if i not in seen]
+        for slot in self.slots:  # the update is done: nothing may keep the old buffers alive
+            slot.grad_view = None
+            slot.param.grad = None
+            if slot.opt_param is not None:
+                slot.opt_param.grad = None
+        self._set_buckets(order)
+        self.observing = False
+        self._first_arrivals = []
+
+    def end_window(self) -> None:
+        """After the optimizer step (or a failure): forget this window's gradients and any bucket state."""
+        for bucket in self.buckets:
+            bucket.reset()
+        self._send_pool.release()
+        self._out_pool.release()
+        self._next = 0
+        self._late = []
+        self._late_bucket = None
+        for slot in self.slots:
+            slot.used = False
+        if self.observing:  # a failed window observes nothing: the next one starts afresh
+            self._first_arrivals = []
+            self._synced_once = False
+
+    def comm_buffer_bytes(self) -> int:
+        return self._send_pool.nbytes() + self._out_pool.nbytes()
+
+
+def _per_rank(sizes: Sequence[int]) -> str:
+    return ", ".join(f"rank {r}: {s}" for r, s in enumerate(sizes))

@@ -1,0 +1,168 @@
+"""Materialising a model built on the meta device (``with torch.device("meta"): model = Model()``).
+
+[Note: meta initialisation] Building a model on the CPU runs each module's ``reset_parameters()`` as the
+module is constructed: children before the parent that holds them. DSpark replays exactly that: it
+walks the modules children-first (post-order, siblings in registration order), gives each module real
+(empty) storage for its own parameters and buffers and calls its ``reset_parameters()``. With the same
+seed the random stream is consumed in the same order, so the values equal the CPU-built model's. Two
+details keep that true:
+
+* a parameter shared by two modules (a tied head) takes the initialisation of the first module that
+  holds it, as construction does when the later module's own tensor is replaced by the shared one;
+  the later module's ``reset_parameters()`` still runs, on a throwaway tensor, so the stream advances
+  as it did on the CPU;
+* a parameter is final once every ancestor that defines ``reset_parameters()`` has run (a parent may
+  re-initialise its children, as nanoGPT-style ``_init_weights`` does); the caller hears of each
+  parameter at that moment, so zero3 can keep its rows and free the rest before the next module is
+  materialised: no rank ever holds more than a few modules' parameters in full.
+
+Every tensor starts as NaN (or the most negative integer); one still holding it after initialisation
+was initialised by nobody, and is an error that names it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+__all__ = ["has_meta_tensors", "materialize"]
+
+
+def has_meta_tensors(module: nn.Module) -> bool:
+    """Whether any parameter or buffer of ``module`` lives on the meta device.
+
+    Example::
+
+        with torch.device("meta"):
+            has_meta_tensors(nn.Linear(2, 2))   # True
+    """
+    return any(t.is_meta for t in (*module.parameters(), *module.buffers()))
+
+
+def _poison(t: torch.Tensor) -> None:
+    if t.is_floating_point() or t.is_complex():
+        t.fill_(float("nan"))
+    elif t.dtype == torch.bool:
+        t.fill_(False)
+    else:
+        t.fill_(torch.iinfo(t.dtype).min)
+
+
+def _poisoned(t: torch.Tensor) -> bool:
+    if t.numel() == 0 or t.dtype == torch.bool:
+        return False
+    if t.is_floating_point() or t.is_complex():
+        return bool(torch.isnan(t).any())
+    return bool((t == torch.iinfo(t.dtype).min).all())
+
+
+def _post_order(root: nn.Module) -> list[tuple[str, nn.Module]]:
+    out: list[tuple[str, nn.Module]] = []
+    seen: set[int] = set()
+
+    def visit(name: str, module: nn.Module) -> None:
+        if id(module) in seen:
+            return
+        seen.add(id(module))
+        for child_name, child in module.named_children():
+            visit(f"{name}.{child_name}" if name else child_name, child)
+        out.append((name, module))
+
+    visit("", root)
+    return out
+
+
+def materialize(root: nn.Module, device: torch.device,
+                on_final: Callable[[str, nn.Parameter], None]) -> None:
+    """Give every meta parameter and buffer of ``root`` real storage on ``device`` and initialise it
+    with the modules' ``reset_parameters()`` (see [Note: meta initialisation]). Parameters and buffers
+    keep their identity (their storage is swapped in), so ties and references stay valid.
+    ``on_final(name, param)`` is called once per parameter, as soon as nothing will change it any more,
+    with its first name.
+
+    Example::
+
+        with torch.device("meta"):
+            model = Model()
+        materialize(model, torch.device("cpu"), lambda name, p: None)
+    """
+    order = _post_order(root)
+    if not hasattr(torch.utils, "swap_tensors"):
+        raise RuntimeError(f"materialising a meta-device model needs torch.utils.swap_tensors (PyTorch "
+                           f">= 2.3); this is PyTorch {torch.__version__}")
+    first_name: dict[int, str] = {}
+    for name, p in root.named_parameters(remove_duplicate=False):
+        first_name.setdefault(id(p), name)
+    for name, b in root.named_buffers(remove_duplicate=False):
+        first_name.setdefault(id(b), name)
+    # ancestors with reset_parameters: a parameter is final after the last of them (in post-order) ran
+    position = {id(m): i for i, (_, m) in enumerate(order)}
+    final_after: dict[int, int] = {}
+    for name, module in order:
+        ancestors = _ancestors(root, name)
+        resetting = [position[id(a)] for a in ancestors if callable(getattr(a, "reset_parameters", None))]
+        for p in module.parameters(recurse=False):
+            after = max([position[id(module)], *resetting])
+            final_after[id(p)] = max(final_after.get(id(p), after), after)
+    done: set[int] = set()  # tensors given real storage (the same Python objects: ties stay tied)
+    pending: dict[int, list[nn.Parameter]] = {}
+    for index, (_name, module) in enumerate(order):
+        shared: dict[tuple[str, str], torch.Tensor] = {}
+        for kind in ("_parameters", "_buffers"):
+            table = getattr(module, kind)
+            for key, t in list(table.items()):
+                if t is None or (not t.is_meta and id(t) not in done):
+                    continue
+                if id(t) in done:  # shared with a module initialised earlier: it keeps that value
+                    shared[(kind, key)] = t
+                    table[key] = _real_like(t, device, kind)  # what this module initialises, then drops
+                    continue
+                torch.utils.swap_tensors(t, _real_like(t, device, kind))
+                _poison(t.data)
+                done.add(id(t))
+                if kind == "_parameters":
+                    pending.setdefault(final_after[id(t)], []).append(t)  # type: ignore[arg-type]
+        reset = getattr(module, "reset_parameters", None)
+        if callable(reset):
+            with torch.no_grad():
+                reset()
+        for (kind, key), t in shared.items():
+            getattr(module, kind)[key] = t
+        for p in pending.pop(index, []):
+            _check_initialised(first_name.get(id(p), "?"), p, module)
+            on_final(first_name.get(id(p), "?"), p)
+    for name, b in root.named_buffers():
+        if _poisoned(b):
+            raise ValueError(f"buffer {name!r} (shape {tuple(b.shape)}) was created on the meta device "
+                             "and no reset_parameters() initialised it; give its module a "
+                             "reset_parameters() that sets it, or build the model on a real device")
+
+
+def _check_initialised(name: str, p: torch.Tensor, module: nn.Module) -> None:
+    if _poisoned(p):
+        raise ValueError(f"parameter {name!r} (shape {tuple(p.shape)}) was built on the meta device and "
+                         f"no reset_parameters() initialised it ({type(module).__name__} and its parents "
+                         "define none that sets it). Give the module that creates it a "
+                         "reset_parameters(), or build the model on a real device")
+
+
+def _real_like(t: torch.Tensor, device: torch.device, kind: str) -> torch.Tensor:
+    real = torch.empty_like(t, device=device)
+    if kind == "_parameters":
+        return nn.Parameter(real, requires_grad=t.requires_grad)
+    return real
+
+
+def _ancestors(root: nn.Module, name: str) -> list[nn.Module]:
+    """The modules above ``name`` (the root first), ``name`` excluded."""
+    if not name:
+        return []
+    parts = name.split(".")
+    out = [root]
+    module = root
+    for part in parts[:-1]:
+        module = getattr(module, part)
+        out.append(module)
+    return out
