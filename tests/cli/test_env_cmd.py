@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from dspark.cli.env_cmd import render_rows
+from dspark.cli.env_cmd import network_rows, render_rows
 from dspark.cli.main import main
-from dspark.host import collect_environment
+from dspark.host import collect_environment, network_report
 from tests.host.fake_trees import network_tree
 
 
@@ -75,12 +75,15 @@ def test_network_rows_show_interfaces_choices_and_the_warning(tmp_path: Path) ->
     assert lines[1] == "eth0 (up, mtu 1500, 25000 Mb/s): 10.1.2.5/24, fe80::5/64, fd00::5/64"
     assert "eth1 (down, mtu 1500): no address" in lines
     assert table["Other IPv4 addresses"].startswith("100.64.0.9")
-    assert table["Route to master"] == "node0: 10.1.2.9 directly connected on eth0"
+    assert table["Route to master"] == "node0 -> 10.1.2.9 directly connected on eth0"
     assert (table["NCCL_SOCKET_IFNAME"], table["GLOO_SOCKET_IFNAME"]) == ("eth", "unset")
     assert table["gloo would use"].startswith("lo 127.0.1.1 (LOOPBACK): GLOO_SOCKET_IFNAME unset")
     assert table["NCCL would use"] == "eth0 10.1.2.5: NCCL_SOCKET_IFNAME=eth"
     warnings = [value for field, value in rows if field == "WARNING"]
     assert len(warnings) == 1 and "Set GLOO_SOCKET_IFNAME=eth0" in warnings[0]
+    by_address = network_report(sys_root=sys_root, proc_root=proc_root, environ={}, master_addr="10.1.2.9",
+                                hostname="n0", resolve=lambda host: [host] if host[0].isdigit() else [])
+    assert dict(network_rows(by_address))["Route to master"] == "10.1.2.9 directly connected on eth0"
 
 
 def test_env_checks_the_master_given(capsys: pytest.CaptureFixture[str]) -> None:

@@ -124,8 +124,13 @@ def network_rows(net: dict[str, Any]) -> list[tuple[str, str]]:
         rows.append(("Other IPv4 addresses", ", ".join(net["unattributed_ipv4"])
                      + " (no subnet route names their interface)"))
     master = net["master"]
-    rows.append(("Route to master", "pass --master-addr HOST to check the route to node 0" if master is None
-                 else f"{master['master_addr']}: {master['how']}"))
+    if master is None:
+        route = "pass --master-addr HOST to check the route to node 0"
+    elif list(master["addresses"][:1]) == [master["master_addr"]]:
+        route = master["how"]
+    else:
+        route = f"{master['master_addr']} -> {master['how']}"
+    rows.append(("Route to master", route))
     rows += [(name, value if value is not None else "unset") for name, value in net["socket_env"].items()]
     rows += [("gloo would use", _choice_line(net["gloo"])),
              ("NCCL would use", _choice_line(net["nccl"]))]
