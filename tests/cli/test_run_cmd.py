@@ -11,7 +11,7 @@ import pytest
 
 import dspark
 from dspark.cli.main import build_parser, main
-from dspark.cli.run_cmd import spec_from_args
+from dspark.cli.run_cmd import launch_plan, spec_from_args
 from dspark.launcher import LaunchSpec, launch
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "hello_distributed.py"
@@ -45,6 +45,45 @@ def test_dry_run_prints_the_torchrun_command(capsys: pytest.CaptureFixture[str])
     out = capsys.readouterr().out
     assert "-m torch.distributed.run" in out and "--nproc-per-node 3" in out
     assert out.rstrip().endswith(f"{EXAMPLE} --flag")
+
+
+SLURM_NODE_1 = {"SLURM_JOB_ID": "77", "SLURM_JOB_NUM_NODES": "2", "SLURM_NODEID": "1",
+                "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_GPUS_ON_NODE": "4"}
+
+
+def test_slurm_fills_what_the_command_line_leaves_unset() -> None:
+    args = build_parser().parse_args(["run", str(EXAMPLE)])
+    spec, from_slurm = launch_plan(args, SLURM_NODE_1)
+    assert (spec.nproc, spec.nnodes, spec.node_rank, spec.master_addr) == (4, 2, 1, "gpu07")
+    assert len(from_slurm) == 4
+    given = build_parser().parse_args(["run", "--nproc", "1", "--node-rank", "0", "--master-addr", "h",
+                                       str(EXAMPLE)])
+    spec = spec_from_args(given, SLURM_NODE_1)
+    assert (spec.nproc, spec.nnodes, spec.node_rank, spec.master_addr) == (1, 2, 0, "h")
+    outside = spec_from_args(build_parser().parse_args(["run", "--nproc", "2", str(EXAMPLE)]), {})
+    assert (outside.nnodes, outside.node_rank, outside.master_addr) == (1, 0, None)
+
+
+def test_dry_run_under_slurm_prints_what_it_took(capsys: pytest.CaptureFixture[str],
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, value in SLURM_NODE_1.items():
+        monkeypatch.setenv(name, value)
+    assert main(["run", "--dry-run", str(EXAMPLE)]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == ("dspark run: from Slurm: nnodes=2 (SLURM_JOB_NUM_NODES), nproc=4 "
+                            "(SLURM_GPUS_ON_NODE), node_rank=1 (SLURM_NODEID), master_addr=gpu07 "
+                            "(first host of SLURM_JOB_NODELIST=gpu[07-08])\n")
+    assert "--nnodes 2 --nproc-per-node 4" in captured.out
+    assert "--node-rank 1 --master-addr gpu07 --master-port 29500" in captured.out
+
+
+def test_nproc_is_required_outside_slurm(capsys: pytest.CaptureFixture[str],
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in list(os.environ):
+        if name.startswith("SLURM_"):
+            monkeypatch.delenv(name)
+    assert main(["run", "--dry-run", str(EXAMPLE)]) == 2
+    assert "--nproc N is required" in capsys.readouterr().err
 
 
 @pytest.mark.slow

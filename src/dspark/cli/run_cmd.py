@@ -6,17 +6,24 @@ the script path belongs to the script, untouched, flags included::
     dspark run --nproc 2 train.py --strategy zero2
     dspark run --nproc 2 -m dspark.bench.worker --config cfg.json
     dspark run --nproc 8 --nnodes 2 --node-rank 0 --master-addr node0 --master-port 29500 train.py
+    srun --ntasks-per-node=1 dspark run train.py   # nodes, node rank, node 0, --nproc from Slurm
+
+Under Slurm, options left unset come from Slurm's variables (:mod:`dspark.slurm`), and what was
+taken is printed on stderr.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
+from collections.abc import Mapping
 
 from dspark.launcher import LaunchSpec, launch, launcher_command
+from dspark.slurm import launch_defaults
 
-__all__ = ["add_parser", "run", "spec_from_args"]
+__all__ = ["add_parser", "launch_plan", "run", "spec_from_args"]
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -27,12 +34,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
                     "(torch.distributed.run), with OMP_NUM_THREADS=1 per worker unless set and, on "
                     "one node, a rendezvous on 127.0.0.1 at a free port. Returns the launcher's "
                     "exit code.")
-    parser.add_argument("--nproc", "--nproc-per-node", dest="nproc", type=int, required=True,
-                        help="worker processes on this node (one device each: a GPU or a CPU core)")
-    parser.add_argument("--nnodes", type=int, default=1, help="nodes in the job (default 1)")
-    parser.add_argument("--node-rank", type=int, default=0, help="this node's rank (default 0)")
+    parser.add_argument("--nproc", "--nproc-per-node", dest="nproc", type=int, default=None,
+                        help="worker processes on this node (one device each: a GPU or a CPU core); "
+                             "required outside Slurm, else SLURM_GPUS_ON_NODE or SLURM_NTASKS_PER_NODE")
+    parser.add_argument("--nnodes", type=int, default=None,
+                        help="nodes in the job (default: SLURM_JOB_NUM_NODES under Slurm, else 1)")
+    parser.add_argument("--node-rank", type=int, default=None,
+                        help="this node's rank (default: SLURM_NODEID under Slurm, else 0)")
     parser.add_argument("--master-addr", default=None,
-                        help="host of node 0 (default 127.0.0.1 on one node; required for several)")
+                        help="host of node 0 (default: the first host of SLURM_JOB_NODELIST under "
+                             "Slurm; 127.0.0.1 on one node; required for several)")
     parser.add_argument("--master-port", type=int, default=None,
                         help="port on node 0 (default: a free port on one node, 29500 on several)")
     parser.add_argument("--rdzv-endpoint", default=None,
@@ -51,13 +62,25 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     parser.set_defaults(func=run)
 
 
-def spec_from_args(args: argparse.Namespace) -> LaunchSpec:
-    """The :class:`~dspark.launcher.LaunchSpec` that parsed ``dspark run`` arguments describe.
+def spec_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> LaunchSpec:
+    """The :class:`~dspark.launcher.LaunchSpec` that parsed ``dspark run`` arguments describe, with
+    Slurm's values for what they leave unset (``environ``: default this process's).
 
     Example::
 
         spec_from_args(parser.parse_args(["run", "--nproc", "2", "train.py", "--lr", "3e-4"]))
         # LaunchSpec(target='train.py', nproc=2, args=('--lr', '3e-4'), ...)
+    """
+    return launch_plan(args, environ)[0]
+
+
+def launch_plan(args: argparse.Namespace,
+                environ: Mapping[str, str] | None = None) -> tuple[LaunchSpec, tuple[str, ...]]:
+    """The launch spec, and what it took from Slurm (``('nnodes=2 (SLURM_JOB_NUM_NODES)', ...)``).
+
+    Example::
+
+        spec, from_slurm = launch_plan(parser.parse_args(["run", "train.py"]), os.environ)
     """
     command = list(args.command)
     if command[:1] == ["--"]:  # `dspark run --nproc 2 -- train.py`: the separator, not the script
@@ -65,16 +88,25 @@ def spec_from_args(args: argparse.Namespace) -> LaunchSpec:
     if not command:
         raise ValueError("no script given: usage is `dspark run --nproc N SCRIPT [ARGS ...]` "
                          "(or `-m MODULE [ARGS ...]`)")
-    return LaunchSpec(target=command[0], args=tuple(command[1:]), module=args.module,
-                      nproc=args.nproc, nnodes=args.nnodes, node_rank=args.node_rank,
-                      master_addr=args.master_addr, master_port=args.master_port,
+    filled = launch_defaults(nproc=args.nproc, nnodes=args.nnodes, node_rank=args.node_rank,
+                             master_addr=args.master_addr, rdzv_endpoint=args.rdzv_endpoint,
+                             environ=os.environ if environ is None else environ)
+    if filled.nproc is None:
+        raise ValueError("--nproc N is required: how many workers to start on this node (under Slurm "
+                         "it defaults to SLURM_GPUS_ON_NODE or SLURM_NTASKS_PER_NODE, neither set here)")
+    spec = LaunchSpec(target=command[0], args=tuple(command[1:]), module=args.module,
+                      nproc=filled.nproc, nnodes=filled.nnodes, node_rank=filled.node_rank,
+                      master_addr=filled.master_addr, master_port=args.master_port,
                       rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
                       max_restarts=args.max_restarts)
+    return spec, filled.from_slurm
 
 
 def run(args: argparse.Namespace) -> int:
     """Launch the job and return the launcher's exit code."""
-    spec = spec_from_args(args)
+    spec, from_slurm = launch_plan(args)
+    if from_slurm:
+        sys.stderr.write(f"dspark run: from Slurm: {', '.join(from_slurm)}\n")
     if args.dry_run:
         sys.stdout.write(shlex.join(launcher_command(spec)) + "\n")
         return 0
