@@ -235,6 +235,7 @@ class Engine:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.world.device.type, dtype=self.precision.compute_dtype)
 
+    @torch.compiler.disable
     def _root_pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         if self._in_backward or not torch.is_grad_enabled():
             return

@@ -118,6 +118,14 @@ def unit_modules(root: nn.Module, policy: UnitPolicy = None) -> list[tuple[str, 
     return unique
 
 
+def _eager(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Run ``fn`` outside any ``torch.compile`` graph: a compiled model is split at unit boundaries
+    (each unit's forward compiled on its own), because gathering and freeing swap parameter storage,
+    which a graph traced across units cannot follow."""
+    disable = getattr(torch.compiler, "disable", None)
+    return disable(fn) if disable is not None else fn
+
+
 class _AfterUnitBackward(torch.autograd.Function):
     """Identity on a unit's inputs whose backward runs once the unit's backward is done."""
 
@@ -207,6 +215,7 @@ class Zero3Scheduler:
 
     # -- hooks -----------------------------------------------------------------------------------
     def _pre_forward_hook(self, unit: _Unit) -> Any:
+        @_eager
         def hook(module: nn.Module, args: Any, kwargs: Any) -> Any:
             if self._in_backward():  # recomputation: gather, free nothing (gradients will)
                 self._gather(unit.slots)
@@ -234,6 +243,7 @@ class Zero3Scheduler:
         return tree_unflatten(leaves, spec)
 
     def _post_forward_hook(self, unit: _Unit) -> Any:
+        @_eager
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             if self._in_backward():
                 return
