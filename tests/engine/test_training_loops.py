@@ -167,13 +167,17 @@ def test_a_compiled_model_trains_with_parity(pool, strategy: str) -> None:
         assert lm.max_rel_error(result["state"], ref) <= TOLERANCE
 
 
-def _zero3_units(policy: Any) -> dict[str, Any]:
-    engine = dspark.Engine(lm.build(), optimizer=OPTIMIZERS["sgd"], strategy="zero3", zero3_units=policy)
-    names = [u.name for u in engine._zero3.units] if engine._zero3 is not None else []
+def _two_steps(engine: dspark.Engine) -> None:
     for step in range(2):
         x, y = dspark.distribute_batch(lm.batch(step), shard_dim=0)
         engine.backward(lm.loss_fn(engine(x), y))
         engine.step()
+
+
+def _zero3_units(policy: Any) -> dict[str, Any]:
+    engine = dspark.Engine(lm.build(), optimizer=OPTIMIZERS["sgd"], strategy="zero3", zero3_units=policy)
+    names = [u.name for u in engine._zero3.units] if engine._zero3 is not None else []
+    _two_steps(engine)
     state = engine.full_state_dict()
     engine.close()
     return {"units": names, "state": state}
@@ -207,10 +211,7 @@ def _frozen_memory(strategy: str) -> dict[str, Any]:
         p.requires_grad_(False)  # fine-tuning: most of the model frozen
     engine = dspark.Engine(model, optimizer=OPTIMIZERS["sgd"], strategy=strategy)
     frozen_held = sum(p.numel() for p in engine.module.blocks.parameters())
-    for step in range(2):
-        x, y = dspark.distribute_batch(lm.batch(step), shard_dim=0)
-        engine.backward(lm.loss_fn(engine(x), y))
-        engine.step()
+    _two_steps(engine)
     shards = sum(s.shard_flat.numel() for s in engine._frozen_slots if s.shard_flat is not None)
     state = engine.full_state_dict()
     engine.close()
@@ -267,10 +268,7 @@ def test_full_state_dict_gathers_one_unit_at_a_time_and_can_stay_on_rank_0(pool)
 def _load_full_then_train(strategy: str, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     engine = dspark.Engine(lm.build(seed=7), optimizer=OPTIMIZERS["sgd"], strategy=strategy)
     engine.load_full_state_dict(state)
-    for step in range(2):
-        x, y = dspark.distribute_batch(lm.batch(step), shard_dim=0)
-        engine.backward(lm.loss_fn(engine(x), y))
-        engine.step()
+    _two_steps(engine)
     out = engine.full_state_dict()
     engine.close()
     return out
