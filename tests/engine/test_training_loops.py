@@ -293,3 +293,22 @@ def test_a_mismatched_pretrained_state_dict_names_the_keys(single_process) -> No
     bad["norm.weight"] = torch.zeros(3)
     with pytest.raises(ValueError, match=r"'norm.weight' has shape \(3,\)"):
         engine.load_full_state_dict(bad)
+
+
+def _train_with_reduce_scatter(strategy: str) -> dict[str, Any]:
+    from dspark.engine import engine as engine_module
+
+    saved = dict(engine_module._SHARDED_REDUCE)
+    engine_module._SHARDED_REDUCE["gloo"] = "reduce_scatter"  # NCCL's path, on gloo
+    try:
+        return _train(strategy, "sgd", 3, bucket_mb=1e-4)
+    finally:
+        engine_module._SHARDED_REDUCE.clear()
+        engine_module._SHARDED_REDUCE.update(saved)
+
+
+@pytest.mark.parametrize("strategy", ["zero2", "zero3"])
+def test_sharded_gradients_by_reduce_scatter_match_one_process(pool, strategy: str) -> None:
+    ref = lm.reference(3, OPTIMIZERS["sgd"])
+    for result in pool.run(_train_with_reduce_scatter, strategy):
+        assert lm.max_rel_error(result["state"], ref) <= TOLERANCE
