@@ -14,6 +14,7 @@ from unittest import mock
 import torch
 
 import dspark
+import dspark.checkpoint
 from dspark.checkpoint import CheckpointSaveError
 from tests.engine import tiny_models as tm
 from tests.engine.harness import GLOBAL_BATCH, LR
@@ -40,16 +41,19 @@ def train(engine: dspark.Engine, name: str, steps: range) -> None:
             raise AssertionError(f"step {step} was skipped (fp16 overflow): the test needs every step")
 
 
-def save_then_continue(path: str, name: str, strategy: str, *, precision: str = "fp32") -> dict[str, Any]:
-    """Train SAVED_STEPS steps, save at ``path``, train one more: the state a resumed run must reach."""
+def save_then_continue(path: str, name: str, strategy: str, *, precision: str = "fp32",
+                       async_save: bool = False) -> dict[str, Any]:
+    """Train SAVED_STEPS steps, save at ``path``, train one more: the state a resumed run must reach
+    (with ``async_save``, that step runs while the checkpoint is written)."""
     engine = make_engine(name, strategy, precision=precision)
     train(engine, name, range(SAVED_STEPS))
     for group in engine.optimizer.param_groups:
         group["lr"] = SAVED_LR
     if engine.loss_scaler is not None:
         engine.loss_scaler.scale = SAVED_LOSS_SCALE
-    engine.save(path)
+    engine.save(path, async_save=async_save)
     train(engine, name, range(SAVED_STEPS, SAVED_STEPS + 1))
+    dspark.checkpoint.wait_for_pending_save()
     out = {"state": engine.full_state_dict(), "step_count": engine.step_count}
     engine.close()
     return out

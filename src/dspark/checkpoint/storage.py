@@ -32,7 +32,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
-from torch.distributed.checkpoint.staging import BlockingAsyncStager
+from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
 from dspark.checkpoint.errors import CheckpointError, CheckpointSaveError, first_line
@@ -73,7 +73,7 @@ def write_state(state: Mapping[str, Any], directory: Path, *, distributed: bool,
                                   failed_ranks=tuple(sorted(exc.failures))) from exc
 
 
-def stage_on_cpu(state: Mapping[str, Any]) -> dict[str, Any]:
+def stage_on_cpu(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A copy of ``state`` in CPU memory (DTensors stay DTensors, with copied local shards), so that
     training can change the originals while the copy is written.
 
@@ -81,7 +81,19 @@ def stage_on_cpu(state: Mapping[str, Any]) -> dict[str, Any]:
 
         staged = stage_on_cpu(engine_state(engine))   # what engine.save(path, async_save=True) writes
     """
-    return BlockingAsyncStager().stage(dict(state))
+    return {key: _copy_to_cpu(value) for key, value in state.items()}
+
+
+def _copy_to_cpu(value: torch.Tensor) -> torch.Tensor:
+    # DCP's own stager deep-copies a CPU DTensor's whole storage (a zero1/2 shard is a view of the
+    # full parameter) and fails on an empty shard; this copies the local rows and nothing else.
+    if not isinstance(value, DTensor):
+        return value.detach().to("cpu", copy=True)
+    local = value.to_local().detach()
+    if local.device.type != "cpu":
+        return value.detach().to("cpu")  # a CPU DTensor holding a copy, as DCP stages GPU DTensors
+    return DTensor.from_local(local.clone(), value.device_mesh, value.placements, run_check=False,
+                              shape=value.shape, stride=value.stride())
 
 
 def read_state(state: dict[str, Any], directory: Path, metadata: Metadata, *,
