@@ -12,7 +12,8 @@ What DSpark adds is the defaults a small job wants, and a clean stop:
   benchmark runner starts ``dspark.bench.worker``;
 * SIGTERM, SIGINT and SIGHUP are passed on to the workers, which get ``grace_period_s`` to save and
   exit (see :func:`dspark.preemption_requested`), then the whole process tree is killed; nothing
-  is left running ([Note: stopping a job] in :mod:`dspark.supervisor`).
+  is left running ([Note: stopping a job] in :mod:`dspark.supervisor`). Workers that exit 0 make
+  the job succeed; otherwise the signal then reaches the caller too.
 
 Multi-node jobs pass ``master_addr`` / ``master_port`` through to torchrun's static rendezvous, or
 ``rdzv_endpoint`` for c10d rendezvous (what Slurm users pass from ``srun``).
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -207,10 +209,12 @@ def launch(spec: LaunchSpec, *, env: Mapping[str, str] | None = None,
     """Run ``spec`` under ``torch.distributed.run`` in a child process and wait for it.
 
     Returns the launcher's exit code (0 when every worker succeeded, also when they exited 0 after
-    a SIGTERM; ``128 + N`` when stopped by signal N), or with ``capture=True`` the completed
-    process with its ``stdout`` / ``stderr`` as text. ``env`` is the base environment (default:
-    this process's), passed through :func:`launcher_env`. Called from the main thread, it passes
-    SIGTERM / SIGINT / SIGHUP on to the workers and never leaves a process of the job behind.
+    a SIGTERM), or with ``capture=True`` the completed process with its ``stdout`` / ``stderr`` as
+    text. ``env`` is the base environment (default: this process's), passed through
+    :func:`launcher_env`. Called from the main thread, it passes SIGTERM / SIGINT / SIGHUP on to the
+    workers and never leaves a process of the job behind; when the workers did not exit 0, the
+    signal is then raised in this process too (SIGINT: ``KeyboardInterrupt``; SIGTERM and SIGHUP:
+    their handler, by default termination).
 
     Example::
 
@@ -221,6 +225,11 @@ def launch(spec: LaunchSpec, *, env: Mapping[str, str] | None = None,
     command = launcher_command(spec)
     _log.info("launching: %s", " ".join(command))
     done = run_supervised(command, env=launcher_env(env), capture=capture, grace_s=spec.grace_period_s)
+    if done.stop_signal is not None and done.returncode != 0:
+        # The job was stopped, not finished, and is cleaned up: now the signal reaches this process
+        # as it would have without a job (Ctrl-C raises KeyboardInterrupt, SIGTERM terminates), so
+        # a caller running several jobs stops too.
+        signal.raise_signal(done.stop_signal)
     if capture:
         return subprocess.CompletedProcess(command, done.returncode, done.stdout, done.stderr)
     return done.returncode

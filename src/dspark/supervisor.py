@@ -16,7 +16,8 @@ process below it (pid and start time, from ``/proc``). On SIGTERM, SIGINT or SIG
    process it has seen below it, orphans included;
 4. after torchrun has exited, kills whatever of that list is still alive.
 
-The exit code is 0 when torchrun exited 0 (every worker exited 0), else ``128 + signal``.
+The exit code is 0 when torchrun exited 0 (every worker exited 0), else ``128 + signal``
+(:func:`dspark.launcher.launch` then raises the signal in its own process as well).
 """
 
 from __future__ import annotations
@@ -136,6 +137,8 @@ class _Supervisor:
                 break
             except subprocess.TimeoutExpired:
                 self._tick()
+        if self.stop_signal is None and self.received:  # it came as torchrun exited by itself
+            self.stop_signal = self.received[0]
         if self.stop_signal is not None:  # orphans of the tree outlive torchrun: end them too
             self.tree.refresh(time.monotonic(), force=True)
             leftover = self.tree.kill_all()

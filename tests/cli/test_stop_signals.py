@@ -58,7 +58,9 @@ def test_no_process_of_the_job_survives(tmp_path: Path, signum: int) -> None:
     finally:
         if job.poll() is None:
             job.kill()
-    assert job.returncode == 128 + signum, stderr[-3000:]
+    # the workers ignored it: after the job is gone the signal ends dspark run as well (Ctrl-C:
+    # KeyboardInterrupt, which the CLI turns into 130)
+    assert job.returncode == (130 if signum == signal.SIGINT else -signum), stderr[-3000:]
     assert GRACE_S <= elapsed_s < GRACE_S + 30, elapsed_s  # waited the grace period, then killed
     _wait_for(lambda: not any(is_running(p.pid, p.start_ticks) for p in tree), 10,
               "every process of the tree to be gone")

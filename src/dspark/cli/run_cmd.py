@@ -28,8 +28,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
                     "(torch.distributed.run), with OMP_NUM_THREADS=1 per worker unless set and, on "
                     "one node, a rendezvous on 127.0.0.1 at a free port. SIGTERM, SIGINT and SIGHUP "
                     "are passed on to the workers; after --grace-period the whole process tree is "
-                    "killed. Returns the launcher's exit code (0 when every worker exited 0, "
-                    "128+N after signal N otherwise).")
+                    "killed. Returns the launcher's exit code: 0 when every worker exited 0, "
+                    "also after a SIGTERM they handled; otherwise the signal ends dspark run too "
+                    "(130 after Ctrl-C).")
     parser.add_argument("--nproc", "--nproc-per-node", dest="nproc", type=int, required=True,
                         help="worker processes on this node (one device each: a GPU or a CPU core)")
     parser.add_argument("--nnodes", type=int, default=1, help="nodes in the job (default 1)")
