@@ -66,3 +66,34 @@ def test_no_process_of_the_job_survives(tmp_path: Path, signum: int) -> None:
               "every process of the tree to be gone")
     assert len(tree) >= 7
     assert os.getpid() not in {p.pid for p in tree}
+
+
+@pytest.mark.slow
+def test_a_launcher_that_restarts_killed_workers_is_stopped_too(tmp_path: Path) -> None:
+    # Workers that die of SIGTERM look like a failure to torchrun, which restarts them (here up to
+    # 3 times). dspark run sees workers it never signalled and stops torchrun: the job ends long
+    # before the grace period, not when it runs out.
+    script = tmp_path / "sleeper.py"
+    script.write_text("import os, sys, time\n"
+                      "open(os.path.join(sys.argv[1], os.environ['RANK']), 'w').close()\n"
+                      "time.sleep(300)\n")
+    ready = tmp_path / "ready"
+    ready.mkdir()
+    job = subprocess.Popen([sys.executable, "-m", "dspark.cli.main", "run", "--nproc", "2",
+                            "--max-restarts", "3", "--grace-period", "90", str(script), str(ready)],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(lambda: len(list(ready.iterdir())) == 2, 120, "both workers to start")
+        tree = descendants(job.pid)
+        started = time.monotonic()
+        job.send_signal(signal.SIGTERM)
+        _, stderr = job.communicate(timeout=120)
+        elapsed_s = time.monotonic() - started
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == -signal.SIGTERM, stderr[-3000:]
+    assert elapsed_s < 45, (elapsed_s, stderr[-3000:])
+    assert "restarted its workers" in stderr or "no workers right now" in stderr, stderr[-3000:]
+    _wait_for(lambda: not any(is_running(p.pid, p.start_ticks) for p in tree), 10,
+              "every process of the tree to be gone")
