@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml constraints.txt
 install: $(STAMP)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests examples
+	$(VENV)/bin/ruff check src tests examples benchmarks
 	$(VENV)/bin/mypy src/dspark
 
 test: lint

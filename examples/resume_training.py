@@ -1,13 +1,15 @@
-"""Resume training after a crash: save a sharded checkpoint every few steps, and on start continue
-from the latest one.
+"""Resume training after a crash or a preemption: save a sharded checkpoint every few steps, save
+and stop when the job is preempted (SIGTERM), and on start continue from the latest checkpoint.
 
 Run it on two CPU cores, with one restart allowed, and make rank 1 crash once at step 7::
 
     dspark run --nproc 2 --max-restarts 1 examples/resume_training.py --ckpt /tmp/ckpt --steps 12 --crash-at 7
 
 The first attempt saves at steps 4 (and would at 8, 12); rank 1 dies at step 7; the launcher
-restarts both workers, which print ``resumed from step 4`` and finish. Run it again and it resumes
-from step 12 with nothing left to do. Checkpoints load at any world size: ``--nproc 1`` or plain
+restarts both workers, which print ``resumed from step 4`` and finish. ``--kill-at 7`` makes the
+loss harsher: rank 1 is SIGKILLed (no exception, no cleanup). Send SIGTERM to ``dspark run`` (what
+Slurm and Kubernetes do before they preempt) and every rank saves at the same step and exits 0; run
+it again and it resumes from there. Checkpoints load at any world size: ``--nproc 1`` or plain
 ``python examples/resume_training.py --ckpt /tmp/ckpt --steps 16`` continues the same run.
 """
 
@@ -17,6 +19,8 @@ import argparse
 import functools
 import os
 import shutil
+import signal
+import time
 from pathlib import Path
 
 import torch
@@ -37,6 +41,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--strategy", default="zero2", choices=["replicate", "zero1", "zero2", "zero3"])
     parser.add_argument("--crash-at", type=int, default=None,
                         help="rank 1 fails at this step, on the first attempt only (a lost worker)")
+    parser.add_argument("--kill-at", type=int, default=None,
+                        help="rank 1 SIGKILLs itself at this step, on the first attempt only")
+    parser.add_argument("--async-save", action="store_true",
+                        help="write the periodic checkpoints in the background")
+    parser.add_argument("--step-sleep", type=float, default=0.0,
+                        help="seconds each step also sleeps (to stand in for a bigger model)")
+    parser.add_argument("--log-every", type=int, default=0, help="print the loss every K steps (rank 0)")
     return parser.parse_args()
 
 
@@ -74,14 +85,25 @@ def main() -> int:
 
     loss = None
     for step in range(engine.step_count, args.steps):
-        if step == args.crash_at and world.rank == 1 and attempt == 0:
-            raise SystemExit(f"rank 1: simulated crash at step {step} (attempt {attempt})")
+        if world.rank == 1 and attempt == 0:
+            if step == args.crash_at:
+                raise SystemExit(f"rank 1: simulated crash at step {step} (attempt {attempt})")
+            if step == args.kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
         x, y = dspark.distribute_batch(batch(step), shard_dim=0)
         loss = nn.functional.mse_loss(engine(x), y)
         engine.backward(loss)
         engine.step()
-        if engine.step_count % args.save_every == 0 or engine.step_count == args.steps:
+        time.sleep(args.step_sleep)
+        if world.is_main and args.log_every and engine.step_count % args.log_every == 0:
+            print(f"attempt {attempt}: step {engine.step_count} loss {loss.item():.4f}", flush=True)
+        if dspark.preemption_requested():  # SIGTERM reached the job: every rank agrees here
             engine.save(args.ckpt / f"step-{engine.step_count:06d}")
+            if world.is_main:
+                print(f"attempt {attempt}: preempted, saved at step {engine.step_count}", flush=True)
+            break
+        if engine.step_count % args.save_every == 0 or engine.step_count == args.steps:
+            engine.save(args.ckpt / f"step-{engine.step_count:06d}", async_save=args.async_save)
             if world.is_main:  # keep the newest few; a reader never sees a half-deleted latest
                 for old in sorted(args.ckpt.glob("step-*"))[: -args.keep]:
                     shutil.rmtree(old, ignore_errors=True)

@@ -23,6 +23,7 @@ from dspark.errors import (
     NotInitializedError,
     PlacementError,
 )
+from dspark.preemption import preemption_requested
 from dspark.tensor import (
     REPLICATE,
     DistTensor,
@@ -49,5 +50,6 @@ __all__ = [
     "distribute_tensor",
     "get_world",
     "init",
+    "preemption_requested",
     "shutdown",
 ]

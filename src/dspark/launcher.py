@@ -2,14 +2,18 @@
 
 DSpark has no process manager of its own. :func:`launch` starts PyTorch's launcher (torchrun) as a
 child process, so that the caller survives a worker crash and gets the launcher's exit code back.
-What DSpark adds is the defaults a small job wants:
+What DSpark adds is the defaults a small job wants, and a clean stop:
 
 * single node (``nnodes=1``): the rendezvous is on loopback (``127.0.0.1``) on a free port, so two
   jobs on one box never collide on torchrun's fixed default port 29500;
 * ``OMP_NUM_THREADS=1`` per worker unless the caller set it: one worker is one core on CPU, and
   N workers each spawning N OpenMP threads would oversubscribe the machine;
 * a module target (``module=True``) runs ``python -m NAME`` in every worker, which is how the
-  benchmark runner starts ``dspark.bench.worker``.
+  benchmark runner starts ``dspark.bench.worker``;
+* SIGTERM, SIGINT and SIGHUP are passed on to the workers, which get ``grace_period_s`` to save and
+  exit (see :func:`dspark.preemption_requested`), then the whole process tree is killed; nothing
+  is left running ([Note: stopping a job] in :mod:`dspark.supervisor`). Workers that exit 0 make
+  the job succeed; otherwise the signal then reaches the caller too.
 
 Multi-node jobs pass ``master_addr`` / ``master_port`` through to torchrun's static rendezvous, or
 ``rdzv_endpoint`` for c10d rendezvous (what Slurm users pass from ``srun``).
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -31,6 +36,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, overload
+
+from dspark.supervisor import DEFAULT_GRACE_S, run_supervised
 
 __all__ = [
     "DEFAULT_MASTER_PORT",
@@ -48,10 +55,6 @@ _log = logging.getLogger(__name__)
 LOOPBACK_ADDR = "127.0.0.1"
 DEFAULT_MASTER_PORT = 29500
 """torchrun's own default; multi-node jobs need one port that every node agrees on."""
-
-# How long a child gets to shut its workers down after Ctrl-C before it is terminated, then killed.
-_INTERRUPT_GRACE_S = 15.0
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LaunchSpec:
@@ -79,12 +82,17 @@ class LaunchSpec:
     """Job id for the c10d rendezvous (every node of one job passes the same)."""
     max_restarts: int = 0
     """How many times torchrun restarts the whole worker group after a worker fails."""
+    grace_period_s: float = DEFAULT_GRACE_S
+    """After SIGTERM/SIGINT/SIGHUP, how long the workers get to exit before the tree is killed."""
 
     def __post_init__(self) -> None:
         _check_int("nproc", self.nproc, low=1)
         _check_int("nnodes", self.nnodes, low=1)
         _check_int("node_rank", self.node_rank, low=0)
         _check_int("max_restarts", self.max_restarts, low=0)
+        if (isinstance(self.grace_period_s, bool) or not isinstance(self.grace_period_s, (int, float))
+                or not self.grace_period_s > 0):
+            raise ValueError(f"grace_period_s={self.grace_period_s!r} must be a positive number of seconds")
         if self.node_rank >= self.nnodes:
             raise ValueError(f"node_rank={self.node_rank} must be in [0, nnodes={self.nnodes})")
         if self.master_port is not None:
@@ -200,9 +208,13 @@ def launch(spec: LaunchSpec, *, env: Mapping[str, str] | None = None,
            capture: bool = False) -> subprocess.CompletedProcess[str] | int:
     """Run ``spec`` under ``torch.distributed.run`` in a child process and wait for it.
 
-    Returns the launcher's exit code (0 when every worker succeeded), or with ``capture=True`` the
-    completed process with its ``stdout`` / ``stderr`` as text. ``env`` is the base environment
-    (default: this process's), passed through :func:`launcher_env`.
+    Returns the launcher's exit code (0 when every worker succeeded, also when they exited 0 after
+    a SIGTERM), or with ``capture=True`` the completed process with its ``stdout`` / ``stderr`` as
+    text. ``env`` is the base environment (default: this process's), passed through
+    :func:`launcher_env`. Called from the main thread, it passes SIGTERM / SIGINT / SIGHUP on to the
+    workers and never leaves a process of the job behind; when the workers did not exit 0, the
+    signal is then raised in this process too (SIGINT: ``KeyboardInterrupt``; SIGTERM and SIGHUP:
+    their handler, by default termination).
 
     Example::
 
@@ -212,28 +224,12 @@ def launch(spec: LaunchSpec, *, env: Mapping[str, str] | None = None,
     """
     command = launcher_command(spec)
     _log.info("launching: %s", " ".join(command))
-    pipe = subprocess.PIPE if capture else None
-    child = subprocess.Popen(command, env=launcher_env(env), stdout=pipe, stderr=pipe, text=True)
-    try:
-        stdout, stderr = child.communicate()
-    except KeyboardInterrupt:
-        # Ctrl-C reached torchrun too (same process group); let it stop its workers rather than
-        # kill it at once and orphan them (what subprocess.run would do).
-        _stop(child)
-        raise
+    done = run_supervised(command, env=launcher_env(env), capture=capture, grace_s=spec.grace_period_s)
+    if done.stop_signal is not None and done.returncode != 0:
+        # The job was stopped, not finished, and is cleaned up: now the signal reaches this process
+        # as it would have without a job (Ctrl-C raises KeyboardInterrupt, SIGTERM terminates), so
+        # a caller running several jobs stops too.
+        signal.raise_signal(done.stop_signal)
     if capture:
-        return subprocess.CompletedProcess(command, child.returncode, stdout, stderr)
-    return child.returncode
-
-
-def _stop(child: subprocess.Popen[str]) -> None:
-    try:
-        child.wait(timeout=_INTERRUPT_GRACE_S)
-        return
-    except subprocess.TimeoutExpired:
-        child.terminate()  # torchrun turns SIGTERM into a shutdown of its workers
-    try:
-        child.wait(timeout=_INTERRUPT_GRACE_S)
-    except subprocess.TimeoutExpired:
-        child.kill()
-        child.wait()
+        return subprocess.CompletedProcess(command, done.returncode, done.stdout, done.stderr)
+    return done.returncode

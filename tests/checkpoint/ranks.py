@@ -14,6 +14,7 @@ from unittest import mock
 import torch
 
 import dspark
+import dspark.checkpoint
 from dspark.checkpoint import CheckpointSaveError
 from tests.engine import tiny_models as tm
 from tests.engine.harness import GLOBAL_BATCH, LR
@@ -40,16 +41,19 @@ def train(engine: dspark.Engine, name: str, steps: range) -> None:
             raise AssertionError(f"step {step} was skipped (fp16 overflow): the test needs every step")
 
 
-def save_then_continue(path: str, name: str, strategy: str, *, precision: str = "fp32") -> dict[str, Any]:
-    """Train SAVED_STEPS steps, save at ``path``, train one more: the state a resumed run must reach."""
+def save_then_continue(path: str, name: str, strategy: str, *, precision: str = "fp32",
+                       async_save: bool = False) -> dict[str, Any]:
+    """Train SAVED_STEPS steps, save at ``path``, train one more: the state a resumed run must reach
+    (with ``async_save``, that step runs while the checkpoint is written)."""
     engine = make_engine(name, strategy, precision=precision)
     train(engine, name, range(SAVED_STEPS))
     for group in engine.optimizer.param_groups:
         group["lr"] = SAVED_LR
     if engine.loss_scaler is not None:
         engine.loss_scaler.scale = SAVED_LOSS_SCALE
-    engine.save(path)
+    engine.save(path, async_save=async_save)
     train(engine, name, range(SAVED_STEPS, SAVED_STEPS + 1))
+    dspark.checkpoint.wait_for_pending_save()
     out = {"state": engine.full_state_dict(), "step_count": engine.step_count}
     engine.close()
     return out
@@ -95,11 +99,32 @@ def save_with_failing_rank(path: str, failing_rank: int) -> str:
 
 def load_error(path: str, name: str, strategy: str) -> tuple[str, str]:
     """Load ``path`` into a ``name`` engine; returns (error type, message) of what it raised."""
+    return load_error_keeping_state(path, name, strategy)[:2]
+
+
+def load_error_keeping_state(path: str, name: str, strategy: str) -> tuple[str, str, bool]:
+    """Load ``path`` into a ``name`` engine; returns (error type, message, whether the engine's
+    parameters, buffers and optimizer state are all exactly as before the load)."""
     engine = make_engine(name, strategy)
+    train(engine, name, range(1))
+    before = _snapshot(engine)
     try:
         engine.load(path)
     except Exception as exc:
-        return type(exc).__name__, str(exc)
+        after = _snapshot(engine)
+        same = before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+        return type(exc).__name__, str(exc), same and engine.step_count == 1
     finally:
         engine.close()
     raise AssertionError("the load did not fail")
+
+
+def _snapshot(engine: dspark.Engine) -> dict[str, torch.Tensor]:
+    tensors = {f"model/{k}": v.detach().clone() for k, v in engine.module.state_dict().items()}
+    for slot in engine.slots:
+        param = slot.opt_param if engine.strategy.shard_optimizer else slot.param
+        for key, value in engine.optimizer.state.get(param, {}).items() if param is not None else ():
+            tensors[f"optim/{slot.name}/{key}"] = value.detach().clone()
+    tensors.update({f"shard/{s.name}": s.padded_shard.clone() for s in engine.slots
+                    if s.padded_shard is not None})
+    return tensors

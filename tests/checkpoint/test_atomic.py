@@ -1,10 +1,29 @@
-"""Atomic publication of checkpoint directories, on the file system alone."""
+"""Atomic publication of checkpoint directories and the stale-staging rule, on the file system alone."""
 
 from __future__ import annotations
 
+import json
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
-from dspark.checkpoint.atomic import publish, remove_stale, staging_dir
+import pytest
+
+from dspark.checkpoint import atomic
+from dspark.checkpoint.atomic import (
+    OWNER_FILE,
+    STALE_AFTER_S,
+    claim,
+    publish,
+    remove_stale,
+    staging_dir,
+)
+from dspark.process_tree import read_process
 
 
 def _dir(path: Path, content: str) -> Path:
@@ -13,25 +32,108 @@ def _dir(path: Path, content: str) -> Path:
     return path
 
 
+def _owned(path: Path, *, pid: int, start_ticks: int | None, host: str | None = None) -> Path:
+    _dir(path, "partial")
+    (path / OWNER_FILE).write_text(json.dumps({"host": host or socket.gethostname(), "pid": pid,
+                                               "start_ticks": start_ticks}))
+    return path
+
+
+def _age(path: Path, seconds: float) -> None:
+    then = time.time() - seconds
+    for p in (path, *path.iterdir()):
+        os.utime(p, (then, then))
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
 def test_staging_is_a_hidden_sibling(tmp_path: Path) -> None:
     assert staging_dir(tmp_path / "ck", "t1") == tmp_path / ".ck.tmp-t1"
 
 
 def test_publish_moves_into_place_and_replaces_the_old_one(tmp_path: Path) -> None:
     final = tmp_path / "ck"
-    publish(_dir(staging_dir(final, "a"), "first"), final, "a")
-    assert (final / "data").read_text() == "first"
+    claim(staging_dir(final, "a"))
+    (staging_dir(final, "a") / "data").write_text("first")
+    publish(staging_dir(final, "a"), final, "a")
+    assert sorted(p.name for p in final.iterdir()) == ["data"]  # the owner file is not published
     publish(_dir(staging_dir(final, "b"), "second"), final, "b")
     assert (final / "data").read_text() == "second"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
 
 
-def test_remove_stale_clears_unfinished_saves_but_keeps_a_stranded_old_copy(tmp_path: Path) -> None:
+def test_publish_fsyncs_the_staging_directory_then_the_parent(tmp_path: Path, monkeypatch) -> None:
+    synced: list[Path] = []
+    monkeypatch.setattr(atomic, "sync_dir", synced.append)
     final = tmp_path / "ck"
-    _dir(staging_dir(final, "dead"), "partial")
+    publish(_dir(staging_dir(final, "a"), "x"), final, "a")
+    assert synced == [staging_dir(final, "a"), tmp_path]
+
+
+def test_a_failed_removal_of_the_old_copy_is_a_warning(tmp_path: Path, monkeypatch, caplog) -> None:
+    final = _dir(tmp_path / "ck", "old")
+
+    def refuse(path: Path, *args: object, **kwargs: object) -> None:
+        raise PermissionError(13, "Permission denied (simulated)", str(path))
+
+    monkeypatch.setattr(shutil, "rmtree", refuse)
+    with caplog.at_level(logging.WARNING, logger="dspark.checkpoint.atomic"):
+        publish(_dir(staging_dir(final, "b"), "new"), final, "b")
+    assert (final / "data").read_text() == "new"
+    assert "could not be removed" in caplog.text and "Permission denied (simulated)" in caplog.text
+    assert (tmp_path / ".ck.old-b" / "data").read_text() == "old"
+
+
+def test_when_the_new_copy_cannot_be_put_in_place_the_old_one_comes_back(tmp_path: Path, monkeypatch) -> None:
+    final = _dir(tmp_path / "ck", "old")
+    staging = _dir(staging_dir(final, "b"), "new")
+    real_rename = os.rename
+
+    def rename(src: object, dst: object) -> None:
+        if Path(str(src)) == staging:
+            raise OSError(18, "Invalid cross-device link (simulated)")
+        real_rename(src, dst)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "rename", rename)
+    with pytest.raises(OSError, match="cross-device"):
+        publish(staging, final, "b")
+    assert (final / "data").read_text() == "old"
+    assert not (tmp_path / ".ck.old-b").exists()
+
+
+def test_stale_staging_of_a_dead_owner_is_removed_a_live_one_is_kept(tmp_path: Path) -> None:
+    final = tmp_path / "ck"
+    me = read_process(os.getpid())
+    assert me is not None
+    live = _owned(staging_dir(final, "live"), pid=os.getpid(), start_ticks=me.start_ticks)
+    dead = _owned(staging_dir(final, "dead"), pid=_dead_pid(), start_ticks=None)
+    reused = _owned(staging_dir(final, "reused"), pid=os.getpid(), start_ticks=me.start_ticks + 1)
+    _age(live, 10 * STALE_AFTER_S)  # a live owner's directory is kept however old
+    assert remove_stale(final) == [dead, reused]
+    assert live.is_dir()
+
+
+def test_without_a_visible_owner_age_decides(tmp_path: Path) -> None:
+    final = tmp_path / "ck"
+    elsewhere_new = _owned(staging_dir(final, "a"), pid=1, start_ticks=1, host="another-host")
+    elsewhere_old = _owned(staging_dir(final, "b"), pid=1, start_ticks=1, host="another-host")
+    no_owner_new = _dir(staging_dir(final, "c"), "partial")
+    no_owner_old = _dir(staging_dir(final, "d"), "partial")
+    for path in (elsewhere_old, no_owner_old):
+        _age(path, STALE_AFTER_S + 60)
+    assert remove_stale(final) == [elsewhere_old, no_owner_old]
+    assert elsewhere_new.is_dir() and no_owner_new.is_dir()
+
+
+def test_a_stranded_old_copy_is_kept_until_the_checkpoint_exists_again(tmp_path: Path) -> None:
+    final = tmp_path / "ck"
     _dir(tmp_path / ".ck.old-x", "the only copy")  # a crash between publish's two renames
     _dir(tmp_path / ".other.tmp-y", "another checkpoint's")
-    assert remove_stale(final) == [tmp_path / ".ck.tmp-dead"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".ck.old-x", ".other.tmp-y"]
+    assert remove_stale(final) == []
     _dir(final, "new")
-    assert remove_stale(final) == [tmp_path / ".ck.old-x"]  # once ck exists the old copy can go
+    assert remove_stale(final) == [tmp_path / ".ck.old-x"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".other.tmp-y", "ck"]

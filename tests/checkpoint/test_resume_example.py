@@ -1,29 +1,119 @@
-"""examples/resume_training.py as a user runs it: rank 1 is lost at step 7, torchrun restarts the
-workers once, and training resumes from the last checkpoint and finishes."""
+"""examples/resume_training.py as a user runs it, through ``dspark run`` on 2 ranks: a worker lost
+to SIGKILL (no exception, no cleanup at all) is restarted and training resumes from the last
+checkpoint; a SIGTERM to ``dspark run`` (a preemption) makes every rank save at the same step and the
+job exit 0, and a relaunch continues from there. Each ends with the parameters of an uninterrupted
+run, exactly."""
 
 from __future__ import annotations
 
+import functools
+import queue
 import re
+import signal
+import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
+import torch
+from torch import nn
 
+import dspark
 from dspark.checkpoint import read_checkpoint_info
 from dspark.launcher import LaunchSpec, launch
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "resume_training.py"
+STEPS = 24
+
+
+def _final_parameters(ckpt: Path) -> dict[str, torch.Tensor]:
+    """The parameters in ``ckpt``, loaded into the example's model on one process."""
+    dspark.shutdown()
+    dspark.init()
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))  # the example's model
+    engine = dspark.Engine(model, optimizer=functools.partial(torch.optim.AdamW, lr=1e-2))
+    try:
+        assert engine.load(ckpt).step_count == STEPS
+        return engine.full_state_dict()
+    finally:
+        engine.close()
+        dspark.shutdown()
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    ckpt = tmp_path_factory.mktemp("uninterrupted")
+    done = launch(LaunchSpec(target=str(EXAMPLE), nproc=2,
+                             args=("--ckpt", str(ckpt), "--steps", str(STEPS), "--save-every", "8")),
+                  capture=True)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    return _final_parameters(ckpt / f"step-{STEPS:06d}")
+
+
+def _assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == want.keys()
+    for name in want:
+        assert torch.equal(got[name], want[name]), (name, float((got[name] - want[name]).abs().max()))
 
 
 @pytest.mark.slow
-def test_a_lost_worker_is_restarted_and_training_resumes(tmp_path: Path) -> None:
+def test_a_sigkilled_worker_recovers_on_the_first_restart(tmp_path: Path, uninterrupted) -> None:
     ckpt = tmp_path / "ckpt"
-    spec = LaunchSpec(target=str(EXAMPLE), nproc=2, max_restarts=1,
-                      args=("--ckpt", str(ckpt), "--steps", "10", "--save-every", "4", "--crash-at", "6"))
+    spec = LaunchSpec(target=str(EXAMPLE), nproc=2, max_restarts=2,
+                      args=("--ckpt", str(ckpt), "--steps", str(STEPS), "--save-every", "4",
+                            "--kill-at", "13"))
     done = launch(spec, capture=True)
     log = done.stdout + done.stderr
     assert done.returncode == 0, log[-4000:]
-    assert "rank 1: simulated crash at step 6 (attempt 0)" in log
-    assert re.search(r"attempt 1: resumed from step 4 \(step-000004, written by 2 rank\(s\)", done.stdout), log
-    assert "attempt 1: finished at step 10 of 10 on 2 rank(s)" in done.stdout, log
-    assert sorted(p.name for p in ckpt.iterdir()) == ["step-000008", "step-000010"]  # keeps the last 2
-    assert read_checkpoint_info(ckpt / "step-000010").step_count == 10
+    assert "exitcode: -9" in log, log[-4000:]  # torchrun saw the worker die of SIGKILL
+    assert "attempt 1: resumed from step 12 (step-000012" in done.stdout, log[-4000:]
+    assert f"attempt 1: finished at step {STEPS} of {STEPS}" in done.stdout, log[-4000:]
+    assert "attempt 2" not in done.stdout
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step-000020", "step-000024"]  # keeps the last 2
+    _assert_same(_final_parameters(ckpt / f"step-{STEPS:06d}"), uninterrupted)
+
+
+def _lines(stream) -> queue.Queue[str]:  # type: ignore[no-untyped-def]
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in stream], daemon=True).start()
+    return lines
+
+
+@pytest.mark.slow
+def test_sigterm_saves_at_the_step_it_stopped_and_a_relaunch_ends_where_an_uninterrupted_run_does(
+        tmp_path: Path, uninterrupted) -> None:
+    ckpt = tmp_path / "ckpt"
+    command = [sys.executable, "-m", "dspark.cli.main", "run", "--nproc", "2", str(EXAMPLE),
+               "--ckpt", str(ckpt), "--steps", str(STEPS), "--save-every", "8",
+               "--step-sleep", "0.25", "--log-every", "1"]
+    job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines, seen = _lines(job.stdout), []
+    try:
+        while not any(line.startswith("attempt 0: step 5 ") for line in seen):
+            seen.append(lines.get(timeout=120))
+        started = time.monotonic()
+        job.send_signal(signal.SIGTERM)
+        job.wait(timeout=60)
+        elapsed_s = time.monotonic() - started
+    finally:
+        if job.poll() is None:
+            job.kill()
+    time.sleep(0.2)
+    while not lines.empty():
+        seen.append(lines.get())
+    stdout = "".join(seen)
+    assert job.returncode == 0, stdout + job.stderr.read()[-4000:]  # type: ignore[union-attr]
+    assert elapsed_s < 30  # the default grace period
+    stopped = int(re.findall(r"attempt 0: step (\d+) ", stdout)[-1])
+    assert f"attempt 0: preempted, saved at step {stopped}\n" in stdout, stdout
+    assert 5 <= stopped < STEPS
+    assert read_checkpoint_info(ckpt / f"step-{stopped:06d}").step_count == stopped
+
+    again = launch(LaunchSpec(target=str(EXAMPLE), nproc=2,
+                              args=("--ckpt", str(ckpt), "--steps", str(STEPS), "--save-every", "8")),
+                   capture=True)
+    assert again.returncode == 0, (again.stdout + again.stderr)[-4000:]
+    assert f"resumed from step {stopped} " in again.stdout, again.stdout
+    _assert_same(_final_parameters(ckpt / f"step-{STEPS:06d}"), uninterrupted)

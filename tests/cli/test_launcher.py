@@ -63,6 +63,7 @@ def test_multi_node_passes_master_and_node_rank_through(script: str) -> None:
     ({"nnodes": 2, "node_rank": 2, "master_addr": "h"}, "node_rank=2 must be in [0, nnodes=2)"),
     ({"master_port": 70000}, "master_port=70000"),
     ({"max_restarts": -1}, "max_restarts=-1"),
+    ({"grace_period_s": 0}, "grace_period_s=0 must be a positive number of seconds"),
     ({"rdzv_endpoint": "h:1", "master_addr": "h"}, "not both"),
     ({"target": "missing.py"}, "script 'missing.py' does not exist"),
     ({"target": "not a module", "module": True}, "not a dotted module name"),

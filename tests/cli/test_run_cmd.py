@@ -24,9 +24,10 @@ def _spec(*argv: str) -> LaunchSpec:
 def test_parsing_keeps_script_arguments_untouched(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text("")
-    spec = _spec("--nproc", "2", "--max-restarts", "1", str(script),
+    spec = _spec("--nproc", "2", "--max-restarts", "1", "--grace-period", "12.5", str(script),
                  "--strategy", "zero2", "--", "--nproc", "9", "-h")
     assert (spec.target, spec.nproc, spec.max_restarts, spec.module) == (str(script), 2, 1, False)
+    assert spec.grace_period_s == 12.5 and _spec("--nproc", "1", str(script)).grace_period_s == 30.0
     assert spec.args == ("--strategy", "zero2", "--", "--nproc", "9", "-h")
     # a "--" before the script separates it from dspark's options and is not the script
     assert _spec("--nproc", "1", "--", str(script), "a").args == ("a",)

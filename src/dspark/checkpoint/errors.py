@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dspark.errors import DSparkError
 
-__all__ = ["CheckpointError", "CheckpointNotFoundError", "CheckpointSaveError"]
+__all__ = ["CheckpointError", "CheckpointNotFoundError", "CheckpointSaveError", "first_line"]
 
 
 class CheckpointError(DSparkError, ValueError):
@@ -25,3 +25,15 @@ class CheckpointSaveError(DSparkError, RuntimeError):
         super().__init__(message)
         self.failed_ranks = failed_ranks
         """The ranks where the save failed (every rank raises, not only those)."""
+
+
+def first_line(exc: BaseException, limit: int = 300) -> str:
+    """The first line of ``exc``'s message, cut at ``limit`` characters: PyTorch's errors can be
+    pages long (``weights_only`` explains itself at length), a checkpoint error names the file.
+
+    Example::
+
+        first_line(ValueError("bad\nmore"))   # 'bad'
+    """
+    text = str(exc).strip()
+    return text.splitlines()[0][:limit] if text else ""

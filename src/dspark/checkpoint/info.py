@@ -1,6 +1,9 @@
 """``dspark.json``: a small, human-readable description of a checkpoint next to DCP's files (what
 wrote it, at which step, on how many ranks, with which versions). Loading does not depend on it for
-the data, only to recognise a DSpark checkpoint; DCP's ``.metadata`` is the authority on tensors."""
+the data, only to recognise a DSpark checkpoint; DCP's ``.metadata`` is the authority on tensors.
+
+Format 2 (this one) keeps every non-tensor value in JSON; format 1 stored some as pickles inside
+DCP's files and is refused, since loading it could run code."""
 
 from __future__ import annotations
 
@@ -11,13 +14,14 @@ from pathlib import Path
 from typing import Any
 
 from dspark.checkpoint.errors import CheckpointError, CheckpointNotFoundError
+from dspark.checkpoint.training_state import write_json
 
 __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "INFO_FILE", "CheckpointInfo", "is_checkpoint",
            "read_checkpoint_info", "write_info"]
 
 INFO_FILE = "dspark.json"
 FORMAT_NAME = "dspark-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -47,6 +51,11 @@ class CheckpointInfo:
     format_version: int = FORMAT_VERSION
 
     def __post_init__(self) -> None:
+        if self.format_version == 1:
+            raise CheckpointError("checkpoint format_version=1 was written by an older DSpark that kept "
+                                  "some values as pickles, which this DSpark refuses to load (loading "
+                                  f"a pickle can run code); valid: {FORMAT_VERSION}. Re-save it with "
+                                  "the DSpark that wrote it, or start from its weights")
         if self.format_version != FORMAT_VERSION:
             raise CheckpointError(f"checkpoint format_version={self.format_version!r} is not supported "
                                   f"by this DSpark (valid: {FORMAT_VERSION})")
@@ -70,13 +79,7 @@ def write_info(directory: Path, info: CheckpointInfo) -> None:
 
         write_info(Path("/tmp/ck.tmp"), CheckpointInfo(step_count=3, strategy="zero2", ...))
     """
-    payload = {"format": FORMAT_NAME, **asdict(info)}
-    path = directory / INFO_FILE
-    with open(path, "w", encoding="utf-8") as out:
-        json.dump(payload, out, indent=2)
-        out.write("\n")
-        out.flush()
-        os.fsync(out.fileno())
+    write_json(directory / INFO_FILE, {"format": FORMAT_NAME, **asdict(info)})
 
 
 def read_checkpoint_info(path: str | os.PathLike[str]) -> CheckpointInfo:
@@ -107,8 +110,8 @@ def read_checkpoint_info(path: str | os.PathLike[str]) -> CheckpointInfo:
             f"no checkpoint at {str(path)!r}: the directory has no {INFO_FILE} (a DSpark checkpoint "
             f"is written by engine.save(path); it holds {_listing(directory)})")
     try:
-        raw: Any = json.loads(info_path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raw: Any = json.loads(info_path.read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise CheckpointError(f"{str(info_path)!r} is damaged ({type(exc).__name__}: {exc})") from exc
     if not isinstance(raw, dict) or raw.pop("format", None) != FORMAT_NAME:
         raise CheckpointError(f"{str(info_path)!r} is not a DSpark checkpoint description "
@@ -117,6 +120,8 @@ def read_checkpoint_info(path: str | os.PathLike[str]) -> CheckpointInfo:
         return CheckpointInfo(**raw)
     except TypeError as exc:
         raise CheckpointError(f"{str(info_path)!r} has unexpected fields ({exc})") from exc
+    except CheckpointError as exc:
+        raise CheckpointError(f"{str(info_path)!r}: {exc}") from exc
 
 
 def _listing(directory: Path, limit: int = 5) -> str:

@@ -1,21 +1,22 @@
 """Where each piece of an engine's state lives in a checkpoint, as pure rules (no process group).
 
-[Note: checkpoint layout] One flat DCP state dict, keyed by name, independent of the strategy and
-world size that wrote it:
+[Note: checkpoint layout] One flat DCP state dict of tensors, keyed by name, independent of the
+strategy and world size that wrote it:
 
     model/<name>              trainable parameters, in their *rows view* (a 0-d parameter is saved
                               as shape (1,), the only way to split it along dim 0), written as
                               Shard(0) shards by every rank under zero1/2/3, once under replicate;
-                              frozen parameters and persistent buffers as they are
+                              frozen parameters and persistent buffers whole, from rank 0 only,
+                              after rank 0's values were broadcast to every rank (BatchNorm
+                              statistics drift apart when each rank sees its own batch)
     optim/<name>/<key>        optimizer state of that parameter: per-element tensors (AdamW's
                               exp_avg, exp_avg_sq) in the parameter's rows view and split like it;
-                              scalars (``step``) and other values replicated
-    optim_groups              the param_groups' hyper-parameters (lr, betas, ...), without params
-    engine/step_count         optimizer steps taken
-    engine/loss_scale, engine/loss_scale_good_steps     the fp16 loss scaler, when there is one
+                              tensor scalars (``step``) replicated
 
-A tied parameter is saved once, under its first name. Because every sharded tensor is saved with
-its global shape, DCP can load it at any world size and into any strategy.
+Every other value is JSON, beside DCP's files: ``training_state.json`` (step count, fp16 loss
+scaler, param groups' hyper-parameters, non-tensor optimizer state) and ``dspark.json`` (what wrote
+the checkpoint). A tied parameter is saved once, under its first name. Because every sharded tensor
+is saved with its global shape, DCP can load it at any world size and into any strategy.
 """
 
 from __future__ import annotations
@@ -23,10 +24,6 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 
 __all__ = [
-    "GROUPS_KEY",
-    "LOSS_SCALE_GOOD_STEPS_KEY",
-    "LOSS_SCALE_KEY",
-    "STEP_COUNT_KEY",
     "first_mismatch",
     "is_per_element",
     "model_key",
@@ -34,11 +31,6 @@ __all__ = [
     "optim_prefix",
     "rows_shape",
 ]
-
-GROUPS_KEY = "optim_groups"
-STEP_COUNT_KEY = "engine/step_count"
-LOSS_SCALE_KEY = "engine/loss_scale"
-LOSS_SCALE_GOOD_STEPS_KEY = "engine/loss_scale_good_steps"
 
 
 def model_key(name: str) -> str:

@@ -5,26 +5,41 @@ With a process group DCP plans collectively (rank 0 coordinates, replicated tens
 and each rank writes its own file; the world-size-1 stand-in has no group, so DCP runs with
 ``no_dist``. DCP's warning that it runs without a group is expected there and silenced.
 
-DSpark's state dict is flat already (see [Note: checkpoint layout]) and holds no ShardedTensor, so
-DCP's planners run without flattening: a value such as the list of param groups is stored as one
-object under its key instead of one entry per list item, and a loaded value lands in the caller's
-dict (with ShardedTensor flattening on, DCP would put it in a copy).
+DSpark's state dict is flat already (see [Note: checkpoint layout]) and holds tensors only, so DCP's
+planners run without flattening. Reading never runs code from the checkpoint ([Note: loading runs no
+code] in :mod:`dspark.checkpoint.safe_metadata`). DSpark overrides three pieces of DCP's reader side:
+
+* ``FileSystemReader.read_metadata``: the restricted unpickler instead of ``pickle.load``, and the
+  metadata DSpark already read and checked is handed back instead of reading the file twice;
+* ``FileSystemReader.read_data``: called once per file, so that an error names the file, and a byte
+  (pickled-object) read item is refused before DCP would ``torch.load(weights_only=False)`` it;
+* ``DefaultLoadPlanner.load_bytes``: refuses, as a second lock on the same door.
+
+Tensor records are read by DCP itself with ``torch.load(weights_only=True)``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.tensor import DTensor
+from torch.futures import Future
 
-from dspark.checkpoint.errors import CheckpointError, CheckpointSaveError
+from dspark.checkpoint.errors import CheckpointError, CheckpointSaveError, first_line
+from dspark.checkpoint.safe_metadata import load_metadata
 
-__all__ = ["METADATA_FILE", "Metadata", "check_files", "read_metadata", "read_state", "write_state"]
+__all__ = ["METADATA_FILE", "Metadata", "check_files", "read_metadata", "read_state", "stage_on_cpu",
+           "write_state"]
 
 METADATA_FILE = ".metadata"
 """DCP's index of every tensor, its chunks and where they are stored (written last by DCP)."""
@@ -32,36 +47,67 @@ METADATA_FILE = ".metadata"
 _NO_DIST_WARNING = r"torch\.distributed is disabled, unavailable or uninitialized.*"
 
 
-def write_state(state: dict[str, Any], directory: Path, *, distributed: bool) -> None:
-    """Write ``state`` (tensors, DTensors, picklable values) into ``directory`` through DCP; every
-    rank of the group calls it. ``sync_files`` makes the data durable before the caller publishes.
+def write_state(state: Mapping[str, Any], directory: Path, *, distributed: bool,
+                process_group: Any = None) -> None:
+    """Write ``state`` (tensors and DTensors only) into ``directory`` through DCP; every rank of the
+    group calls it. ``sync_files`` makes every file durable before the caller publishes.
+    ``process_group``: the torch process group DCP coordinates over (None: the default group).
 
     Example::
 
         write_state({"model/w": torch.ones(3)}, Path("/tmp/ck.tmp"), distributed=False)
     """
+    for key, value in state.items():
+        if not isinstance(value, torch.Tensor):  # DCP would pickle it: a door into every load
+            raise AssertionError(f"checkpoint entry {key!r} is a {type(value).__name__}; the DCP "
+                                 "state holds tensors only (other values go to JSON)")
     writer = dcp.FileSystemWriter(directory, single_file_per_rank=True, sync_files=True)
     planner = dcp.DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
-            dcp.save(state, storage_writer=writer, planner=planner, no_dist=not distributed)
+            dcp.save(dict(state), storage_writer=writer, planner=planner,
+                     process_group=process_group, no_dist=not distributed)
     except CheckpointException as exc:  # a BaseException: turned into an Exception callers can catch
         raise CheckpointSaveError(f"DCP could not write {str(directory)!r}: {_describe(exc)}",
                                   failed_ranks=tuple(sorted(exc.failures))) from exc
 
 
-def read_state(state: dict[str, Any], directory: Path, *, distributed: bool) -> None:
+def stage_on_cpu(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A copy of ``state`` in CPU memory (DTensors stay DTensors, with copied local shards), so that
+    training can change the originals while the copy is written.
+
+    Example::
+
+        staged = stage_on_cpu(engine_state(engine))   # what engine.save(path, async_save=True) writes
+    """
+    return {key: _copy_to_cpu(value) for key, value in state.items()}
+
+
+def _copy_to_cpu(value: torch.Tensor) -> torch.Tensor:
+    # DCP's own stager deep-copies a CPU DTensor's whole storage (a zero1/2 shard is a view of the
+    # full parameter) and fails on an empty shard; this copies the local rows and nothing else.
+    if not isinstance(value, DTensor):
+        return value.detach().to("cpu", copy=True)
+    local = value.to_local().detach()
+    if local.device.type != "cpu":
+        return value.detach().to("cpu")  # a CPU DTensor holding a copy, as DCP stages GPU DTensors
+    return DTensor.from_local(local.clone(), value.device_mesh, value.placements, run_check=False,
+                              shape=value.shape, stride=value.stride())
+
+
+def read_state(state: dict[str, Any], directory: Path, metadata: Metadata, *,
+               distributed: bool) -> None:
     """Fill ``state``'s tensors in place from ``directory`` (DCP reads, for each DTensor, only the
-    rows this rank holds); non-tensor entries are replaced by the stored values.
+    rows this rank holds). ``metadata`` is what :func:`read_metadata` returned for ``directory``.
 
     Example::
 
         state = {"model/w": torch.empty(3)}
-        read_state(state, Path("/tmp/ck"), distributed=False)
+        read_state(state, Path("/tmp/ck"), read_metadata(Path("/tmp/ck")), distributed=False)
     """
-    reader = dcp.FileSystemReader(directory)
-    planner = dcp.DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+    reader = _SafeFileSystemReader(directory, metadata)
+    planner = _TensorOnlyLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
@@ -71,8 +117,8 @@ def read_state(state: dict[str, Any], directory: Path, *, distributed: bool) -> 
 
 
 def read_metadata(directory: Path) -> Metadata:
-    """DCP's metadata of the checkpoint in ``directory``; :class:`CheckpointError` when it is
-    missing or unreadable (a save that never finished, or a damaged file).
+    """DCP's metadata of the checkpoint in ``directory``, read without running code; raises
+    :class:`CheckpointError` when it is missing, unreadable, crafted, or holds anything but tensors.
 
     Example::
 
@@ -82,14 +128,7 @@ def read_metadata(directory: Path) -> Metadata:
     if not path.is_file():
         raise CheckpointError(f"{str(directory)!r} has no {METADATA_FILE} file: it is not a complete "
                               "checkpoint (a save that did not finish, or files removed)")
-    try:
-        metadata = dcp.FileSystemReader(directory).read_metadata()
-    except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ValueError) as exc:
-        raise CheckpointError(f"{str(path)!r} cannot be read ({type(exc).__name__}: {exc}): the "
-                              "checkpoint is damaged") from exc
-    if not isinstance(metadata, Metadata):
-        raise CheckpointError(f"{str(path)!r} holds {type(metadata).__name__}, not DCP metadata")
-    return metadata
+    return load_metadata(path)
 
 
 def check_files(directory: Path, metadata: Metadata) -> None:
@@ -102,12 +141,8 @@ def check_files(directory: Path, metadata: Metadata) -> None:
     """
     needed: dict[str, int] = {}
     for info in dict(metadata.storage_data or {}).values():
-        # DCP's file-system storage records (relative_path, offset, length) per stored item.
-        relative = getattr(info, "relative_path", None)
-        if relative is None:
-            continue
-        end = int(getattr(info, "offset", 0)) + int(getattr(info, "length", 0))
-        needed[relative] = max(needed.get(relative, 0), end)
+        end = int(info.offset) + int(info.length)  # checked to be a _StorageInfo by read_metadata
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
     for relative, end_bytes in sorted(needed.items()):
         path = directory / relative
         if not path.is_file():
@@ -117,6 +152,62 @@ def check_files(directory: Path, metadata: Metadata) -> None:
         if size_bytes < end_bytes:
             raise CheckpointError(f"{str(directory)!r} is damaged: shard file {relative!r} has "
                                   f"{size_bytes} bytes, its index needs {end_bytes}")
+
+
+class _SafeFileSystemReader(dcp.FileSystemReader):
+    """DCP's file-system reader with the metadata already read safely, and errors named by file."""
+
+    def __init__(self, directory: Path, metadata: Metadata) -> None:
+        super().__init__(directory)
+        self._directory = directory
+        self._metadata = metadata
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if kwargs.get("rank") is not None:  # DCP's fallback to per-rank files, which DSpark never writes
+            raise CheckpointError(f"{str(self._directory)!r} has no per-rank metadata")
+        if self._metadata.storage_meta is not None:
+            self._metadata.storage_meta.load_id = self.load_id
+        return self._metadata
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        per_file: dict[str, list[ReadItem]] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        for name, items in per_file.items():
+            path = self._directory / name
+            refused = [i.dest_index.fqn for i in items if i.type == LoadItemType.BYTE_IO]
+            if refused:
+                raise CheckpointError(f"{str(path)!r} holds pickled object(s) {refused[:3]!r}, which "
+                                      "DSpark refuses to load (its checkpoints hold tensors only)")
+            try:
+                super().read_data(dataclasses.replace(plan, items=items), planner).wait()
+            except CheckpointError:
+                raise
+            except Exception as exc:  # a crafted or damaged record: weights_only refused it, or junk
+                raise CheckpointError(
+                    f"{str(path)!r} holds a record that is not a plain tensor ({type(exc).__name__}: "
+                    f"{_why_refused(exc)}); the file is damaged or was crafted, nothing in it was run"
+                ) from exc
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+
+class _TensorOnlyLoadPlanner(dcp.DefaultLoadPlanner):
+    def load_bytes(self, read_item: ReadItem, value: Any) -> None:
+        raise CheckpointError(f"checkpoint entry {read_item.dest_index.fqn!r} is a pickled object, "
+                              "which DSpark refuses to load")
+
+
+
+def _why_refused(exc: BaseException) -> str:
+    """The line of torch.load's refusal that says what was refused; its first line suggests
+    ``weights_only=False``, exactly what must not be done with a crafted file."""
+    if isinstance(exc, pickle.UnpicklingError):
+        for line in str(exc).splitlines():
+            if "GLOBAL" in line or "Unsupported" in line or "WeightsUnpickler" in line:
+                return line.strip()[:300]
+    return first_line(exc)
 
 
 def _describe(exc: CheckpointException) -> str:

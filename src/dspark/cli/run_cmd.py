@@ -22,6 +22,7 @@ from collections.abc import Mapping
 
 from dspark.launcher import LaunchSpec, launch, launcher_command
 from dspark.slurm import launch_defaults
+from dspark.supervisor import DEFAULT_GRACE_S
 
 __all__ = ["add_parser", "launch_plan", "run", "spec_from_args"]
 
@@ -32,8 +33,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
         "run", help="run a script on N processes (wraps torch.distributed.run)",
         description="Start SCRIPT on --nproc processes per node through PyTorch's launcher "
                     "(torch.distributed.run), with OMP_NUM_THREADS=1 per worker unless set and, on "
-                    "one node, a rendezvous on 127.0.0.1 at a free port. Returns the launcher's "
-                    "exit code.")
+                    "one node, a rendezvous on 127.0.0.1 at a free port. SIGTERM, SIGINT and SIGHUP "
+                    "are passed on to the workers; after --grace-period the whole process tree is "
+                    "killed. Returns the launcher's exit code: 0 when every worker exited 0, "
+                    "also after a SIGTERM they handled; otherwise the signal ends dspark run too "
+                    "(130 after Ctrl-C).")
     parser.add_argument("--nproc", "--nproc-per-node", dest="nproc", type=int, default=None,
                         help="worker processes on this node (one device each: a GPU or a CPU core); "
                              "required outside Slurm, else SLURM_GPUS_ON_NODE or SLURM_NTASKS_PER_NODE")
@@ -51,6 +55,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     parser.add_argument("--rdzv-id", default="dspark", help="job id for the c10d rendezvous")
     parser.add_argument("--max-restarts", type=int, default=0,
                         help="restart the worker group this many times after a failure (default 0)")
+    parser.add_argument("--grace-period", type=float, default=DEFAULT_GRACE_S, metavar="SECONDS",
+                        help="after SIGTERM/SIGINT/SIGHUP (passed on to the workers), how long they "
+                             "get to save and exit before the whole job is killed "
+                             f"(default {DEFAULT_GRACE_S:g})")
     parser.add_argument("-m", "--module", action="store_true",
                         help="SCRIPT is a module name, run as `python -m SCRIPT`")
     parser.add_argument("--dry-run", action="store_true",
@@ -98,7 +106,7 @@ def launch_plan(args: argparse.Namespace,
                       nproc=filled.nproc, nnodes=filled.nnodes, node_rank=filled.node_rank,
                       master_addr=filled.master_addr, master_port=args.master_port,
                       rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
-                      max_restarts=args.max_restarts)
+                      max_restarts=args.max_restarts, grace_period_s=args.grace_period)
     return spec, filled.from_slurm
 
 

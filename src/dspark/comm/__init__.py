@@ -20,6 +20,7 @@ from dspark.comm.stats import CollectiveStats, reset_stats, stats
 from dspark.comm.world import (
     BACKENDS,
     World,
+    add_shutdown_hook,
     available_backends,
     get_world,
     init,
@@ -33,6 +34,7 @@ __all__ = [
     "Group",
     "Handle",
     "World",
+    "add_shutdown_hook",
     "all_gather",
     "all_gather_into_tensor",
     "all_gather_object",

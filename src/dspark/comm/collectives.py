@@ -55,6 +55,9 @@ class Group:
     rank: int
     size: int
     timeout_s: float
+    device: torch.device | None = None
+    """Where this group's tensors live; None: the world's device. A gloo side group of an NCCL job
+    (e.g. for a checkpoint written in the background) runs on the CPU."""
 
 
 _subgroups: list[Group] = []
@@ -65,17 +68,23 @@ def default_group() -> Group:
     return Group(pg=None, rank=world.rank, size=world.world_size, timeout_s=world.timeout_s)
 
 
-def new_group(ranks: Sequence[int] | None = None, *, timeout: float | None = None) -> Group:
-    """A new group over ``ranks`` (all ranks by default) with its own timeout in seconds. Every
-    rank of the world must call it, in the same order."""
+def new_group(ranks: Sequence[int] | None = None, *, timeout: float | None = None,
+              backend: str | None = None) -> Group:
+    """A new group over ``ranks`` (all ranks by default) with its own timeout in seconds and, with
+    ``backend="gloo"``, its own backend (its tensors then live on the CPU). Every rank of the world
+    must call it, in the same order."""
     world = get_world()
     timeout_s = world.timeout_s if timeout is None else float(timeout)
     if not world.is_distributed:
         return Group(pg=None, rank=0, size=1, timeout_s=timeout_s)
+    if backend not in (None, "gloo", world.backend):
+        raise ValueError(f"new_group(backend={backend!r}): a group runs on the world's backend "
+                         f"{world.backend!r} or on 'gloo'")
     members = list(range(world.world_size)) if ranks is None else sorted(set(ranks))
-    pg = dist.new_group(members, timeout=_dt.timedelta(seconds=timeout_s))
+    pg = dist.new_group(members, timeout=_dt.timedelta(seconds=timeout_s), backend=backend)
     rank = members.index(world.rank) if world.rank in members else -1
-    group = Group(pg=pg, rank=rank, size=len(members), timeout_s=timeout_s)
+    device = torch.device("cpu") if backend == "gloo" else None
+    group = Group(pg=pg, rank=rank, size=len(members), timeout_s=timeout_s, device=device)
     _subgroups.append(group)
     return group
 
@@ -262,7 +271,7 @@ def barrier(*, group: Group | None = None) -> None:
     g = group or default_group()
     if _is_noop(g):
         return
-    flag = torch.zeros(1, device=get_world().device)
+    flag = torch.zeros(1, device=g.device or get_world().device)
     _run("barrier", g, 0, lambda: dist.all_reduce(flag, group=g.pg, async_op=True), False)
 
 
@@ -272,7 +281,7 @@ def all_gather_object(obj: Any, *, group: Group | None = None) -> list[Any]:
     if _is_noop(g):
         _stats.record("all_gather_object", 0, 1)
         return [obj]
-    device = get_world().device
+    device = g.device or get_world().device
     payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
     size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
     sizes = all_gather(size, group=g, _kind="all_gather_object")

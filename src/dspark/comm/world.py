@@ -7,6 +7,7 @@ import datetime as _dt
 import gc
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -14,7 +15,8 @@ import torch.distributed as dist
 
 from dspark.errors import NotInitializedError
 
-__all__ = ["BACKENDS", "World", "available_backends", "get_world", "init", "is_initialized", "shutdown"]
+__all__ = ["BACKENDS", "World", "add_shutdown_hook", "available_backends", "get_world", "init",
+           "is_initialized", "shutdown"]
 
 BACKENDS = ("auto", "gloo", "nccl", "mpi")
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE")
@@ -179,15 +181,39 @@ def get_world() -> World:
     return _world
 
 
+_shutdown_hooks: list[Callable[[], None]] = []
+
+
+def add_shutdown_hook(hook: Callable[[], None]) -> None:
+    """Run ``hook`` at the start of every :func:`shutdown`, while the process groups still exist
+    (how a checkpoint written in the background is finished before its group goes). Added once.
+
+    Example::
+
+        add_shutdown_hook(wait_for_pending_save)
+    """
+    if hook not in _shutdown_hooks:
+        _shutdown_hooks.append(hook)
+
+
 def shutdown() -> None:
-    """Leave the job. Collects garbage first so that no model or optimizer still references the
-    process group when it is destroyed (gloo aborts at exit otherwise)."""
+    """Leave the job. Runs the shutdown hooks first (an error from one is raised once the job is
+    left), and collects garbage so that no model or optimizer still references the process group
+    when it is destroyed (gloo aborts at exit otherwise)."""
     global _world
     from dspark.comm import collectives
 
+    failure: BaseException | None = None
+    for hook in list(_shutdown_hooks):
+        try:
+            hook()
+        except Exception as exc:  # leave the job anyway; the first error is raised at the end
+            failure = failure or exc
     collectives._drop_groups()
     gc.collect()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     _world = None
     gc.collect()
+    if failure is not None:
+        raise failure

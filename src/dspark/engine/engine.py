@@ -608,22 +608,26 @@ class Engine:
         if self.world.world_size > 1:
             broadcast_tensors(list(self.module.buffers()))
 
-    def save(self, path: str | os.PathLike[str]) -> Path:
+    def save(self, path: str | os.PathLike[str], *, async_save: bool = False) -> Path:
         """Save a sharded checkpoint directory at ``path`` (see :mod:`dspark.checkpoint`): every rank
         writes its shards of the parameters and optimizer state; the step count, hyper-parameters
         and fp16 loss scale come along. A checkpoint already at ``path`` is replaced only once the new
         one is complete. Collective: call it on every rank, between steps.
 
+        ``async_save=True`` returns once the state is copied to CPU memory and writes it in the
+        background; the next save, ``load`` and ``dspark.shutdown()`` wait for it
+        (``dspark.checkpoint.wait_for_pending_save()`` waits explicitly and raises its error).
+
         Example::
 
             engine.save("ckpt/latest")
+            engine.save("ckpt/step-100", async_save=True)   # training goes on while it is written
         """
         self._check_between_steps("save")
         # imported here: DCP is heavy to import and most runs never checkpoint
         from dspark.checkpoint import save_checkpoint
 
-        self.sync_buffers()
-        return save_checkpoint(self, path)
+        return save_checkpoint(self, path, async_save=async_save)
 
     def load(self, path: str | os.PathLike[str]) -> CheckpointInfo:
         """Load the checkpoint at ``path``, whatever world size and strategy wrote it: parameters,

@@ -1,0 +1,218 @@
+"""Running PyTorch's launcher as a child so that whatever stops ``dspark run`` stops the whole job.
+
+[Note: stopping a job] torchrun starts each worker in a session of its own, so a signal sent to
+torchrun's process group never reaches the workers, and a torchrun that dies leaves them running.
+``dspark run`` therefore starts torchrun in a new session and, while it runs, keeps a list of every
+process below it (pid and start time, from ``/proc``). On SIGTERM, SIGINT or SIGHUP it:
+
+1. sends the same signal to each worker (torchrun's children, not their process groups: a worker's
+   DataLoader processes are its own business), so a loop polling
+   :func:`dspark.preemption_requested` saves and exits 0; torchrun then sees its workers succeed
+   and exits 0, and so does ``dspark run``;
+2. if torchrun starts new workers (a restart after a worker died of the signal), or stays up
+   :data:`SETTLE_S` seconds after its workers are gone, sends the signal to torchrun too, which
+   stops its workers itself;
+3. once the grace period has passed, or at a second signal, kills (SIGKILL) torchrun and every
+   process it has seen below it, orphans included;
+4. after torchrun has exited, kills whatever of that list is still alive.
+
+The exit code is 0 when torchrun exited 0 (every worker exited 0), else ``128 + signal``
+(:func:`dspark.launcher.launch` then raises the signal in its own process as well).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from types import FrameType
+
+from dspark.process_tree import ProcessInfo, children, descendants, signal_processes
+
+__all__ = ["DEFAULT_GRACE_S", "SETTLE_S", "STOP_SIGNALS", "Supervised", "run_supervised"]
+
+_log = logging.getLogger(__name__)
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+DEFAULT_GRACE_S = 30.0
+"""How long workers get to save and exit after a stop signal: what Slurm and Kubernetes give."""
+SETTLE_S = 5.0
+"""How long torchrun may stay up with no workers after a stop signal before it is told to stop."""
+_POLL_S = 0.1
+_SNAPSHOT_EVERY_S = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class Supervised:
+    """How a supervised launcher ended."""
+
+    returncode: int
+    """0 when the launcher exited 0; ``128 + N`` after stop signal N (or when it died of signal N)."""
+    stdout: str | None
+    stderr: str | None
+    stop_signal: int | None = None
+    """The first stop signal received, if any."""
+
+
+@dataclass
+class _Tree:
+    """What the supervisor has seen of the launcher's process tree."""
+
+    root: int
+    seen: dict[int, ProcessInfo] = field(default_factory=dict)
+    snapshot_at: float = 0.0
+
+    def refresh(self, now: float, *, force: bool = False) -> None:
+        if force or now - self.snapshot_at >= _SNAPSHOT_EVERY_S:
+            for proc in descendants(self.root):
+                self.seen.setdefault(proc.pid, proc)
+            self.snapshot_at = now
+
+    def kill_all(self) -> list[int]:
+        return signal_processes(list(self.seen.values()), signal.SIGKILL)
+
+
+def run_supervised(command: list[str], *, env: Mapping[str, str], capture: bool,
+                   grace_s: float = DEFAULT_GRACE_S) -> Supervised:
+    """Run ``command`` (torchrun) in a new session and wait for it, stopping its whole tree on
+    SIGTERM / SIGINT / SIGHUP as [Note: stopping a job] says. Signals are handled only when called
+    from the main thread (Python allows handlers nowhere else); elsewhere the child just runs.
+
+    Example::
+
+        done = run_supervised(launcher_command(spec), env=launcher_env(), capture=False)
+        done.returncode   # 0 when every worker exited 0, also after a SIGTERM they handled
+    """
+    pipe = subprocess.PIPE if capture else None
+    child = subprocess.Popen(command, env=dict(env), stdout=pipe, stderr=pipe, text=True,
+                             start_new_session=True)
+    supervisor = _Supervisor(child, grace_s)
+    with supervisor.handling_signals():
+        stdout, stderr = supervisor.wait(capture)
+    return Supervised(returncode=supervisor.returncode(), stdout=stdout, stderr=stderr,
+                      stop_signal=supervisor.stop_signal)
+
+
+class _Supervisor:
+    def __init__(self, child: subprocess.Popen[str], grace_s: float) -> None:
+        self.child = child
+        self.grace_s = grace_s
+        self.tree = _Tree(root=child.pid)
+        self.received: list[int] = []  # appended by the signal handler, read by the loop
+        self.stop_signal: int | None = None
+        self.deadline = 0.0
+        self.signalled: set[tuple[int, int]] = set()  # (pid, start) of workers already told
+        self.launcher_told = False
+        self.idle_since: float | None = None
+        self.killed = False
+
+    @contextmanager
+    def handling_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS}
+        try:
+            yield
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self.received.append(signum)  # the loop acts on it: a handler must not block
+
+    def wait(self, capture: bool) -> tuple[str | None, str | None]:
+        out: tuple[str | None, str | None] = (None, None)
+        while True:
+            try:
+                if capture:
+                    out = self.child.communicate(timeout=_POLL_S)  # a retry loses no output
+                else:
+                    self.child.wait(timeout=_POLL_S)
+                break
+            except subprocess.TimeoutExpired:
+                self._tick()
+        if self.stop_signal is None and self.received:  # it came as torchrun exited by itself
+            self.stop_signal = self.received[0]
+        if self.stop_signal is not None:  # orphans of the tree outlive torchrun: end them too
+            self.tree.refresh(time.monotonic(), force=True)
+            leftover = self.tree.kill_all()
+            if leftover:
+                _log.warning("killed %d process(es) left behind by the job: %s", len(leftover), leftover)
+        return out
+
+    def _tick(self) -> None:
+        now = time.monotonic()
+        self.tree.refresh(now, force=self.stop_signal is not None)
+        while self.received:
+            signum = self.received.pop(0)
+            if self.stop_signal is None:
+                self._start_stopping(signum, now)
+            else:
+                _log.warning("second signal %s: killing the job now", signal.Signals(signum).name)
+                self._kill()
+        if self.stop_signal is None or self.killed:
+            return
+        if now >= self.deadline:
+            _log.warning("the job did not stop within %.0f s of %s: killing it", self.grace_s,
+                         signal.Signals(self.stop_signal).name)
+            self._kill()
+            return
+        workers = children(self.child.pid)
+        restarted = [w for w in workers if (w.pid, w.start_ticks) not in self.signalled]
+        if restarted:  # torchrun replaced workers that died: it must stop, not carry on
+            self._tell_workers(restarted, self.stop_signal)
+            self._tell_launcher("it restarted its workers")
+        if workers:
+            self.idle_since = None
+        elif self.idle_since is None:
+            self.idle_since = now
+        elif now - self.idle_since >= SETTLE_S:
+            self._tell_launcher(f"its workers are gone but it is still up after {SETTLE_S:.0f} s")
+
+    def _start_stopping(self, signum: int, now: float) -> None:
+        self.stop_signal = signum
+        self.deadline = now + self.grace_s
+        workers = children(self.child.pid)
+        _log.warning("got %s: passing it to %d worker(s), %.0f s to stop", signal.Signals(signum).name,
+                     len(workers), self.grace_s)
+        if workers:
+            self._tell_workers(workers, signum)
+        else:  # torchrun is starting (or restarting) them: it stops whatever it has
+            self._tell_launcher("it has no workers right now")
+
+    def _tell_workers(self, workers: list[ProcessInfo], signum: int) -> None:
+        signal_processes(workers, signum)
+        self.signalled.update((w.pid, w.start_ticks) for w in workers)
+
+    def _tell_launcher(self, why: str) -> None:
+        if self.launcher_told or self.stop_signal is None:
+            return
+        self.launcher_told = True
+        _log.warning("stopping the launcher: %s", why)
+        try:
+            self.child.send_signal(self.stop_signal)
+        except ProcessLookupError:
+            pass
+
+    def _kill(self) -> None:
+        self.killed = True
+        self.tree.refresh(time.monotonic(), force=True)
+        try:
+            self.child.kill()
+        except ProcessLookupError:
+            pass
+        self.tree.kill_all()
+
+    def returncode(self) -> int:
+        code = self.child.returncode
+        if code == 0:
+            return 0
+        if self.stop_signal is not None:
+            return 128 + int(self.stop_signal)
+        return code if code > 0 else 128 - code  # died of signal N: the shell's 128 + N

@@ -1,0 +1,111 @@
+"""Loading a checkpoint never runs code from it: a crafted payload in any of its files (DCP's
+``.metadata``, every shard file, DSpark's JSON files) is refused on every rank with a
+:class:`CheckpointError` naming the file, and the payload's command never runs.
+
+Every payload would create a marker file if it ran; each test first proves that its payload is
+live (plain ``pickle`` / ``torch.load(weights_only=False)`` does create the marker), then that a
+2-rank load refuses it and the marker does not exist."""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+from dspark.checkpoint import CheckpointError, storage
+from tests.checkpoint.ranks import load_error_keeping_state
+
+
+class _Payload:
+    """Unpickling this runs ``touch MARKER``: what a crafted checkpoint would do."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return os.system, (f"touch {self.marker}",)
+
+
+def _pickle_payload(marker: Path) -> bytes:
+    blob = pickle.dumps(_Payload(marker))
+    pickle.loads(blob)  # the control: a plain unpickler runs it
+    assert marker.exists(), "the payload is not live: the test could not fail"
+    marker.unlink()
+    return blob
+
+
+def _torch_payload(marker: Path) -> bytes:
+    out = io.BytesIO()
+    torch.save(_Payload(marker), out)
+    torch.load(io.BytesIO(out.getvalue()), weights_only=False)  # the control
+    assert marker.exists(), "the payload is not live: the test could not fail"
+    marker.unlink()
+    return out.getvalue()
+
+
+def _refused_everywhere(pool, ckpt: Path, file_name: str, marker: Path, why: str = "") -> None:
+    results = pool.run(load_error_keeping_state, str(ckpt), "mlp", "zero3", timeout=120)
+    for rank, (kind, message, unchanged) in enumerate(results):
+        assert kind == "CheckpointError", (rank, kind, message)
+        assert str(ckpt / file_name) in message and why in message, (rank, message)
+        assert unchanged, f"rank {rank}: the failed load changed the engine"
+    assert not marker.exists(), "the payload ran"
+
+
+@pytest.mark.parametrize("file_name", [".metadata", "dspark.json", "training_state.json"])
+def test_a_pickle_in_place_of_a_file_is_refused_and_never_runs(pool, copy: Path, tmp_path: Path,
+                                                               file_name: str) -> None:
+    marker = tmp_path / "ran"
+    (copy / file_name).write_bytes(_pickle_payload(marker))
+    _refused_everywhere(pool, copy, file_name, marker)
+
+
+@pytest.mark.parametrize("file_name", ["__0_0.distcp", "__1_0.distcp"])
+def test_a_crafted_record_in_a_shard_file_is_refused_and_never_runs(pool, copy: Path, tmp_path: Path,
+                                                                    file_name: str) -> None:
+    # The attacker controls every file: the shard file holds the payload and the index (written
+    # with only DCP's own classes, so it passes the metadata check) points every record of that
+    # file at it. Loading reaches torch.load of the payload, where weights_only refuses it.
+    marker = tmp_path / "ran"
+    blob = _torch_payload(marker)
+    (copy / file_name).write_bytes(blob)
+    metadata = storage.read_metadata(copy)
+    for record in metadata.storage_data.values():
+        if record.relative_path == file_name:
+            record.offset, record.length = 0, len(blob)
+    (copy / ".metadata").write_bytes(pickle.dumps(metadata))
+    _refused_everywhere(pool, copy, file_name, marker, why="GLOBAL posix.system")
+
+
+def test_a_pickled_entry_in_the_index_is_refused(pool, copy: Path, tmp_path: Path) -> None:
+    # What an older DSpark (or plain DCP with a non-tensor value) writes: a BYTE_IO entry, which
+    # DCP's planner would read with torch.load(weights_only=False).
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    metadata = storage.read_metadata(copy)
+    metadata.state_dict_metadata["optim_groups"] = BytesStorageMetadata()
+    (copy / ".metadata").write_bytes(pickle.dumps(metadata))
+    for kind, message, unchanged in pool.run(load_error_keeping_state, str(copy), "mlp", "zero3"):
+        assert kind == "CheckpointError" and unchanged
+        assert ".metadata" in message and "'optim_groups' is a pickled object (BYTE_IO)" in message
+
+
+def test_a_checkpoint_holds_tensors_and_json_only(two_rank_checkpoint: Path) -> None:
+    saved = two_rank_checkpoint
+    metadata = storage.read_metadata(saved)
+    assert metadata.state_dict_metadata and all(
+        type(entry).__name__ == "TensorStorageMetadata" for entry in metadata.state_dict_metadata.values())
+    names = sorted(p.name for p in saved.iterdir())
+    assert names == [".metadata", "__0_0.distcp", "__1_0.distcp", "dspark.json", "training_state.json"]
+
+
+def test_an_index_pointing_outside_the_checkpoint_is_refused(single_process, copy: Path) -> None:
+    metadata = storage.read_metadata(copy)
+    next(iter(metadata.storage_data.values())).relative_path = "../../etc/passwd"
+    (copy / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(CheckpointError, match=r"points to '\.\./\.\./etc/passwd', outside the checkpoint"):
+        storage.read_metadata(copy)

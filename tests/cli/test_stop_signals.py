@@ -1,0 +1,99 @@
+"""Whatever stops ``dspark run`` (SIGTERM, SIGINT, SIGHUP) stops its whole process tree: torchrun,
+the workers and what they started, even processes in sessions of their own, even workers that
+ignore the signal (killed once the grace period is over)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dspark.process_tree import descendants, is_running
+
+GRACE_S = 3.0
+
+STUBBORN_WORKER = """
+import os, signal, subprocess, sys, time
+for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    signal.signal(s, signal.SIG_IGN)
+sleeper = [sys.executable, "-c", "import time; time.sleep(300)"]
+subprocess.Popen(sleeper)                          # a child in the worker's session
+subprocess.Popen(sleeper, start_new_session=True)  # and one that left it
+open(os.path.join(sys.argv[1], os.environ["RANK"]), "w").close()
+time.sleep(300)
+"""
+
+
+def _wait_for(condition, timeout_s: float, what: str) -> None:
+    end = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
+def test_no_process_of_the_job_survives(tmp_path: Path, signum: int) -> None:
+    script = tmp_path / "stubborn.py"
+    script.write_text(STUBBORN_WORKER)
+    ready = tmp_path / "ready"
+    ready.mkdir()
+    job = subprocess.Popen([sys.executable, "-m", "dspark.cli.main", "run", "--nproc", "2",
+                            "--grace-period", str(GRACE_S), str(script), str(ready)],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(lambda: len(list(ready.iterdir())) == 2, 120, "both workers to start")
+        _wait_for(lambda: len(descendants(job.pid)) >= 7, 30, "torchrun, 2 workers, 4 sleepers")
+        tree = descendants(job.pid)
+        started = time.monotonic()
+        job.send_signal(signum)
+        _, stderr = job.communicate(timeout=GRACE_S + 60)
+        elapsed_s = time.monotonic() - started
+    finally:
+        if job.poll() is None:
+            job.kill()
+    # the workers ignored it: after the job is gone the signal ends dspark run as well (Ctrl-C:
+    # KeyboardInterrupt, which the CLI turns into 130)
+    assert job.returncode == (130 if signum == signal.SIGINT else -signum), stderr[-3000:]
+    assert GRACE_S <= elapsed_s < GRACE_S + 30, elapsed_s  # waited the grace period, then killed
+    _wait_for(lambda: not any(is_running(p.pid, p.start_ticks) for p in tree), 10,
+              "every process of the tree to be gone")
+    assert len(tree) >= 7
+    assert os.getpid() not in {p.pid for p in tree}
+
+
+@pytest.mark.slow
+def test_a_launcher_that_restarts_killed_workers_is_stopped_too(tmp_path: Path) -> None:
+    # Workers that die of SIGTERM look like a failure to torchrun, which restarts them (here up to
+    # 3 times). dspark run sees workers it never signalled and stops torchrun: the job ends long
+    # before the grace period, not when it runs out.
+    script = tmp_path / "sleeper.py"
+    script.write_text("import os, sys, time\n"
+                      "open(os.path.join(sys.argv[1], os.environ['RANK']), 'w').close()\n"
+                      "time.sleep(300)\n")
+    ready = tmp_path / "ready"
+    ready.mkdir()
+    job = subprocess.Popen([sys.executable, "-m", "dspark.cli.main", "run", "--nproc", "2",
+                            "--max-restarts", "3", "--grace-period", "90", str(script), str(ready)],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(lambda: len(list(ready.iterdir())) == 2, 120, "both workers to start")
+        tree = descendants(job.pid)
+        started = time.monotonic()
+        job.send_signal(signal.SIGTERM)
+        _, stderr = job.communicate(timeout=120)
+        elapsed_s = time.monotonic() - started
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == -signal.SIGTERM, stderr[-3000:]
+    assert elapsed_s < 45, (elapsed_s, stderr[-3000:])
+    assert "restarted its workers" in stderr or "no workers right now" in stderr, stderr[-3000:]
+    _wait_for(lambda: not any(is_running(p.pid, p.start_ticks) for p in tree), 10,
+              "every process of the tree to be gone")
