@@ -157,6 +157,19 @@ def test_activations_above_a_sharded_share() -> None:
     assert memory_above_expected(bug, one) == []
 
 
+def test_sharded_parts_held_whole_during_a_step_are_not_activations() -> None:
+    one = make_result(strategy="zero3")  # 2000 MB of activations on 1 device
+    parts = {"params": [50 * MB, 50 * MB], "grads": [50 * MB, 50 * MB],
+             "optimizer": [100 * MB, 100 * MB]}
+    # 1000 MB of activations + the other rank's halves of params and grads (100 MB), whole for a while
+    for strategy, flagged in (("zero3", False), ("torch-fsdp2", False), ("replicate", True)):
+        result = make_result(num_devices=2, strategy=strategy, model_state_parts=parts,
+                             model_state_bytes_per_rank=200 * MB,
+                             model_state_bytes_expected_per_rank=200 * MB,
+                             peak_bytes_per_rank=200 * MB + 1000 * MB * 3 // 2 + 100 * MB)
+        assert bool(memory_above_expected(result, one)) == flagged, strategy
+
+
 # -- below_cost_model ------------------------------------------------------------------------
 
 def test_below_cost_model() -> None:

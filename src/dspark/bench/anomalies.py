@@ -13,7 +13,10 @@ to ignore the report, which is how the seed's bug hid.
 [Note: activation bytes]
 Activation bytes per rank = ``peak_bytes_per_rank - model_state_bytes_per_rank``: what the rank
 held at its peak beyond parameters, gradients and optimizer state. With the batch split N ways,
-each rank should need about 1/N of the 1-device run's activation bytes.
+each rank should need about 1/N of the 1-device run's activation bytes, plus, where the strategy
+shards parameters or gradients, the rest of them while they are whole during the step (gathered
+for forward and backward, or produced by backward before the reduce-scatter): the model state
+counts only the shards a rank keeps between steps.
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ from typing import Any
 from dspark.bench.cost_model import predict_step
 from dspark.bench.formatting import format_mb, format_ms, format_ratio
 from dspark.bench.noise import NoiseModel
+from dspark.bench.peers import PEERS
 from dspark.bench.result import BenchResult
+from dspark.engine.policy import STRATEGIES
 
 __all__ = [
     "ACTIVATION_TOLERANCE",
@@ -33,6 +38,7 @@ __all__ = [
     "MODEL_STATE_TOLERANCE",
     "activation_bytes_per_rank",
     "below_cost_model",
+    "gathered_bytes",
     "is_batch_replicated",
     "memory_above_expected",
     "negative_scaling",
@@ -110,10 +116,27 @@ def wire_bytes(result: BenchResult) -> tuple[int, bool]:
     return result.estimated_comm_wire_bytes_per_step or 0, True
 
 
+def gathered_bytes(result: BenchResult) -> int:
+    """Bytes of sharded parameters and gradients a rank holds whole for part of a step beyond its
+    own shards (see [Note: activation bytes]): ``(N - 1)`` shards of each sharded part.
+
+    Example::
+
+        gathered_bytes(zero3_on_2)   # params shard + grads shard: the other rank's halves
+    """
+    policy = STRATEGIES.get(PEERS.get(result.strategy, result.strategy))
+    if policy is None or result.num_devices <= 1:
+        return 0
+    sharded = [part for part, on in (("params", policy.shard_params),
+                                     ("grads", policy.shard_grads)) if on]
+    return sum(result.model_state_parts.get(part, [0, 0])[1] for part in sharded) * (
+        result.num_devices - 1)
+
+
 def _expected_activation_bytes(result: BenchResult, baseline: BenchResult | None) -> float | None:
     if baseline is None or activation_bytes_per_rank(baseline) <= 0:
         return None
-    return activation_bytes_per_rank(baseline) / result.num_devices
+    return activation_bytes_per_rank(baseline) / result.num_devices + gathered_bytes(result)
 
 
 def _model_state_excess(result: BenchResult) -> bool:
@@ -239,6 +262,12 @@ def _excess_parts(result: BenchResult) -> str:
             "parameter left gathered, a gradient or state kept beside its shard)")
 
 
+def _with_gathered(result: BenchResult) -> str:
+    gathered = gathered_bytes(result)
+    return (f" (with {format_mb(gathered)} of sharded parameters and gradients held whole during "
+            "the step)" if gathered else "")
+
+
 def memory_above_expected(result: BenchResult,
                           baseline: BenchResult | None) -> list[dict[str, Any]]:
     """A rank holds more than its strategy needs: (a) model state, found by walking the module and
@@ -269,8 +298,9 @@ def memory_above_expected(result: BenchResult,
                 "memory_above_expected",
                 f"each rank holds {format_mb(held)} of activations, {held / expected_activation:.1f}x "
                 f"the {format_mb(expected_activation)} a 1/{result.num_devices} share of the "
-                "1-device run needs, although each rank's model received its share of the batch: "
-                "an activation or buffer is likely replicated, or kept alive across steps",
+                f"1-device run needs{_with_gathered(result)}, although each rank's model received "
+                "its share of the batch: an activation or buffer is likely replicated, or kept "
+                "alive across steps",
                 memory="activations", activation_bytes_per_rank=held,
                 expected_activation_bytes_per_rank=expected_activation,
                 ratio=held / expected_activation))
