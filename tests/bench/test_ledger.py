@@ -110,7 +110,8 @@ def test_a_schema_1_ledger_is_migrated_in_place(tmp_path: Path) -> None:
     old = {**make_result(num_devices=2, step_ms=130.0, step_ms_p10=120.0, step_ms_p90=140.0,
                          run_id="r-old").to_dict(),
            "speedup": 9.9, "anomalies": [{"kind": "frozen", "message": "from an old rule"}],
-           "config_hash": "abc", "replicated_inputs": []}
+           "config_hash": "abc", "replicated_inputs": [],
+           "warmup_steps": 0, "measure_steps": 0}  # from before step counts were recorded
     conn.execute("INSERT INTO results (run_id, timestamp, git_commit, git_dirty, workload, "
                  "num_devices, strategy, precision, batch_placement, global_batch, config_hash, "
                  "result_json) VALUES (?, ?, ?, 0, ?, 2, ?, ?, ?, ?, ?, ?)",
@@ -125,6 +126,8 @@ def test_a_schema_1_ledger_is_migrated_in_place(tmp_path: Path) -> None:
     assert (result.step_ms, result.step_ms_p10, result.step_ms_p90) == (130.0, 120.0, 140.0)
     assert result.speedup is None and result.anomalies == []  # analysis is computed when read
     assert result.samples_by_rank == [128, 128] and result.step_ms_by_round == []
+    with Ledger(path) as ledger:  # re-run with the default step counts
+        assert ledger.stale("f" * 40, host="box")[0].measure_steps == 5
     conn = sqlite3.connect(path)
     with pytest.raises(sqlite3.DatabaseError, match="append-only"):
         conn.execute("INSERT OR REPLACE INTO results SELECT * FROM results")

@@ -103,7 +103,9 @@ class Measurement(Recorded):
 
     @property
     def key(self) -> ConfigKey:
-        return self.config.key
+        # Not through `config`: a schema-1 row may predate step counts (0), which BenchConfig refuses.
+        return (self.workload, self.num_devices, self.strategy, self.precision,
+                self.batch_placement, self.global_batch)
 
     @property
     def result_id(self) -> str:
@@ -190,6 +192,8 @@ def _summarise(rounds: list[Measurement]) -> BenchResult:
     first = rounds[0]
     by_round = [m.step_ms() for m in rounds]
     pooled = [ms for samples in by_round for ms in samples]
+    if not pooled and len(first.step_ms_summary) != 3:
+        raise ValueError(f"measurement {first.measurement_id} holds no timed step and no summary")
     median, p10, p90 = step_time_summary(pooled) if pooled else tuple(first.step_ms_summary)
     probed = next((m for m in rounds if m.state_held_by_rank or m.batch is not None), None)
     batch = (probed.batch if probed is not None else None) or {}
@@ -198,7 +202,6 @@ def _summarise(rounds: list[Measurement]) -> BenchResult:
     shares = [[s for load in per_round if (s := load.foreign_share) is not None]
               for per_round in loads]
     pinned = [load for per_round in loads for load in per_round if load.core is not None]
-    config = first.config
     return BenchResult(
         **{k: getattr(first, k) for k in ("workload", "num_devices", "strategy", "precision",
                                           "batch_placement", "global_batch", "run_id",
@@ -211,7 +214,7 @@ def _summarise(rounds: list[Measurement]) -> BenchResult:
         step_ms_by_round=[list(s) for s in by_round if s],
         round_step_ms=[_round_median(m) for m in rounds],
         step_ms=median, step_ms_p10=p10, step_ms_p90=p90,
-        samples_per_s=config.global_batch / (median / 1e3) if median > 0 else 0.0,
+        samples_per_s=first.global_batch / (median / 1e3) if median > 0 else 0.0,
         peak_bytes_per_rank=max(probed.tensor_peak_bytes_by_rank, default=0) if probed else 0,
         peak_rss_bytes_per_rank=max(probed.rss_peak_bytes_by_rank, default=0) if probed else 0,
         rss_scope=probed.rss_scope if probed else "",
