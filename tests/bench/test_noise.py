@@ -68,3 +68,17 @@ def test_a_pair_is_not_its_own_evidence() -> None:
 ])
 def test_verdict(old: BenchResult, new: BenchResult, verdict: str) -> None:
     assert NoiseModel().verdict(old, new) == verdict
+
+
+def test_two_runs_are_not_evidence_of_their_own_noise() -> None:
+    # Run r2 is 30% slower than r1 on every configuration, same code: the slowdown being judged,
+    # not a run-to-run range (before, the other configurations' pairs made the band 30%).
+    history = [_run(ms, workload=w, run_id=run, result_id=f"{run}/{w}")
+               for w in ("a", "b", "c") for run, ms in (("r1", 100.0), ("r2", 130.0))]
+    noise = NoiseModel.from_history(history)
+    assert noise.verdict(history[0], history[1]) == "slower"
+    assert noise.band(history[0], history[1]) == DEFAULT_RUN_TO_RUN
+    # A third, quiet run of the same code does count for the comparison of the first two.
+    third = [_run(100.0, workload=w, run_id="r3", result_id=f"r3/{w}") for w in ("a", "b", "c")]
+    assert NoiseModel.from_history(history + third).machine_range("box", leave_out=("r3",)) \
+        == pytest.approx(0.30)

@@ -13,8 +13,9 @@ band. The band is the widest of:
 * the range each of the two results shows itself: the p10-p90 spread of its steps, and the range
   of its round medians (see [Note: rounds] in :mod:`dspark.bench.measurement`).
 
-Both histories leave out the two results being compared, or a pair would be its own evidence. A
-relative range is ``(max - min) / min``. The test is symmetric in ratio: B is *slower* when
+Both histories leave out the runs the two results come from: comparing two runs, their own
+differences are what is being judged, not evidence of noise. A relative range is
+``(max - min) / min``. The test is symmetric in ratio: B is *slower* when
 ``B > A * (1 + band)`` and *faster* when ``B < A / (1 + band)``. Regressions (analysis) and
 ``dspark bench compare`` both use it, so a report and a comparison never disagree.
 """
@@ -78,7 +79,7 @@ class NoiseModel:
     """
 
     reruns: dict[_Group, list[tuple[str, float]]] = field(default_factory=dict)
-    """Same-code results by (host, configuration, commit): (result id, median step ms)."""
+    """Same-code results by (host, configuration, commit): (run id, median step ms)."""
 
     @classmethod
     def from_history(cls, results: Iterable[BenchResult]) -> NoiseModel:
@@ -86,13 +87,13 @@ class NoiseModel:
         reruns: dict[_Group, list[tuple[str, float]]] = {}
         for r in results:
             if r.git_commit and not r.git_dirty and r.step_ms > 0:
-                reruns.setdefault((r.host, r.key, r.git_commit), []).append((r.result_id, r.step_ms))
+                reruns.setdefault((r.host, r.key, r.git_commit), []).append((r.run_id, r.step_ms))
         return cls(reruns=reruns)
 
     def machine_range(self, host: str, *, leave_out: Iterable[str] = ()) -> float:
-        """The run-to-run range of ``host``, without results ``leave_out`` (see [Note: noise rule])."""
+        """The run-to-run range of ``host`` without the runs ``leave_out`` (see [Note: noise rule])."""
         skip = set(leave_out)
-        kept = [[ms for result_id, ms in members if result_id not in skip]
+        kept = [[ms for run_id, ms in members if run_id not in skip]
                 for (group_host, _, _), members in self.reruns.items() if group_host == host]
         ranges = [relative_range(members) for members in kept if len(members) >= 2]
         if len(ranges) < MIN_CONFIGS_FOR_MACHINE_RANGE:
@@ -100,9 +101,10 @@ class NoiseModel:
         return statistics.median(ranges)
 
     def config_range(self, host: str, key: ConfigKey, *, leave_out: Iterable[str] = ()) -> float:
-        """The widest range of same-code reruns of ``key`` on ``host``, without ``leave_out`` ids."""
+        """The widest range of same-code reruns of ``key`` on ``host``, without the runs
+        ``leave_out``."""
         skip = set(leave_out)
-        return max([relative_range(ms for result_id, ms in members if result_id not in skip)
+        return max([relative_range(ms for run_id, ms in members if run_id not in skip)
                     for (group_host, group_key, _), members in self.reruns.items()
                     if group_host == host and group_key == key], default=0.0)
 
@@ -114,7 +116,7 @@ class NoiseModel:
             NoiseModel().band(old, new)   # 0.15 for two steady results with no history
         """
         hosts = {a.host, b.host}
-        pair = (a.result_id, b.result_id)
+        pair = (a.run_id, b.run_id)
         return max(*(self.machine_range(host, leave_out=pair) for host in hosts),
                    *(self.config_range(host, b.key, leave_out=pair) for host in hosts),
                    observed_range(a), observed_range(b))
