@@ -39,3 +39,14 @@ def test_same_key_twice_uses_the_newest() -> None:
          make_result(step_ms=100.0, timestamp="2026-11-30T08:00:00+00:00")]
     (row,) = compare(a, b).rows
     assert row.b_step_ms == 500.0 and row.verdict == "slower"
+
+
+def test_a_configurations_own_history_widens_its_band() -> None:
+    from dspark.bench.noise import NoiseModel
+
+    a, b = [make_result(step_ms=100.0, result_id="a")], [make_result(step_ms=125.0, result_id="b")]
+    assert compare(a, b).rows[0].verdict == "slower"  # +25% beyond the 15% default
+    history = [make_result(step_ms=ms, result_id=f"h{i}", run_id=f"h{i}")
+               for i, ms in enumerate((100.0, 130.0))]  # same code, moved by 30% before
+    (row,) = compare(a, b, noise=NoiseModel.from_history(history)).rows
+    assert row.verdict == "within noise" and row.noise_band == pytest.approx(0.30)

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 import sqlite3
 from collections.abc import Iterator
 from dataclasses import MISSING, fields
@@ -8,11 +9,28 @@ from pathlib import Path
 import pytest
 
 from dspark.bench.ledger import SCHEMA_VERSION, Ledger, default_db_path
-from dspark.bench.result import BenchConfig, BenchResult
-from tests.bench.factory import make_result
+from dspark.bench.measurement import Measurement
+from dspark.bench.result import BenchConfig
+from tests.bench.factory import make_measurement, make_result
 
 OLD = "aaaaaaa1111111111111111111111111111111111"
 NEW = "bbbbbbb2222222222222222222222222222222222"
+
+# The layout DSpark wrote before measurements were kept raw, as it was (for the migration test).
+_SCHEMA_1 = """
+CREATE TABLE schema_version (version INTEGER NOT NULL, applied_at TEXT NOT NULL);
+CREATE TABLE results (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, run_id TEXT NOT NULL, timestamp TEXT NOT NULL,
+    git_commit TEXT NOT NULL, git_dirty INTEGER NOT NULL, workload TEXT NOT NULL,
+    num_devices INTEGER NOT NULL, strategy TEXT NOT NULL, precision TEXT NOT NULL,
+    batch_placement TEXT NOT NULL, global_batch INTEGER NOT NULL, config_hash TEXT NOT NULL,
+    result_json TEXT NOT NULL);
+CREATE TRIGGER results_no_update BEFORE UPDATE ON results
+BEGIN SELECT RAISE(ABORT, 'the DSpark ledger is append-only: results are never updated'); END;
+CREATE TRIGGER results_no_delete BEFORE DELETE ON results
+BEGIN SELECT RAISE(ABORT, 'the DSpark ledger is append-only: results are never deleted'); END;
+INSERT INTO schema_version VALUES (1, '2026-11-30T00:00:00+00:00');
+"""
 
 
 @pytest.fixture
@@ -21,64 +39,61 @@ def ledger(tmp_path: Path) -> Iterator[Ledger]:
         yield opened
 
 
-def _every_field_set() -> BenchResult:
-    return make_result(
-        workload="gpt2-124m", num_devices=2, strategy="zero2", precision="bf16",
-        batch_placement="replicate", global_batch=64, step_ms=12.5, step_ms_p10=11.0,
-        step_ms_p90=14.0, samples_per_s=5120.0, peak_bytes_per_rank=123_456_789,
-        model_state_bytes_per_rank=98_765_432, local_batch=64,
-        model_state_bytes_expected_per_rank=55_555_555, replicated_inputs=["batch[0]"],
-        model_state_parts={"params": [1, 2], "grads": [3, 4], "optimizer": [5, 6]},
-        comm_bytes_per_step=4321, comm_wire_bytes_per_step=8642, bus_bytes_per_s=1.5e9,
-        speedup=0.87, efficiency=0.435,
-        anomalies=[{"kind": "negative_scaling", "message": "slow", "speedup": 0.87}],
-        git_commit=NEW, git_dirty=True, dspark_version="0.1.0", torch_version="2.13.0",
-        python_version="3.11.7", host="box", device_model="cpu", backend="gloo",
-        config_hash="abcdef0123456789", timestamp="2026-11-30T07:16:56+02:00",
-        run_id="run-roundtrip", warmup_steps=3, measure_steps=9)
-
-
 def test_round_trip_keeps_every_field(ledger: Ledger) -> None:
-    original = _every_field_set()
-    for f in fields(BenchResult):  # the fixture must exercise every field, or the test proves less
+    original = make_measurement(git_dirty=True, step_ms_summary=[1.0, 0.5, 2.0],
+                                estimated_comm_bytes_per_step=7, engine_options={"x": None},
+                                estimated_comm_wire_bytes_per_step=9, round_index=2,
+                                batch={"samples_by_rank": [4, 4], "identical_input_ranks": [[0, 1]],
+                                       "replicated_modules": ["h"], "replicated_module_count": 1})
+    for f in fields(Measurement):  # the fixture must exercise every field, or the test proves less
         default = f.default_factory() if f.default_factory is not MISSING else f.default
         assert getattr(original, f.name) != default, f.name
-    ledger.append([original])
-    (loaded,) = ledger.results()
-    assert loaded == original
-    assert loaded.to_dict() == original.to_dict()
+    ledger.append(original)
+    assert ledger.measurements() == [original]
 
 
-def test_update_and_delete_are_refused(ledger: Ledger) -> None:
-    ledger.append([make_result()])
+def test_update_delete_and_replace_are_refused(ledger: Ledger) -> None:
+    ledger.append(make_measurement())
     conn = sqlite3.connect(ledger.path)
     with pytest.raises(sqlite3.DatabaseError, match="append-only"):
-        conn.execute("UPDATE results SET workload = 'tampered'")
+        conn.execute("UPDATE measurements SET workload = 'tampered'")
     with pytest.raises(sqlite3.DatabaseError, match="append-only"):
-        conn.execute("DELETE FROM results")
+        conn.execute("DELETE FROM measurements")
     with pytest.raises(sqlite3.DatabaseError, match="append-only"):
         conn.execute("DELETE FROM schema_version")
+    # SQLite resolves REPLACE by deleting the old row without firing delete triggers: before the
+    # insert trigger, this overwrote a measurement silently.
+    row = conn.execute("SELECT * FROM measurements").fetchone()
+    for verb in ("INSERT OR REPLACE", "REPLACE"):
+        with pytest.raises(sqlite3.DatabaseError, match="already in measurements; INSERT OR REPLACE"):
+            conn.execute(f"{verb} INTO measurements VALUES ({', '.join('?' * len(row))})",
+                         (row[0], "new-id", *row[2:9], "tampered", *row[10:]))
+        with pytest.raises(sqlite3.DatabaseError, match="already in measurements; INSERT OR REPLACE"):
+            conn.execute(f"{verb} INTO measurements VALUES ({', '.join('?' * len(row))})",
+                         (None, row[1], *row[2:9], "tampered", *row[10:]))
     conn.close()
-    assert [r.workload for r in ledger.results()] == ["resnet50"]
+    assert [m.workload for m in ledger.measurements()] == ["gpt2-cpu"]
+    with pytest.raises(sqlite3.DatabaseError, match="append-only"):
+        ledger.append(make_measurement())  # the same run, configuration and round again
 
 
 def test_append_is_all_or_nothing_and_needs_provenance(ledger: Ledger) -> None:
     with pytest.raises(ValueError, match="run_id=''"):
-        ledger.append([make_result(), make_result(run_id="")])
+        ledger.append([make_measurement(), make_measurement(run_id="")])
     with pytest.raises(ValueError, match="timestamp='yesterday'"):
-        ledger.append([make_result(timestamp="yesterday")])
-    with pytest.raises(TypeError, match="not a BenchResult"):
-        ledger.append([make_result().to_dict()])  # type: ignore[list-item]
-    assert ledger.results() == []
+        ledger.append(make_measurement(timestamp="yesterday"))
+    with pytest.raises(TypeError, match="not a Measurement"):
+        ledger.append([make_result()])  # type: ignore[list-item]
+    assert ledger.measurements() == []
 
 
 def test_schema_version_and_reopen(tmp_path: Path) -> None:
     path = tmp_path / "l.sqlite"
     with Ledger(path) as first:
-        first.append([make_result()])
-        assert first.schema_version() == SCHEMA_VERSION
+        first.append(make_measurement())
+        assert first.schema_version() == SCHEMA_VERSION == 2
     with Ledger(path) as again:  # reopening must not re-create or re-migrate
-        assert len(again.results()) == 1
+        assert len(again.measurements()) == 1
         assert again.schema_version() == SCHEMA_VERSION
     conn = sqlite3.connect(path)
     conn.execute("INSERT INTO schema_version VALUES (?, 'future')", (SCHEMA_VERSION + 1,))
@@ -88,52 +103,103 @@ def test_schema_version_and_reopen(tmp_path: Path) -> None:
         Ledger(path)
 
 
+def test_a_schema_1_ledger_is_migrated_in_place(tmp_path: Path) -> None:
+    path = tmp_path / "old.sqlite"
+    conn = sqlite3.connect(path)
+    conn.executescript(_SCHEMA_1)
+    old = {**make_result(num_devices=2, step_ms=130.0, step_ms_p10=120.0, step_ms_p90=140.0,
+                         run_id="r-old").to_dict(),
+           "speedup": 9.9, "anomalies": [{"kind": "frozen", "message": "from an old rule"}],
+           "config_hash": "abc", "replicated_inputs": [],
+           "warmup_steps": 0, "measure_steps": 0}  # from before step counts were recorded
+    conn.execute("INSERT INTO results (run_id, timestamp, git_commit, git_dirty, workload, "
+                 "num_devices, strategy, precision, batch_placement, global_batch, config_hash, "
+                 "result_json) VALUES (?, ?, ?, 0, ?, 2, ?, ?, ?, ?, ?, ?)",
+                 ("r-old", old["timestamp"], old["git_commit"], old["workload"], old["strategy"],
+                  old["precision"], old["batch_placement"], old["global_batch"], "abc",
+                  json.dumps(old)))
+    conn.commit()
+    conn.close()
+    with Ledger(path) as ledger:
+        assert ledger.schema_version() == 2
+        (result,) = ledger.results()
+    assert (result.step_ms, result.step_ms_p10, result.step_ms_p90) == (130.0, 120.0, 140.0)
+    assert result.speedup is None and result.anomalies == []  # analysis is computed when read
+    assert result.samples_by_rank == [128, 128] and result.step_ms_by_round == []
+    with Ledger(path) as ledger:  # re-run with the default step counts
+        assert ledger.stale("f" * 40, host="box")[0].measure_steps == 5
+    conn = sqlite3.connect(path)
+    with pytest.raises(sqlite3.DatabaseError, match="append-only"):
+        conn.execute("INSERT OR REPLACE INTO results SELECT * FROM results")
+    conn.close()
+
+
+def test_a_foreign_sqlite_file_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "other.sqlite"
+    conn = sqlite3.connect(path)
+    conn.execute("CREATE TABLE t (x)")
+    conn.close()
+    with pytest.raises(ValueError, match="not a DSpark ledger"):
+        Ledger(path)
+
+
+def test_rounds_are_summarised_into_one_result(ledger: Ledger) -> None:
+    ledger.append([make_measurement(round_index=r, step_ms_by_rank=[[100.0 + r, 90.0], [95.0, 120.0]],
+                                    timestamp=f"2026-11-30T05:0{r}:00Z",
+                                    **({} if r == 0 else {"batch": None, "state_held_by_rank": [],
+                                                          "tensor_peak_bytes_by_rank": []}))
+                   for r in range(3)])
+    (result,) = ledger.results()
+    assert result.rounds == 3 and result.round_indices == [0, 1, 2]
+    assert result.step_ms_by_round == [[100.0, 120.0], [101.0, 120.0], [102.0, 120.0]]
+    assert result.round_step_ms == [110.0, 110.5, 111.0]
+    assert result.samples_by_rank == [4, 4] and result.peak_bytes_per_rank == 91_000_000
+    assert result.model_state_parts["grads"] == [15_000_000, 15_000_000]
+    assert result.result_id == "run-a/c0ffee0000000002"
+    assert result.timestamp == "2026-11-30T05:00:00Z"  # the first round's
+
+
 def test_results_filter_by_prefix_oldest_first(ledger: Ledger) -> None:
     # Written out of order and with different UTC offsets: order follows the real time.
-    late = make_result(run_id="20261130-b", git_commit=NEW, timestamp="2026-11-30T09:00:00+02:00")
-    early = make_result(run_id="20261130-a", git_commit=OLD, timestamp="2026-11-30T06:30:00Z")
+    late = make_measurement(run_id="20261130-b", git_commit=NEW, timestamp="2026-11-30T09:00:00+02:00")
+    early = make_measurement(run_id="20261130-a", git_commit=OLD, timestamp="2026-11-30T06:30:00Z")
     ledger.append([late, early])
     assert [r.run_id for r in ledger.results()] == ["20261130-a", "20261130-b"]
     assert [r.run_id for r in ledger.results(run_id="20261130-b")] == ["20261130-b"]
     assert [r.run_id for r in ledger.results(commit="bbbbbbb")] == ["20261130-b"]
-    assert ledger.results(run_id="20261130", commit="aaaa")[0].run_id == "20261130-a"
     assert ledger.results(run_id="2026113_") == []  # '_' is literal, not a wildcard
 
 
 def test_runs_summarise_each_invocation(ledger: Ledger) -> None:
-    ledger.append([make_result(run_id="r1", workload="resnet50", timestamp="2026-11-30T01:00:00Z"),
-                   make_result(run_id="r1", workload="gpt2", num_devices=2, git_dirty=True,
-                               timestamp="2026-11-30T01:01:00Z"),
-                   make_result(run_id="r2", git_commit=NEW, timestamp="2026-11-30T02:00:00Z")])
+    ledger.append([make_measurement(run_id="r1", timestamp="2026-11-30T01:00:00Z"),
+                   make_measurement(run_id="r1", round_index=1, timestamp="2026-11-30T01:01:00Z"),
+                   make_measurement(run_id="r1", workload="resnet50-cpu", config_hash="h2",
+                                    git_dirty=True, timestamp="2026-11-30T01:02:00Z"),
+                   make_measurement(run_id="r2", git_commit=NEW, host="gpu-box",
+                                    timestamp="2026-11-30T02:00:00Z")])
     runs = ledger.runs()
-    assert [(r.run_id, r.num_results, r.workloads, r.git_dirty) for r in runs] == [
-        ("r1", 2, ("gpt2", "resnet50"), True), ("r2", 1, ("resnet50",), False)]
-    assert runs[1].git_commit == NEW
+    assert [(r.run_id, r.num_results, r.workloads, r.git_dirty, r.hosts) for r in runs] == [
+        ("r1", 2, ("gpt2-cpu", "resnet50-cpu"), True, ("box",)),
+        ("r2", 1, ("gpt2-cpu",), False, ("gpu-box",))]
 
 
-def _series(ledger: Ledger) -> list[BenchResult]:
-    results = [make_result(run_id=f"run-{i}", step_ms=200.0 + i,
-                           timestamp=f"2026-11-30T0{i}:00:00Z") for i in range(1, 4)]
-    ledger.append(results)
-    return results
-
-
-def test_previous_is_the_latest_earlier_result_of_the_same_key(ledger: Ledger) -> None:
-    first, second, third = _series(ledger)
-    ledger.append([make_result(run_id="other", num_devices=2, timestamp="2026-11-30T02:30:00Z")])
-    assert ledger.previous(third) == second
-    assert ledger.previous(second) == first
+def test_previous_is_the_latest_earlier_result_of_the_same_key_on_the_same_host(
+        ledger: Ledger) -> None:
+    ledger.append([make_measurement(run_id=f"run-{i}", timestamp=f"2026-11-30T0{i}:00:00Z")
+                   for i in range(1, 4)])
+    ledger.append(make_measurement(run_id="elsewhere", host="gpu-box", timestamp="2026-11-30T04:00:00Z"))
+    first, second, third, _ = ledger.results()
+    assert ledger.previous(third).run_id == second.run_id  # type: ignore[union-attr]
     assert ledger.previous(first) is None
-    # Not yet appended: everything recorded before it counts.
-    fresh = make_result(run_id="run-9", timestamp="2026-11-30T09:00:00Z")
-    assert ledger.previous(fresh) == third
-    assert ledger.latest_by_key()[fresh.key] == third
+    fresh = make_result(**{**third.to_dict(), "run_id": "run-9", "timestamp": "2026-11-30T09:00:00Z"})
+    assert ledger.previous(fresh).run_id == "run-3"  # type: ignore[union-attr]
 
 
-def test_stale_picks_exactly_the_configs_not_measured_on_this_code(ledger: Ledger) -> None:
-    def at(workload: str, commit: str, hour: int, **kw: object) -> BenchResult:
-        return make_result(workload=workload, git_commit=commit, run_id=f"r{hour}",
-                           timestamp=f"2026-11-30T{hour:02d}:00:00Z", **kw)
+def test_stale_is_other_code_on_this_host_only(ledger: Ledger) -> None:
+    def at(workload: str, commit: str, hour: int, **kw: object) -> Measurement:
+        return make_measurement(workload=workload, git_commit=commit, run_id=f"r{hour}",
+                                config_hash=f"{workload}-{hour}",
+                                timestamp=f"2026-11-30T{hour:02d}:00:00Z", **kw)
 
     ledger.append([
         at("old-commit", OLD, 1, warmup_steps=4, measure_steps=11),   # stale
@@ -141,36 +207,35 @@ def test_stale_picks_exactly_the_configs_not_measured_on_this_code(ledger: Ledge
         at("dirty", NEW, 3, git_dirty=True),                          # stale: dirty tree
         at("regressed-to-old", NEW, 4), at("regressed-to-old", OLD, 5),  # latest is old: stale
         at("rerun", OLD, 6), at("rerun", NEW, 7),                     # latest is new: fresh
-        at("no-steps", OLD, 8, warmup_steps=0, measure_steps=0),      # stale, default steps
+        at("8-gpus", OLD, 8, host="gpu-box", num_devices=8),          # another host: never here
+        at("fresh", OLD, 9, host="gpu-box"),                          # its latest elsewhere
     ])
-    stale = ledger.stale(NEW[:12])  # an abbreviated commit is the same commit
-    assert [c.workload for c in stale] == ["dirty", "no-steps", "old-commit", "regressed-to-old"]
-    by_name = {c.workload: c for c in stale}
-    assert by_name["old-commit"] == BenchConfig(workload="old-commit", num_devices=1,
-                                                strategy="replicate", precision="fp16",
-                                                global_batch=256, warmup_steps=4,
-                                                measure_steps=11)
-    defaults = BenchConfig(workload="x", num_devices=1)
-    assert by_name["no-steps"].measure_steps == defaults.measure_steps
-    assert {c.workload for c in ledger.stale(OLD)} == {"fresh", "dirty", "rerun"}
-    assert len(ledger.stale(NEW, current_dirty=True)) == 6  # uncommitted code: everything
+    stale = ledger.stale(NEW[:12], host="box")  # an abbreviated commit is the same commit
+    assert [c.workload for c in stale] == ["dirty", "old-commit", "regressed-to-old"]
+    assert stale[1] == BenchConfig(workload="old-commit", num_devices=2, strategy="replicate",
+                                   precision="bf16", global_batch=8, warmup_steps=4,
+                                   measure_steps=11)
+    assert {c.workload for c in ledger.stale(OLD, host="box")} == {"fresh", "dirty", "rerun"}
+    # Uncommitted code now: every configuration this host measured, and none of another host's.
+    assert len(ledger.stale(NEW, host="box", current_dirty=True)) == 5
+    assert [c.workload for c in ledger.stale(NEW, host="gpu-box")] == ["8-gpus", "fresh"]
     with pytest.raises(ValueError, match="current_commit=''"):
-        ledger.stale("")
+        ledger.stale("", host="box")
+    with pytest.raises(ValueError, match="host=''"):
+        ledger.stale(NEW, host="")
 
 
 def test_resolve_run_commit_latest_previous(ledger: Ledger) -> None:
-    ledger.append([make_result(run_id="20261130T01-aa", git_commit=OLD, step_ms=250.0,
-                               timestamp="2026-11-30T01:00:00Z"),
-                   make_result(run_id="20261130T02-bb", git_commit=NEW, step_ms=240.0,
-                               timestamp="2026-11-30T02:00:00Z"),
-                   make_result(run_id="20261130T03-cc", git_commit=NEW, step_ms=230.0,
-                               timestamp="2026-11-30T03:00:00Z"),
-                   make_result(run_id="20261130T03-cc", git_commit=NEW, num_devices=2,
-                               step_ms=130.0, timestamp="2026-11-30T03:01:00Z")])
+    def at(run_id: str, commit: str, hour: int, ms: float, **kw: object) -> Measurement:
+        return make_measurement(run_id=run_id, git_commit=commit, step_ms_by_rank=[[ms], [ms]],
+                                measure_steps=1, timestamp=f"2026-11-30T0{hour}:00:00Z", **kw)
+
+    ledger.append([at("20261130T01-aa", OLD, 1, 250.0), at("20261130T02-bb", NEW, 2, 240.0),
+                   at("20261130T03-cc", NEW, 3, 230.0),
+                   at("20261130T03-cc", NEW, 4, 130.0, workload="resnet50-cpu", config_hash="two")])
     assert [r.step_ms for r in ledger.resolve("latest")] == [230.0, 130.0]
     assert [r.step_ms for r in ledger.resolve("previous")] == [240.0]
     assert [r.step_ms for r in ledger.resolve("20261130T01")] == [250.0]
-    assert [r.step_ms for r in ledger.resolve("20261130T03-cc")] == [230.0, 130.0]
     # A commit measured twice: the newest result of each configuration.
     assert [r.step_ms for r in ledger.resolve("bbbbbbb")] == [230.0, 130.0]
     assert [r.step_ms for r in ledger.resolve(OLD)] == [250.0]
@@ -183,10 +248,10 @@ def test_resolve_run_commit_latest_previous(ledger: Ledger) -> None:
 def test_resolve_ambiguous_commit_and_empty_ledger(ledger: Ledger) -> None:
     with pytest.raises(ValueError, match="holds 0 run"):
         ledger.resolve("latest")
-    ledger.append([make_result(run_id="x", git_commit="abc1234000")])
+    ledger.append(make_measurement(run_id="x", git_commit="abc1234000"))
     with pytest.raises(ValueError, match=r"'previous'.*holds 1 run"):
         ledger.resolve("previous")
-    ledger.append([make_result(run_id="y", git_commit="abc1234999")])
+    ledger.append(make_measurement(run_id="y", git_commit="abc1234999"))
     with pytest.raises(ValueError, match="matches 2 commits: abc1234000, abc1234999"):
         ledger.resolve("abc1234")
     with pytest.raises(ValueError, match="ref='' is empty"):

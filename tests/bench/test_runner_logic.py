@@ -1,7 +1,8 @@
-"""run_suite's bookkeeping with the workers stubbed out: failures, ledger, annotation."""
+"""run_suite's bookkeeping with the workers stubbed out: rounds, failures, the ledger."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -9,58 +10,90 @@ import pytest
 
 from dspark.bench import runner
 from dspark.bench.ledger import Ledger
-from dspark.bench.result import BenchConfig, BenchResult
+from dspark.bench.result import BenchConfig
 from dspark.bench.runner import (
     BenchRunError,
     RunFailure,
-    busy_machine_anomalies,
     describe_config,
+    interleaved_plan,
     new_run_id,
     run_suite,
 )
-from tests.bench.factory import make_result
+from tests.bench.factory import FakeWorkers
 
-GOOD = BenchConfig(workload="resnet50", num_devices=1, precision="fp16", global_batch=256)
-BAD = BenchConfig(workload="resnet50", num_devices=2, precision="fp16", global_batch=256)
-
-
-def _fake_workers(config: BenchConfig) -> BenchResult | RunFailure:
-    if config == BAD:
-        return RunFailure(config=config, exit_code=1, stderr_tail="RuntimeError: boom")
-    return make_result(run_id="", timestamp="2026-11-30T06:00:00+00:00")
+ONE = BenchConfig(workload="gpt2-cpu", num_devices=1, global_batch=8, measure_steps=3)
+TWO = dataclasses.replace(ONE, num_devices=2)
+BUG = dataclasses.replace(TWO, batch_placement="replicate")
+OTHER_ONE = dataclasses.replace(ONE, workload="resnet50-cpu")
+OTHER_TWO = dataclasses.replace(OTHER_ONE, num_devices=2)
 
 
 @pytest.fixture
-def stubbed(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(runner, "run_in_workers", _fake_workers)
+def fake(monkeypatch: pytest.MonkeyPatch) -> FakeWorkers:
+    workers = FakeWorkers()
+    monkeypatch.setattr(runner, "run_in_workers", workers)
+    return workers
 
 
-def test_a_failure_is_reported_and_the_rest_is_recorded(stubbed: None, tmp_path: Path) -> None:
+def test_rounds_alternate_baseline_and_n_devices() -> None:
+    plan = interleaved_plan([TWO, BUG, ONE, OTHER_ONE, OTHER_TWO], 3)
+    one, two, bug, o1, o2 = "gpt2 1", "gpt2 2", "gpt2 2 bug", "resnet 1", "resnet 2"
+    names = {ONE: one, TWO: two, BUG: bug, OTHER_ONE: o1, OTHER_TWO: o2}
+    assert [(r, names[c]) for r, c in plan] == [
+        (0, one), (0, two), (0, bug), (0, o1), (0, o2),
+        (1, bug), (1, two), (1, one), (1, o2), (1, o1),
+        (2, one), (2, two), (2, bug), (2, o1), (2, o2)]
+    with pytest.raises(ValueError, match="rounds=0"):
+        interleaved_plan([ONE], 0)
+
+
+def test_every_round_is_recorded_and_the_speedup_comes_from_them(fake: FakeWorkers,
+                                                                  tmp_path: Path) -> None:
+    results = run_suite([ONE, TWO], db=tmp_path / "l.sqlite", rounds=3, progress=False, run_id="r1")
+    assert [(c.num_devices, r, probe) for c, r, probe in fake.calls] == [
+        (1, 0, True), (2, 0, True), (2, 1, False), (1, 1, False), (1, 2, False), (2, 2, False)]
+    one, two = results
+    assert two.round_speedups == [200.0 / 100.0, 201.0 / 101.0, 202.0 / 102.0]
+    assert two.baseline_result_id == one.result_id == f"r1/{ONE.config_hash()}"
+    with Ledger(tmp_path / "l.sqlite") as ledger:
+        assert len(ledger.measurements(run_id="r1")) == 6
+
+
+def test_a_crash_mid_suite_keeps_the_finished_measurements(monkeypatch: pytest.MonkeyPatch,
+                                                           tmp_path: Path) -> None:
+    # Before: results were written only after the whole suite, so this lost everything.
+    workers = FakeWorkers(crash_at=3)
+    monkeypatch.setattr(runner, "run_in_workers", workers)
+    with pytest.raises(KeyboardInterrupt):
+        run_suite([ONE, TWO], db=tmp_path / "l.sqlite", rounds=3, progress=False, run_id="r1")
+    with Ledger(tmp_path / "l.sqlite") as ledger:
+        kept = ledger.measurements()
+    assert [(m.num_devices, m.round_index) for m in kept] == [(1, 0), (2, 0), (2, 1)]
+
+
+def test_a_failure_is_reported_not_relaunched_and_the_rest_is_recorded(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    workers = FakeWorkers(fail=TWO)
+    monkeypatch.setattr(runner, "run_in_workers", workers)
     db = tmp_path / "ledger.sqlite"
     failures: list[RunFailure] = []
-    results = run_suite([BAD, GOOD], db=db, progress=False, run_id="r1", failures=failures)
-    assert [f.config for f in failures] == [BAD]
-    assert [r.num_devices for r in results] == [1]
-    assert results[0].run_id == "r1" and results[0].speedup == 1.0  # annotated
-    with Ledger(db) as ledger:
-        assert [r.run_id for r in ledger.results()] == ["r1"]
-
-
-def test_without_a_failures_list_a_failure_raises_after_recording(stubbed: None,
-                                                                 tmp_path: Path) -> None:
-    db = tmp_path / "ledger.sqlite"
-    with pytest.raises(BenchRunError, match="resnet50, 2 devices") as caught:
-        run_suite([GOOD, BAD], db=db, progress=False)
+    results = run_suite([ONE, TWO], db=db, rounds=2, progress=False, run_id="r1",
+                        failures=failures)
+    assert [f.config for f in failures] == [TWO]
+    assert [c.num_devices for c, _, _ in workers.calls] == [1, 2, 1]
+    assert [(r.num_devices, r.rounds, r.speedup) for r in results] == [(1, 2, 1.0)]
+    with pytest.raises(BenchRunError, match="gpt2-cpu, 2 devices") as caught:
+        run_suite([ONE, TWO], db=db, rounds=1, progress=False)
     assert caught.value.failures[0].stderr_tail == "RuntimeError: boom"
     with Ledger(db) as ledger:
-        assert len(ledger.results()) == 1
+        assert len(ledger.results()) == 2
 
 
-def test_progress_bar_runs(stubbed: None, tmp_path: Path) -> None:
+def test_progress_bar_runs(fake: FakeWorkers, tmp_path: Path) -> None:
     from rich.console import Console
 
     console = Console(record=True, width=120, force_terminal=False)
-    run_suite([GOOD], db=tmp_path / "l.sqlite", progress=True, console=console)
+    run_suite([ONE], db=tmp_path / "l.sqlite", rounds=1, progress=True, console=console)
     assert "1 measured, 0 failed" in console.export_text()
 
 
@@ -70,14 +103,6 @@ def test_empty_suite_is_an_error(tmp_path: Path) -> None:
 
 
 def test_labels_and_run_ids() -> None:
-    assert describe_config(BAD) == "resnet50, 2 devices, replicate, fp16, batch 256 shard"
+    assert describe_config(TWO) == "gpt2-cpu, 2 devices, replicate, bf16, batch 8 shard"
     assert re.fullmatch(r"\d{8}T\d{6}Z-[0-9a-f]{6}", new_run_id())
     assert new_run_id() != new_run_id()
-
-
-def test_busy_machine_is_flagged_above_the_allowance() -> None:
-    assert busy_machine_anomalies(0.2, num_cores=2) == []
-    [anomaly] = busy_machine_anomalies(0.9, num_cores=2)
-    assert anomaly["kind"] == "busy_machine" and anomaly["foreign_cores"] == 0.9
-    assert "0.90 of the machine's 2 cores" in anomaly["message"]
-    assert busy_machine_anomalies(3.0, num_cores=64) == []  # background load on a big box

@@ -2,25 +2,25 @@
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 import torch
 
 import dspark
-from dspark.bench.worker import bus_bytes_per_s, replicated_inputs, step_time_summary
+from dspark.bench.measurement import step_time_summary
+from dspark.bench.worker import bus_bytes_per_s
 
 
-def test_step_time_summary_interpolates() -> None:
-    assert step_time_summary([10.0, 12.0, 11.0]) == pytest.approx((11.0, 10.2, 11.8))
+def test_step_time_summary_agrees_with_the_standard_library() -> None:
+    steps = [10.0, 12.0, 11.0, 30.0, 9.5, 10.5, 11.5]
+    median, p10, p90 = step_time_summary(steps)
+    deciles = statistics.quantiles(steps, n=10, method="inclusive")
+    assert median == statistics.median(steps)
+    assert (p10, p90) == pytest.approx((deciles[0], deciles[-1]))
     assert step_time_summary([5.0]) == (5.0, 5.0, 5.0)
     with pytest.raises(ValueError, match="no timed step"):
         step_time_summary([])
-
-
-def test_replicated_inputs_names_whole_tensors_on_several_ranks() -> None:
-    x, y = torch.zeros(8, 3), torch.zeros(8)
-    assert replicated_inputs((x, y), (x, y), num_ranks=2) == ["batch[0]", "batch[1]"]
-    assert replicated_inputs((x, y), (x[:4], y[:4]), num_ranks=2) == []
-    assert replicated_inputs((x, y), (x, y), num_ranks=1) == []
 
 
 def _probe() -> float:

@@ -19,6 +19,8 @@ if TYPE_CHECKING:
     from dspark.bench.analysis import annotate
     from dspark.bench.compare import Comparison
     from dspark.bench.ledger import Ledger, default_db_path
+    from dspark.bench.measurement import Measurement
+    from dspark.bench.noise import NoiseModel
     from dspark.bench.report import (
         render_comparison,
         render_results_table,
@@ -26,10 +28,11 @@ if TYPE_CHECKING:
         write_html_report,
     )
     from dspark.bench.result import BenchConfig, BenchResult
-    from dspark.bench.runner import BenchRunError, RunFailure, run_suite
+    from dspark.bench.runner import DEFAULT_ROUNDS, BenchRunError, RunFailure, run_suite
     from dspark.bench.suites import SUITES, Machine, SuiteOverrides, build_suite
 
 __all__ = [
+    "DEFAULT_ROUNDS",
     "SUITES",
     "BenchConfig",
     "BenchResult",
@@ -37,6 +40,8 @@ __all__ = [
     "Comparison",
     "Ledger",
     "Machine",
+    "Measurement",
+    "NoiseModel",
     "RunFailure",
     "SuiteOverrides",
     "annotate",
@@ -53,10 +58,12 @@ _MODULE_OF = {
     "annotate": "analysis",
     "Comparison": "compare",
     "Ledger": "ledger", "default_db_path": "ledger",
+    "Measurement": "measurement", "NoiseModel": "noise",
     "render_comparison": "report", "render_results_table": "report",
     "render_seed_table": "report", "write_html_report": "report",
     "BenchConfig": "result", "BenchResult": "result",
-    "BenchRunError": "runner", "RunFailure": "runner", "run_suite": "runner",
+    "BenchRunError": "runner", "DEFAULT_ROUNDS": "runner", "RunFailure": "runner",
+    "run_suite": "runner",
     "SUITES": "suites", "Machine": "suites", "SuiteOverrides": "suites", "build_suite": "suites",
 }
 

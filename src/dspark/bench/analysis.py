@@ -1,24 +1,24 @@
-"""Scaling analysis: speedup and efficiency against the 1-device run, and the anomaly rules.
+"""Scaling analysis: speedup and efficiency against the 1-device result of the same run, and the
+anomaly rules. Computed whenever results are read, never stored (see :mod:`dspark.bench.ledger`).
 
-Pure functions over :class:`BenchResult` lists; no process group. ``annotate`` is what the runner
-calls before results go into the ledger, and what a report may call again on ledger results:
-it is idempotent (see [Note: re-annotation]).
-
-[Note: re-annotation]
-``annotate`` returns copies and never touches its input. On each copy it drops the anomalies of
-the kinds it recomputes and appends fresh ones, so annotating twice does not duplicate them.
-``regression`` needs the history; without one, earlier ``regression`` anomalies are kept as they
-were. Anomalies of other kinds (e.g. from the runner) are always kept.
+[Note: speedup from rounds]
+A run measures each configuration in rounds that alternate with its 1-device baseline (see
+[Note: rounds] in :mod:`dspark.bench.measurement`). Round ``r``'s speedup is the baseline's median
+step in round ``r`` over this configuration's median step in round ``r``; the result's speedup is
+the median of those ratios, reported with their min and max. The baseline is always the 1-device
+result of the *same run* (named by ``baseline_result_id``): a result whose run has no baseline has
+no speedup, rather than one against a day-old measurement from another commit or host.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dspark.bench.anomalies import (
-    ANOMALY_KINDS,
     below_cost_model,
     memory_above_expected,
     negative_scaling,
@@ -26,96 +26,123 @@ from dspark.bench.anomalies import (
     replicated_batch,
 )
 from dspark.bench.cost_model import StepPrediction, cost_model_step_ms, predict_step
-from dspark.bench.result import BenchResult, ConfigKey
+from dspark.bench.noise import NoiseModel
+from dspark.bench.result import BenchResult
+from dspark.bench.trust import busy_machine, suspect_baseline
 
 if TYPE_CHECKING:
     from dspark.bench.ledger import Ledger
 
 __all__ = [
     "ANOMALY_KINDS",
+    "Scaling",
     "StepPrediction",
     "annotate",
     "cost_model_step_ms",
-    "efficiency",
     "find_baseline",
     "predict_step",
-    "speedup",
+    "scaling",
 ]
 
-_BaselineRule = Callable[[BenchResult, BenchResult | None], list[dict[str, Any]]]
+_Rule = Callable[[BenchResult, BenchResult | None], list[dict[str, Any]]]
 
-# Order = order in reports: the symptom first, then its causes.
-_BASELINE_RULES: tuple[_BaselineRule, ...] = (
-    negative_scaling, replicated_batch, memory_above_expected, below_cost_model)
+# Order = order in reports: the symptom first, then its causes, then what may void the figures.
+_BASELINE_RULES: tuple[_Rule, ...] = (
+    negative_scaling, suspect_baseline, replicated_batch, memory_above_expected, below_cost_model,
+    busy_machine)
+
+ANOMALY_KINDS = ("negative_scaling", "suspect_baseline", "replicated_batch",
+                 "memory_above_expected", "below_cost_model", "busy_machine", "regression")
 
 
-def speedup(result: BenchResult, baseline: BenchResult) -> float:
-    """How many times faster a step is than the 1-device step (same global batch).
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Scaling:
+    """A result's speedup over its baseline (see [Note: speedup from rounds])."""
+
+    round_speedups: tuple[float, ...]
+    """One ratio per round both measured, in round order."""
+
+    @property
+    def speedup(self) -> float:
+        return statistics.median(self.round_speedups)
+
+    @property
+    def low(self) -> float:
+        return min(self.round_speedups)
+
+    @property
+    def high(self) -> float:
+        return max(self.round_speedups)
+
+
+def scaling(result: BenchResult, baseline: BenchResult) -> Scaling | None:
+    """The per-round speedups of ``result`` over ``baseline``, paired by round index; None when
+    they share no round with a positive median.
 
     Example::
 
-        speedup(two_devices, one_device)   # 245 ms / 130 ms = 1.88
+        scaling(two_devices, one_device).speedup   # median of (245/130, 250/128, 240/131)
     """
-    if result.step_ms <= 0:
-        raise ValueError(f"step_ms={result.step_ms!r} of {result.key} must be > 0")
-    return baseline.step_ms / result.step_ms
+    mine = dict(zip(result.round_indices, result.round_step_ms, strict=False))
+    theirs = dict(zip(baseline.round_indices, baseline.round_step_ms, strict=False))
+    ratios = tuple(theirs[r] / mine[r] for r in sorted(mine.keys() & theirs.keys())
+                   if mine[r] > 0 and theirs[r] > 0)
+    return Scaling(round_speedups=ratios) if ratios else None
 
 
-def efficiency(speedup_x: float, num_devices: int) -> float:
-    """Speedup per device: 1.0 is perfect strong scaling.
-
-    Example::
-
-        efficiency(1.88, 2)   # 0.94
-    """
-    return speedup_x / num_devices
-
-
-def find_baseline(result: BenchResult, results: Sequence[BenchResult],
-                  history: dict[ConfigKey, BenchResult] | None = None) -> BenchResult | None:
-    """The 1-device result ``result`` is measured against: the last one with its
-    ``baseline_key`` in ``results``, else the one in ``history`` (latest results by key).
+def find_baseline(result: BenchResult, results: Sequence[BenchResult]) -> BenchResult | None:
+    """The 1-device result ``result`` is measured against: the one with its ``baseline_key`` in
+    the same run, in ``results``; None when the run has none.
 
     Example::
 
-        find_baseline(two_devices, results, ledger.latest_by_key())
+        find_baseline(two_devices, ledger.results(run_id=two_devices.run_id))
     """
     for candidate in reversed(results):
-        if candidate.key == result.baseline_key:
+        if candidate.key == result.baseline_key and candidate.run_id == result.run_id:
             return candidate
-    return (history or {}).get(result.baseline_key)
+    return None
 
 
 def annotate(results: list[BenchResult], *, history: Ledger | None = None) -> list[BenchResult]:
-    """Copies of ``results`` with speedup, efficiency and anomalies filled in.
+    """Copies of ``results`` with speedup, efficiency and anomalies computed now.
 
-    The baseline of each is the 1-device result of its ``baseline_key`` found in ``results``,
-    else ``history``'s latest; baselines themselves get speedup 1.0. With a ``history``, each
-    result is also checked for a regression against ``history.previous(result)``. Results without
-    a baseline keep ``speedup=None``. See [Note: re-annotation].
+    The baseline of each is the 1-device result of its ``baseline_key`` from the same run, in
+    ``results``; baselines themselves get speedup 1.0, results without one ``speedup=None``. With
+    a ``history`` (the ledger), each result is also checked for a regression against
+    ``history.previous(result)``, with noise bands from the history. Any anomalies a result came
+    with are replaced: the rules are the truth, not what an older version wrote down.
 
     Example::
 
         with Ledger(path) as ledger:
-            ledger.append(annotate(results, history=ledger))
+            annotated = annotate(ledger.results(run_id=run_id), history=ledger)
     """
-    latest = history.latest_by_key() if history is not None else None
-    recomputed = set(ANOMALY_KINDS) if history is not None else set(ANOMALY_KINDS) - {"regression"}
+    noise = NoiseModel.from_history(history.results()) if history is not None else None
     annotated = []
     for result in results:
-        baseline = find_baseline(result, results, latest)
-        scaling: dict[str, Any] = {"speedup": None, "efficiency": None}
+        fields: dict[str, Any] = {"speedup": None, "speedup_min": None, "speedup_max": None,
+                                  "round_speedups": [], "efficiency": None,
+                                  "baseline_result_id": None}
+        baseline = None
         if result.key == result.baseline_key:
-            scaling = {"speedup": 1.0, "efficiency": 1.0}
-        elif baseline is not None and result.step_ms > 0:
-            factor = speedup(result, baseline)
-            scaling = {"speedup": factor, "efficiency": efficiency(factor, result.num_devices)}
-        anomalies = [dict(a) for a in result.anomalies if a.get("kind") not in recomputed]
+            fields.update(speedup=1.0, speedup_min=1.0, speedup_max=1.0, efficiency=1.0,
+                          baseline_result_id=result.result_id)
+        else:
+            baseline = find_baseline(result, results)
+            found = scaling(result, baseline) if baseline is not None else None
+            if baseline is not None and found is not None:
+                fields.update(speedup=found.speedup, speedup_min=found.low,
+                              speedup_max=found.high, round_speedups=list(found.round_speedups),
+                              efficiency=found.speedup / result.num_devices,
+                              baseline_result_id=baseline.result_id)
+            else:
+                baseline = None
+        scaled = dataclasses.replace(result, anomalies=[], **fields)
+        anomalies: list[dict[str, Any]] = []
         for rule in _BASELINE_RULES:
-            anomalies += rule(result, baseline)
+            anomalies += rule(scaled, baseline)
         if history is not None:
-            anomalies += regression(result, history.previous(result))
-        annotated.append(dataclasses.replace(result, anomalies=anomalies,
-                                             replicated_inputs=list(result.replicated_inputs),
-                                             **scaling))
+            anomalies += regression(scaled, history.previous(scaled), noise)
+        annotated.append(dataclasses.replace(scaled, anomalies=anomalies))
     return annotated

@@ -1,15 +1,22 @@
-"""The anomaly rules: each looks at one result (and its 1-device baseline or its previous run)
-and says, in plain words with the numbers, what is wrong and the likely cause.
+"""The anomaly rules about scaling, memory, the batch and regressions: each looks at one result (and
+its 1-device baseline or its previous run) and says, in plain words with the numbers, what is wrong
+and the likely cause. The rules about whether a measurement can be trusted at all live in
+:mod:`dspark.bench.trust`.
 
 Every rule is a pure function returning anomaly dicts ``{"kind", "message", <numbers>...}``
-(empty when healthy), so each is tested on synthetic results with no process group. The
-thresholds below are deliberately loose: a false alarm on every run teaches people to ignore
-the report, which is how the seed's bug hid.
+(empty when healthy), so each is tested on synthetic results with no process group. Rules read
+measured facts only (what the ranks' models received, the bytes they held, the step times), never
+the configuration's label: a replication the configuration did not ask for must be found the same
+way as one it did. The thresholds are deliberately loose: a false alarm on every run teaches people
+to ignore the report, which is how the seed's bug hid.
 
 [Note: activation bytes]
 Activation bytes per rank = ``peak_bytes_per_rank - model_state_bytes_per_rank``: what the rank
 held at its peak beyond parameters, gradients and optimizer state. With the batch split N ways,
-each rank should need about 1/N of the 1-device run's activation bytes.
+each rank should need about 1/N of the 1-device run's activation bytes, plus, where the strategy
+shards parameters or gradients, the rest of them while they are whole during the step (gathered
+for forward and backward, or produced by backward before the reduce-scatter): the model state
+counts only the shards a rank keeps between steps.
 """
 
 from __future__ import annotations
@@ -18,27 +25,29 @@ from typing import Any
 
 from dspark.bench.cost_model import predict_step
 from dspark.bench.formatting import format_mb, format_ms, format_ratio
-from dspark.bench.noise import noise_band, timing_verdict
+from dspark.bench.noise import NoiseModel
+from dspark.bench.peers import PEERS
 from dspark.bench.result import BenchResult
+from dspark.engine.policy import STRATEGIES
 
 __all__ = [
     "ACTIVATION_TOLERANCE",
-    "ANOMALY_KINDS",
     "COST_MODEL_MIN_EFFICIENCY",
     "COST_MODEL_SLOWDOWN",
     "MEMORY_SLACK_BYTES",
     "MODEL_STATE_TOLERANCE",
     "activation_bytes_per_rank",
+    "anomaly",
     "below_cost_model",
+    "devices",
+    "gathered_bytes",
     "is_batch_replicated",
     "memory_above_expected",
     "negative_scaling",
     "regression",
     "replicated_batch",
+    "wire_bytes",
 ]
-
-ANOMALY_KINDS = ("negative_scaling", "replicated_batch", "memory_above_expected",
-                 "below_cost_model", "regression")
 
 MODEL_STATE_TOLERANCE = 0.05
 """Model state may exceed the strategy's formula by 5% (uneven shards are padded)."""
@@ -52,12 +61,19 @@ COST_MODEL_MIN_EFFICIENCY = 0.8
 """... when the scaling efficiency is also below this (a fast run slower than a model is fine)."""
 
 
-def _anomaly(kind: str, message: str, **numbers: Any) -> dict[str, Any]:
+def anomaly(kind: str, message: str, **numbers: Any) -> dict[str, Any]:
+    """One anomaly: its kind, its message, and the numbers behind it."""
     return {"kind": kind, "message": message, **numbers}
 
 
-def _devices(num_devices: int) -> str:
+def devices(num_devices: int) -> str:
+    """``"1 device"``, ``"2 devices"``."""
     return f"{num_devices} device" + ("" if num_devices == 1 else "s")
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(str(rank) for rank in ranks[:-1]) + f" and {ranks[-1]}" if len(ranks) > 1 \
+        else str(ranks[0])
 
 
 def activation_bytes_per_rank(result: BenchResult) -> int:
@@ -70,23 +86,59 @@ def activation_bytes_per_rank(result: BenchResult) -> int:
     return max(0, result.peak_bytes_per_rank - result.model_state_bytes_per_rank)
 
 
+def _over_share(result: BenchResult) -> list[tuple[int, int]]:
+    """(rank, samples) of ranks whose model received more than a 1/N share of the global batch."""
+    share = -(-result.global_batch // result.num_devices)  # the larger share of an uneven split
+    return [(rank, n) for rank, n in enumerate(result.samples_by_rank) if n > share]
+
+
 def is_batch_replicated(result: BenchResult) -> bool:
-    """True when ranks processed more than their share of the batch, or held batch tensors whole.
+    """True when, by the batch probe's measurements, two ranks' models received the same batch, a
+    rank's model received more than its share, or a module inside the model received the same
+    batch-derived input on two ranks.
 
     Example::
 
-        is_batch_replicated(result)   # True for local_batch=256, global_batch=256 on 2 devices
+        is_batch_replicated(result)   # True for identical_input_ranks=[[0, 1]]
     """
     if result.num_devices <= 1:
         return False
-    return (result.local_batch * result.num_devices > result.global_batch
-            or bool(result.replicated_inputs))
+    return bool(result.identical_input_ranks or _over_share(result) or result.replicated_modules)
+
+
+def wire_bytes(result: BenchResult) -> tuple[int, bool]:
+    """``(wire bytes per step, estimated?)``: measured by DSpark's counters, else a peer's estimate.
+
+    Example::
+
+        wire_bytes(ddp_result)   # (30_000_000, True)
+    """
+    if result.comm_wire_bytes_per_step is not None:
+        return result.comm_wire_bytes_per_step, False
+    return result.estimated_comm_wire_bytes_per_step or 0, True
+
+
+def gathered_bytes(result: BenchResult) -> int:
+    """Bytes of sharded parameters and gradients a rank holds whole for part of a step beyond its
+    own shards (see [Note: activation bytes]): ``(N - 1)`` shards of each sharded part.
+
+    Example::
+
+        gathered_bytes(zero3_on_2)   # params shard + grads shard: the other rank's halves
+    """
+    policy = STRATEGIES.get(PEERS.get(result.strategy, result.strategy))
+    if policy is None or result.num_devices <= 1:
+        return 0
+    sharded = [part for part, on in (("params", policy.shard_params),
+                                     ("grads", policy.shard_grads)) if on]
+    return sum(result.model_state_parts.get(part, [0, 0])[1] for part in sharded) * (
+        result.num_devices - 1)
 
 
 def _expected_activation_bytes(result: BenchResult, baseline: BenchResult | None) -> float | None:
     if baseline is None or activation_bytes_per_rank(baseline) <= 0:
         return None
-    return activation_bytes_per_rank(baseline) / result.num_devices
+    return activation_bytes_per_rank(baseline) / result.num_devices + gathered_bytes(result)
 
 
 def _model_state_excess(result: BenchResult) -> bool:
@@ -95,80 +147,105 @@ def _model_state_excess(result: BenchResult) -> bool:
         expected * (1 + MODEL_STATE_TOLERANCE) + MEMORY_SLACK_BYTES)
 
 
-def _replication_cause(result: BenchResult) -> str:
-    if result.batch_placement == "replicate":
-        return ("shard_dim=REPLICATE, chosen on purpose by batch_placement='replicate' to "
-                "reproduce the seed's bug")
-    return "shard_dim=REPLICATE or None upstream"
+def _rounds_range(result: BenchResult) -> str:
+    if result.speedup_min is None or result.speedup_max is None or len(result.round_speedups) < 2:
+        return ""
+    return (f"; median of {len(result.round_speedups)} rounds, "
+            f"{format_ratio(result.speedup_min)}-{format_ratio(result.speedup_max)}")
 
 
 def negative_scaling(result: BenchResult, baseline: BenchResult | None) -> list[dict[str, Any]]:
-    """N devices took longer per step than 1 device on the same global batch.
+    """N devices took longer per step than 1 device on the same global batch (the median of the
+    per-round speedups is below 1).
 
-    Flagged whenever the speedup is below 1: N devices no faster than one is an anomaly even
-    when the gap is within noise (the message then says so). Example::
+    Flagged whenever the speedup is below 1: N devices no faster than one is an anomaly even when
+    a round reached 1 (the message then says so). Example::
 
         negative_scaling(two_devices, one_device)   # "2 devices are 1.14x slower than 1 (...)"
     """
-    if result.num_devices <= 1 or baseline is None or result.step_ms <= 0 or baseline.step_ms <= 0:
+    if result.num_devices <= 1 or baseline is None or result.speedup is None or result.speedup <= 0:
         return []
-    speedup = baseline.step_ms / result.step_ms
+    speedup = result.speedup
     if speedup >= 1:
         return []
-    message = (f"{_devices(result.num_devices)} are {format_ratio(1 / speedup)} slower than 1 "
-               f"({format_ms(result.step_ms)} vs {format_ms(baseline.step_ms)})")
-    if timing_verdict(baseline, result) == "within noise":
-        message += (f", within the noise band of {noise_band(baseline, result):.0%}: at best no "
-                    "faster than 1")
+    message = (f"{devices(result.num_devices)} are {format_ratio(1 / speedup)} slower than 1 "
+               f"({format_ms(result.step_ms)} vs {format_ms(baseline.step_ms)}"
+               f"{_rounds_range(result)})")
+    if result.speedup_max is not None and result.speedup_max >= 1:
+        message += ", and at least one round was no slower: at best no faster than 1"
     if is_batch_replicated(result):
-        cause = ("the batch is replicated on every rank, not split, so each rank does the whole "
-                 "step's compute and then communicates on top")
+        cause = ("the ranks' models received a replicated batch (see replicated_batch), so each "
+                 "rank does more than its share of the compute and then communicates on top")
     elif _model_state_excess(result):
-        cause = (f"model state is replicated where the {result.strategy} strategy shards it, "
-                 "adding memory traffic and copies")
-    elif result.comm_wire_bytes_per_step and result.bus_bytes_per_s > 0:
-        comm_ms = result.comm_wire_bytes_per_step / result.bus_bytes_per_s * 1e3
-        cause = (f"communication ({format_ms(comm_ms)} per step for "
-                 f"{format_mb(result.comm_wire_bytes_per_step)} on the wire) outweighs the "
-                 "compute saved, or ranks wait on each other")
+        cause = (f"a rank holds more model state than the {result.strategy} strategy needs (see "
+                 "memory_above_expected), adding memory traffic and copies")
+    elif (wire := wire_bytes(result))[0] and result.bus_bytes_per_s > 0:
+        comm_ms = wire[0] / result.bus_bytes_per_s * 1e3
+        cause = (f"communication ({format_ms(comm_ms)} per step for {format_mb(wire[0])} on the "
+                 f"wire{', estimated' if wire[1] else ''}) outweighs the compute saved, or ranks "
+                 "wait on each other")
     else:
         cause = "not evident from the numbers: profile communication and rank stragglers"
-    return [_anomaly("negative_scaling", f"{message}; likely cause: {cause}",
-                     speedup=speedup, step_ms=result.step_ms, baseline_step_ms=baseline.step_ms,
-                     num_devices=result.num_devices)]
+    return [anomaly("negative_scaling", f"{message}; likely cause: {cause}",
+                    speedup=speedup, speedup_min=result.speedup_min,
+                    speedup_max=result.speedup_max, step_ms=result.step_ms,
+                    baseline_step_ms=baseline.step_ms, num_devices=result.num_devices)]
 
 
 def replicated_batch(result: BenchResult, baseline: BenchResult | None) -> list[dict[str, Any]]:
-    """Batch tensors are whole on every rank instead of split (the seed's bug).
+    """The ranks' models received the same batch, or more than their share of it, or a module
+    inside the model received the same batch-derived input on two ranks (the seed's bug), by the
+    batch probe's measurements (see :mod:`dspark.bench.batch_probe`).
 
     Example::
 
         replicated_batch(two_devices, one_device)
-        # "each rank holds 2.0x the activation memory a sharded batch needs: ..."
+        # "ranks 0 and 1 fed their models the same batch (equal fingerprints) ..."
     """
     if not is_batch_replicated(result):
         return []
-    num_devices = result.num_devices
-    tensors = ", ".join(result.replicated_inputs) or "every batch tensor"
-    share = result.global_batch / num_devices
-    parts = [f"each rank processed {result.local_batch} samples of a global batch of "
-             f"{result.global_batch} ({result.local_batch / share:.1f}x its 1/{num_devices} "
-             f"share of {share:g})"]
-    numbers: dict[str, Any] = {"local_batch": result.local_batch,
-                               "global_batch": result.global_batch,
-                               "num_devices": num_devices,
-                               "replicated_inputs": list(result.replicated_inputs)}
+    n = result.num_devices
+    share = result.global_batch / n
+    facts, causes = [], []
+    if result.identical_input_ranks:
+        pairs = "; ".join(f"ranks {_ranks(pair)}" for pair in result.identical_input_ranks)
+        facts.append(f"{pairs} fed their models the same batch (equal fingerprints of every "
+                     "input tensor)")
+        causes.append("the batch is replicated before it reaches the model, not split: a "
+                      "placement of REPLICATE or None, a loader without a per-rank sampler, or "
+                      "the same data seed on every rank")
+    ranks_by_samples: dict[int, list[int]] = {}
+    for rank, samples in _over_share(result):
+        ranks_by_samples.setdefault(samples, []).append(rank)
+    for samples, ranks in ranks_by_samples.items():
+        who = (f"rank {ranks[0]}'s model" if len(ranks) == 1
+               else f"the models of ranks {_ranks(ranks)} each")
+        facts.append(f"{who} received {samples} samples per step, {samples / share:.1f}x "
+                     f"a 1/{n} share of the global batch of {result.global_batch}")
+    if _over_share(result) and not result.identical_input_ranks:
+        causes.append("a rank takes more than its slice of the global batch")
+    if result.replicated_modules:
+        more = result.replicated_module_count - len(result.replicated_modules)
+        names = ", ".join(repr(name) for name in result.replicated_modules)
+        facts.append(f"inside the model, {names}{f' (and {more} more calls)' if more > 0 else ''} "
+                     "received the same batch-derived input on two ranks although the model's "
+                     "own inputs differed")
+        causes.append("the model's code replicates the batch (e.g. gathers every rank's inputs "
+                      "and computes on all of them)")
+    numbers: dict[str, Any] = {"samples_by_rank": list(result.samples_by_rank),
+                               "global_batch": result.global_batch, "num_devices": n,
+                               "identical_input_ranks": result.identical_input_ranks,
+                               "replicated_modules": list(result.replicated_modules)}
     expected = _expected_activation_bytes(result, baseline)
     if expected is not None:
         held = activation_bytes_per_rank(result)
         ratio = held / expected
-        parts.append(f"each rank holds {ratio:.1f}x the activation memory a sharded batch needs "
+        facts.append(f"each rank holds {ratio:.1f}x the activation memory a sharded batch needs "
                      f"({format_mb(held)} vs {format_mb(expected)})")
         numbers.update(activation_bytes_per_rank=held,
                        expected_activation_bytes_per_rank=expected, activation_ratio=ratio)
-    message = (f"{'; '.join(parts)}: the batch ({tensors}) is replicated on every rank, not "
-               f"split ({_replication_cause(result)})")
-    return [_anomaly("replicated_batch", message, **numbers)]
+    message = f"{'; '.join(facts)}; likely cause: {'; '.join(causes)}"
+    return [anomaly("replicated_batch", message, **numbers)]
 
 
 _PART_NAMES = {"params": "the parameters", "grads": "the gradients",
@@ -176,20 +253,28 @@ _PART_NAMES = {"params": "the parameters", "grads": "the gradients",
 
 
 def _excess_parts(result: BenchResult) -> str:
-    """Which model-state tensors exceed the formula, e.g. "the gradients (59.5 MB held, 29.7 MB
-    needed) are replicated where they should be sharded"."""
+    """Which model-state parts exceed the formula, e.g. "the gradients (59.5 MB held, 29.7 MB
+    needed) held whole where the strategy shards them"."""
     over = [f"{_PART_NAMES.get(part, part)} ({format_mb(held)} held, {format_mb(need)} needed)"
             for part, (held, need) in result.model_state_parts.items()
             if held > need * (1 + MODEL_STATE_TOLERANCE) + MEMORY_SLACK_BYTES / 3]
     if not over:
-        return "a tensor is replicated where it should be sharded"
-    return " and ".join(over) + " held whole where the strategy shards them"
+        return "a tensor is held whole where it should be sharded"
+    return (" and ".join(over) + " are held whole, or twice, where the strategy shards them (a "
+            "parameter left gathered, a gradient or state kept beside its shard)")
+
+
+def _with_gathered(result: BenchResult) -> str:
+    gathered = gathered_bytes(result)
+    return (f" (with {format_mb(gathered)} of sharded parameters and gradients held whole during "
+            "the step)" if gathered else "")
 
 
 def memory_above_expected(result: BenchResult,
                           baseline: BenchResult | None) -> list[dict[str, Any]]:
-    """A rank holds more than its strategy needs: (a) model state above the ZeRO formula, or
-    (b) activations above 1.5x a 1/N share of the 1-device run's although the batch is sharded.
+    """A rank holds more than its strategy needs: (a) model state, found by walking the module and
+    the optimizer, above the ZeRO formula, or (b) activations above 1.5x a 1/N share of the
+    1-device run's although the batch reached the ranks split.
 
     Example::
 
@@ -200,7 +285,7 @@ def memory_above_expected(result: BenchResult,
     expected_state = result.model_state_bytes_expected_per_rank
     if _model_state_excess(result):
         held = result.model_state_bytes_per_rank
-        found.append(_anomaly(
+        found.append(anomaly(
             "memory_above_expected",
             f"rank holds {format_mb(held)} of model state, the {result.strategy} strategy needs "
             f"{format_mb(expected_state)} ({held / expected_state:.2f}x): {_excess_parts(result)}",
@@ -211,12 +296,13 @@ def memory_above_expected(result: BenchResult,
             and not is_batch_replicated(result)):  # a replicated batch has its own rule
         held = activation_bytes_per_rank(result)
         if held > expected_activation * ACTIVATION_TOLERANCE + MEMORY_SLACK_BYTES:
-            found.append(_anomaly(
+            found.append(anomaly(
                 "memory_above_expected",
                 f"each rank holds {format_mb(held)} of activations, {held / expected_activation:.1f}x "
                 f"the {format_mb(expected_activation)} a 1/{result.num_devices} share of the "
-                "1-device run needs, although the batch is sharded: an activation or buffer is "
-                "likely replicated, or kept alive across steps",
+                f"1-device run needs{_with_gathered(result)}, although each rank's model received "
+                "its share of the batch: an activation or buffer is likely replicated, or kept "
+                "alive across steps",
                 memory="activations", activation_bytes_per_rank=held,
                 expected_activation_bytes_per_rank=expected_activation,
                 ratio=held / expected_activation))
@@ -232,13 +318,14 @@ def below_cost_model(result: BenchResult, baseline: BenchResult | None) -> list[
         # "2 devices reach 1.10x (efficiency 55%), the cost model predicts 1.85x (...)"
     """
     if (result.num_devices <= 1 or baseline is None or result.bus_bytes_per_s <= 0
-            or result.step_ms <= 0 or baseline.step_ms <= 0):
+            or result.speedup is None or result.step_ms <= 0 or baseline.step_ms <= 0
+            or result.local_batch < 1):
         return []
+    wire, estimated = wire_bytes(result)
     predicted = predict_step(baseline_step_ms=baseline.step_ms, local_batch=result.local_batch,
-                             global_batch=result.global_batch,
-                             comm_wire_bytes_per_step=result.comm_wire_bytes_per_step,
+                             global_batch=result.global_batch, comm_wire_bytes_per_step=wire,
                              bus_bytes_per_s=result.bus_bytes_per_s)
-    speedup = baseline.step_ms / result.step_ms
+    speedup = result.speedup
     efficiency = speedup / result.num_devices
     slowdown = result.step_ms / predicted.step_ms
     if slowdown <= COST_MODEL_SLOWDOWN or efficiency >= COST_MODEL_MIN_EFFICIENCY:
@@ -247,20 +334,21 @@ def below_cost_model(result: BenchResult, baseline: BenchResult | None) -> list[
     predicted_efficiency = predicted_speedup / result.num_devices
     comm_share = predicted.comm_ms / predicted.step_ms
     message = (
-        f"{_devices(result.num_devices)} reach {format_ratio(speedup)} (efficiency "
+        f"{devices(result.num_devices)} reach {format_ratio(speedup)} (efficiency "
         f"{efficiency:.0%}), the cost model predicts {format_ratio(predicted_speedup)} "
         f"({predicted_efficiency:.0%}): measured {format_ms(result.step_ms)} vs predicted "
         f"{format_ms(predicted.step_ms)} = {format_ms(predicted.compute_ms)} compute "
         f"({result.local_batch}/{result.global_batch} of the {format_ms(baseline.step_ms)} "
         f"1-device step) + {format_ms(predicted.comm_ms)} communication "
-        f"({format_mb(result.comm_wire_bytes_per_step)} on the wire at "
+        f"({format_mb(wire)} on the wire{', estimated' if estimated else ''} at "
         f"{result.bus_bytes_per_s / 1e9:.2f} GB/s; {comm_share:.0%} of the prediction); the "
         f"step takes {format_ratio(slowdown)} the prediction, spent on what the model does not "
         "count: stragglers, oversubscribed cores, extra copies or synchronisation")
-    return [_anomaly("below_cost_model", message, speedup=speedup, efficiency=efficiency,
-                     predicted_speedup=predicted_speedup, predicted_step_ms=predicted.step_ms,
-                     predicted_compute_ms=predicted.compute_ms,
-                     predicted_comm_ms=predicted.comm_ms, step_ms=result.step_ms)]
+    return [anomaly("below_cost_model", message, speedup=speedup, efficiency=efficiency,
+                    predicted_speedup=predicted_speedup, predicted_step_ms=predicted.step_ms,
+                    predicted_compute_ms=predicted.compute_ms,
+                    predicted_comm_ms=predicted.comm_ms, step_ms=result.step_ms,
+                    wire_bytes_estimated=estimated)]
 
 
 _PROVENANCE = (("git_commit", "commit"), ("git_dirty", "uncommitted changes"),
@@ -274,18 +362,20 @@ def _shown(name: str, result: BenchResult) -> object:
     return value[:12] if name == "git_commit" else value  # git's own abbreviation length
 
 
-def regression(result: BenchResult, previous: BenchResult | None) -> list[dict[str, Any]]:
-    """Slower than the previous result of the same configuration, beyond noise
-    (see [Note: noise rule] in :mod:`dspark.bench.noise`). Improvements are not anomalies.
+def regression(result: BenchResult, previous: BenchResult | None,
+               noise: NoiseModel | None = None) -> list[dict[str, Any]]:
+    """Slower than the previous result of the same configuration, beyond the noise band of
+    ``noise`` (see [Note: noise rule] in :mod:`dspark.bench.noise`). Improvements are not anomalies.
 
     Example::
 
-        regression(new, ledger.previous(new))   # "step time rose 14.3% since run ... "
+        regression(new, ledger.previous(new), NoiseModel.from_history(ledger.results()))
     """
-    if previous is None or timing_verdict(previous, result) != "slower":
+    noise = noise or NoiseModel()
+    if previous is None or noise.verdict(previous, result) != "slower":
         return []
     rise = result.step_ms / previous.step_ms - 1
-    band = noise_band(previous, result)
+    band = noise.band(previous, result)
     changed = [f"{label} {_shown(name, previous)!r} -> {_shown(name, result)!r}"
                for name, label in _PROVENANCE if getattr(previous, name) != getattr(result, name)]
     cause = ("what changed: " + "; ".join(changed) if changed else
@@ -294,7 +384,8 @@ def regression(result: BenchResult, previous: BenchResult | None) -> list[dict[s
     message = (f"step time rose {rise:.1%} since run {previous.run_id} "
                f"({format_ms(result.step_ms)} vs {format_ms(previous.step_ms)}), beyond the "
                f"noise band of {band:.1%}; {cause}")
-    return [_anomaly("regression", message, step_ms=result.step_ms,
-                     previous_step_ms=previous.step_ms, previous_run_id=previous.run_id,
-                     previous_git_commit=previous.git_commit, relative_change=rise,
-                     noise_band=band)]
+    return [anomaly("regression", message, step_ms=result.step_ms,
+                    previous_step_ms=previous.step_ms, previous_run_id=previous.run_id,
+                    previous_result_id=previous.result_id,
+                    previous_git_commit=previous.git_commit, relative_change=rise,
+                    noise_band=band)]

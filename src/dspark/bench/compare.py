@@ -2,7 +2,8 @@
 
 Rows are matched by configuration key; when a side holds the same configuration more than once
 (a commit measured twice), its newest result by timestamp stands for it. Verdicts follow the
-noise rule of :mod:`dspark.bench.noise` and read "B is ... than A".
+noise rule of :mod:`dspark.bench.noise` (with the ledger's history when given) and read "B is ...
+than A".
 """
 
 from __future__ import annotations
@@ -10,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from dspark.bench.ledger import utc_timestamp
-from dspark.bench.noise import noise_band, timing_verdict
+from dspark.bench.ledger_schema import utc_timestamp
+from dspark.bench.noise import NoiseModel
 from dspark.bench.result import BenchResult, ConfigKey
 
 __all__ = ["ROW_VERDICTS", "Comparison", "ComparisonRow", "compare"]
@@ -92,14 +93,17 @@ def _newest_by_key(results: Sequence[BenchResult]) -> dict[ConfigKey, BenchResul
 
 
 def compare(a: list[BenchResult], b: list[BenchResult], *, a_label: str = "A",
-            b_label: str = "B") -> Comparison:
-    """Match ``a`` and ``b`` by configuration and judge B's step time against A's.
+            b_label: str = "B", noise: NoiseModel | None = None) -> Comparison:
+    """Match ``a`` and ``b`` by configuration and judge B's step time against A's, with the noise
+    bands of ``noise`` (default: no history, the machine's default range).
 
     Example::
 
-        comparison = compare(ledger.resolve("previous"), ledger.resolve("latest"))
+        noise = NoiseModel.from_history(ledger.results())
+        comparison = compare(ledger.resolve("previous"), ledger.resolve("latest"), noise=noise)
         [row.key for row in comparison.by_verdict("slower")]
     """
+    noise = noise or NoiseModel()
     a_by_key, b_by_key = _newest_by_key(a), _newest_by_key(b)
     rows = []
     for key in sorted(a_by_key.keys() | b_by_key.keys()):
@@ -111,6 +115,6 @@ def compare(a: list[BenchResult], b: list[BenchResult], *, a_label: str = "A",
             rows.append(ComparisonRow(key=key, a=old, b=None, verdict="only in A",
                                       noise_band=None))
         else:
-            rows.append(ComparisonRow(key=key, a=old, b=new, verdict=timing_verdict(old, new),
-                                      noise_band=noise_band(old, new)))
+            rows.append(ComparisonRow(key=key, a=old, b=new, verdict=noise.verdict(old, new),
+                                      noise_band=noise.band(old, new)))
     return Comparison(rows=tuple(rows), a_label=a_label, b_label=b_label)

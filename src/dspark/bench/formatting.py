@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from dspark.bench.result import BenchResult
 
-__all__ = ["BYTES_PER_MB", "RESULT_COLUMNS", "TEXT_COLUMNS", "anomaly_kinds", "format_mb", "format_ms",
-           "format_number", "format_ratio", "result_cells"]
+__all__ = ["BYTES_PER_MB", "MEMORY_COLUMNS_NOTE", "RESULT_COLUMNS", "TEXT_COLUMNS", "anomaly_kinds",
+           "format_mb", "format_ms", "format_number", "format_ratio", "format_speedup",
+           "result_cells"]
 
 BYTES_PER_MB = 1_000_000
 """Decimal megabytes, as the reports label them (``MB``)."""
@@ -51,10 +52,34 @@ def format_ratio(ratio: float) -> str:
     return f"{ratio:.2f}x"
 
 
-RESULT_COLUMNS = ("workload", "devices", "strategy", "precision", "batch", "step ms (p10-p90)",
-                  "samples/s", "peak MB/rank", "model-state MB/rank", "speedup", "efficiency",
-                  "anomalies")
+def format_speedup(result: BenchResult) -> str:
+    """The speedup with the min-max of its rounds, ``-`` when there is none.
+
+    Example::
+
+        format_speedup(result)   # "1.88x (1.80-1.95)"
+    """
+    if result.speedup is None:
+        return "-"
+    text = format_ratio(result.speedup)
+    if (len(result.round_speedups) > 1 and result.speedup_min is not None
+            and result.speedup_max is not None):
+        text += f" ({result.speedup_min:.2f}-{result.speedup_max:.2f})"
+    return text
+
+
+RESULT_COLUMNS = ("workload", "devices", "strategy", "precision", "batch", "rounds",
+                  "step ms (p10-p90)", "samples/s", "tensor peak MB/rank", "RSS peak MB/rank",
+                  "model-state MB/rank", "speedup (rounds min-max)", "efficiency", "anomalies")
 """The columns of a results table, terminal and HTML alike."""
+MEMORY_COLUMNS_NOTE = (
+    "tensor peak: on CPU, the tensor storages a rank held at its peak during one training step "
+    "(those Python reaches plus the allocations PyTorch's profiler saw; not buffers only C++ "
+    "holds, such as DDP's reducer buckets); on GPU, the allocator's peak. RSS peak: the rank's "
+    "whole process at its peak over the warm-up and timed steps, PyTorch's libraries and every "
+    "C++ buffer included. model state: parameters, gradients and optimizer state found by "
+    "walking the module and the optimizer.")
+"""What the memory columns cover, printed under every results table."""
 TEXT_COLUMNS = frozenset({"workload", "strategy", "precision", "batch", "anomalies"})
 """Columns aligned left; the rest are numbers, aligned right."""
 
@@ -73,12 +98,13 @@ def result_cells(result: BenchResult) -> list[str]:
     """
     r = result
     return [r.workload, str(r.num_devices), r.strategy, r.precision,
-            f"{r.batch_placement} {r.global_batch}",
+            f"{r.batch_placement} {r.global_batch}", str(r.rounds),
             f"{format_number(r.step_ms)} ({format_number(r.step_ms_p10)}-"
             f"{format_number(r.step_ms_p90)})",
             format_number(r.samples_per_s),
             f"{r.peak_bytes_per_rank / BYTES_PER_MB:.1f}",
+            f"{r.peak_rss_bytes_per_rank / BYTES_PER_MB:.1f}" if r.peak_rss_bytes_per_rank else "-",
             f"{r.model_state_bytes_per_rank / BYTES_PER_MB:.1f}",
-            "-" if r.speedup is None else format_ratio(r.speedup),
+            format_speedup(r),
             "-" if r.efficiency is None else f"{r.efficiency:.0%}",
             ", ".join(anomaly_kinds(r)) or "-"]

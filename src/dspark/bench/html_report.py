@@ -11,7 +11,7 @@ import html
 from collections.abc import Sequence
 from pathlib import Path
 
-from dspark.bench.formatting import RESULT_COLUMNS, TEXT_COLUMNS, result_cells
+from dspark.bench.formatting import MEMORY_COLUMNS_NOTE, RESULT_COLUMNS, TEXT_COLUMNS, result_cells
 from dspark.bench.result import BenchResult
 
 __all__ = ["write_html_report"]
@@ -102,6 +102,7 @@ def write_html_report(results: Sequence[BenchResult], out_dir: str | Path, *,
             f"<p>{len(results)} results from runs {html.escape(runs)}.</p>"
             f"<h2>Figures</h2>{''.join(figures_html)}"
             f"<h2>Results</h2>{_results_table(results)}"
+            f"<p class='note'>{html.escape(MEMORY_COLUMNS_NOTE)}</p>"
             f"<h2>Anomalies</h2>{_anomaly_list(results)}"
             f"<h2>Provenance</h2>{_provenance_table(results)}</body></html>\n")
     index = out / "index.html"

@@ -1,9 +1,11 @@
-"""The ledger: every benchmark result ever recorded, in one SQLite file, append-only.
+"""The ledger: every benchmark measurement ever recorded, in one SQLite file, append-only.
 
-Reports, comparisons and ``rerun --stale`` are computed from it, so a result is never edited
-after the fact: SQLite triggers abort any UPDATE or DELETE (see [Note: append-only]). Each row keeps
-the columns queries filter on plus the whole ``BenchResult.to_dict()`` as JSON, which is what
-comes back out, so a field added to the schema later needs no migration to be stored.
+Each launch of a configuration (a round, see :mod:`dspark.bench.measurement`) is one row, written
+as soon as it is measured, so a suite that dies half-way keeps what it finished. A row keeps the
+raw figures (every step of every rank, core loads, bytes held); results, speedups and anomalies are
+computed from them whenever they are read, so a corrected rule reaches old measurements. Triggers
+refuse UPDATE, DELETE and an INSERT over an existing id (see [Note: append-only for real] in
+:mod:`dspark.bench.ledger_schema`, which also holds the migration from schema 1).
 
 [Note: append-only]
 The seed lost ~30 benchmarks to one bug and had to recompute them; which numbers were recorded
@@ -11,8 +13,8 @@ against which code is the evidence. A corrected result is a new row with a newer
 (``latest_by_key`` then prefers it); the wrong one stays, tied to its commit.
 
 [Note: time order]
-"Latest" and "earlier" follow the result's own timestamp (normalised to UTC on insert, so ``Z``,
-``+00:00`` and other offsets order correctly), then insertion order for equal timestamps.
+"Latest" and "earlier" follow the measurement's own timestamp (normalised to UTC on insert, so
+``Z``, ``+00:00`` and other offsets order correctly), then insertion order for equal timestamps.
 """
 
 from __future__ import annotations
@@ -23,58 +25,23 @@ import os
 import sqlite3
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 from types import TracebackType
 
+from dspark.bench.ledger_schema import (
+    KEY_COLUMNS,
+    SCHEMA_VERSION,
+    insert_measurement_sql,
+    measurement_row,
+    migrate,
+    utc_timestamp,
+)
+from dspark.bench.measurement import Measurement, results_from_measurements
 from dspark.bench.result import BenchConfig, BenchResult, ConfigKey
 
 __all__ = ["SCHEMA_VERSION", "Ledger", "RunSummary", "default_db_path", "utc_timestamp"]
 
 logger = logging.getLogger(__name__)
-
-SCHEMA_VERSION = 1
-"""Bump with a migration in ``_MIGRATIONS`` when the table layout changes."""
-
-_KEY_COLUMNS = ("workload", "num_devices", "strategy", "precision", "batch_placement",
-                "global_batch")
-
-_SCHEMA_V1 = """
-CREATE TABLE schema_version (
-    version INTEGER NOT NULL,
-    applied_at TEXT NOT NULL
-);
-CREATE TABLE results (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
-    run_id TEXT NOT NULL,
-    timestamp TEXT NOT NULL,          -- UTC, normalised (see [Note: time order])
-    git_commit TEXT NOT NULL,
-    git_dirty INTEGER NOT NULL,
-    workload TEXT NOT NULL,
-    num_devices INTEGER NOT NULL,
-    strategy TEXT NOT NULL,
-    precision TEXT NOT NULL,
-    batch_placement TEXT NOT NULL,
-    global_batch INTEGER NOT NULL,
-    config_hash TEXT NOT NULL,
-    result_json TEXT NOT NULL
-);
-CREATE INDEX results_by_key ON results (workload, num_devices, strategy, precision,
-                                        batch_placement, global_batch, timestamp);
-CREATE INDEX results_by_run ON results (run_id);
-CREATE INDEX results_by_commit ON results (git_commit);
-CREATE TRIGGER results_no_update BEFORE UPDATE ON results
-BEGIN SELECT RAISE(ABORT, 'the DSpark ledger is append-only: results are never updated'); END;
-CREATE TRIGGER results_no_delete BEFORE DELETE ON results
-BEGIN SELECT RAISE(ABORT, 'the DSpark ledger is append-only: results are never deleted'); END;
-CREATE TRIGGER schema_version_no_update BEFORE UPDATE ON schema_version
-BEGIN SELECT RAISE(ABORT, 'the DSpark ledger is append-only: schema versions are never updated'); END;
-CREATE TRIGGER schema_version_no_delete BEFORE DELETE ON schema_version
-BEGIN SELECT RAISE(ABORT, 'the DSpark ledger is append-only: schema versions are never deleted'); END;
-"""
-
-# version -> SQL that brings a ledger from version - 1 to it; version 1 creates it.
-_MIGRATIONS: dict[int, str] = {1: _SCHEMA_V1}
 
 _ORDER = "ORDER BY timestamp, id"
 
@@ -110,24 +77,9 @@ class RunSummary:
     git_dirty: bool
     """True when any of its results came from a tree with uncommitted changes."""
     num_results: int
+    """Configurations measured (each possibly over several rounds)."""
     workloads: tuple[str, ...]
-
-
-def utc_timestamp(timestamp: str, *, what: str = "result") -> str:
-    """``timestamp`` (ISO 8601; naive means UTC) as UTC with microseconds, so strings sort in time.
-
-    Example::
-
-        utc_timestamp("2026-11-30T07:16:56+02:00")   # "2026-11-30T05:16:56.000000+00:00"
-    """
-    try:
-        moment = datetime.fromisoformat(timestamp)
-    except ValueError:
-        raise ValueError(f"{what}: timestamp={timestamp!r} is not ISO 8601 "
-                         "(e.g. '2026-11-30T05:16:56+00:00')") from None
-    if moment.tzinfo is None:  # the schema says UTC; a naive time is read as such
-        moment = moment.replace(tzinfo=timezone.utc)
-    return moment.astimezone(timezone.utc).isoformat(timespec="microseconds")
+    hosts: tuple[str, ...] = ()
 
 
 def _same_commit(recorded: str, current: str) -> bool:
@@ -138,21 +90,23 @@ def _same_commit(recorded: str, current: str) -> bool:
 
 
 class Ledger:
-    """An append-only SQLite file of :class:`BenchResult` rows (created on first use).
+    """An append-only SQLite file of :class:`Measurement` rows (created on first use), read back as
+    :class:`BenchResult` values.
 
     Example::
 
         with Ledger(default_db_path()) as ledger:
-            ledger.append(results)
-            stale = ledger.stale(current_commit="1e5fe8e")
+            ledger.append(measurement)
+            stale = ledger.stale("1e5fe8e", host="box")
     """
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path).expanduser()
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._conn = sqlite3.connect(self.path, timeout=30.0)
+        # Autocommit mode: every write below opens and closes its own transaction explicitly.
+        self._conn = sqlite3.connect(self.path, timeout=30.0, isolation_level=None)
         try:
-            self._migrate()
+            migrate(self._conn, self.path)
         except BaseException:
             self._conn.close()
             raise
@@ -178,68 +132,53 @@ class Ledger:
         row = self._conn.execute("SELECT MAX(version) FROM schema_version").fetchone()
         return int(row[0])
 
-    def _migrate(self) -> None:
-        has_table = self._conn.execute(
-            "SELECT 1 FROM sqlite_master WHERE type='table' AND name='schema_version'").fetchone()
-        version = self.schema_version() if has_table else 0
-        if version > SCHEMA_VERSION:
-            raise ValueError(f"{self.path}: ledger schema version {version} is newer than this "
-                             f"DSpark understands ({SCHEMA_VERSION}); upgrade DSpark")
-        for target in range(version + 1, SCHEMA_VERSION + 1):
-            logger.info("ledger %s: migrating schema to version %d", self.path, target)
-            now = datetime.now(timezone.utc).isoformat(timespec="seconds")
-            # executescript commits first and runs outside the implicit transaction, so the
-            # migration and its version row are wrapped in one explicit transaction.
-            self._conn.executescript(
-                f"BEGIN; {_MIGRATIONS[target]}\n"
-                f"INSERT INTO schema_version (version, applied_at) VALUES ({target}, '{now}'); "
-                "COMMIT;")
-
     # -- writing ---------------------------------------------------------------------------------
 
-    def append(self, results: Sequence[BenchResult]) -> None:
-        """Insert ``results`` in one transaction (all or none).
+    def append(self, measurements: Measurement | Sequence[Measurement]) -> None:
+        """Insert one measurement, or several in one transaction (all or none).
 
-        Each needs a ``run_id`` and an ISO 8601 ``timestamp``: without them a result could not be
-        resolved, ordered, or told stale.
+        Each needs a ``run_id``, a ``config_hash`` and an ISO 8601 ``timestamp``: without them it
+        could not be grouped, ordered, or told stale. A measurement whose id (run, configuration,
+        round) is already recorded is refused.
 
         Example::
 
-            ledger.append(annotate(results, history=ledger))
+            ledger.append(measurement)   # right after the launch that measured it
         """
+        items = [measurements] if isinstance(measurements, Measurement) else list(measurements)
         rows = []
-        for index, result in enumerate(results):
-            if not isinstance(result, BenchResult):
-                raise TypeError(f"results[{index}] is a {type(result).__name__}, "
-                                "not a BenchResult")
-            what = f"results[{index}] ({result.workload}, {result.num_devices} devices)"
-            if not result.run_id:
-                raise ValueError(f"{what}: run_id={result.run_id!r} is empty; the runner must "
-                                 "name the invocation that produced it")
-            rows.append((
-                result.run_id, utc_timestamp(result.timestamp, what=what), result.git_commit,
-                int(result.git_dirty), *result.key, result.config_hash,
-                json.dumps(result.to_dict(), sort_keys=True)))
-        with self._conn:  # one transaction: commits on success, rolls back on error
-            self._conn.executemany(
-                "INSERT INTO results (run_id, timestamp, git_commit, git_dirty, "
-                f"{', '.join(_KEY_COLUMNS)}, config_hash, result_json) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", rows)
+        for index, m in enumerate(items):
+            if not isinstance(m, Measurement):
+                raise TypeError(f"measurements[{index}] is a {type(m).__name__}, not a Measurement")
+            what = f"measurements[{index}] ({m.workload}, {m.num_devices} devices)"
+            if not m.run_id or not m.config_hash:
+                raise ValueError(f"{what}: run_id={m.run_id!r} and config_hash={m.config_hash!r} "
+                                 "must be set; the runner names the invocation and configuration")
+            utc_timestamp(m.timestamp, what=what)
+            rows.append(measurement_row(m))
+        self._conn.execute("BEGIN IMMEDIATE")
+        try:
+            self._conn.executemany(insert_measurement_sql(), rows)
+        except BaseException:
+            self._conn.execute("ROLLBACK")
+            raise
+        self._conn.execute("COMMIT")
 
     # -- reading ---------------------------------------------------------------------------------
 
-    def _select(self, where: str = "", params: Sequence[object] = ()) -> list[BenchResult]:
-        sql = f"SELECT result_json FROM results {where} {_ORDER}"
-        return [BenchResult.from_dict(json.loads(text))
+    def _select(self, where: str = "", params: Sequence[object] = ()) -> list[Measurement]:
+        sql = f"SELECT measurement_json FROM measurements {where} {_ORDER}"
+        return [Measurement.from_dict(json.loads(text))
                 for (text,) in self._conn.execute(sql, tuple(params))]
 
-    def results(self, *, run_id: str | None = None,
-                commit: str | None = None) -> list[BenchResult]:
-        """Results whose run id and/or git commit start with the given prefixes, oldest first.
+    def measurements(self, *, run_id: str | None = None, commit: str | None = None,
+                     host: str | None = None) -> list[Measurement]:
+        """Raw measurements whose run id and/or git commit start with the given prefixes (and from
+        ``host`` exactly, when given), oldest first.
 
         Example::
 
-            ledger.results(commit="1e5fe8e")
+            ledger.measurements(run_id="20261130T052013Z")
         """
         clauses, params = [], []
         for column, prefix in (("run_id", run_id), ("git_commit", commit)):
@@ -247,8 +186,23 @@ class Ledger:
                 # substr rather than LIKE: run ids may hold '_' or '%', which LIKE would expand.
                 clauses.append(f"substr({column}, 1, ?) = ?")
                 params += [len(prefix), prefix]
+        if host is not None:
+            clauses.append("host = ?")
+            params.append(host)
         where = f"WHERE {' AND '.join(clauses)}" if clauses else ""
         return self._select(where, params)
+
+    def results(self, *, run_id: str | None = None, commit: str | None = None,
+                host: str | None = None) -> list[BenchResult]:
+        """One result per configuration per run (filters as :meth:`measurements`), oldest first,
+        summarised from the raw rounds; pass them through :func:`dspark.bench.analysis.annotate`
+        for speedups and anomalies.
+
+        Example::
+
+            ledger.results(commit="1e5fe8e")
+        """
+        return results_from_measurements(self.measurements(run_id=run_id, commit=commit, host=host))
 
     def runs(self) -> list[RunSummary]:
         """One summary per run, oldest first.
@@ -258,66 +212,70 @@ class Ledger:
             [run.run_id for run in ledger.runs()]
         """
         rows = self._conn.execute(
-            "SELECT run_id, MIN(timestamp), MIN(id), COUNT(*), MAX(git_dirty), "
-            "GROUP_CONCAT(DISTINCT git_commit), GROUP_CONCAT(DISTINCT workload) "
-            "FROM results GROUP BY run_id ORDER BY MIN(timestamp), MIN(id)").fetchall()
+            "SELECT run_id, MIN(timestamp), MIN(id), COUNT(DISTINCT result_id), MAX(git_dirty), "
+            "GROUP_CONCAT(DISTINCT git_commit), GROUP_CONCAT(DISTINCT workload), "
+            "GROUP_CONCAT(DISTINCT host) "
+            "FROM measurements GROUP BY run_id ORDER BY MIN(timestamp), MIN(id)").fetchall()
         return [RunSummary(run_id=run_id, timestamp=timestamp, git_commit=commits or "",
                            git_dirty=bool(dirty), num_results=count,
-                           workloads=tuple(sorted(set((workloads or "").split(",")))))
-                for run_id, timestamp, _, count, dirty, commits, workloads in rows]
+                           workloads=tuple(sorted(set((workloads or "").split(",")))),
+                           hosts=tuple(sorted(set((hosts or "").split(",")))))
+                for run_id, timestamp, _, count, dirty, commits, workloads, hosts in rows]
 
-    def latest_by_key(self) -> dict[ConfigKey, BenchResult]:
-        """The newest result of every configuration.
+    def latest_by_key(self, *, host: str | None = None) -> dict[ConfigKey, BenchResult]:
+        """The newest result of every configuration (measured on ``host``, when given).
 
         Example::
 
-            ledger.latest_by_key()[("resnet50-cpu", 1, "replicate", "bf16", "shard", 32)]
+            ledger.latest_by_key(host="box")[("resnet50-cpu", 1, "replicate", "bf16", "shard", 128)]
         """
         latest: dict[ConfigKey, BenchResult] = {}
-        for result in self._select():  # oldest first, so later rows overwrite earlier ones
+        for result in self.results(host=host):  # oldest first: later results overwrite earlier
             latest[result.key] = result
         return latest
 
     def previous(self, result: BenchResult) -> BenchResult | None:
-        """The newest result of the same configuration recorded before ``result``.
+        """The newest result of the same configuration on the same host recorded before
+        ``result``, from another run (so this works whether or not ``result`` is recorded).
 
-        Results of ``result``'s own run are skipped, so this works whether or not ``result`` has
-        been appended yet. Example::
+        Example::
 
-            old = ledger.previous(new)   # None the first time a configuration is measured
+            old = ledger.previous(new)   # None the first time a configuration is measured here
         """
-        where = " AND ".join(f"{column} = ?" for column in _KEY_COLUMNS)
-        params: list[object] = list(result.key)
+        where = " AND ".join(f"{column} = ?" for column in KEY_COLUMNS) + " AND host = ?"
+        params: list[object] = [*result.key, result.host]
         if result.timestamp:
             where += " AND timestamp < ?"
             params.append(utc_timestamp(result.timestamp, what="previous()"))
         if result.run_id:
             where += " AND run_id != ?"
             params.append(result.run_id)
-        earlier = self._select(f"WHERE {where}", params)
+        earlier = results_from_measurements(self._select(f"WHERE {where}", params))
         return earlier[-1] if earlier else None
 
-    def stale(self, current_commit: str, *, current_dirty: bool = False) -> list[BenchConfig]:
-        """Configurations whose newest result was measured on other code than ``current_commit``.
+    def stale(self, current_commit: str, *, host: str,
+              current_dirty: bool = False) -> list[BenchConfig]:
+        """Configurations measured on ``host`` whose newest result there came from other code than
+        ``current_commit``. Other hosts' rows are never considered: a configuration measured on an
+        8-GPU box is not this machine's to re-run.
 
         Other code means another commit, or uncommitted changes on top of any commit (what a
         dirty tree held is unknown). With ``current_dirty=True`` (the code now has uncommitted
-        changes) every configuration is stale. Rebuilt as :class:`BenchConfig` with the result's
-        own warm-up and measured step counts, sorted by configuration.
+        changes) every configuration of ``host`` is stale. Rebuilt as :class:`BenchConfig` with
+        the result's own warm-up and measured step counts, sorted by configuration.
 
         Example::
 
-            for config in ledger.stale("1e5fe8e01ae5"): ...
+            for config in ledger.stale("1e5fe8e01ae5", host=socket.gethostname()): ...
         """
         if not current_commit:
             raise ValueError(f"current_commit={current_commit!r} is empty: stale() needs the git "
                              "commit the code is at now")
-        configs = []
-        for key, result in sorted(self.latest_by_key().items()):
-            if (current_dirty or result.git_dirty
-                    or not _same_commit(result.git_commit, current_commit)):
-                configs.append(_config_of(key, result))
-        return configs
+        if not host:
+            raise ValueError("host='' is empty: stale() re-runs only what this host measured")
+        return [result.config for _, result in sorted(self.latest_by_key(host=host).items())
+                if current_dirty or result.git_dirty
+                or not _same_commit(result.git_commit, current_commit)]
 
     def resolve(self, ref: str) -> list[BenchResult]:
         """The results a user means by ``ref``, oldest first.
@@ -337,40 +295,33 @@ class Ledger:
             needed = 1 if ref == "latest" else 2
             if len(runs) < needed:
                 raise ValueError(f"ref={ref!r}: the ledger {self.path} holds {len(runs)} run(s)")
-            return self._select("WHERE run_id = ?", [run_ids[-needed]])
+            return self._run(run_ids[-needed])
         if not ref:
             raise ValueError("ref='' is empty; pass 'latest', 'previous', a run id or a commit")
         if ref in run_ids:
-            return self._select("WHERE run_id = ?", [ref])
+            return self._run(ref)
         run_matches = [run_id for run_id in run_ids if run_id.startswith(ref)]
         if len(run_matches) == 1:
-            return self._select("WHERE run_id = ?", run_matches)
+            return self._run(run_matches[0])
         if len(run_matches) > 1:
             raise ValueError(f"ref={ref!r} matches {len(run_matches)} runs: "
                              f"{', '.join(run_matches)}; give more characters")
         commits = sorted({row[0] for row in self._conn.execute(
-            "SELECT DISTINCT git_commit FROM results WHERE substr(git_commit, 1, ?) = ?",
+            "SELECT DISTINCT git_commit FROM measurements WHERE substr(git_commit, 1, ?) = ?",
             (len(ref), ref))})
         if len(commits) > 1:
             raise ValueError(f"ref={ref!r} matches {len(commits)} commits: "
                              f"{', '.join(commits)}; give more characters")
         if commits:
             latest: dict[ConfigKey, BenchResult] = {}
-            for result in self._select("WHERE git_commit = ?", commits):
+            for result in results_from_measurements(self._select("WHERE git_commit = ?", commits)):
                 latest[result.key] = result
             return sorted(latest.values(), key=lambda r: utc_timestamp(r.timestamp, what=ref))
         known = sorted({row[0] for row in self._conn.execute(
-            "SELECT DISTINCT git_commit FROM results")})
+            "SELECT DISTINCT git_commit FROM measurements")})
         raise ValueError(f"ref={ref!r} is neither 'latest', 'previous', a run id nor a commit in "
                          f"{self.path}; runs: {', '.join(run_ids) or '(none)'}; "
                          f"commits: {', '.join(known) or '(none)'}")
 
-
-def _config_of(key: ConfigKey, result: BenchResult) -> BenchConfig:
-    workload, num_devices, strategy, precision, batch_placement, global_batch = key
-    # measure_steps=0 means the result predates step counts: keep BenchConfig's defaults then.
-    steps = ({"warmup_steps": result.warmup_steps, "measure_steps": result.measure_steps}
-             if result.measure_steps > 0 else {})
-    return BenchConfig(workload=workload, num_devices=num_devices, strategy=strategy,
-                       precision=precision, batch_placement=batch_placement,
-                       global_batch=global_batch, **steps)
+    def _run(self, run_id: str) -> list[BenchResult]:
+        return results_from_measurements(self._select("WHERE run_id = ?", [run_id]))

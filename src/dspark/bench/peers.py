@@ -12,6 +12,17 @@ Both run the model the way DSpark does: fp32 parameters and AdamW, autocast for 
 global batch split the same way. FSDP2 wraps the same units as DSpark's zero3 (the model's
 repeated blocks, then the root).
 
+[Note: buffer policy] DDP broadcasts rank 0's module buffers (BatchNorm's running statistics) before
+every forward by default; that is traffic and a copy per step. A fair comparison runs DSpark and
+DDP under one policy, decided by what DSpark's engine does: when :class:`dspark.Engine` takes
+``broadcast_buffers``, both run with buffers broadcast each forward; an engine without that option
+never broadcasts, and DDP then runs with ``broadcast_buffers=False``. The policy is recorded with
+every result (``buffer_sync``). FSDP2 has no buffer synchronisation at all.
+
+[Note: estimated traffic] PyTorch's wrappers bypass DSpark's byte counters, so a peer's traffic is
+not measured: :meth:`PeerEngine.estimated_traffic_per_step` derives it from the algorithm and the
+parameter sizes, and results keep it in fields named ``estimated_*``, never in the measured ones.
+
 [Note: why this file uses torch.distributed directly] DSpark's own code reaches the process group
 only through :mod:`dspark.comm`. A peer is the reference DSpark is measured against, so it must be
 PyTorch's code path untouched; it still runs on the process group ``dspark.init`` created.
@@ -21,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -29,17 +41,68 @@ from torch import nn
 
 from dspark.comm import World
 from dspark.comm.stats import wire_bytes
-from dspark.engine.memory import expected_state_bytes, optimizer_state_elements, storage_bytes
-from dspark.engine.policy import STRATEGIES, precision_policy
+from dspark.engine.policy import precision_policy
 
-__all__ = ["PEERS", "PeerEngine"]
+__all__ = ["PEERS", "PeerEngine", "buffer_sync", "dspark_engine_options", "make_engine"]
 
 PEERS: dict[str, str] = {"torch-ddp": "replicate", "torch-fsdp2": "zero3"}
 """Peer name -> the DSpark strategy it is compared with."""
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
+def _engine_accepts(engine_cls: type, name: str) -> bool:
+    return name in inspect.signature(engine_cls).parameters
+
+
+def _default_engine() -> type:
+    import dspark
+
+    return dspark.Engine
+
+
+def buffers_broadcast(engine_cls: type | None = None) -> bool:
+    """Whether both DSpark and DDP broadcast buffers each forward (see [Note: buffer policy]).
+
+    Example::
+
+        buffers_broadcast()   # True once dspark.Engine takes broadcast_buffers
+    """
+    return _engine_accepts(engine_cls or _default_engine(), "broadcast_buffers")
+
+
+def buffer_sync(strategy: str, engine_cls: type | None = None) -> str:
+    """How ``strategy`` (a DSpark strategy or a peer) keeps module buffers equal, in words.
+
+    Example::
+
+        buffer_sync("torch-fsdp2")   # "none (FSDP2 does not synchronise buffers)"
+    """
+    if strategy == "torch-fsdp2":
+        return "none (FSDP2 does not synchronise buffers)"
+    if buffers_broadcast(engine_cls):
+        return "broadcast from rank 0 before every forward"
+    return "none (broadcast once at construction)"
+
+
+def dspark_engine_options(*, batch_placement: str, engine_cls: type | None = None) -> dict[str, Any]:
+    """Keyword arguments for :class:`dspark.Engine` beyond the configuration, each passed only when
+    the engine takes it, so the lab runs on engines before and after it gained them:
+
+    * ``batch_check_every=None`` for a configuration that replicates the batch on purpose (the seed
+      suite's bug), whose engine would otherwise stop it with a ``PlacementError``: the lab wants
+      to measure and flag it, not prevent it;
+    * ``broadcast_buffers=True`` (see [Note: buffer policy]).
+
+    Example::
+
+        dspark_engine_options(batch_placement="replicate")   # {"batch_check_every": None, ...}
+    """
+    engine_cls = engine_cls or _default_engine()
+    options: dict[str, Any] = {}
+    if batch_placement == "replicate" and _engine_accepts(engine_cls, "batch_check_every"):
+        options["batch_check_every"] = None
+    if _engine_accepts(engine_cls, "broadcast_buffers"):
+        options["broadcast_buffers"] = True
+    return options
 
 
 class PeerEngine:
@@ -51,7 +114,8 @@ class PeerEngine:
         engine.backward(loss_fn(engine(x), y)); engine.step()
     """
 
-    def __init__(self, name: str, model: nn.Module, world: World, *, lr: float, precision: str) -> None:
+    def __init__(self, name: str, model: nn.Module, world: World, *, lr: float, precision: str,
+                 broadcast_buffers: bool | None = None) -> None:
         if name not in PEERS:
             raise ValueError(f"peer={name!r} is not one of {', '.join(map(repr, PEERS))}")
         policy = precision_policy(precision)
@@ -61,13 +125,16 @@ class PeerEngine:
         self.name = name
         self.world = world
         self._compute_dtype = policy.compute_dtype
-        self._params = list(model.parameters())
-        self._num_elements = [(p.shape, p.dtype) for p in self._params]
+        self._param_specs = [(p.shape, p.dtype) for p in model.parameters()]
+        self._buffer_specs = [(b.shape, b.dtype) for b in model.buffers()]
+        self.broadcast_buffers = (buffers_broadcast() if broadcast_buffers is None
+                                  else broadcast_buffers) and name == "torch-ddp"
         if name == "torch-ddp":
             from torch.nn.parallel import DistributedDataParallel
 
             device_ids = [world.device.index] if world.device.type == "cuda" else None
-            self.module: nn.Module = DistributedDataParallel(model, device_ids=device_ids)
+            self.module: nn.Module = DistributedDataParallel(
+                model, device_ids=device_ids, broadcast_buffers=self.broadcast_buffers)
         else:
             from torch.distributed.fsdp import fully_shard
 
@@ -80,7 +147,6 @@ class PeerEngine:
             fully_shard(model, mesh=mesh)
             self.module = model
         self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=lr)
-        self._grads_bytes = 0
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         if self._compute_dtype is None:
@@ -93,60 +159,51 @@ class PeerEngine:
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
-        self._grads_bytes = storage_bytes(
-            _local(p.grad) for p in self.module.parameters() if p.grad is not None)
 
     def step(self) -> bool:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return True
 
-    def memory_report(self) -> dict[str, int | str]:
-        """Measured like :meth:`dspark.Engine.memory_report`; expected by the counterpart's formula."""
-        params = storage_bytes(_local(p) for p in self.module.parameters())
-        optimizer = storage_bytes(_local(v) for state in self.optimizer.state.values()
-                                  for v in state.values() if isinstance(v, torch.Tensor))
-        expected = expected_state_bytes(
-            (torch.empty(shape, dtype=dtype, device="meta") for shape, dtype in self._num_elements),
-            STRATEGIES[PEERS[self.name]], rank=self.world.rank, num_ranks=self.world.world_size,
-            optimizer_state=optimizer_state_elements(self.optimizer))
-        return {
-            "strategy": self.name, "num_ranks": self.world.world_size,
-            "params_bytes": params, "params_bytes_expected": expected["params"],
-            "grads_bytes": self._grads_bytes, "grads_bytes_expected": expected["grads"],
-            "optimizer_bytes": optimizer, "optimizer_bytes_expected": expected["optimizer"],
-            "total_bytes": params + self._grads_bytes + optimizer,
-            "total_bytes_expected": sum(expected.values()),
-        }
-
     def estimated_traffic_per_step(self) -> tuple[int, int]:
-        """``(payload bytes, ring wire bytes)`` one rank sends per step. PyTorch's wrappers bypass
-        DSpark's byte counters, so this follows from their algorithms: DDP all-reduces every
-        gradient once; FSDP2 all-gathers every parameter twice (forward, backward) and
-        reduce-scatters every gradient once."""
+        """``(payload bytes, ring wire bytes)`` one rank sends per step, ESTIMATED from the
+        algorithm (see [Note: estimated traffic]): DDP all-reduces every gradient once and, with
+        ``broadcast_buffers``, broadcasts the buffers before the forward; FSDP2 all-gathers every
+        parameter twice (forward, backward) and reduce-scatters every gradient once."""
         n = self.world.world_size
         if n == 1:
             return 0, 0
-        total = sum(torch.empty(shape, dtype=dtype, device="meta").nbytes
-                    for shape, dtype in self._num_elements)
+
+        def nbytes(specs: list[tuple[torch.Size, torch.dtype]]) -> int:
+            return sum(torch.empty(shape, dtype=dtype, device="meta").nbytes for shape, dtype in specs)
+
+        grads = nbytes(self._param_specs)
         if self.name == "torch-ddp":
-            return total, wire_bytes("all_reduce", total, n)
-        shard = total // n
-        return (2 * shard + total,
-                2 * wire_bytes("all_gather", shard, n) + wire_bytes("reduce_scatter", total, n))
+            buffers = nbytes(self._buffer_specs) if self.broadcast_buffers else 0
+            return (grads + buffers,
+                    wire_bytes("all_reduce", grads, n) + wire_bytes("broadcast", buffers, n))
+        shard = grads // n
+        return (2 * shard + grads,
+                2 * wire_bytes("all_gather", shard, n) + wire_bytes("reduce_scatter", grads, n))
 
     def close(self) -> None:
         self.optimizer.state.clear()
         self.module = nn.Module()
-        self._params = []
 
 
-def make_engine(strategy: str, model: nn.Module, world: World, *, lr: float,
-                precision: str) -> Any:
-    """DSpark's engine for a DSpark strategy, a :class:`PeerEngine` for a peer name."""
+def make_engine(strategy: str, model: nn.Module, world: World, *, lr: float, precision: str,
+                options: dict[str, Any] | None = None) -> Any:
+    """DSpark's engine for a DSpark strategy (with ``options``, see :func:`dspark_engine_options`),
+    a :class:`PeerEngine` for a peer name.
+
+    Example::
+
+        make_engine("zero3", model, world, lr=3e-4, precision="bf16", options={})
+    """
     if strategy in PEERS:
         return PeerEngine(strategy, model, world, lr=lr, precision=precision)
     import dspark
 
     factory: Callable[..., torch.optim.Optimizer] = functools.partial(torch.optim.AdamW, lr=lr)
-    return dspark.Engine(model, optimizer=factory, strategy=strategy, precision=precision)
+    return dspark.Engine(model, optimizer=factory, strategy=strategy, precision=precision,
+                         **(options or {}))

@@ -55,38 +55,46 @@ def _legend_outside(axes: Axes) -> None:
 
 
 def speedup_figure(results: Sequence[BenchResult]) -> Figure | None:
-    """Speedup against devices, one line per workload/strategy/precision/placement, with the
-    ideal ``y = x``; None when no result carries a speedup.
+    """Speedup against devices, one line per workload/strategy/precision/placement, each point
+    the median of its rounds with their min-max as an error bar, and the ideal ``y = x``; None
+    when no result carries a speedup.
 
     Example::
 
         speedup_figure(annotate(results)).savefig("speedup.png")
     """
-    lines: dict[tuple[str, str, str, str, int], list[tuple[int, float]]] = {}
+    Point = tuple[int, float, float, float]  # devices, speedup, round min, round max
+    lines: dict[tuple[str, str, str, str, int], list[Point]] = {}
     for r in results:
         if r.speedup is not None:
             group = (r.workload, r.strategy, r.precision, r.batch_placement, r.global_batch)
-            lines.setdefault(group, []).append((r.num_devices, r.speedup))
+            low = r.speedup if r.speedup_min is None else r.speedup_min
+            high = r.speedup if r.speedup_max is None else r.speedup_max
+            lines.setdefault(group, []).append((r.num_devices, r.speedup, low, high))
     if not lines:
         return None
     figure = _new_figure(0, legend=True)
     axes = figure.add_subplot()
-    max_devices = max(n for points in lines.values() for n, _ in points)
+    max_devices = max(point[0] for points in lines.values() for point in points)
     axes.plot([1, max_devices], [1, max_devices], linestyle="--", color="grey", label="ideal")
     for (workload, strategy, precision, placement, batch), points in sorted(lines.items()):
         # Every line starts at its 1-device baseline (speedup 1 by definition), which a
         # replicated-batch line does not hold itself: its baseline is the sharded 1-device run.
-        if all(n != 1 for n, _ in points):
-            points = [(1, 1.0), *points]
-        devices, speedups = zip(*sorted(points), strict=True)
+        if all(point[0] != 1 for point in points):
+            points = [(1, 1.0, 1.0, 1.0), *points]
+        ordered = sorted(points)
+        devices = [p[0] for p in ordered]
+        speedups = [p[1] for p in ordered]
+        below = [p[1] - p[2] for p in ordered]
+        above = [p[3] - p[1] for p in ordered]
         style = ":" if placement == "replicate" else "-"
-        axes.plot(devices, speedups, marker="o", linestyle=style,
-                  label=f"{workload}, {strategy} {precision}, batch {batch} "
-                        f"{'replicated' if placement == 'replicate' else 'sharded'}")
+        axes.errorbar(devices, speedups, yerr=[below, above], marker="o", linestyle=style,
+                      capsize=4, label=f"{workload}, {strategy} {precision}, batch {batch} "
+                                       f"{'replicated' if placement == 'replicate' else 'sharded'}")
     axes.set_xlabel("devices")
-    axes.set_ylabel("speedup vs 1 device")
+    axes.set_ylabel("speedup vs 1 device (median of rounds, min-max)")
     axes.set_title("Strong scaling (global batch fixed)")
-    axes.set_xticks(sorted({n for points in lines.values() for n, _ in points} | {1}))
+    axes.set_xticks(sorted({point[0] for points in lines.values() for point in points} | {1}))
     axes.set_ylim(bottom=0)
     _legend_outside(axes)
     return figure
@@ -113,8 +121,8 @@ def step_time_figure(results: Sequence[BenchResult]) -> Figure:
 
 
 def memory_figure(results: Sequence[BenchResult]) -> Figure:
-    """Peak and model-state MB per rank for each configuration, with the strategy's expected
-    model state as a black tick where known.
+    """Tensor peak, RSS peak and model-state MB per rank for each configuration, with the
+    strategy's expected model state as a black tick where known.
 
     Example::
 
@@ -122,11 +130,14 @@ def memory_figure(results: Sequence[BenchResult]) -> Figure:
     """
     figure = _new_figure(len(results), legend=True)
     axes = figure.add_subplot()
-    width = 0.4
-    left = [i - width / 2 for i in range(len(results))]
-    right = [i + width / 2 for i in range(len(results))]
+    width = 0.27
+    left = [i - width for i in range(len(results))]
+    middle = list(range(len(results)))
+    right = [i + width for i in range(len(results))]
     axes.bar(left, [r.peak_bytes_per_rank / BYTES_PER_MB for r in results], width,
-             label="peak")
+             label="tensor peak (one step)")
+    axes.bar(middle, [r.peak_rss_bytes_per_rank / BYTES_PER_MB for r in results], width,
+             label="RSS peak (whole process)")
     axes.bar(right, [r.model_state_bytes_per_rank / BYTES_PER_MB for r in results], width,
              label="model state")
     expected = [(x, r.model_state_bytes_expected_per_rank / BYTES_PER_MB)
@@ -156,11 +167,14 @@ def report_figures(results: Sequence[BenchResult]) -> list[ReportFigure]:
     if speedup is not None:
         figures.append(ReportFigure(
             name="speedup", figure=speedup,
-            caption="Speedup against the 1-device run; the dashed line is perfect scaling."))
+            caption="Speedup against the 1-device run of the same run: the median of the rounds' "
+                "ratios, bars from their min to max; the dashed line is perfect scaling."))
     figures.append(ReportFigure(
         name="step_time", figure=step_time_figure(results),
-        caption="Median step time per configuration; bars span p10-p90 of the timed steps."))
+        caption="Median step time per configuration; bars span p10-p90 of the timed steps of "
+                "every round."))
     figures.append(ReportFigure(
         name="memory", figure=memory_figure(results),
-        caption="Peak and model-state memory per rank; ticks mark what the strategy needs."))
+        caption="Tensor peak, process RSS peak and model-state memory per rank; ticks mark the "
+                "model state the strategy needs."))
     return figures

@@ -15,11 +15,12 @@ from rich.text import Text
 from dspark.bench.compare import Comparison
 from dspark.bench.formatting import (
     BYTES_PER_MB,
+    MEMORY_COLUMNS_NOTE,
     RESULT_COLUMNS,
     TEXT_COLUMNS,
     anomaly_kinds,
     format_number,
-    format_ratio,
+    format_speedup,
     result_cells,
 )
 from dspark.bench.html_report import write_html_report
@@ -58,6 +59,7 @@ def render_results_table(results: Sequence[BenchResult], console: Console | None
         # One kind per line keeps the widest column narrow.
         table.add_row(*result_cells(r)[:-1], "\n".join(anomaly_kinds(r)) or "-")
     console.print(table)
+    console.print(Text(MEMORY_COLUMNS_NOTE, style="dim"))
     _print_messages(console, results)
 
 
@@ -77,14 +79,14 @@ def _verdict_line(label: str, result: BenchResult | None) -> Text:
     if result.speedup is None or result.efficiency is None:
         return Text.assemble((f"{label}: ", "bold"), ("healthy", "bold green"),
                              " (no 1-device baseline to compare with)")
-    scaling = f" ({format_ratio(result.speedup)}, efficiency {result.efficiency:.0%})"
+    scaling = f" ({format_speedup(result)}, efficiency {result.efficiency:.0%})"
     return Text.assemble((f"{label}: ", "bold"), ("healthy", "bold green"), scaling)
 
 
 def render_seed_table(results: Sequence[BenchResult], console: Console | None = None) -> None:
     """The seed article's table: per workload, step ms on 1 device, on N with the batch
-    replicated (the bug) and sharded (the fix), and the fixed speedup; then each N-device run's
-    anomaly verdict with the messages.
+    replicated (the bug) and sharded (the fix), and the fixed speedup (the median of the rounds'
+    ratios, with their min-max); then each N-device run's anomaly verdict with the messages.
 
     Example::
 
@@ -108,7 +110,7 @@ def render_seed_table(results: Sequence[BenchResult], console: Console | None = 
     if show_devices:
         table.add_column("devices", justify="right")
     for header in ("1 device", f"{n_label}, bug (batch replicated)",
-                   f"{n_label}, fixed (sharded)", "speedup fixed / 1"):
+                   f"{n_label}, fixed (sharded)", "speedup fixed / 1 (rounds min-max)"):
         table.add_column(header, justify="right")
     verdicts: list[Text] = []
     for group, num_devices in rows:
@@ -118,7 +120,7 @@ def render_seed_table(results: Sequence[BenchResult], console: Console | None = 
         varying = [w for i, w in enumerate(words[groups.index(group)]) if i not in shared]
         name = group[0] + (f" ({', '.join(varying)})" if varying else "")
         cells = [format_number(r.step_ms) if r else "-" for r in (one, bug, fixed)]
-        ratio = format_ratio(one.step_ms / fixed.step_ms) if one and fixed else "-"
+        ratio = format_speedup(fixed) if fixed else "-"
         table.add_row(name, *([str(num_devices)] if show_devices else []), *cells, ratio)
         prefix = f"{name}, {num_devices} devices"
         verdicts += [_verdict_line(f"{prefix}, replicated batch", bug),

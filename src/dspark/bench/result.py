@@ -1,8 +1,10 @@
-"""What one benchmark configuration is, and what its measurement records.
+"""What one benchmark configuration is, and what a run measured for it.
 
-These two dataclasses are the contract between the runner (which measures), the ledger (which keeps
-results, append-only), the analysis (speedup, anomalies) and the reports. ``BenchResult.to_dict``
-gives the JSON object ``dspark bench --json`` writes.
+``BenchConfig`` is what to measure. The ledger keeps raw measurements, one per launch
+(:class:`dspark.bench.measurement.Measurement`); a ``BenchResult`` is one configuration of one run,
+summarised from its rounds when read, and carries the analysis (speedup, anomalies) computed then,
+so a corrected rule reaches old results. ``BenchResult.to_dict`` gives the JSON object
+``dspark bench --json`` writes.
 """
 
 from __future__ import annotations
@@ -10,13 +12,15 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import Any, TypeVar
 
-__all__ = ["BATCH_PLACEMENTS", "BenchConfig", "BenchResult", "ConfigKey"]
+__all__ = ["BATCH_PLACEMENTS", "BenchConfig", "BenchResult", "ConfigKey", "Recorded"]
 
 BATCH_PLACEMENTS = ("shard", "replicate")
 
 ConfigKey = tuple[str, int, str, str, str, int]
+
+_R = TypeVar("_R", bound="Recorded")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -66,49 +70,11 @@ class BenchConfig:
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
-@dataclass(kw_only=True, slots=True)
-class BenchResult:
-    """One measured configuration. Every key of the JSON output is a field here."""
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Recorded:
+    """Where a figure came from (see :mod:`dspark.bench.provenance`), and the JSON round trip
+    shared by raw measurements and results."""
 
-    # what ran
-    workload: str
-    num_devices: int
-    strategy: str
-    precision: str
-    batch_placement: str
-    global_batch: int
-    # time
-    step_ms: float
-    """Median step time (the slowest rank's, devices synchronised)."""
-    step_ms_p10: float
-    step_ms_p90: float
-    samples_per_s: float
-    # memory
-    peak_bytes_per_rank: int
-    """GPU: allocator peak. CPU: tensor bytes the rank held at its peak, measured."""
-    model_state_bytes_per_rank: int
-    """Parameters + gradients + optimizer state this rank held (measured from the tensors)."""
-    # what the runner saw
-    local_batch: int
-    """Samples each rank actually processed per step (global / N when sharded)."""
-    model_state_bytes_expected_per_rank: int = 0
-    """What the strategy should hold for parameters + gradients + optimizer state (ZeRO formulas)."""
-    model_state_parts: dict[str, list[int]] = field(default_factory=dict)
-    """``{"params" | "grads" | "optimizer": [bytes held, bytes the strategy needs]}`` on the rank
-    holding the most model state: which tensors exceed the formula when the total does."""
-    replicated_inputs: list[str] = field(default_factory=list)
-    """Batch tensors each rank held whole although num_devices > 1 (e.g. ``"batch[0]"``)."""
-    comm_bytes_per_step: int = 0
-    """Collective payload bytes one rank sent per step (from the comm layer's counters)."""
-    comm_wire_bytes_per_step: int = 0
-    """The same traffic as a ring algorithm puts it on the wire (for the cost model)."""
-    bus_bytes_per_s: float = 0.0
-    """Collective bandwidth measured on the spot (wire bytes / s of a large all-reduce; 0 with one device)."""
-    # scaling, filled by the analysis against the 1-device run
-    speedup: float | None = None
-    efficiency: float | None = None
-    anomalies: list[dict[str, Any]] = field(default_factory=list)
-    # provenance
     git_commit: str = ""
     git_dirty: bool = False
     dspark_version: str = ""
@@ -119,7 +85,110 @@ class BenchResult:
     backend: str = ""
     config_hash: str = ""
     timestamp: str = ""
-    """UTC, ISO 8601."""
+    """UTC, ISO 8601 (of the first round, for a result)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls: type[_R], data: dict[str, Any]) -> _R:
+        """The value of ``data``'s known keys (unknown ones, e.g. from a newer DSpark, are dropped)."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BenchResult(Recorded):
+    """One configuration measured in one run: its rounds' raw figures, summarised, plus the analysis
+    (speedup, anomalies) computed when it is read (see :mod:`dspark.bench.analysis`). Every key of
+    the JSON output is a field here."""
+
+    # what ran
+    workload: str
+    num_devices: int
+    strategy: str
+    precision: str
+    batch_placement: str
+    global_batch: int
+    # time
+    step_ms: float
+    """Median of every timed step of every round (a step's time is its slowest rank's)."""
+    step_ms_p10: float
+    step_ms_p90: float
+    samples_per_s: float
+    """``global_batch`` over the median step."""
+    # memory
+    peak_bytes_per_rank: int
+    """GPU: allocator peak. CPU: tensor bytes the rank held at its peak during one training step
+    (storages Python reaches, plus the allocations the profiler saw); not C++-only buffers."""
+    model_state_bytes_per_rank: int
+    """Parameters + gradients + optimizer state the heaviest rank held, found by walking what the
+    module and the optimizer reference (see :mod:`dspark.bench.state_bytes`)."""
+    local_batch: int
+    """The most samples any rank's model received per step (measured by the batch probe)."""
+    result_id: str = ""
+    """``<run id>/<config hash>``: what an N-device result names as its baseline."""
+    rounds: int = 1
+    """Launches of this configuration in the run, interleaved with its baseline's."""
+    round_indices: list[int] = field(default_factory=list)
+    step_ms_by_round: list[list[float]] = field(default_factory=list)
+    """Every timed step (the slowest rank's), per round: the raw samples."""
+    round_step_ms: list[float] = field(default_factory=list)
+    """The median step of each round."""
+    peak_rss_bytes_per_rank: int = 0
+    """The largest peak resident memory of a rank's process: everything it touched, C++ and the
+    PyTorch libraries included (the span is ``rss_scope``)."""
+    rss_scope: str = ""
+    model_state_bytes_expected_per_rank: int = 0
+    """What the strategy should hold for parameters + gradients + optimizer state (ZeRO formulas),
+    on the rank that held the most."""
+    model_state_parts: dict[str, list[int]] = field(default_factory=dict)
+    """``{"params" | "grads" | "optimizer": [bytes held, bytes the strategy needs]}`` on the rank
+    holding the most model state."""
+    buffer_bytes_per_rank: int = 0
+    """Module buffers (never sharded), beside the model state."""
+    batch_inspected: bool = False
+    """Whether the batch probe ran (it does in the first round of a configuration)."""
+    samples_by_rank: list[int] = field(default_factory=list)
+    """Samples each rank's model received per step."""
+    identical_input_ranks: list[list[int]] = field(default_factory=list)
+    """Pairs of ranks whose models received the same batch."""
+    replicated_modules: list[str] = field(default_factory=list)
+    """Modules that received the same batch-derived input on two ranks whose model inputs
+    differed: a replication inside the model's code."""
+    replicated_module_count: int = 0
+    core_foreign_share_by_round: list[float | None] = field(default_factory=list)
+    """Per round, the largest share of a rank's timed window its core spent on other processes
+    (or stolen by the hypervisor); None where the kernel's counters are unavailable."""
+    machine_foreign_cores_by_round: list[float | None] = field(default_factory=list)
+    """Per round, cores' worth of other processes' work on the whole machine during the window."""
+    threads_unpinned: int = 0
+    """Threads of a rank that were not pinned to its core (0 when every thread was)."""
+    ranks_pinned: bool = False
+    comm_bytes_per_step: int | None = None
+    """Collective payload bytes one rank sent per step, counted by DSpark's comm layer; None when
+    not measured (PyTorch's peers bypass the counters)."""
+    comm_wire_bytes_per_step: int | None = None
+    """The same traffic as a ring algorithm puts it on the wire (for the cost model)."""
+    estimated_comm_bytes_per_step: int | None = None
+    """Peers only: the payload their algorithm implies, ESTIMATED from the parameter sizes."""
+    estimated_comm_wire_bytes_per_step: int | None = None
+    bus_bytes_per_s: float = 0.0
+    """Collective bandwidth measured on the spot (median over rounds; 0 with one device)."""
+    buffer_sync: str = ""
+    """How module buffers were kept equal across ranks (the same policy for DSpark and DDP)."""
+    engine_options: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments the engine was built with beyond the configuration."""
+    # scaling, computed when read (see dspark.bench.analysis)
+    speedup: float | None = None
+    """Median over rounds of (baseline round median / this round median)."""
+    speedup_min: float | None = None
+    speedup_max: float | None = None
+    round_speedups: list[float] = field(default_factory=list)
+    efficiency: float | None = None
+    baseline_result_id: str | None = None
+    """The 1-device result of the same run the speedup is against (None: no speedup)."""
+    anomalies: list[dict[str, Any]] = field(default_factory=list)
     run_id: str = ""
     """The ``dspark bench`` invocation that produced it."""
     warmup_steps: int = 0
@@ -133,13 +202,15 @@ class BenchResult:
     def baseline_key(self) -> ConfigKey:
         return _baseline_key(self)
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> BenchResult:
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in names})
+    @property
+    def config(self) -> BenchConfig:
+        """The configuration that produced this result (step counts included)."""
+        steps = ({"warmup_steps": self.warmup_steps, "measure_steps": self.measure_steps}
+                 if self.measure_steps > 0 else {})
+        return BenchConfig(workload=self.workload, num_devices=self.num_devices,
+                           strategy=self.strategy, precision=self.precision,
+                           batch_placement=self.batch_placement, global_batch=self.global_batch,
+                           **steps)
 
 
 def _key(item: BenchConfig | BenchResult) -> ConfigKey:

@@ -1,32 +1,27 @@
-"""Running a suite: each configuration in fresh worker processes, then analysis and the ledger.
+"""Running a suite: rounds of fresh worker launches, each measurement appended to the ledger the
+moment it is measured, then the analysis of what the run recorded.
 
-Every configuration gets its own job through :mod:`dspark.launcher` (PyTorch's launcher
-underneath): one process per device, so no state (allocator caches, process groups, warm
-kernels) leaks from one measurement into the next. A configuration that fails is reported with
-the tail of its stderr and recorded nowhere; the others still run.
-
-[Note: a busy machine] On CPU one device is one core, so any other process that runs during a
-measurement steals time from a rank and the step times lie. The runner counts the CPU time the
-whole machine spent while a configuration ran (``/proc/stat``) minus what this process and its
-workers spent (``getrusage``); when other processes kept more than a small share of the cores
-busy, the result carries a ``busy_machine`` anomaly instead of passing as a clean measurement.
+Every launch gets its own job through :mod:`dspark.launcher` (PyTorch's launcher underneath): one
+process per device, so no state (allocator caches, process groups, warm kernels) leaks from one
+measurement into the next. The launches of a configuration alternate with its 1-device baseline's
+(see [Note: rounds] in :mod:`dspark.bench.measurement`), so a slow spell of the machine hits both
+sides of a speedup. A configuration that fails is reported with the tail of its stderr and not
+launched again; what its earlier rounds measured stays recorded, as does everything else: a suite
+that dies half-way keeps every finished measurement in the ledger.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import json
 import logging
-import os
-import resource
 import secrets
 import tempfile
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 from rich.console import Console
 from rich.progress import (
@@ -40,13 +35,14 @@ from rich.progress import (
 
 from dspark.bench.analysis import annotate
 from dspark.bench.ledger import Ledger
-from dspark.bench.result import BenchConfig, BenchResult
+from dspark.bench.measurement import Measurement
+from dspark.bench.result import BenchConfig, BenchResult, ConfigKey
 from dspark.bench.worker import error_path
 from dspark.errors import DSparkError
 from dspark.launcher import LaunchSpec, launch
 
-__all__ = ["BUSY_CORES_BASE", "BUSY_CORES_PER_CORE", "BenchRunError", "RunFailure",
-           "busy_machine_anomalies", "describe_config", "new_run_id", "run_in_workers", "run_suite"]
+__all__ = ["DEFAULT_ROUNDS", "BenchRunError", "RunFailure", "describe_config", "interleaved_plan",
+           "new_run_id", "run_in_workers", "run_suite"]
 
 _log = logging.getLogger(__name__)
 
@@ -55,10 +51,9 @@ _STDERR_TAIL_LINES = 25
 # Lines PyTorch's profiler (kineto) writes on every start and stop; they bury a real error.
 _NOISE_PREFIXES = ("USDT:",)
 
-BUSY_CORES_BASE = 0.15
-BUSY_CORES_PER_CORE = 0.05
-"""Other processes may keep ``BASE + PER_CORE * cores`` cores busy (0.25 of a 2-core box)
-before a result is flagged: background daemons are normal on big machines, not on small ones."""
+DEFAULT_ROUNDS = 3
+"""Launches per configuration in a run, alternating with its baseline's (at least 3, so the median
+of the per-round speedups is not one ratio)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -110,70 +105,48 @@ def _tail(text: str, lines: int = _STDERR_TAIL_LINES) -> str:
     return "\n".join(kept[-lines:])
 
 
-def busy_machine_anomalies(foreign_cores: float, num_cores: int) -> list[dict[str, Any]]:
-    """A ``busy_machine`` anomaly when other processes kept ``foreign_cores`` cores busy on
-    average during a measurement, more than the allowance (see :data:`BUSY_CORES_BASE`).
+def interleaved_plan(configs: Sequence[BenchConfig], rounds: int) -> list[tuple[int, BenchConfig]]:
+    """``(round, configuration)`` in launch order: per round, each 1-device baseline beside the
+    configurations measured against it, the baseline first in even rounds and last in odd ones.
 
     Example::
 
-        busy_machine_anomalies(0.9, num_cores=2)   # [{"kind": "busy_machine", ...}]
-        busy_machine_anomalies(0.05, num_cores=2)  # []
+        interleaved_plan([one, two], 3)   # [(0, one), (0, two), (1, two), (1, one), (2, one), (2, two)]
     """
-    allowed = BUSY_CORES_BASE + BUSY_CORES_PER_CORE * num_cores
-    if foreign_cores <= allowed:
-        return []
-    return [{"kind": "busy_machine",
-             "message": (f"other processes kept {foreign_cores:.2f} of the machine's {num_cores} "
-                         f"cores busy while this configuration ran (more than the {allowed:.2f} "
-                         "allowed; its own workers are not counted): they took time from the "
-                         "ranks, so the step times are not trustworthy; re-run it on a quiet "
-                         "machine"),
-             "foreign_cores": round(foreign_cores, 3), "num_cpu_cores": num_cores}]
+    if rounds < 1:
+        raise ValueError(f"rounds={rounds} must be >= 1")
+    groups: dict[ConfigKey, list[BenchConfig]] = {}
+    for config in dict.fromkeys(configs):  # each configuration once, in suite order
+        group = groups.setdefault(config.baseline_key, [])
+        if config.key == config.baseline_key:
+            group.insert(0, config)
+        else:
+            group.append(config)
+    plan = []
+    for index in range(rounds):
+        for group in groups.values():
+            plan += [(index, config) for config in (group if index % 2 == 0 else reversed(group))]
+    return plan
 
 
-def _cpu_seconds() -> tuple[float, float] | None:
-    """(CPU seconds the whole machine has been busy, CPU seconds of this process and its
-    reaped descendants), or None where ``/proc/stat`` does not exist."""
-    try:
-        with open("/proc/stat") as handle:
-            fields = [int(v) for v in handle.readline().split()[1:9]]
-    except (OSError, ValueError):
-        return None
-    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
-    busy_s = (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
-    ours = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
-    return busy_s, sum(r.ru_utime + r.ru_stime for r in ours)
-
-
-def _measured_with_load(config: BenchConfig) -> BenchResult | RunFailure:
-    before, start = _cpu_seconds(), time.monotonic()
-    outcome = run_in_workers(config)
-    after, wall_s = _cpu_seconds(), time.monotonic() - start
-    # Under a second the counters' 10 ms ticks are too coarse to tell anything.
-    if isinstance(outcome, BenchResult) and before and after and wall_s >= 1.0:
-        foreign_cores = ((after[0] - before[0]) - (after[1] - before[1])) / wall_s
-        _log.info("%s: other processes kept %.2f cores busy", describe_config(config),
-                  foreign_cores)
-        outcome.anomalies = [*outcome.anomalies,
-                             *busy_machine_anomalies(foreign_cores, os.cpu_count() or 1)]
-    return outcome
-
-
-def run_in_workers(config: BenchConfig) -> BenchResult | RunFailure:
-    """Measure one configuration in ``config.num_devices`` fresh worker processes.
+def run_in_workers(config: BenchConfig, *, round_index: int = 0,
+                   probe: bool = True) -> Measurement | RunFailure:
+    """Measure one round of a configuration in ``config.num_devices`` fresh worker processes;
+    ``probe`` adds the batch probe and the memory measurement (a configuration's first round).
 
     Example::
 
         outcome = run_in_workers(BenchConfig(workload="gpt2-cpu", num_devices=2, global_batch=4))
-        isinstance(outcome, BenchResult)   # False when the workers failed: a RunFailure
+        isinstance(outcome, Measurement)   # False when the workers failed: a RunFailure
     """
     with tempfile.TemporaryDirectory(prefix="dspark-bench-") as tmp:
-        out = Path(tmp) / "result.json"
-        spec = LaunchSpec(target=_WORKER_MODULE, module=True, nproc=config.num_devices,
-                          args=("--config", json.dumps(asdict(config)), "--out", str(out)))
+        out = Path(tmp) / "measurement.json"
+        args = ("--config", json.dumps(asdict(config)), "--out", str(out),
+                "--round", str(round_index), *(("--probe",) if probe else ()))
+        spec = LaunchSpec(target=_WORKER_MODULE, module=True, nproc=config.num_devices, args=args)
         done = launch(spec, capture=True)
         if done.returncode == 0 and out.is_file():
-            return BenchResult.from_dict(json.loads(out.read_text()))
+            return Measurement.from_dict(json.loads(out.read_text()))
         # The first rank to fail holds the cause; the others often fail on its absence.
         errors = sorted((path for rank in range(config.num_devices)
                          if (path := error_path(out, rank)).is_file()),
@@ -201,15 +174,17 @@ def _open_ledger(db: Ledger | str | Path) -> Iterator[Ledger]:
         yield ledger
 
 
-def run_suite(configs: Sequence[BenchConfig], *, db: Ledger | str | Path, progress: bool = True,
-              run_id: str | None = None, console: Console | None = None,
+def run_suite(configs: Sequence[BenchConfig], *, db: Ledger | str | Path,
+              rounds: int = DEFAULT_ROUNDS, progress: bool = True, run_id: str | None = None,
+              console: Console | None = None,
               failures: list[RunFailure] | None = None) -> list[BenchResult]:
-    """Measure each configuration in fresh workers, annotate (speedup, anomalies) against this
-    run and the ledger's history, append to the ledger ``db``, and return the results.
+    """Measure each configuration ``rounds`` times in fresh workers, interleaved with its baseline
+    (:func:`interleaved_plan`), append every measurement to the ledger ``db`` as soon as it is
+    taken, and return this run's results, annotated against the ledger's history.
 
-    A failed configuration is logged with its stderr tail and left out. Pass a ``failures`` list
-    to receive them; without one, :class:`BenchRunError` is raised after the others were
-    recorded, so a failure is never silent.
+    A configuration that fails is logged with its stderr tail and not launched again. Pass a
+    ``failures`` list to receive them; without one, :class:`BenchRunError` is raised after the
+    rest was recorded, so a failure is never silent.
 
     Example::
 
@@ -218,33 +193,32 @@ def run_suite(configs: Sequence[BenchConfig], *, db: Ledger | str | Path, progre
     """
     if not configs:
         raise ValueError("configs=[] is empty: there is nothing to run")
+    plan = interleaved_plan(configs, rounds)
     run_id = run_id or new_run_id()
-    measured: list[BenchResult] = []
-    failed: list[RunFailure] = []
-    with _progress_bar(progress, console) as bar:
-        task = bar.add_task("starting", total=len(configs), left="")
-        for index, config in enumerate(configs):
-            label = describe_config(config)
-            bar.update(task, description=f"[bold]{label}[/bold]",
-                       left=f"{len(configs) - index - 1} left")
+    failed: dict[BenchConfig, RunFailure] = {}
+    probed: set[BenchConfig] = set()
+    with _open_ledger(db) as ledger, _progress_bar(progress, console) as bar:
+        task = bar.add_task("starting", total=len(plan), left="")
+        for index, (round_index, config) in enumerate(plan):
+            label = f"{describe_config(config)}, round {round_index + 1}/{rounds}"
+            bar.update(task, description=f"[bold]{label}[/bold]", left=f"{len(plan) - index - 1} left")
+            if config in failed:
+                bar.advance(task)
+                continue
             _log.info("run %s: measuring %s", run_id, label)
-            outcome = _measured_with_load(config)
+            outcome = run_in_workers(config, round_index=round_index, probe=config not in probed)
             if isinstance(outcome, RunFailure):
                 _log.error("%s failed (exit code %d); the end of its error output:\n%s",
                            label, outcome.exit_code, outcome.stderr_tail)
-                failed.append(outcome)
+                failed[config] = outcome
             else:
-                outcome.run_id = run_id
-                measured.append(outcome)
+                ledger.append(dataclasses.replace(outcome, run_id=run_id))
+                probed.add(config)
             bar.advance(task)
-        bar.update(task, description=f"done: {len(measured)} measured, {len(failed)} failed",
-                   left="")
-    with _open_ledger(db) as ledger:
-        results = annotate(measured, history=ledger) if measured else []
-        if results:
-            ledger.append(results)
+        bar.update(task, description=f"done: {len(probed)} measured, {len(failed)} failed", left="")
+        results = annotate(ledger.results(run_id=run_id), history=ledger)
     if failures is not None:
-        failures.extend(failed)
+        failures.extend(failed.values())
     elif failed:
-        raise BenchRunError(failed)
+        raise BenchRunError(list(failed.values()))
     return results

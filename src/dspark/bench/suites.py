@@ -27,7 +27,7 @@ from dspark.bench.peers import PEERS
 from dspark.bench.result import BenchConfig
 from dspark.engine.policy import PRECISIONS, STRATEGIES
 
-__all__ = ["SUITES", "Machine", "SuiteOverrides", "build_suite"]
+__all__ = ["SUITES", "Machine", "SuiteOverrides", "build_suite", "check_devices"]
 
 SUITES = ("quick", "seed", "peers", "full")
 
@@ -36,12 +36,14 @@ _log = logging.getLogger(__name__)
 _CPU_WORKLOADS = ("resnet50-cpu", "gpt2-cpu")
 _GPU_WORKLOADS = ("resnet50", "gpt2-124m")
 _DEFAULT_STRATEGY = "replicate"
-# (warm-up, measured) steps. CPU steps take ~0.3-1 s, so a handful keeps `quick` to minutes;
-# GPU steps are short and noisier, so they get more of both.
-_CPU_STEPS = (2, 8)
+# (warm-up, measured) steps per launch; a run launches each configuration in 3 rounds (see
+# dspark.bench.runner), so a result has 3x the timed steps. CPU steps take ~0.2-0.6 s and a launch
+# costs ~4 s of start-up, so `quick` (12 launches) stays under 2 minutes on 2 cores. The first round
+# runs 2 untimed probe steps, which count as its warm-up.
+_CPU_STEPS = (2, 5)
 # The seed table compares runs a few percent apart (a replicated batch on CPU costs each rank the
-# whole compute plus the all-reduce): more steps narrow the median's noise.
-_CPU_SEED_STEPS = (3, 12)
+# whole compute plus the all-reduce): a step more per launch narrows the medians.
+_CPU_SEED_STEPS = (2, 6)
 _GPU_STEPS = (5, 20)
 
 
@@ -100,7 +102,13 @@ def _valid(kind: str, values: Sequence[str], valid: Sequence[str]) -> None:
         raise ValueError(f"unknown {kind} {', '.join(map(repr, unknown))}; valid: {', '.join(valid)}")
 
 
-def _check_devices(devices: Sequence[int], machine: Machine) -> None:
+def check_devices(devices: Sequence[int], machine: Machine) -> None:
+    """Refuse device counts this machine does not have (on CPU one device is one core).
+
+    Example::
+
+        check_devices([1, 2], Machine.detect())   # ValueError on a 1-core machine
+    """
     bad = [d for d in devices if isinstance(d, bool) or not isinstance(d, int) or d < 1]
     if bad:
         raise ValueError(f"devices={list(devices)!r}: every device count must be an int >= 1")
@@ -161,7 +169,7 @@ def build_suite(name: str = "quick", overrides: SuiteOverrides | None = None, *,
     _valid("strategy", strategies, (*STRATEGIES, *PEERS))
     if overrides.precision is not None:
         _valid("precision", (overrides.precision,), tuple(PRECISIONS))
-    _check_devices(devices, machine)
+    check_devices(devices, machine)
     warmup, measure = (_GPU_STEPS if machine.num_gpus
                        else _CPU_SEED_STEPS if name == "seed" else _CPU_STEPS)
     steps = {"warmup_steps": warmup if overrides.warmup_steps is None else overrides.warmup_steps,

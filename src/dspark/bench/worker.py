@@ -1,11 +1,23 @@
-"""One benchmark configuration, measured: the program every rank runs.
+"""One launch of one benchmark configuration (a *round*), measured: the program every rank runs.
 
-``python -m dspark.bench.worker --config JSON --out PATH`` is started by the runner through the
-launcher (one process per rank). Each rank builds the same model from the same seed, makes the
-same global batch each step and keeps its slice of it (or all of it: ``batch_placement ==
-"replicate"`` is the seed's bug, chosen on purpose). Warm-up steps are discarded; each timed step
-starts after a barrier, and its time is the slowest rank's. Rank 0 writes one
-:class:`~dspark.bench.result.BenchResult` as JSON to ``PATH``.
+``python -m dspark.bench.worker --config JSON --out PATH --round R [--probe]`` is started by the
+runner through the launcher (one process per rank). Each rank builds the same model from the same
+seed, makes the same global batch each step and keeps its slice of it (or all of it:
+``batch_placement == "replicate"`` is the seed's bug, chosen on purpose). Rank 0 writes one
+:class:`~dspark.bench.measurement.Measurement` as JSON to ``PATH``.
+
+A launch, in order:
+
+1. pin every thread to the rank's core (before ``dspark.init()``, and again once the engine exists;
+   see [Note: pinning every thread] in :mod:`dspark.bench.cpu_load`);
+2. with ``--probe`` (a configuration's first round): two untimed steps under the batch probe
+   (what each rank's model received, see :mod:`dspark.bench.batch_probe`), the second one reading
+   the model state held between backward and optimizer step (:mod:`dspark.bench.state_bytes`);
+3. the remaining warm-up steps;
+4. the timed steps, with the garbage collector off and the load on each rank's core read over
+   exactly this window; each step starts after a barrier;
+5. with ``--probe``: the peak resident memory of the warm-up and timed steps, then the tensor peak
+   of one more step (:mod:`dspark.bench.memory`).
 
 [Note: what a step's time covers] forward, loss, backward and the optimizer step, with their
 collectives. Making the synthetic batch and slicing it stand for a data loader and are outside the
@@ -27,53 +39,37 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 import dspark
 from dspark import comm
-from dspark.bench.memory import measure_peak_bytes
-from dspark.bench.peers import make_engine
+from dspark.bench.batch_probe import BatchInspection, inspect_batches
+from dspark.bench.cpu_load import (
+    RankLoad,
+    core_for_rank,
+    cpu_snapshot,
+    pin_all_threads,
+    thread_ids,
+    window_load,
+)
+from dspark.bench.measurement import Measurement
+from dspark.bench.memory import measure_peak_bytes, peak_rss_bytes, reset_peak_rss
+from dspark.bench.peers import PEERS, buffer_sync, dspark_engine_options, make_engine
 from dspark.bench.provenance import collect_provenance
-from dspark.bench.result import BenchConfig, BenchResult
+from dspark.bench.result import BenchConfig
+from dspark.bench.state_bytes import expected_model_state, held_model_state, param_specs
 
-__all__ = ["bus_bytes_per_s", "error_path", "main", "replicated_inputs", "run_config",
-           "step_time_summary"]
+__all__ = ["PROBE_STEPS", "bus_bytes_per_s", "error_path", "main", "run_config"]
 
 _MODEL_SEED = 0
 _LEARNING_RATE = 3e-4
 _BUS_PROBE_BYTES = 16 * 2**20
 """Large enough that a ring all-reduce is bandwidth-bound, small enough to take milliseconds."""
 _BUS_PROBE_REPEATS = 3
-_STATE_PARTS = ("params", "grads", "optimizer")
+PROBE_STEPS = 2
+"""Untimed steps of the batch probe; they count as warm-up steps."""
 
 Batch = tuple[torch.Tensor, ...]
-
-
-def step_time_summary(step_ms: Sequence[float]) -> tuple[float, float, float]:
-    """``(median, p10, p90)`` of step times, linearly interpolated between steps.
-
-    Example::
-
-        step_time_summary([10.0, 12.0, 11.0])   # (11.0, 10.2, 11.8)
-    """
-    if not step_ms:
-        raise ValueError("step_ms=[] holds no timed step; measure_steps must be >= 1")
-    median, p10, p90 = np.percentile(np.asarray(step_ms, dtype=np.float64), [50, 10, 90])
-    return float(median), float(p10), float(p90)
-
-
-def replicated_inputs(global_batch: Batch, local_batch: Batch, num_ranks: int) -> list[str]:
-    """Names (``"batch[i]"``) of the tensors this rank holds whole although ``num_ranks > 1``.
-
-    Example::
-
-        replicated_inputs((x, y), (x, y), num_ranks=2)   # ["batch[0]", "batch[1]"]
-    """
-    if num_ranks <= 1:
-        return []
-    return [f"batch[{index}]" for index, (whole, held) in enumerate(zip(global_batch, local_batch, strict=True))
-            if held.numel() == whole.numel()]
 
 
 def _own(tensor: torch.Tensor) -> torch.Tensor:
@@ -113,13 +109,6 @@ def bus_bytes_per_s(device: torch.device, num_ranks: int) -> float:
     return wire_bytes / float(elapsed_s.item())
 
 
-def _pin_to_core(local_rank: int, local_world_size: int) -> None:
-    # One device is one core on CPU: without pinning, ranks and their gloo threads migrate.
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    if len(cores) >= local_world_size:
-        os.sched_setaffinity(0, {cores[local_rank]})
-
-
 class _Trainer:
     """The model, engine and data of one configuration on this rank."""
 
@@ -130,34 +119,44 @@ class _Trainer:
         self.world = world
         self.workload = get_workload(config.workload)
         model = self.workload.build_model(seed=_MODEL_SEED, device=world.device)
+        self.specs = param_specs(model)  # before the engine shards the parameters in place
+        self.options = ({} if config.strategy in PEERS else
+                        dspark_engine_options(batch_placement=config.batch_placement))
         self.engine: Any = make_engine(config.strategy, model, world, lr=_LEARNING_RATE,
-                                       precision=config.precision)
+                                       precision=config.precision, options=self.options)
         self.shard_dim: Any = 0 if config.batch_placement == "shard" else dspark.REPLICATE
-        self.local_batch = 0
-        """Samples this rank got in the last batch."""
-        self.replicated: list[str] = []
-        """Batch tensors this rank held whole in the last batch (with more than one rank)."""
 
     def batch(self, step: int) -> Batch:
         """This rank's part of step ``step``'s global batch (the same on every rank)."""
         whole = self.workload.make_batch(self.config.global_batch, seed=step, device=self.world.device)
-        held = tuple(_own(t) for t in dspark.distribute_batch(whole, shard_dim=self.shard_dim))
-        self.replicated = replicated_inputs(whole, held, self.world.world_size)
-        self.local_batch = int(held[0].shape[0])
-        return held
+        return tuple(_own(t) for t in dspark.distribute_batch(whole, shard_dim=self.shard_dim))
+
+    def _live(self) -> Any:
+        if self.engine is None:
+            raise AssertionError("_Trainer used after close()")
+        return self.engine
+
+    def forward_backward(self, batch: Batch) -> None:
+        inputs, targets = batch
+        engine = self._live()
+        engine.backward(self.workload.loss(engine(inputs), targets))
+
+    def optimizer_step(self) -> None:
+        self._live().step()
 
     def step(self, batch: Batch) -> None:
         """Forward, loss, backward, optimizer step."""
-        if self.engine is None:
-            raise AssertionError("_Trainer.step after close()")
-        inputs, targets = batch
-        self.engine.backward(self.workload.loss(self.engine(inputs), targets))
-        self.engine.step()
+        self.forward_backward(batch)
+        self.optimizer_step()
 
-    def memory_report(self) -> dict[str, int | str]:
-        if self.engine is None:
-            raise AssertionError("_Trainer.memory_report after close()")
-        return self.engine.memory_report()
+    def held_state(self) -> dict[str, int]:
+        engine = self._live()
+        return held_model_state(engine.module, engine.optimizer)
+
+    def expected_state(self) -> dict[str, int]:
+        return expected_model_state(self.specs, PEERS.get(self.config.strategy, self.config.strategy),
+                                    self._live().optimizer, rank=self.world.rank,
+                                    num_ranks=self.world.world_size)
 
     def close(self) -> None:
         """Drop the engine and model: nothing may hold the process group at shutdown."""
@@ -166,28 +165,53 @@ class _Trainer:
         self.engine = None
 
 
-def _timed_steps(trainer: _Trainer, first_step: int, num_steps: int) -> list[float]:
+def _probe(trainer: _Trainer, first_step: int) -> tuple[BatchInspection, dict[str, int],
+                                                        dict[str, int]]:
+    held: dict[str, int] = {}
+
+    def second() -> None:
+        trainer.forward_backward(trainer.batch(first_step + 1))
+        held.update(trainer.held_state())  # gradients are held between backward and step
+        trainer.optimizer_step()
+
+    inspection = inspect_batches(trainer._live().module,
+                                 [lambda: trainer.step(trainer.batch(first_step)), second],
+                                 comm.all_gather_object)
+    return inspection, held, trainer.expected_state()
+
+
+def _timed_steps(trainer: _Trainer, first_step: int, num_steps: int, *, core: int | None,
+                 threads: tuple[int, int]) -> tuple[list[float], RankLoad]:
     device = trainer.world.device
     step_ms = []
-    for step in range(first_step, first_step + num_steps):
-        batch = trainer.batch(step)
-        comm.barrier()  # every rank starts the step together
-        _synchronize(device)
-        start = time.perf_counter()
-        trainer.step(batch)
-        _synchronize(device)
-        step_ms.append((time.perf_counter() - start) * 1e3)
-    return step_ms
+    gc.collect()
+    gc.disable()  # a collection inside a timed step would be charged to the step
+    try:
+        before = cpu_snapshot(core)
+        for step in range(first_step, first_step + num_steps):
+            batch = trainer.batch(step)
+            comm.barrier()  # every rank starts the step together
+            _synchronize(device)
+            start = time.perf_counter()
+            trainer.step(batch)
+            _synchronize(device)
+            step_ms.append((time.perf_counter() - start) * 1e3)
+        after = cpu_snapshot(core)
+    finally:
+        gc.enable()
+    return step_ms, window_load(before, after, rank=trainer.world.rank, core=core, threads=threads)
 
 
-def run_config(config: BenchConfig) -> BenchResult:
-    """Measure ``config`` on the current world (call after :func:`dspark.init`); every rank gets
-    the same result.
+def run_config(config: BenchConfig, *, round_index: int = 0, probe: bool = True,
+               core: int | None = None) -> Measurement:
+    """Measure one round of ``config`` on the current world (call after :func:`dspark.init`);
+    every rank gets the same measurement. ``core`` is the core this rank is pinned to (its
+    threads are pinned to it again once the engine exists); None leaves threads where they are.
 
     Example::
 
         dspark.init()
-        result = run_config(BenchConfig(workload="gpt2-cpu", num_devices=2, global_batch=4))
+        m = run_config(BenchConfig(workload="gpt2-cpu", num_devices=2, global_batch=4))
     """
     world = dspark.get_world()
     if world.world_size != config.num_devices:
@@ -195,54 +219,59 @@ def run_config(config: BenchConfig) -> BenchResult:
                          f"world_size={world.world_size} ranks; launch one rank per device")
     device = world.device
     trainer = _Trainer(config, world)
+    threads = pin_all_threads(core) if core is not None else (len(thread_ids()), 0)
+    mine: dict[str, Any] = {"held": {}, "expected": {}, "tensor_peak": 0, "rss_peak": 0}
+    inspection: BatchInspection | None = None
+    rss_scope = ""
     try:
         bus_rate = bus_bytes_per_s(device, world.world_size)
-        for step in range(config.warmup_steps):
+        step = 0
+        if probe:
+            inspection, mine["held"], mine["expected"] = _probe(trainer, step)
+            step += PROBE_STEPS
+        for _ in range(max(0, config.warmup_steps - (PROBE_STEPS if probe else 0))):
             trainer.step(trainer.batch(step))
+            step += 1
+        if probe:
+            rss_scope = "training steps" if reset_peak_rss() else "process lifetime"
         comm.reset_stats()
-        local_step_ms = _timed_steps(trainer, config.warmup_steps, config.measure_steps)
-        traffic = comm.stats()  # read before the reductions below add their own bytes
+        mine["step_ms"], load = _timed_steps(trainer, step, config.measure_steps, core=core,
+                                             threads=threads)
+        traffic = comm.stats()  # read before the exchanges below add their own bytes
+        mine["load"] = asdict(load)
+        step += config.measure_steps
+        if probe:
+            mine["rss_peak"] = peak_rss_bytes()
+            peak_batch = trainer.batch(step)
+            mine["tensor_peak"] = measure_peak_bytes(lambda: trainer.step(peak_batch), device)
         estimate = getattr(trainer.engine, "estimated_traffic_per_step", None)
-        if estimate is not None:  # a PyTorch peer: its collectives bypass DSpark's counters
-            payload, wire = estimate()
-            traffic = {"estimated": comm.CollectiveStats(config.measure_steps,
-                                                         payload * config.measure_steps,
-                                                         wire * config.measure_steps)}
-        memory = trainer.memory_report()
-        peak_batch = trainer.batch(config.warmup_steps + config.measure_steps)
-        peak_bytes = measure_peak_bytes(lambda: trainer.step(peak_batch), device)
+        estimated = estimate() if estimate is not None else None
+        options = dict(trainer.options)
     finally:
         trainer.close()
 
-    # Per step, the slowest rank's time; per rank figures, the largest.
-    step_ms = torch.tensor(local_step_ms, dtype=torch.float64, device=device)
-    comm.all_reduce(step_ms, op="max")
-    per_rank = torch.tensor([peak_bytes, int(memory["total_bytes"]),
-                             int(memory["total_bytes_expected"])], dtype=torch.int64, device=device)
-    comm.all_reduce(per_rank, op="max")
-    peak_max, state_max, state_expected_max = (int(v) for v in per_rank.tolist())
-    parts = {part: [int(memory[f"{part}_bytes"]), int(memory[f"{part}_bytes_expected"])]
-             for part in _STATE_PARTS}
-    # the parts of the rank that holds the most model state (every rank asks; all get one answer)
-    owner = torch.tensor([int(memory["total_bytes"]), world.rank], dtype=torch.int64, device=device)
-    everyone = comm.all_gather(owner)
-    heaviest = max(range(len(everyone)), key=lambda r: (int(everyone[r][0]), -r))
-    parts = comm.broadcast_object(parts, src=heaviest)
-    median_ms, p10_ms, p90_ms = step_time_summary(step_ms.tolist())
+    everyone = comm.all_gather_object(mine)
+    # A peer's collectives bypass DSpark's counters: its traffic is estimated, never "measured".
+    counted = estimated is None
     provenance = collect_provenance(device=device, backend=world.backend)
-    return BenchResult(
-        **{k: v for k, v in asdict(config).items() if k in BenchResult.__dataclass_fields__},
-        step_ms=median_ms, step_ms_p10=p10_ms, step_ms_p90=p90_ms,
-        samples_per_s=config.global_batch / (median_ms / 1e3),
-        peak_bytes_per_rank=peak_max,
-        model_state_bytes_per_rank=state_max,
-        model_state_bytes_expected_per_rank=state_expected_max, model_state_parts=parts,
-        local_batch=trainer.local_batch, replicated_inputs=trainer.replicated,
-        comm_bytes_per_step=sum(e.bytes for e in traffic.values()) // config.measure_steps,
-        comm_wire_bytes_per_step=sum(e.wire_bytes for e in traffic.values()) // config.measure_steps,
-        bus_bytes_per_s=bus_rate, config_hash=config.config_hash(),
-        **asdict(provenance),
-    )
+    return Measurement(
+        **asdict(config), round_index=round_index,
+        step_ms_by_rank=[e["step_ms"] for e in everyone],
+        rank_loads=[e["load"] for e in everyone],
+        tensor_peak_bytes_by_rank=[e["tensor_peak"] for e in everyone] if probe else [],
+        rss_peak_bytes_by_rank=[e["rss_peak"] for e in everyone] if probe else [],
+        rss_scope=rss_scope,
+        state_held_by_rank=[e["held"] for e in everyone] if probe else [],
+        state_expected_by_rank=[e["expected"] for e in everyone] if probe else [],
+        batch=asdict(inspection) if inspection is not None else None,
+        comm_bytes_per_step=(sum(e.bytes for e in traffic.values()) // config.measure_steps
+                             if counted else None),
+        comm_wire_bytes_per_step=(sum(e.wire_bytes for e in traffic.values()) // config.measure_steps
+                                  if counted else None),
+        estimated_comm_bytes_per_step=estimated[0] if estimated else None,
+        estimated_comm_wire_bytes_per_step=estimated[1] if estimated else None,
+        bus_bytes_per_s=bus_rate, buffer_sync=buffer_sync(config.strategy),
+        engine_options=options, config_hash=config.config_hash(), **asdict(provenance))
 
 
 def error_path(out: Path, rank: int) -> Path:
@@ -257,14 +286,27 @@ def error_path(out: Path, rank: int) -> Path:
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m dspark.bench.worker",
-                                     description="Measure one benchmark configuration (one rank).")
+                                     description="Measure one round of one benchmark configuration "
+                                                 "(one rank).")
     parser.add_argument("--config", required=True, help="BenchConfig fields as a JSON object")
-    parser.add_argument("--out", required=True, type=Path, help="where rank 0 writes the result JSON")
+    parser.add_argument("--out", required=True, type=Path,
+                        help="where rank 0 writes the measurement JSON")
+    parser.add_argument("--round", type=int, default=0, help="the round's index in its run")
+    parser.add_argument("--probe", action="store_true",
+                        help="also probe the batch and measure memory (a configuration's first round)")
     return parser.parse_args(argv)
 
 
+def _core_from_launcher_env() -> int | None:
+    # Read before dspark.init(), which is what starts gloo's threads: see cpu_load.
+    if torch.cuda.is_available():
+        return None  # the devices are GPUs; CPU threads are left to the OS
+    return core_for_rank(int(os.environ.get("LOCAL_RANK", "0")),
+                         int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of one rank: measure the configuration, rank 0 writes the result.
+    """Entry point of one rank: measure the configuration, rank 0 writes the measurement.
 
     Example::
 
@@ -272,14 +314,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     args = _parse(argv)
     config = BenchConfig(**json.loads(args.config))
+    core = _core_from_launcher_env()
+    if core is not None:
+        pin_all_threads(core)
+    if not torch.cuda.is_available():
+        torch.set_num_threads(1)  # one device is one core
     world = dspark.init()
-    if world.device.type == "cpu":
-        torch.set_num_threads(1)
-        _pin_to_core(world.local_rank, world.local_world_size)
     try:
-        result = run_config(config)
+        measurement = run_config(config, round_index=args.round, probe=args.probe, core=core)
         if world.is_main:
-            args.out.write_text(json.dumps(result.to_dict(), indent=2))
+            args.out.write_text(json.dumps(measurement.to_dict(), indent=2))
     except BaseException:
         # The launcher's own failure summary buries the traceback in stderr; the runner reads
         # this file instead to report what went wrong.

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import json
 import time
 from collections.abc import Sequence
@@ -54,14 +55,19 @@ def _counts(text: str) -> tuple[int, ...]:
     return counts
 
 
-def _non_negative(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be >= 0")
-    return value
+def _at_least(low: int) -> Any:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{text!r} must be >= {low}")
+        return value
+    return parse
+
+
+_non_negative = _at_least(0)
 
 
 def _add_db(parser: argparse.ArgumentParser, *, default: Any) -> None:
@@ -71,6 +77,13 @@ def _add_db(parser: argparse.ArgumentParser, *, default: Any) -> None:
 
 
 def _add_outputs(parser: argparse.ArgumentParser, *, default: Any) -> None:
+    from dspark.bench.runner import DEFAULT_ROUNDS
+
+    parser.add_argument("--rounds", type=_at_least(1), metavar="N",
+                        default=DEFAULT_ROUNDS if default is None else default,
+                        help="launches per configuration, alternating with its 1-device baseline "
+                             f"(default {DEFAULT_ROUNDS}); the speedup is the median of the "
+                             "rounds' ratios")
     parser.add_argument("--json", type=Path, default=default, metavar="PATH",
                         help="also write the results as a JSON list of objects")
     parser.add_argument("--report", type=Path, default=default, metavar="DIR",
@@ -104,7 +117,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     parser.add_argument("--global-batch", type=_non_negative, metavar="N",
                         help="samples per step across all devices")
     parser.add_argument("--warmup", type=_non_negative, metavar="N", help="warm-up steps (discarded)")
-    parser.add_argument("--steps", type=_non_negative, metavar="N", help="timed steps")
+    parser.add_argument("--steps", type=_at_least(1), metavar="N", help="timed steps per round")
     _add_db(parser, default=None)
     _add_outputs(parser, default=None)
     parser.set_defaults(func=run, action=None)
@@ -120,8 +133,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     _add_db(comparing, default=argparse.SUPPRESS)
     rerunning = actions.add_parser("rerun", help="re-run configurations measured on other code")
     rerunning.add_argument("--stale", action="store_true", required=True,
-                           help="re-run exactly the configurations whose latest result was "
-                                "recorded against another commit (or a dirty tree)")
+                           help="re-run the configurations this host measured whose latest "
+                                "result there was recorded against other code (another commit, "
+                                "or uncommitted changes on either side), with their 1-device "
+                                "baselines")
     _add_db(rerunning, default=argparse.SUPPRESS)
     _add_outputs(rerunning, default=argparse.SUPPRESS)
     reporting = actions.add_parser("report", help="write the HTML report of a run")
@@ -165,8 +180,8 @@ def _run_and_show(configs: Sequence[Any], args: argparse.Namespace, *, seed_tabl
     failures: list[RunFailure] = []
     run_id = new_run_id()
     started = time.perf_counter()
-    results = run_suite(configs, db=db, progress=not args.no_progress, run_id=run_id,
-                        console=err, failures=failures)
+    results = run_suite(configs, db=db, rounds=args.rounds, progress=not args.no_progress,
+                        run_id=run_id, console=err, failures=failures)
     wall_s = time.perf_counter() - started
     if results:
         render_results_table(results, out)
@@ -177,8 +192,8 @@ def _run_and_show(configs: Sequence[Any], args: argparse.Namespace, *, seed_tabl
         out.print(f"wrote {len(results)} results to {args.json}")
     if args.report is not None and results:
         out.print(f"wrote the report to {write_html_report(results, args.report)}")
-    out.print(f"run {run_id}: {len(results)} configurations measured in {wall_s:.0f} s, "
-              f"recorded in {db}")
+    out.print(f"run {run_id}: {len(results)} configurations measured in {args.rounds} round(s) "
+              f"in {wall_s:.0f} s, recorded in {db}")
     # Each failure's error output was logged when it happened; this is the summary.
     for failure in failures:
         err.print(f"[bold red]FAILED[/] {_describe(failure.config)} (exit code "
@@ -204,43 +219,67 @@ def _run_suite(args: argparse.Namespace) -> int:
 
 
 def _rerun(args: argparse.Namespace) -> int:
+    import socket
+
     from dspark.bench.ledger import Ledger
     from dspark.bench.provenance import source_commit
+    from dspark.bench.suites import Machine
 
     commit, dirty = source_commit()
     if not commit:
         raise ValueError("the installed DSpark is not a git checkout, so there is no current "
                          "commit to call results stale against; install it from a clone "
                          "(pip install -e .)")
+    host = socket.gethostname()
     with Ledger(_db_path(args)) as ledger:
-        stale = ledger.stale(commit)
+        stale = ledger.stale(commit, host=host, current_dirty=dirty)
+        known = ledger.latest_by_key(host=host)
     out = _console()
+    code = f"{commit[:12]}{' with uncommitted changes' if dirty else ''}"
     if not stale:
-        out.print(f"nothing is stale: every configuration's latest result was measured at "
-                  f"{commit[:12]}")
+        out.print(f"nothing is stale: every configuration {host} measured has its latest result "
+                  f"at {code}", highlight=False)
         return 0
-    out.print(f"re-running {len(stale)} configuration(s) recorded against other code than "
-              f"{commit[:12]}{' (dirty tree)' if dirty else ''}:")
+    machine = Machine.detect()
+    fits = [c for c in stale if c.num_devices <= machine.num_devices]
     for config in stale:
+        if config not in fits:
+            out.print(f"  skipped {_describe(config)}: this machine has {machine.num_devices} "
+                      f"{machine.device_kind}(s)", highlight=False)
+    # A speedup needs its baseline measured in the same run (see dspark.bench.analysis).
+    baselines = [known[c.baseline_key].config if c.baseline_key in known
+                 else dataclasses.replace(c, num_devices=1, batch_placement="shard")
+                 for c in fits if c.key != c.baseline_key]
+    configs = list(dict.fromkeys([*fits, *(b for b in baselines if b.key not in
+                                            {c.key for c in fits})]))
+    why = (" (the tree has uncommitted changes, so no recorded result is of this code)"
+           if dirty else "")
+    out.print(f"re-running {len(fits)} configuration(s) recorded on {host} against other code "
+              f"than {code}{why}, with {len(configs) - len(fits)} baseline(s):", highlight=False)
+    for config in configs:
         out.print(f"  {_describe(config)}", highlight=False)
-    return _run_and_show(stale, args, seed_table=False)
+    if not configs:
+        return 0
+    return _run_and_show(configs, args, seed_table=False)
 
 
 def _list(args: argparse.Namespace) -> int:
+    from dspark.bench.analysis import annotate
+    from dspark.bench.formatting import format_speedup
     from dspark.bench.ledger import Ledger
 
     with Ledger(_db_path(args)) as ledger:
-        results = ledger.results()
+        results = annotate(ledger.results(), history=ledger)
     table = Table(title=f"{len(results)} results in {_db_path(args)}", title_justify="left")
-    for header in ("run", "time (UTC)", "commit", "workload", "devices", "strategy", "precision",
-                   "batch", "step ms", "speedup", "anomalies"):
-        table.add_column(header)
+    for header in ("run", "time (UTC)", "commit", "host", "configuration", "rounds", "step ms",
+                   "speedup", "anomalies"):
+        # One anomaly kind per line, never cut: the column the reader looks for.
+        table.add_column(header, no_wrap=header in ("run", "time (UTC)", "speedup", "anomalies"))
     for r in results:
         table.add_row(r.run_id, r.timestamp[:19], r.git_commit[:10] + ("+" if r.git_dirty else ""),
-                      r.workload, str(r.num_devices), r.strategy, r.precision,
-                      f"{r.batch_placement} {r.global_batch}", f"{r.step_ms:.1f}",
-                      "-" if r.speedup is None else f"{r.speedup:.2f}x",
-                      ", ".join(str(a.get("kind")) for a in r.anomalies) or "-")
+                      r.host, _describe(r.config), str(r.rounds), f"{r.step_ms:.1f}",
+                      format_speedup(r),
+                      "\n".join(dict.fromkeys(str(a.get("kind")) for a in r.anomalies)) or "-")
     _console().print(table)
     return 0
 
@@ -248,31 +287,36 @@ def _list(args: argparse.Namespace) -> int:
 def _compare(args: argparse.Namespace) -> int:
     from dspark.bench.compare import compare
     from dspark.bench.ledger import Ledger
+    from dspark.bench.noise import NoiseModel
     from dspark.bench.report import render_comparison
 
     with Ledger(_db_path(args)) as ledger:
         a, b = ledger.resolve(args.a), ledger.resolve(args.b)
-    render_comparison(compare(a, b, a_label=args.a, b_label=args.b), _console())
+        noise = NoiseModel.from_history(ledger.results())
+    render_comparison(compare(a, b, a_label=args.a, b_label=args.b, noise=noise), _console())
     return 0
 
 
 def _report(args: argparse.Namespace) -> int:
+    from dspark.bench.analysis import annotate
     from dspark.bench.ledger import Ledger
     from dspark.bench.report import write_html_report
 
     with Ledger(_db_path(args)) as ledger:
-        results = ledger.resolve(args.run)
+        results = annotate(ledger.resolve(args.run), history=ledger)
     _console().print(f"wrote the report of {len(results)} results to "
                     f"{write_html_report(results, args.report)}")
     return 0
 
 
 def _export(args: argparse.Namespace) -> int:
+    from dspark.bench.analysis import annotate
     from dspark.bench.ledger import Ledger
     from dspark.bench.result import BenchResult
 
     with Ledger(_db_path(args)) as ledger:
-        results = ledger.resolve(args.run) if args.run else ledger.results()
+        results = annotate(ledger.resolve(args.run) if args.run else ledger.results(),
+                           history=ledger)
     rows = [r.to_dict() for r in results]
     if args.json is not None:
         args.json.write_text(json.dumps(rows, indent=2))

@@ -1,0 +1,205 @@
+"""The ledger's table layout, its append-only triggers, and the migrations between layouts.
+
+[Note: append-only for real]
+The triggers abort any UPDATE or DELETE, and any INSERT whose row id or measurement id is already
+in the table. The last one is what makes ``INSERT OR REPLACE`` fail: SQLite resolves that conflict
+by deleting the old row without firing delete triggers (unless recursive triggers are on), so a
+delete trigger alone never sees it. A ``BEFORE INSERT`` trigger runs before the conflict is
+resolved. (Dropping a table or a trigger is schema surgery no trigger can forbid; DSpark never
+does it.)
+
+Schema history:
+1. ``results``: one row per configuration per run, with the speedup and anomalies of the day
+   frozen into the JSON, and only the median, p10 and p90 of the steps.
+2. ``measurements``: one row per launch (a round), raw: every step of every rank, the load of each
+   core, the bytes held. Analysis is computed when read. A schema-1 file is migrated in place: each
+   old row is copied as a one-round measurement without samples (its frozen analysis is dropped
+   and recomputed), and the old table stays as it was, now refusing ``INSERT OR REPLACE`` too.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sqlite3
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dspark.bench.measurement import Measurement
+
+__all__ = ["KEY_COLUMNS", "SCHEMA_VERSION", "insert_measurement_sql", "measurement_row", "migrate",
+           "utc_timestamp"]
+
+logger = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 2
+"""Bump with a migration in ``_MIGRATIONS`` when the table layout changes."""
+
+KEY_COLUMNS = ("workload", "num_devices", "strategy", "precision", "batch_placement",
+               "global_batch")
+
+
+def _no_replace(table: str, *unique: str) -> str:
+    exists = " OR ".join(f"{column} = NEW.{column}" for column in unique)
+    message = (f"the DSpark ledger is append-only: a row with this id is already in {table}; "
+               "INSERT OR REPLACE would overwrite it")
+    return f"""
+CREATE TRIGGER {table}_no_replace BEFORE INSERT ON {table}
+WHEN EXISTS (SELECT 1 FROM {table} WHERE {exists})
+BEGIN SELECT RAISE(ABORT, '{message}'); END;
+"""
+
+
+def _append_only(table: str, *unique: str) -> str:
+    return f"""
+CREATE TRIGGER {table}_no_update BEFORE UPDATE ON {table}
+BEGIN SELECT RAISE(ABORT, 'the DSpark ledger is append-only: {table} are never updated'); END;
+CREATE TRIGGER {table}_no_delete BEFORE DELETE ON {table}
+BEGIN SELECT RAISE(ABORT, 'the DSpark ledger is append-only: {table} are never deleted'); END;
+""" + _no_replace(table, *unique)
+
+
+_SCHEMA_VERSION_TABLE = """
+CREATE TABLE schema_version (
+    version INTEGER NOT NULL,
+    applied_at TEXT NOT NULL
+);
+CREATE TRIGGER schema_version_no_update BEFORE UPDATE ON schema_version
+BEGIN SELECT RAISE(ABORT, 'the DSpark ledger is append-only: schema versions are never updated'); END;
+CREATE TRIGGER schema_version_no_delete BEFORE DELETE ON schema_version
+BEGIN SELECT RAISE(ABORT, 'the DSpark ledger is append-only: schema versions are never deleted'); END;
+"""
+
+_MEASUREMENTS = """
+CREATE TABLE measurements (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    measurement_id TEXT NOT NULL UNIQUE,  -- <run id>/<config hash>/r<round>
+    result_id TEXT NOT NULL,              -- <run id>/<config hash>
+    run_id TEXT NOT NULL,
+    round_index INTEGER NOT NULL,
+    timestamp TEXT NOT NULL,              -- UTC, normalised (see utc_timestamp)
+    git_commit TEXT NOT NULL,
+    git_dirty INTEGER NOT NULL,
+    host TEXT NOT NULL,
+    workload TEXT NOT NULL,
+    num_devices INTEGER NOT NULL,
+    strategy TEXT NOT NULL,
+    precision TEXT NOT NULL,
+    batch_placement TEXT NOT NULL,
+    global_batch INTEGER NOT NULL,
+    config_hash TEXT NOT NULL,
+    measurement_json TEXT NOT NULL
+);
+CREATE INDEX measurements_by_key ON measurements (workload, num_devices, strategy, precision,
+                                                  batch_placement, global_batch, timestamp);
+CREATE INDEX measurements_by_run ON measurements (run_id);
+CREATE INDEX measurements_by_result ON measurements (result_id);
+CREATE INDEX measurements_by_commit ON measurements (git_commit);
+""" + _append_only("measurements", "id", "measurement_id")
+
+
+def insert_measurement_sql() -> str:
+    """The one INSERT the ledger writes measurements with (17 parameters, ``id`` left to SQLite)."""
+    columns = ("measurement_id", "result_id", "run_id", "round_index", "timestamp", "git_commit",
+               "git_dirty", "host", *KEY_COLUMNS, "config_hash", "measurement_json")
+    return (f"INSERT INTO measurements ({', '.join(columns)}) "
+            f"VALUES ({', '.join('?' for _ in columns)})")
+
+
+def utc_timestamp(timestamp: str, *, what: str = "result") -> str:
+    """``timestamp`` (ISO 8601; naive means UTC) as UTC with microseconds, so strings sort in time.
+
+    Example::
+
+        utc_timestamp("2026-11-30T07:16:56+02:00")   # "2026-11-30T05:16:56.000000+00:00"
+    """
+    try:
+        moment = datetime.fromisoformat(timestamp)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what}: timestamp={timestamp!r} is not ISO 8601 "
+                         "(e.g. '2026-11-30T05:16:56+00:00')") from None
+    if moment.tzinfo is None:  # the schema says UTC; a naive time is read as such
+        moment = moment.replace(tzinfo=timezone.utc)
+    return moment.astimezone(timezone.utc).isoformat(timespec="microseconds")
+
+
+def _execute_script(conn: sqlite3.Connection, script: str) -> None:
+    # executescript() would commit the open transaction first; one statement at a time stays in it.
+    pending = ""
+    for line in script.splitlines(keepends=True):
+        pending += line
+        if sqlite3.complete_statement(pending):
+            conn.execute(pending)
+            pending = ""
+    if pending.strip():
+        raise AssertionError(f"incomplete SQL statement in a ledger migration: {pending!r}")
+
+
+def _create(conn: sqlite3.Connection) -> None:
+    _execute_script(conn, _SCHEMA_VERSION_TABLE + _MEASUREMENTS)
+
+
+def _from_schema1(conn: sqlite3.Connection) -> None:
+    from dspark.bench.measurement import Measurement
+
+    _execute_script(conn, _MEASUREMENTS + _no_replace("results", "id"))
+    rows = conn.execute("SELECT id, result_json FROM results ORDER BY timestamp, id").fetchall()
+    for row_id, text in rows:
+        old = json.loads(text)
+        # Two schema-1 rows of one configuration in one run would share an id: the row id tells them apart.
+        m = Measurement.from_schema1({**old, "config_hash": f"{old.get('config_hash', '')}-v1row{row_id}"})
+        conn.execute(insert_measurement_sql(), measurement_row(m))
+    logger.info("migrated %d schema-1 results to measurements", len(rows))
+
+
+def measurement_row(m: Measurement) -> tuple[object, ...]:
+    """The parameters of :func:`insert_measurement_sql` for measurement ``m``."""
+    return (m.measurement_id, m.result_id, m.run_id, m.round_index,
+            utc_timestamp(m.timestamp, what=m.measurement_id), m.git_commit, int(m.git_dirty),
+            m.host, *m.key, m.config_hash, json.dumps(m.to_dict(), sort_keys=True))
+
+
+# from version -> what brings a ledger at that version to SCHEMA_VERSION (0: a new file)
+_MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {0: _create, 1: _from_schema1}
+
+
+def _version(conn: sqlite3.Connection, path: Path) -> int:
+    has_table = conn.execute(
+        "SELECT 1 FROM sqlite_master WHERE type='table' AND name='schema_version'").fetchone()
+    if not has_table:
+        if conn.execute("SELECT 1 FROM sqlite_master").fetchone():
+            raise ValueError(f"{path} is an SQLite file but not a DSpark ledger (it has tables and "
+                             "no schema_version); pass another --db or move it aside")
+        return 0
+    version = int(conn.execute("SELECT MAX(version) FROM schema_version").fetchone()[0] or 0)
+    if version > SCHEMA_VERSION:
+        raise ValueError(f"{path}: ledger schema version {version} is newer than this DSpark "
+                         f"understands ({SCHEMA_VERSION}); upgrade DSpark")
+    return version
+
+
+def migrate(conn: sqlite3.Connection, path: Path) -> None:
+    """Bring the ledger on ``conn`` (autocommit mode) to :data:`SCHEMA_VERSION` in one transaction,
+    or refuse a file this DSpark does not know.
+
+    Example::
+
+        migrate(sqlite3.connect(path, isolation_level=None), path)
+    """
+    if _version(conn, path) == SCHEMA_VERSION:
+        return
+    conn.execute("BEGIN IMMEDIATE")  # another process may be migrating the same file
+    try:
+        version = _version(conn, path)  # again, under the lock
+        if version != SCHEMA_VERSION:
+            logger.info("ledger %s: migrating schema %d -> %d", path, version, SCHEMA_VERSION)
+            _MIGRATIONS[version](conn)
+            conn.execute("INSERT INTO schema_version (version, applied_at) VALUES (?, ?)",
+                         (SCHEMA_VERSION, datetime.now(timezone.utc).isoformat(timespec="seconds")))
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    conn.execute("COMMIT")

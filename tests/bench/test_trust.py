@@ -1,0 +1,32 @@
+"""The rules that say whether a measurement can be trusted: busy cores, a suspect baseline."""
+
+from __future__ import annotations
+
+from dspark.bench.trust import CORE_FOREIGN_ALLOWANCE, busy_machine, suspect_baseline
+from tests.bench.factory import make_result
+
+
+def test_a_busy_core_in_any_round_is_flagged_with_the_rounds() -> None:
+    assert busy_machine(make_result(core_foreign_share_by_round=[0.02, 0.09, None])) == []
+    (found,) = busy_machine(make_result(core_foreign_share_by_round=[0.02, 0.35, 0.18]))
+    assert found["busy_rounds"] == [1, 2]
+    assert found["message"].startswith(
+        "in rounds 1, 2 of 3, a rank's core spent up to 35% of its timed window on other "
+        "processes or stolen time (more than the 10% allowed")
+    assert CORE_FOREIGN_ALLOWANCE == 0.10
+
+
+def test_unpinned_threads_are_flagged() -> None:
+    (found,) = busy_machine(make_result(threads_unpinned=3))
+    assert found["message"].startswith("3 thread(s) of a rank were not pinned to its core")
+
+
+def test_suspect_baseline_only_above_n() -> None:
+    one = make_result(round_step_ms=[250.0, 262.0])
+    at_two = make_result(num_devices=2, speedup=2.0, speedup_min=1.9, speedup_max=2.1)
+    assert suspect_baseline(at_two, one) == []
+    above = make_result(num_devices=2, speedup=2.2, speedup_min=2.1, speedup_max=2.3)
+    (found,) = suspect_baseline(above, one)
+    assert "above the 2x that 2 devices can give" in found["message"]
+    assert "its rounds' medians ranged by 5%" in found["message"]
+    assert suspect_baseline(above, None) == []

@@ -1,0 +1,102 @@
+"""`dspark bench` actions over a ledger, with the workers stubbed: rerun --stale on dirty trees and
+foreign hosts, analysis computed when read, argument checks."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+
+from dspark.bench import provenance, runner
+from dspark.bench.ledger import Ledger
+from dspark.bench.provenance import source_commit
+from dspark.cli.main import main
+from tests.bench.factory import FakeWorkers, make_measurement
+
+HERE = socket.gethostname()
+
+
+@pytest.fixture
+def workers(monkeypatch: pytest.MonkeyPatch) -> FakeWorkers:
+    commit, dirty = source_commit()
+    fake = FakeWorkers(host=HERE, git_commit=commit, git_dirty=dirty)
+    monkeypatch.setattr(runner, "run_in_workers", fake)
+    return fake
+
+
+def _ledger_with(tmp_path: Path, *measurements: object) -> str:
+    db = tmp_path / "ledger.sqlite"
+    with Ledger(db) as ledger:
+        ledger.append(list(measurements))  # type: ignore[arg-type]
+    return str(db)
+
+
+def _dirty(monkeypatch: pytest.MonkeyPatch, dirty: bool) -> str:
+    commit, _ = source_commit()
+    monkeypatch.setattr(provenance, "source_commit", lambda: (commit, dirty))
+    return commit
+
+
+def test_rerun_on_a_dirty_tree_reruns(workers: FakeWorkers, monkeypatch: pytest.MonkeyPatch,
+                                      tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    commit = _dirty(monkeypatch, False)
+    db = _ledger_with(tmp_path, make_measurement(num_devices=1, host=HERE, git_commit=commit,
+                                                 config_hash="fresh"))
+    assert main(["bench", "rerun", "--stale", "--db", db, "--no-progress"]) == 0
+    assert "nothing is stale" in capsys.readouterr().out and workers.calls == []
+    # Before: "(dirty tree)" was printed and then only other commits' results were looked for.
+    _dirty(monkeypatch, True)
+    assert main(["bench", "rerun", "--stale", "--db", db, "--no-progress", "--rounds", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert "re-running 1 configuration(s)" in printed and "uncommitted changes" in printed
+    assert [(c.workload, c.num_devices) for c, _, _ in workers.calls] == [("gpt2-cpu", 1)]
+
+
+def test_rerun_never_replays_another_hosts_rows(workers: FakeWorkers,
+                                                monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    _dirty(monkeypatch, False)
+    db = _ledger_with(tmp_path, make_measurement(num_devices=8, host="gpu-box", git_commit="0" * 40,
+                                                 config_hash="eight"))
+    assert main(["bench", "rerun", "--stale", "--db", db, "--no-progress"]) == 0
+    assert "nothing is stale" in capsys.readouterr().out and workers.calls == []
+
+
+def test_rerun_measures_the_baseline_beside_a_stale_n_device_result(
+        workers: FakeWorkers, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    commit = _dirty(monkeypatch, False)
+    db = _ledger_with(
+        tmp_path,
+        make_measurement(num_devices=1, host=HERE, git_commit=commit, config_hash="one"),
+        make_measurement(num_devices=2, host=HERE, git_commit="0" * 40, config_hash="two",
+                         run_id="old"))
+    assert main(["bench", "rerun", "--stale", "--db", db, "--no-progress", "--rounds", "2"]) == 0
+    assert "with 1 baseline(s)" in capsys.readouterr().out
+    assert [(c.num_devices, r) for c, r, _ in workers.calls] == [(1, 0), (2, 0), (2, 1), (1, 1)]
+    with Ledger(db) as ledger:
+        latest = ledger.resolve("latest")
+    from dspark.bench.analysis import annotate
+
+    one, two = annotate(latest)
+    assert two.baseline_result_id == one.result_id
+    assert two.round_speedups == [200.0 / 100.0, 201.0 / 101.0]  # the stub: 200 / N + round ms
+
+
+def test_list_computes_the_speedup_when_read(tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    db = _ledger_with(tmp_path,
+                      make_measurement(num_devices=1, config_hash="one",
+                                       step_ms_by_rank=[[300.0, 300.0, 300.0]]),
+                      make_measurement(num_devices=2, config_hash="two",
+                                       step_ms_by_rank=[[100.0] * 3, [100.0] * 3]))
+    assert main(["bench", "list", "--db", db]) == 0
+    out = capsys.readouterr().out
+    assert "3.00x" in out and "suspect_baseline" in out  # a rule no row ever stored
+
+
+def test_bad_counts_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--rounds", "0", "--no-progress"]) == 2
+    assert "'0' must be >= 1" in capsys.readouterr().err
+    assert main(["bench", "--steps", "0", "--no-progress"]) == 2
