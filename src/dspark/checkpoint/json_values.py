@@ -2,7 +2,8 @@
 plain JSON, so that a checkpoint never holds a pickle (see [Note: loading runs no code]).
 
 JSON lacks tuples, non-finite floats and tensors; they are written as one-key objects tagged with
-``"__tuple__"``, ``"__float__"``, ``"__tensor__"``, ``"__dtype__"``, and every dict as
+``"__tuple__"``, ``"__float__"``, ``"__tensor__"``, ``"__dtype__"`` (and ``"__ref__"`` for a tensor
+kept in DCP's files, see :mod:`dspark.checkpoint.extra_state`), and every dict as
 ``{"__dict__": {...}}`` so that a user's dict can never be read back as a tag. Decoding builds only
 these plain values: JSON text cannot name a function, so reading it runs nothing.
 
@@ -19,6 +20,8 @@ import math
 from typing import Any
 
 import torch
+
+from dspark.checkpoint.extra_state import TensorRef
 
 __all__ = ["MAX_TENSOR_ELEMENTS", "decode", "encode"]
 
@@ -52,6 +55,8 @@ def encode(value: Any, where: str = "value") -> Any:
         return {"__dict__": {k: encode(v, f"{where}[{k!r}]") for k, v in value.items()}}
     if isinstance(value, torch.dtype):
         return {"__dtype__": str(value).removeprefix("torch.")}
+    if isinstance(value, TensorRef):
+        return {"__ref__": value.key}
     if isinstance(value, torch.Tensor):
         return {"__tensor__": _encode_tensor(value, where)}
     raise TypeError(f"{where} is a {type(value).__name__} ({value!r:.80}); a checkpoint stores "
@@ -79,6 +84,8 @@ def decode(data: Any, where: str = "value") -> Any:
             return _FLOATS[body]
         if tag == "__dtype__":
             return _dtype(body, where)
+        if tag == "__ref__" and isinstance(body, str) and body.startswith("extra/"):
+            return TensorRef(body)
         if tag == "__tensor__" and isinstance(body, dict):
             return _decode_tensor(body, where)
     raise ValueError(f"{where} = {data!r:.120} is not a value DSpark writes")

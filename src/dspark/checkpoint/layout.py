@@ -1,7 +1,8 @@
 """Where each piece of an engine's state lives in a checkpoint, as pure rules (no process group).
 
 [Note: checkpoint layout] One flat DCP state dict of tensors, keyed by name, independent of the
-strategy and world size that wrote it:
+strategy and world size that wrote it (built from the engine's sharded state dict, see [Note: sharded
+state dict] in :mod:`dspark.engine.state_dict`):
 
     model/<name>              trainable parameters, in their *rows view* (a 0-d parameter is saved
                               as shape (1,), the only way to split it along dim 0), written as
@@ -12,10 +13,12 @@ strategy and world size that wrote it:
     optim/<name>/<key>        optimizer state of that parameter: per-element tensors (AdamW's
                               exp_avg, exp_avg_sq) in the parameter's rows view and split like it;
                               tensor scalars (``step``) replicated
+    rng/rank<R>/torch, cuda<i>  each rank's torch generators
+    extra/<name>/<i>          tensors inside ``engine.save(extra=...)`` objects' states
 
 Every other value is JSON, beside DCP's files: ``training_state.json`` (step count, fp16 loss
-scaler, param groups' hyper-parameters, non-tensor optimizer state) and ``dspark.json`` (what wrote
-the checkpoint). A tied parameter is saved once, under its first name. Because every sharded tensor
+scaler, param groups' hyper-parameters and members, non-tensor optimizer state, extra states, each
+rank's Python and NumPy random state) and ``dspark.json`` (what wrote the checkpoint). A tied parameter is saved once, under its first name. Because every sharded tensor
 is saved with its global shape, DCP can load it at any world size and into any strategy.
 """
 
@@ -25,11 +28,9 @@ from collections.abc import Collection, Mapping, Sequence
 
 __all__ = [
     "first_mismatch",
-    "is_per_element",
     "model_key",
     "optim_key",
     "optim_prefix",
-    "rows_shape",
 ]
 
 
@@ -48,36 +49,6 @@ def optim_key(name: str, state_key: str) -> str:
     """The checkpoint key of one optimizer-state entry: ``optim_key("w", "exp_avg")`` is
     ``"optim/w/exp_avg"``."""
     return optim_prefix(name) + state_key
-
-
-def rows_shape(shape: Sequence[int]) -> tuple[int, ...]:
-    """A parameter's shape as it is split along dim 0: 0-d parameters count as one row.
-
-    Example::
-
-        rows_shape(())      # (1,)
-        rows_shape((7, 2))  # (7, 2)
-    """
-    return tuple(int(s) for s in shape) if len(shape) else (1,)
-
-
-def is_per_element(state_key: str, value_shape: Sequence[int], param_shape: Sequence[int]) -> bool:
-    """Whether an optimizer-state tensor holds one value per parameter element (and so is sharded
-    like the parameter) rather than a scalar for the whole parameter (replicated).
-
-    A state tensor of the parameter's shape is per-element. A 0-d parameter makes that ambiguous:
-    its exp_avg and its ``step`` are both 0-d; there ``step`` (the one scalar PyTorch's optimizers
-    keep per parameter) is the scalar.
-
-    Example::
-
-        is_per_element("exp_avg", (7, 2), (7, 2))   # True
-        is_per_element("step", (), (7, 2))          # False
-        is_per_element("step", (), ())              # False: the 0-d case, decided by the key
-    """
-    if tuple(value_shape) != tuple(param_shape):
-        return False
-    return len(param_shape) > 0 or state_key != "step"
 
 
 def first_mismatch(model: Sequence[tuple[str, tuple[int, ...]]],

@@ -16,28 +16,27 @@ from __future__ import annotations
 import copy
 import datetime as dt
 import logging
+import math
 import os
 import shutil
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from dspark import comm
 from dspark._version import __version__
-from dspark.checkpoint import background, json_values, layout, storage
+from dspark.checkpoint import background, extra_state, json_values, layout, storage
 from dspark.checkpoint.atomic import claim, publish, remove_stale, staging_dir
 from dspark.checkpoint.errors import CheckpointSaveError
 from dspark.checkpoint.info import INFO_FILE, CheckpointInfo, write_info
-from dspark.checkpoint.shards import for_dcp
+from dspark.checkpoint.target import Checkpointable
 from dspark.checkpoint.training_state import TrainingState, write_training_state
 
-if TYPE_CHECKING:
-    from dspark.engine import Engine
-
-__all__ = ["engine_state", "save_checkpoint"]
+__all__ = ["save_checkpoint", "split_state"]
 
 log = logging.getLogger(__name__)
 
@@ -55,10 +54,13 @@ class _Job:
     distributed: bool
 
 
-def save_checkpoint(engine: Engine, path: str | os.PathLike[str], *, async_save: bool = False) -> Path:
-    """Save ``engine``'s model, optimizer and training state as a sharded checkpoint directory at
-    ``path``, replacing the checkpoint there only once the new one is complete. Collective: every
-    rank calls it, between steps. ``path`` must be on a file system every rank sees.
+def save_checkpoint(target: Checkpointable, path: str | os.PathLike[str], *, async_save: bool = False,
+                    extra: Mapping[str, Any] | None = None) -> Path:
+    """Save ``target``'s (an engine's) model, optimizer and training state as a sharded checkpoint
+    directory at ``path``, replacing the checkpoint there only once the new one is complete, with
+    every rank's random state and the ``extra`` objects' states (see [Note: extra state] in
+    :mod:`dspark.checkpoint.extra_state`). Collective: every rank calls it, between steps. ``path``
+    must be on a file system every rank sees.
 
     ``async_save=True`` returns once the state is copied into CPU memory; the copy is written and
     published in the background (wait with :func:`~dspark.checkpoint.wait_for_pending_save`; the
@@ -68,8 +70,9 @@ def save_checkpoint(engine: Engine, path: str | os.PathLike[str], *, async_save:
 
         save_checkpoint(engine, "ckpt/latest")   # what engine.save("ckpt/latest") does
     """
+    _check_extra(extra)  # the caller's mistake, the same on every rank: raised before any collective
     background.wait_for_pending_save()  # one save at a time; raises the previous one's failure
-    world = engine.world
+    world = target.world
     final = _absolute(path)
     token, problem, is_user_error = comm.broadcast_object(_prepare(final) if world.rank == 0 else None)
     if problem is not None:
@@ -85,25 +88,39 @@ def save_checkpoint(engine: Engine, path: str | os.PathLike[str], *, async_save:
     except Exception as exc:  # a rank that does not share the file system, or may not write there
         failure = exc
     _raise_if_any_failed(world.rank, failure, final, staging, comm.default_group())
-    _equalize_buffers(engine)
+    target.sync_buffers()  # one copy of each buffer is saved: make it what every rank holds
     try:
-        state = engine_state(engine)
-        training, my_values = _training_state(engine)
+        state, training, my_values, info = split_state(target.sharded_state_dict(), rank=world.rank,
+                                                       extra=extra)
         if async_save:
             state = storage.stage_on_cpu(state)
     except Exception as exc:  # agreed on below, so that no rank enters DCP's collectives alone
         failure = exc
     _raise_if_any_failed(world.rank, failure, final, staging, comm.default_group())
-    job = _Job(state=state, training=_with_everyones_values(training, my_values),
-               info=checkpoint_info(engine), final=final, staging=staging, token=token,
-               distributed=world.is_distributed)
+    job = _Job(state=state, training=_with_everyones_values(training, my_values), info=info,
+               final=final, staging=staging, token=token, distributed=world.is_distributed)
     if not async_save:
         return _write_and_publish(job, comm.default_group())
     group = background.side_group()
     background.submit(final, lambda: _write_and_publish(job, group))
     log.info("rank %d: checkpoint %s at step %d staged, writing in the background", world.rank,
-             final, engine.step_count)
+             final, job.training.step_count)
     return final
+
+
+def _check_extra(extra: Mapping[str, Any] | None) -> None:
+    if extra is None:
+        return
+    if not isinstance(extra, Mapping):
+        raise TypeError(f"extra must be a dict of name -> object with state_dict(), got {type(extra).__name__}")
+    for name, obj in extra.items():
+        if not isinstance(name, str) or not name.isidentifier():
+            raise ValueError(f"extra key {name!r} must be an identifier (it names the state in the "
+                             "checkpoint)")
+        if not callable(getattr(obj, "state_dict", None)) and not isinstance(obj, Mapping):
+            raise TypeError(f"extra[{name!r}] is a {type(obj).__name__}: pass objects with state_dict() "
+                            "and load_state_dict() (an LR scheduler, a dspark.DataLoader) or a dict of "
+                            "values")
 
 
 def _absolute(path: str | os.PathLike[str]) -> Path:
@@ -193,122 +210,75 @@ def _write_and_publish(job: _Job, group: comm.Group) -> Path:
     return job.final
 
 
-def _equalize_buffers(engine: Engine) -> None:
-    """Give every rank rank 0's persistent buffers (BatchNorm's running statistics drift apart when
-    each rank normalises its own slice of the batch), so the one copy saved is what every rank
-    holds. Collective."""
-    persistent = engine.module.state_dict(keep_vars=True)
-    for name, buffer in engine.module.named_buffers():
-        if name not in persistent:  # a non-persistent buffer is not part of the model's state
-            continue
-        if buffer.is_contiguous():
-            comm.broadcast(buffer.data, src=0)
-        else:
-            flat = buffer.detach().contiguous()
-            comm.broadcast(flat, src=0)
-            buffer.data.copy_(flat)
-
-
-def engine_state(engine: Engine) -> dict[str, torch.Tensor]:
-    """The flat tensor state dict DCP saves for ``engine`` on this rank (see [Note: checkpoint
-    layout]): this rank's shards as DTensors, replicated tensors as they are, and (rank 0 only)
-    frozen parameters and buffers.
+def split_state(state: Mapping[str, Any], *, rank: int, extra: Mapping[str, Any] | None = None
+                ) -> tuple[dict[str, torch.Tensor], TrainingState, dict[str, dict[str, Any]], CheckpointInfo]:
+    """Split a sharded state dict (see [Note: sharded state dict] in :mod:`dspark.engine.state_dict`)
+    into what DCP writes (tensors only) and what goes into JSON: ``(tensors, training state,
+    this rank's non-tensor optimizer values, description)``. Tensors every rank holds whole are
+    written once, from rank 0; shards (DTensors) by every rank. Each value is checked to be
+    JSON-able here, so a bad value fails before any file is written.
 
     Example::
 
-        sorted(engine_state(engine))[:2]   # ['model/layers.0.bias', 'model/layers.0.weight']
+        tensors, training, values, info = split_state(engine.sharded_state_dict(), rank=0)
     """
-    sharded = engine.strategy.shard_optimizer
-    state: dict[str, torch.Tensor] = {}
-    trainable_names: set[str] = set()
-    for slot in engine.slots:
-        trainable_names.update(slot.names)
-        global_rows = layout.rows_shape(slot.shape)
-        if sharded:
-            if slot.opt_param is None:
-                raise AssertionError(f"{slot.name}: a sharded strategy without a shard")
-            local = slot.opt_param.detach()  # (local_rows, *rest): zero1/2 a view of the full param
-        else:
-            local = slot.rows_view(slot.param.detach())
-        state[layout.model_key(slot.name)] = for_dcp(local, global_rows, sharded=sharded)
-    if engine.world.rank == 0:  # whole and equal on every rank: saved once, from the agreed rank
-        for name, tensor in engine.module.state_dict(keep_vars=True).items():
-            if name not in trainable_names:
-                state[layout.model_key(name)] = tensor.detach()
+    tensors: dict[str, torch.Tensor] = {}
 
-    optimizer = engine.optimizer
-    for slot in engine.slots:
-        param = slot.opt_param if sharded else slot.param
-        if param is None or param not in optimizer.state:  # an empty shard, or no step yet
-            continue
-        global_rows = layout.rows_shape(slot.shape)
-        for key, value in optimizer.state[param].items():
-            if not isinstance(value, torch.Tensor):
-                continue  # JSON, in training_state.json (see _training_state)
-            entry = layout.optim_key(slot.name, str(key))
-            if layout.is_per_element(str(key), value.shape, param.shape):
-                local = value.detach().reshape(slot.opt_shape if sharded else global_rows)
-                state[entry] = for_dcp(local, global_rows, sharded=sharded)
+    def keep(key: str, value: torch.Tensor) -> None:
+        if _is_dtensor(value) or rank == 0:
+            tensors[key] = value
+
+    for name, value in state["model"].items():
+        keep(layout.model_key(name), value)
+    values: dict[str, dict[str, Any]] = {}
+    for name, entries in state["optimizer"]["state"].items():
+        for key, value in entries.items():
+            if isinstance(value, torch.Tensor):
+                keep(layout.optim_key(name, key), value)
             else:
-                state[entry] = value.detach()
-    return state
-
-
-def _training_state(engine: Engine) -> tuple[TrainingState, dict[str, dict[str, Any]]]:
-    """This rank's non-tensor state, checked to be JSON-able here so that a bad value fails before
-    any file is written; and its non-tensor optimizer values by parameter name."""
-    optimizer = engine.optimizer
+                json_values.encode(value, f"optimizer state {key!r} of {name!r}")
+                values.setdefault(name, {})[key] = copy.deepcopy(value)
     # copies: a background save writes them while a scheduler changes the live ones
-    groups = [copy.deepcopy({k: v for k, v in group.items() if k != "params"})
-              for group in optimizer.param_groups]
+    groups = [copy.deepcopy(dict(group)) for group in state["optimizer"]["param_groups"]]
     for i, group in enumerate(groups):
         json_values.encode(group, f"optimizer param_groups[{i}]")
-    values: dict[str, dict[str, Any]] = {}
-    for slot in engine.slots:
-        param = slot.opt_param if engine.strategy.shard_optimizer else slot.param
-        if param is None or param not in optimizer.state:
-            continue
-        plain = {str(k): v for k, v in optimizer.state[param].items() if not isinstance(v, torch.Tensor)}
-        if plain:
-            json_values.encode(plain, f"optimizer state of {slot.name!r}")
-            values[slot.name] = copy.deepcopy(plain)
-    scaler = engine.loss_scaler
-    training = TrainingState(step_count=engine.step_count,
-                             loss_scale=None if scaler is None else float(scaler.scale),
-                             loss_scale_good_steps=None if scaler is None else int(scaler.good_steps),
-                             param_groups=groups)
-    return training, values
+    tensors.update(extra_state.rng_tensors(rank))
+    extras: dict[str, Any] = {}
+    if rank == 0:
+        for name, obj in (extra or {}).items():
+            value, refs = extra_state.extract_tensors(extra_state.state_of(name, obj), f"extra/{name}")
+            json_values.encode(value, f"extra[{name!r}]")
+            extras[name] = copy.deepcopy(value)
+            tensors.update({key: t.detach().clone() for key, t in refs.items()})
+    meta = state["engine"]
+    training = TrainingState(step_count=int(meta["step_count"]), loss_scale=meta.get("loss_scale"),
+                             loss_scale_good_steps=meta.get("loss_scale_good_steps"), param_groups=groups,
+                             extra=extras, rng={str(rank): extra_state.python_rng_state()})
+    params = meta.get("params", {})
+    info = CheckpointInfo(
+        step_count=int(meta["step_count"]), strategy=str(meta["strategy"]), precision=str(meta["precision"]),
+        world_size=int(meta["world_size"]), optimizer=str(meta["optimizer"]), num_param_groups=len(groups),
+        num_params=sum(math.prod(shape) for shape in params.values()),
+        params={name: list(shape) for name, shape in params.items()},
+        dspark_version=__version__, torch_version=torch.__version__,
+        created_utc=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
+    return tensors, training, values, info
+
+
+def _is_dtensor(value: Any) -> bool:
+    return callable(getattr(value, "to_local", None))
 
 
 def _with_everyones_values(training: TrainingState, mine: dict[str, dict[str, Any]]) -> TrainingState:
     """``training`` with every rank's non-tensor optimizer values (a rank holding no rows of a
-    parameter has none of its state; rank 0 writes the file). Collective."""
+    parameter has none of its state) and random state; rank 0 writes the file. Collective."""
     merged: dict[str, dict[str, Any]] = {}
-    for theirs in comm.all_gather_object(mine):
+    rng: dict[str, dict[str, Any]] = {}
+    for theirs, their_rng in comm.all_gather_object((mine, training.rng)):
         for name, values in theirs.items():
             merged.setdefault(name, values)
+        rng.update(their_rng)
     return TrainingState(step_count=training.step_count, loss_scale=training.loss_scale,
                          loss_scale_good_steps=training.loss_scale_good_steps,
-                         param_groups=training.param_groups, optimizer_values=merged)
-
-
-def checkpoint_info(engine: Engine) -> CheckpointInfo:
-    """The human-readable description written next to the shards (``dspark.json``).
-
-    Example::
-
-        checkpoint_info(engine).num_params   # 91
-    """
-    return CheckpointInfo(
-        step_count=engine.step_count,
-        strategy=engine.strategy.name,
-        precision=engine.precision.name,
-        world_size=engine.world.world_size,
-        optimizer=type(engine.optimizer).__name__,
-        num_param_groups=len(engine.optimizer.param_groups),
-        num_params=sum(slot.numel for slot in engine.slots),
-        params={slot.name: list(layout.rows_shape(slot.shape)) for slot in engine.slots},
-        dspark_version=__version__,
-        torch_version=torch.__version__,
-        created_utc=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-    )
+                         param_groups=training.param_groups, optimizer_values=merged,
+                         extra=training.extra, rng=rng)

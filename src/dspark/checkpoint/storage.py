@@ -79,7 +79,7 @@ def stage_on_cpu(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
     Example::
 
-        staged = stage_on_cpu(engine_state(engine))   # what engine.save(path, async_save=True) writes
+        staged = stage_on_cpu(tensors)   # what engine.save(path, async_save=True) writes
     """
     return {key: _copy_to_cpu(value) for key, value in state.items()}
 

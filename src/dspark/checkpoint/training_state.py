@@ -34,6 +34,10 @@ class TrainingState:
     """Each optimizer param group's hyper-parameters (lr, betas, ...), without its params."""
     optimizer_values: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Parameter name -> its non-tensor optimizer state (tensors are in DCP's files)."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """``engine.save(extra=...)``: each object's state (its tensors as references into DCP's files)."""
+    rng: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Rank (as a string) -> its Python and NumPy generator states."""
 
     def __post_init__(self) -> None:
         if isinstance(self.step_count, bool) or not isinstance(self.step_count, int) or self.step_count < 0:
@@ -63,6 +67,9 @@ def write_training_state(directory: Path, state: TrainingState) -> None:
                          for i, group in enumerate(state.param_groups)],
         "optimizer_values": {name: json_values.encode(values, f"optimizer state of {name!r}")
                              for name, values in state.optimizer_values.items()},
+        "extra": {name: json_values.encode(value, f"extra[{name!r}]") for name, value in state.extra.items()},
+        "rng": {rank: json_values.encode(value, f"random state of rank {rank}")
+                for rank, value in state.rng.items()},
     }
     write_json(directory / STATE_FILE, payload)
 
@@ -87,10 +94,10 @@ def read_training_state(directory: Path) -> TrainingState:
     try:
         if not isinstance(raw, dict) or raw.get("format") != _FORMAT:
             raise ValueError(f"no \"format\": {_FORMAT!r}")
-        extra = set(raw) - {"format", "step_count", "loss_scale", "loss_scale_good_steps",
-                            "param_groups", "optimizer_values"}
-        if extra:
-            raise ValueError(f"unexpected fields {sorted(extra)!r}")
+        unexpected = set(raw) - {"format", "step_count", "loss_scale", "loss_scale_good_steps",
+                                 "param_groups", "optimizer_values", "extra", "rng"}
+        if unexpected:
+            raise ValueError(f"unexpected fields {sorted(unexpected)!r}")
         groups = raw["param_groups"]
         values = raw["optimizer_values"]
         if not isinstance(groups, list) or not isinstance(values, dict):
@@ -103,10 +110,18 @@ def read_training_state(directory: Path) -> TrainingState:
         if not all(isinstance(v, dict) for v in decoded_values.values()):
             raise ValueError("every parameter's optimizer state must be an object")
         scale = json_values.decode(raw["loss_scale"], "loss_scale")
+        extra, rng = raw.get("extra", {}), raw.get("rng", {})
+        if not isinstance(extra, dict) or not isinstance(rng, dict):
+            raise ValueError("extra and rng must be objects")
+        decoded_rng = {rank: json_values.decode(v, f"random state of rank {rank}") for rank, v in rng.items()}
+        if not all(isinstance(v, dict) for v in decoded_rng.values()):
+            raise ValueError("every rank's random state must be an object")
         return TrainingState(step_count=raw["step_count"],
                              loss_scale=None if scale is None else float(scale),
                              loss_scale_good_steps=raw["loss_scale_good_steps"],
-                             param_groups=decoded_groups, optimizer_values=decoded_values)
+                             param_groups=decoded_groups, optimizer_values=decoded_values,
+                             extra={name: json_values.decode(v, f"extra[{name!r}]") for name, v in extra.items()},
+                             rng=decoded_rng)
     except (KeyError, TypeError, ValueError, RecursionError) as exc:
         raise CheckpointError(f"{str(path)!r} is not a training state DSpark wrote "
                               f"({type(exc).__name__}: {str(exc)[:200]})") from exc

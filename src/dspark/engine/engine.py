@@ -39,6 +39,7 @@ from dspark.engine.memory import expected_state_bytes, optimizer_state_elements,
 from dspark.engine.param_groups import ParamGroupsFn, group_by_overrides
 from dspark.engine.param_slot import ParamSlot
 from dspark.engine.policy import precision_policy, sharding_policy
+from dspark.engine.state_dict import load_sharded_state_dict, sharded_state_dict
 from dspark.engine.zero3_units import UnitPolicy, Zero3Scheduler
 from dspark.tensor import DistTensor, Placement, Replicate, Shard
 from dspark.tensor.fingerprint import batch_leaves
@@ -608,11 +609,40 @@ class Engine:
         if self.world.world_size > 1:
             broadcast_tensors(list(self.module.buffers()))
 
-    def save(self, path: str | os.PathLike[str], *, async_save: bool = False) -> Path:
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """Everything the engine holds, as PyTorch's distributed checkpoint consumes it: live tensors,
+        this rank's rows as ``Shard(0)`` DTensors (see [Note: sharded state dict] in
+        :mod:`dspark.engine.state_dict`). ``engine.save`` is built on it; it can also go to
+        ``torch.distributed.checkpoint`` directly.
+
+        Example::
+
+            import torch.distributed.checkpoint as dcp
+            dcp.save(engine.sharded_state_dict(), checkpoint_id="ckpt/dcp")
+        """
+        return sharded_state_dict(self)
+
+    def load_sharded_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Install a structure like :meth:`sharded_state_dict`'s (each tensor this rank's rows or the
+        whole tensor), whatever world size and strategy wrote it.
+
+        Example::
+
+            sd = engine.sharded_state_dict()
+            dcp.load(sd, checkpoint_id="ckpt/dcp")
+            engine.load_sharded_state_dict(sd)
+        """
+        self._check_between_steps("load_sharded_state_dict")
+        load_sharded_state_dict(self, state)
+
+    def save(self, path: str | os.PathLike[str], *, async_save: bool = False,
+             extra: Mapping[str, Any] | None = None) -> Path:
         """Save a sharded checkpoint directory at ``path`` (see :mod:`dspark.checkpoint`): every rank
-        writes its shards of the parameters and optimizer state; the step count, hyper-parameters
-        and fp16 loss scale come along. A checkpoint already at ``path`` is replaced only once the new
-        one is complete. Collective: call it on every rank, between steps.
+        writes its shards of the parameters and optimizer state; the step count, hyper-parameters,
+        fp16 loss scale and every rank's random state come along, and the state of each ``extra``
+        object (an LR scheduler, a ``dspark.DataLoader``: anything with ``state_dict()``). A
+        checkpoint already at ``path`` is replaced only once the new one is complete. Collective: call
+        it on every rank, between steps.
 
         ``async_save=True`` returns once the state is copied to CPU memory and writes it in the
         background; the next save, ``load`` and ``dspark.shutdown()`` wait for it
@@ -627,22 +657,23 @@ class Engine:
         # imported here: DCP is heavy to import and most runs never checkpoint
         from dspark.checkpoint import save_checkpoint
 
-        return save_checkpoint(self, path, async_save=async_save)
+        return save_checkpoint(self, path, async_save=async_save, extra=extra)
 
-    def load(self, path: str | os.PathLike[str]) -> CheckpointInfo:
+    def load(self, path: str | os.PathLike[str], *, extra: Mapping[str, Any] | None = None) -> CheckpointInfo:
         """Load the checkpoint at ``path``, whatever world size and strategy wrote it: parameters,
         buffers, optimizer state (also before the first step), hyper-parameters, step count, fp16
-        loss scale. Collective: call it on every rank, between steps. Returns what the checkpoint's
-        ``dspark.json`` says (step, strategy, world size, versions).
+        loss scale, this rank's random state, and each ``extra`` object's state (in place, with its
+        ``load_state_dict``). Collective: call it on every rank, between steps. Returns what the
+        checkpoint's ``dspark.json`` says (step, strategy, world size, versions).
 
         Example::
 
-            info = engine.load("ckpt/latest")   # engine.step_count == info.step_count
+            info = engine.load("ckpt/latest", extra={"scheduler": sched, "loader": loader})
         """
         self._check_between_steps("load")
         from dspark.checkpoint import load_checkpoint
 
-        return load_checkpoint(self, path)
+        return load_checkpoint(self, path, extra=extra)
 
     def _check_between_steps(self, what: str) -> None:
         if self._micro_step != 0:
