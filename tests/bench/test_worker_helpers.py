@@ -16,11 +16,20 @@ def test_step_time_summary_interpolates() -> None:
         step_time_summary([])
 
 
-def test_replicated_inputs_names_whole_tensors_on_several_ranks() -> None:
-    x, y = torch.zeros(8, 3), torch.zeros(8)
-    assert replicated_inputs((x, y), (x, y), num_ranks=2) == ["batch[0]", "batch[1]"]
-    assert replicated_inputs((x, y), (x[:4], y[:4]), num_ranks=2) == []
-    assert replicated_inputs((x, y), (x, y), num_ranks=1) == []
+def _replicated_inputs(shard_dim: object) -> list[str]:
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 3, generator=g), torch.randint(0, 10, (8,), generator=g)
+    mask = torch.ones(8, 5)  # equal on every rank even when split: named, rightly
+    return replicated_inputs(dspark.distribute_batch((x, y, mask), shard_dim=shard_dim))
+
+
+def test_replicated_inputs_names_tensors_identical_on_every_rank(pool) -> None:
+    assert pool.run(_replicated_inputs, dspark.REPLICATE) == [["batch[0]", "batch[1]", "batch[2]"]] * 2
+    assert pool.run(_replicated_inputs, 0) == [["batch[2]"]] * 2
+
+
+def test_replicated_inputs_is_empty_on_one_rank(single_process) -> None:
+    assert _replicated_inputs(dspark.REPLICATE) == []
 
 
 def _probe() -> float:

@@ -29,6 +29,7 @@ from torch import nn
 
 from dspark.comm import World
 from dspark.comm.stats import wire_bytes
+from dspark.engine.batch_check import DEFAULT_BATCH_CHECK_EVERY
 from dspark.engine.memory import expected_state_bytes, optimizer_state_elements, storage_bytes
 from dspark.engine.policy import STRATEGIES, precision_policy
 
@@ -142,11 +143,14 @@ class PeerEngine:
 
 
 def make_engine(strategy: str, model: nn.Module, world: World, *, lr: float,
-                precision: str) -> Any:
-    """DSpark's engine for a DSpark strategy, a :class:`PeerEngine` for a peer name."""
+                precision: str, batch_check: bool = True) -> Any:
+    """DSpark's engine for a DSpark strategy, a :class:`PeerEngine` for a peer name.
+    ``batch_check=False`` turns off DSpark's replicated-batch error, for the seed suite's batch
+    replicated on purpose (the bench then reports it as an anomaly instead)."""
     if strategy in PEERS:
         return PeerEngine(strategy, model, world, lr=lr, precision=precision)
     import dspark
 
     factory: Callable[..., torch.optim.Optimizer] = functools.partial(torch.optim.AdamW, lr=lr)
-    return dspark.Engine(model, optimizer=factory, strategy=strategy, precision=precision)
+    return dspark.Engine(model, optimizer=factory, strategy=strategy, precision=precision,
+                         batch_check_every=None if not batch_check else DEFAULT_BATCH_CHECK_EVERY)

@@ -36,6 +36,7 @@ from dspark.bench.memory import measure_peak_bytes
 from dspark.bench.peers import make_engine
 from dspark.bench.provenance import collect_provenance
 from dspark.bench.result import BenchConfig, BenchResult
+from dspark.tensor.fingerprint import batch_fingerprint
 
 __all__ = ["bus_bytes_per_s", "error_path", "main", "replicated_inputs", "run_config",
            "step_time_summary"]
@@ -63,17 +64,23 @@ def step_time_summary(step_ms: Sequence[float]) -> tuple[float, float, float]:
     return float(median), float(p10), float(p90)
 
 
-def replicated_inputs(global_batch: Batch, local_batch: Batch, num_ranks: int) -> list[str]:
-    """Names (``"batch[i]"``) of the tensors this rank holds whole although ``num_ranks > 1``.
+def replicated_inputs(local_batch: Batch) -> list[str]:
+    """Names (``"batch[i]"``) of the tensors of this rank's batch that every rank holds identically,
+    compared by the batch fingerprints the engine's replicated-batch check uses (one all-gather of a
+    few float64 values per tensor, no copy of the data). Collective: every rank calls it.
 
     Example::
 
-        replicated_inputs((x, y), (x, y), num_ranks=2)   # ["batch[0]", "batch[1]"]
+        replicated_inputs(dspark.distribute_batch((x, y), shard_dim=dspark.REPLICATE))
+        # ["batch[0]", "batch[1]"] on 2 ranks
     """
-    if num_ranks <= 1:
+    if comm.get_world().world_size <= 1:
         return []
-    return [f"batch[{index}]" for index, (whole, held) in enumerate(zip(global_batch, local_batch, strict=True))
-            if held.numel() == whole.numel()]
+    device = local_batch[0].device
+    mine = torch.stack([batch_fingerprint(t, device=device) for t in local_batch])  # (tensors, 6)
+    everyone = comm.all_gather(mine)
+    return [f"batch[{i}]" for i in range(len(local_batch))
+            if mine[i, 1] > 0 and all(torch.equal(theirs[i], mine[i]) for theirs in everyone)]
 
 
 def _own(tensor: torch.Tensor) -> torch.Tensor:
@@ -131,18 +138,16 @@ class _Trainer:
         self.workload = get_workload(config.workload)
         model = self.workload.build_model(seed=_MODEL_SEED, device=world.device)
         self.engine: Any = make_engine(config.strategy, model, world, lr=_LEARNING_RATE,
-                                       precision=config.precision)
+                                       precision=config.precision,
+                                       batch_check=config.batch_placement == "shard")
         self.shard_dim: Any = 0 if config.batch_placement == "shard" else dspark.REPLICATE
         self.local_batch = 0
         """Samples this rank got in the last batch."""
-        self.replicated: list[str] = []
-        """Batch tensors this rank held whole in the last batch (with more than one rank)."""
 
     def batch(self, step: int) -> Batch:
         """This rank's part of step ``step``'s global batch (the same on every rank)."""
         whole = self.workload.make_batch(self.config.global_batch, seed=step, device=self.world.device)
         held = tuple(_own(t) for t in dspark.distribute_batch(whole, shard_dim=self.shard_dim))
-        self.replicated = replicated_inputs(whole, held, self.world.world_size)
         self.local_batch = int(held[0].shape[0])
         return held
 
@@ -210,6 +215,7 @@ def run_config(config: BenchConfig) -> BenchResult:
                                                          wire * config.measure_steps)}
         memory = trainer.memory_report()
         peak_batch = trainer.batch(config.warmup_steps + config.measure_steps)
+        replicated = replicated_inputs(peak_batch)  # a collective: outside the timed steps
         peak_bytes = measure_peak_bytes(lambda: trainer.step(peak_batch), device)
     finally:
         trainer.close()
@@ -237,7 +243,7 @@ def run_config(config: BenchConfig) -> BenchResult:
         peak_bytes_per_rank=peak_max,
         model_state_bytes_per_rank=state_max,
         model_state_bytes_expected_per_rank=state_expected_max, model_state_parts=parts,
-        local_batch=trainer.local_batch, replicated_inputs=trainer.replicated,
+        local_batch=trainer.local_batch, replicated_inputs=replicated,
         comm_bytes_per_step=sum(e.bytes for e in traffic.values()) // config.measure_steps,
         comm_wire_bytes_per_step=sum(e.wire_bytes for e in traffic.values()) // config.measure_steps,
         bus_bytes_per_s=bus_rate, config_hash=config.config_hash(),

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from dspark import comm
+from dspark.engine.batch_check import DEFAULT_BATCH_CHECK_EVERY, BatchCheck
 from dspark.engine.grad_bucket import GradBucket, make_buckets
 from dspark.engine.loss_scaler import LossScaler
 from dspark.engine.memory import expected_state_bytes, optimizer_state_elements, storage_bytes
@@ -61,7 +62,9 @@ class Engine:
     and buffers are then broadcast from rank 0). ``engine.backward(loss)`` is called
     ``grad_accum_steps`` times, then ``engine.step()``: gradients are communicated only on the last
     micro-step, and each backward divides the loss by ``grad_accum_steps``. Under zero2/zero3 the
-    whole gradient lives until that last micro-step.
+    whole gradient lives until that last micro-step. On the first step, and every
+    ``batch_check_every`` steps after, ranks compare fingerprints of their input batches: identical
+    batches raise :class:`dspark.PlacementError` (``None`` turns it off; see engine/batch_check.py).
     """
 
     def __init__(
@@ -76,6 +79,7 @@ class Engine:
         bucket_mb: float = 25.0,
         reduce_dtype: torch.dtype | None = None,
         loss_scaler: LossScaler | None = None,
+        batch_check_every: int | None = DEFAULT_BATCH_CHECK_EVERY,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -107,6 +111,9 @@ class Engine:
         self._grads_bytes_held = 0
 
         self.module = model.to(self.world.device)
+        # identical input batches on two ranks raise PlacementError (see engine/batch_check.py)
+        self.batch_check = BatchCheck(self.module, every=batch_check_every,
+                                      step_count=lambda: self.step_count)
         self._check_same_model_on_every_rank()
         self._broadcast_from_rank0()
         self.slots = self._make_slots()
@@ -253,6 +260,7 @@ class Engine:
             raise RuntimeError(f"rank {self.world.rank}: backward() called {self._micro_step + 1} times "
                                f"with grad_accum_steps={self.grad_accum_steps}; call engine.step() after "
                                f"every {self.grad_accum_steps} backward() calls")
+        self.batch_check.before_backward()
         self._micro_step += 1
         self._sync_grads = self._micro_step == self.grad_accum_steps
         scale = 1.0 / self.grad_accum_steps
@@ -516,6 +524,7 @@ class Engine:
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
+        self.batch_check.remove()
         if self._zero3 is not None:
             self._zero3.remove_hooks()
 
