@@ -163,6 +163,10 @@ def test_a_stale_iterator_and_a_mismatched_state_are_errors() -> None:
     with pytest.raises(RuntimeError, match="stale"):
         next(old)
     next(new)
+    unstarted = iter(loader)
+    loader.load_state_dict(loader.state_dict())
+    with pytest.raises(RuntimeError, match="stale"):
+        next(unstarted)
     state = loader.state_dict() | {"seed": 9}
     with pytest.raises(ValueError, match=r"seed=9 \(this loader: 0\)"):
         loader.load_state_dict(state)

@@ -214,6 +214,7 @@ class DataLoader:
         return self._batches(self._generation)
 
     def _batches(self, generation: int) -> Iterator[Any]:
+        self._check_current(generation)  # a generator starts at its first next(), not at iter()
         epoch, start = self._epoch, self._consumed
         # worker seeds (random augmentations) come from here, not from torch's global generator
         self._generator.manual_seed(epoch_seed(epoch_seed(self.seed, epoch), self.rank))
