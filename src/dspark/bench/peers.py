@@ -153,4 +153,4 @@ def make_engine(strategy: str, model: nn.Module, world: World, *, lr: float,
 
     factory: Callable[..., torch.optim.Optimizer] = functools.partial(torch.optim.AdamW, lr=lr)
     return dspark.Engine(model, optimizer=factory, strategy=strategy, precision=precision,
-                         batch_check_every=None if not batch_check else DEFAULT_BATCH_CHECK_EVERY)
+                         batch_check_every=DEFAULT_BATCH_CHECK_EVERY if batch_check else None)
