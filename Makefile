@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.dspark-installed
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev,examples]'   # examples: tests run them
 	touch $(STAMP)
 
 install: $(STAMP)

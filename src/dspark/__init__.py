@@ -15,6 +15,7 @@ Example::
 
 from dspark._version import __version__
 from dspark.comm import World, get_world, init, shutdown
+from dspark.data import DataLoader
 from dspark.engine import Engine
 from dspark.errors import (
     CollectiveError,
@@ -38,6 +39,7 @@ __all__ = [
     "CollectiveError",
     "CollectiveTimeoutError",
     "DSparkError",
+    "DataLoader",
     "DistTensor",
     "Engine",
     "NotInitializedError",

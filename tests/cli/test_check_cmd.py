@@ -19,6 +19,8 @@ FIXTURES: dict[str, tuple[str, int]] = {
     "DSP005": ("from torch.distributed.tensor import distribute_tensor\n"
                "w = distribute_tensor(weight, mesh)\n", 2),
     "DSP006": ("import dspark\nxs = dspark.distribute_batch(inputs, shard_dim=dspark.REPLICATE)\n", 2),
+    "DSP007": ("import dspark\nfrom torch.utils.data import DataLoader\n\n"
+               "loader = DataLoader(dataset, batch_size=32, shuffle=True)\n", 4),
 }
 
 CLEAN = """\
@@ -89,7 +91,31 @@ def test_cli_exit_codes_and_output(tmp_path: Path, capsys: pytest.CaptureFixture
     assert main(["check", str(project), str(clean)]) == 1
     out = capsys.readouterr().out.splitlines()
     assert sorted(line.split(": ")[1].split()[0] for line in out[:-1]) == sorted(FIXTURES)
-    assert out[-1] == "6 errors, 1 warning in 8 files"  # DSP000..005 errors, DSP006 a warning
+    assert out[-1] == "6 errors, 2 warnings in 9 files"  # DSP000..005 errors, DSP006/7 warnings
+
+
+@pytest.mark.parametrize(("source", "codes"), [
+    ("import dspark\nimport torch\ntorch.utils.data.DataLoader(ds, 8)\n", ["DSP007"]),
+    ("import dspark.comm\nfrom torch.utils import data\ndata.DataLoader(ds, sampler=None)\n", ["DSP007"]),
+    ("from dspark import Engine\nimport torch.utils.data as tud\ntud.DataLoader(ds, 8, False, None, None)\n",
+     ["DSP007"]),
+    # a sampler or batch sampler, by keyword or by position, or hidden in **kwargs: not flagged
+    ("import dspark\nfrom torch.utils.data import DataLoader\nDataLoader(ds, 8, sampler=s)\n", []),
+    ("import dspark\nfrom torch.utils.data import DataLoader\nDataLoader(ds, batch_sampler=b)\n", []),
+    ("import dspark\nfrom torch.utils.data import DataLoader\nDataLoader(ds, 8, False, s)\n", []),
+    ("import dspark\nfrom torch.utils.data import DataLoader\nDataLoader(ds, **options)\n", []),
+    # DSpark's own loader, a script without DSpark, a DataLoader of unknown origin: not flagged
+    ("import dspark\ndspark.DataLoader(ds, global_batch_size=8)\n", []),
+    ("from torch.utils.data import DataLoader\nDataLoader(ds, batch_size=8)\n", []),
+    ("import dspark\nDataLoader(ds, batch_size=8)\n", []),
+    ("import dspark\nfrom torch.utils.data import DataLoader\n"
+     "DataLoader(val, batch_size=8)  # dspark: ignore[DSP007]\n", []),
+])
+def test_data_loader_without_sampler(source: str, codes: list[str]) -> None:
+    findings = check_source(source, "train.py")
+    assert [f.code for f in findings] == codes
+    if codes:
+        assert "dspark.DataLoader(dataset, global_batch_size=" in findings[0].message
 
 
 def test_warnings_alone_pass(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -12,8 +12,8 @@ import pytest
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
-def _dspark_run(tmp_path: Path, *args: str) -> str:
-    done = subprocess.run([sys.executable, "-m", "dspark.cli.main", "run", "--nproc", "2", *args],
+def _dspark_run(tmp_path: Path, *args: str, nproc: int = 2) -> str:
+    done = subprocess.run([sys.executable, "-m", "dspark.cli.main", "run", "--nproc", str(nproc), *args],
                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     return done.stdout

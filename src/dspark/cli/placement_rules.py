@@ -22,6 +22,13 @@ DSP006 (warning) a batch-looking value (a name with batch, input(s), data, or ``
     or anything passed to ``distribute_batch``) is replicated (``REPLICATE`` / ``Replicate()``):
     every rank then does all the work and N devices are no faster than one. Fix: ``shard_dim=0``;
     keep the replica only for a deliberate comparison (``# dspark: ignore[DSP006]`` on that line).
+DSP007 (warning) in a file that uses DSpark, a ``torch.utils.data.DataLoader`` built with no
+    ``sampler`` / ``batch_sampler``: every rank then reads the same batches, and N ranks train on
+    one rank's data N times (the engine raises ``PlacementError`` at the first step). Fix:
+    ``dspark.DataLoader(dataset, global_batch_size=...)``, which gives each rank its rows of every
+    global batch; or a ``DistributedSampler``. A loader meant to read everything on every rank (an
+    evaluation), or over an iterable dataset that splits itself by rank, is silenced with
+    ``# dspark: ignore[DSP007]``.
 
 A ``# dspark: ignore[DSPnnn]`` comment (or a bare ``# dspark: ignore``) on the finding's line
 silences it; not ``# noqa``, which other linters own and would report as an unknown code.
@@ -45,6 +52,7 @@ CODES: dict[str, tuple[str, str]] = {
     "DSP004": ("error", "shard_dim may be None"),
     "DSP005": ("error", "DTensor without placements replicates silently"),
     "DSP006": ("warning", "batch replicated"),
+    "DSP007": ("warning", "DataLoader without a sampler"),
 }
 """Each code's severity and short title (the module docstring has the fix)."""
 
@@ -194,10 +202,15 @@ def _arg(call: ast.Call, position: int, keyword: str) -> tuple[bool, ast.expr | 
     return False, None
 
 
+def _uses_dspark(imports: dict[str, str]) -> bool:
+    return any(origin == "dspark" or origin.startswith("dspark.") for origin in imports.values())
+
+
 class _Checker(ast.NodeVisitor):
     def __init__(self, path: str, imports: dict[str, str]) -> None:
         self.path = path
         self.imports = imports
+        self.uses_dspark = _uses_dspark(imports)
         self.findings: list[Finding] = []
         self.scopes: list[dict[str, list[tuple[bool, int]]]] = []
 
@@ -219,6 +232,8 @@ class _Checker(ast.NodeVisitor):
             self.check_distribute_tensor(node, origin)
         elif name == "distribute_batch":
             self.check_shard_dim(node, "distribute_batch", required=False)
+        elif origin == "torch.utils.data.DataLoader" and self.uses_dspark:
+            self.check_data_loader(node)
         elif name == "Shard":
             passed, value = _arg(node, 0, "dim")
             if passed and isinstance(value, ast.Constant) and value.value is None:
@@ -244,6 +259,17 @@ class _Checker(ast.NodeVisitor):
             if any(_is_replicate(p, self.imports) for p in placements.elts) and _looks_like_batch(node.args[0]):
                 self.report(node, "DSP006", f"{ast.unparse(node.args[0])!s} looks like a batch but is "
                             "placed with Replicate(): every rank does all the work; use Shard(0)")
+
+    def check_data_loader(self, node: ast.Call) -> None:
+        # torch.utils.data.DataLoader(dataset, batch_size, shuffle, sampler, batch_sampler, ...)
+        for position, keyword in ((3, "sampler"), (4, "batch_sampler")):
+            passed, value = _arg(node, position, keyword)
+            if passed and not (isinstance(value, ast.Constant) and value.value is None):
+                return
+        self.report(node, "DSP007", "torch.utils.data.DataLoader without a sampler: every rank reads "
+                    "the same batches and N ranks train on one rank's data; use "
+                    "dspark.DataLoader(dataset, global_batch_size=...) (each rank gets its rows of "
+                    "every global batch) or pass sampler=DistributedSampler(...)")
 
     def check_shard_dim(self, node: ast.Call, func: str, *, required: bool) -> None:
         passed, value = _arg(node, 1, "shard_dim")

@@ -30,6 +30,7 @@ from torch import nn
 
 from dspark import comm
 from dspark.engine.agreement import agree
+from dspark.engine.batch_check import DEFAULT_BATCH_CHECK_EVERY, BatchCheck
 from dspark.engine.buffer_sync import BufferSync, broadcast_tensors
 from dspark.engine.global_batchnorm import convert_batchnorm, restore_batchnorm
 from dspark.engine.grad_reducer import GradReducer, StepWeights
@@ -84,7 +85,9 @@ class Engine:
     gathers together (module classes or a ``(name, module) -> bool`` predicate); ``sync_batchnorm``
     normalises BatchNorm layers with global batch statistics (one-process semantics on any backend);
     ``broadcast_buffers`` (default True) gives every rank rank 0's buffers before each training
-    forward, as DDP does.
+    forward, as DDP does. On the first step, and every ``batch_check_every`` steps after, ranks
+    compare fingerprints of their input batches: identical batches raise
+    :class:`dspark.PlacementError` (``None`` turns it off; see :mod:`dspark.engine.batch_check`).
     """
 
     def __init__(
@@ -103,6 +106,7 @@ class Engine:
         zero3_units: UnitPolicy = None,
         sync_batchnorm: bool = False,
         broadcast_buffers: bool = True,
+        batch_check_every: int | None = DEFAULT_BATCH_CHECK_EVERY,
     ) -> None:
         _check_arguments(model, optimizer, grad_accum_steps, clip_grad_norm, bucket_mb, reduce_dtype,
                          param_groups, zero3_units)
@@ -132,6 +136,8 @@ class Engine:
                               group_by_overrides(trainable, param_groups))
         self._shard_params = self.strategy.shard_params and n > 1
         self.module = model
+        # identical input batches on two ranks raise PlacementError (see engine/batch_check.py)
+        self.batch_check = BatchCheck(model, every=batch_check_every, step_count=lambda: self.step_count)
         slot_of: dict[int, ParamSlot] = {}
         self._agreed("placing the model on its device", lambda: self._place(model, named, slot_of))
         all_slots = [slot_of[id(p)] for _, p in named if id(p) in slot_of]
@@ -304,6 +310,7 @@ class Engine:
         if self._micro_step > 0 and (w is None) != (self._weight_sum is None):
             raise ValueError(f"rank {self.world.rank}: weight= must be given on every backward() of an "
                              "accumulation window or on none")
+        self.batch_check.before_backward()  # raises on every rank, before any state changes
         self._micro_step += 1
         sync = self._micro_step == self.grad_accum_steps
         if w is None:
@@ -714,6 +721,7 @@ class Engine:
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
+        self.batch_check.remove()
         if self._zero3 is not None:
             self._zero3.remove_hooks()
         restore_batchnorm(self._batchnorms)

@@ -1,0 +1,103 @@
+"""What the engine's replicated-batch check costs: one training step with the check against one
+without, on a benchmark workload, plus the check's two parts timed alone.
+
+    dspark run --nproc 2 scripts/batch_check_cost.py --workload gpt2-cpu --steps 20
+
+Two engines train the same model side by side, one checking every step (``batch_check_every=1``,
+the worst case) and one with the check off; their steps alternate so that machine noise falls on
+both alike. Rank 0 prints one JSON line: the median step of each, the difference, and the median
+time of a fingerprint of this rank's batch and of the all-gather that compares them. With the
+default ``batch_check_every=1000`` the per-step cost is the difference divided by 1000.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import time
+from typing import Any
+
+import torch
+
+import dspark
+from dspark import comm
+from dspark.models import get_workload
+from dspark.tensor.fingerprint import batch_fingerprint
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workload", default="gpt2-cpu", help="a name from dspark.models.WORKLOADS")
+    parser.add_argument("--global-batch", type=int, default=None, help="default: the workload's")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps of each engine")
+    parser.add_argument("--warmup", type=int, default=3)
+    return parser.parse_args()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed_ms(fn: Any, device: torch.device) -> float:
+    comm.barrier()
+    _sync(device)
+    start = time.perf_counter()
+    fn()
+    _sync(device)
+    return (time.perf_counter() - start) * 1e3
+
+
+def main() -> None:
+    args = parse_args()
+    world = dspark.init()
+    if world.device.type == "cpu":
+        torch.set_num_threads(1)  # one worker = one core
+    workload = get_workload(args.workload)
+    global_batch = args.global_batch or workload.default_global_batch
+    factory = functools.partial(torch.optim.AdamW, lr=1e-4)
+    engines = {every: dspark.Engine(workload.build_model(seed=0, device=world.device), optimizer=factory,
+                                    batch_check_every=every)
+               for every in (1, None)}
+
+    def step(engine: dspark.Engine, batch: tuple[torch.Tensor, ...]) -> None:
+        inputs, targets = batch
+        engine.backward(workload.loss(engine(inputs), targets))
+        engine.step()
+
+    step_ms: dict[Any, list[float]] = {1: [], None: []}
+    fingerprint_ms, gather_ms = [], []
+    for i in range(args.warmup + args.steps):
+        whole = workload.make_batch(global_batch, seed=i, device=world.device)
+        batch = tuple(t.clone() for t in dspark.distribute_batch(whole, shard_dim=0))
+        for every, engine in engines.items():
+            elapsed = _timed_ms(functools.partial(step, engine, batch), world.device)
+            if i >= args.warmup:
+                step_ms[every].append(elapsed)
+        fp = batch_fingerprint(batch, device=world.device)
+        if i >= args.warmup:
+            fingerprint_ms.append(_timed_ms(
+                functools.partial(batch_fingerprint, batch, device=world.device), world.device))
+            gather_ms.append(_timed_ms(functools.partial(comm.all_gather, fp), world.device))
+
+    checks = engines[1].batch_check.checks
+    for engine in engines.values():
+        engine.close()
+    if world.is_main:
+        with_ms, without_ms = statistics.median(step_ms[1]), statistics.median(step_ms[None])
+        print(json.dumps({
+            "workload": args.workload, "world_size": world.world_size, "global_batch": global_batch,
+            "device": str(world.device), "steps": args.steps, "checks_run": checks,
+            "step_ms_with_check": round(with_ms, 3), "step_ms_without_check": round(without_ms, 3),
+            "difference_ms": round(with_ms - without_ms, 3),
+            "fingerprint_ms": round(statistics.median(fingerprint_ms), 4),
+            "all_gather_ms": round(statistics.median(gather_ms), 4),
+            "per_step_ms_at_default_every_1000": round((with_ms - without_ms) / 1000, 6),
+        }), flush=True)
+    dspark.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,15 @@
+"""Data loading for data-parallel training: each rank loads only its rows of each global batch, in an
+order that is a function of ``(seed, epoch)`` alone (so N ranks see what one process sees), with an
+exact, world-size-independent resume position.
+
+Example::
+
+    loader = dspark.DataLoader(dataset, global_batch_size=256, shuffle=True, seed=0)
+    for x, y in loader: ...
+"""
+
+from dspark.data.loader import DataLoader
+from dspark.data.order import BatchInfo
+from dspark.data.sampler import GlobalBatchSampler
+
+__all__ = ["BatchInfo", "DataLoader", "GlobalBatchSampler"]

@@ -1,0 +1,102 @@
+"""``RankStream``: this rank's rows of each global batch of an iterable dataset.
+
+[Note: iterable datasets] An iterable dataset has no indices to permute, so the policy is: every rank
+(and every worker of a rank) reads the same stream, one epoch of it per pass, and counts its samples.
+Samples ``[b*G, (b+1)*G)`` of the stream form global batch ``b``; a rank keeps its rows of each by the
+same uneven split rule as for map-style datasets, and worker ``w`` of ``W`` assembles the batches
+``b`` with ``(b - start) % W == w``. PyTorch's DataLoader returns the workers' items round-robin
+(worker 0's first, then worker 1's, ...), so the batches come back in order. The price: each worker
+of each rank reads (and decodes) the whole stream, keeping only its rows; a stream that is expensive
+to read is better served as a map-style dataset. Requirements on the dataset: the same stream on
+every rank and in every worker for a given epoch (a dataset with ``set_epoch(epoch)`` is told the
+epoch before each pass, so it can reshuffle itself as a function of it). Resuming at global batch
+``k`` reads and skips the first ``k*G`` samples.
+
+A last, partial global batch (``drop_last=False``) is split by the torch.chunk rule of its own size,
+which is known only when the stream ends; so with ``drop_last=False`` a worker holds the raw samples
+of the global batch it is assembling (not collated), and with ``drop_last=True`` only its rows.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+from torch.utils.data import IterableDataset, get_worker_info
+
+from dspark.data.order import BatchInfo, check_tail, local_rows
+
+__all__ = ["CollateWithInfo", "RankStream"]
+
+
+class RankStream(IterableDataset[tuple[BatchInfo, list[Any]]]):
+    """Wraps an iterable dataset: each item is ``(BatchInfo, samples)`` with this rank's samples of
+    one global batch, for a PyTorch DataLoader with ``batch_size=None`` and :class:`CollateWithInfo`.
+
+    Example::
+
+        stream = RankStream(dataset, global_batch_size=8, rank=0, world_size=2, drop_last=True,
+                            epoch=0, start_batch=0)
+        info, samples = next(iter(stream))   # 4 samples: rows 0..3 of global batch 0
+    """
+
+    def __init__(self, dataset: Iterable[Any], *, global_batch_size: int, rank: int, world_size: int,
+                 drop_last: bool, epoch: int, start_batch: int) -> None:
+        self.dataset = dataset
+        self.global_batch_size = global_batch_size
+        self.rank = rank
+        self.world_size = world_size
+        self.drop_last = drop_last
+        self.epoch = epoch
+        self.start_batch = start_batch
+
+    def __iter__(self) -> Iterator[tuple[BatchInfo, list[Any]]]:
+        worker = get_worker_info()
+        worker_id, num_workers = (worker.id, worker.num_workers) if worker is not None else (0, 1)
+        set_epoch = getattr(self.dataset, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(self.epoch)
+        size = self.global_batch_size
+        own_start, own_stop = local_rows(size, self.world_size, self.rank)
+        samples = iter(self.dataset)
+        index = 0
+        while True:
+            mine = index >= self.start_batch and (index - self.start_batch) % num_workers == worker_id
+            keep_all = mine and not self.drop_last
+            kept: list[Any] = []
+            count = 0
+            for sample in itertools.islice(samples, size):
+                if keep_all or (mine and own_start <= count < own_stop):
+                    kept.append(sample)
+                count += 1
+            if count == size:
+                if mine:
+                    rows = kept[own_start:own_stop] if keep_all else kept
+                    yield BatchInfo(epoch=self.epoch, index=index, global_size=size,
+                                    local_size=own_stop - own_start, local_start=own_start), rows
+                index += 1
+                continue
+            if index == 0:
+                raise ValueError(
+                    f"the iterable dataset yielded {count} samples in epoch {self.epoch}, fewer than "
+                    f"one global batch of {size}: no step could run. Use a global_batch_size of at "
+                    f"most {count}")
+            if count and not self.drop_last and mine:
+                check_tail(count, size, self.world_size)
+                start, stop = local_rows(count, self.world_size, self.rank)
+                yield BatchInfo(epoch=self.epoch, index=index, global_size=count,
+                                local_size=stop - start, local_start=start), kept[start:stop]
+            return
+
+
+class CollateWithInfo:
+    """Collates the samples of a :class:`RankStream` item and keeps its :class:`BatchInfo` beside
+    (a class, not a lambda, so that worker processes started by spawn can unpickle it)."""
+
+    def __init__(self, collate_fn: Callable[[list[Any]], Any]) -> None:
+        self.collate_fn = collate_fn
+
+    def __call__(self, item: Any) -> tuple[BatchInfo, Any]:
+        info, samples = item  # one (BatchInfo, samples) item of a RankStream
+        return info, self.collate_fn(samples)
