@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import dspark
-from tests.models.test_layering import _imports
+from tests.layering import imports_of as _imports
 
 PACKAGE = Path(dspark.__file__).parent
 
