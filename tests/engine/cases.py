@@ -138,7 +138,6 @@ CASES: dict[str, Case] = {
     "repeated_block_non_reentrant": _mlp_case(
         _seeded(functools.partial(tm.RepeatedBlockNet, "non_reentrant"))),
     "mixed_dtypes": _mlp_case(_seeded(tm.MixedDtypeMLP), loss=_mse_per_branch),
-    "conv": _conv_case(batchnorm=False, channels_last=False),
     "conv_channels_last": _conv_case(batchnorm=False, channels_last=True),
     "conv_bn": _conv_case(batchnorm=True, channels_last=False),
     "conv_bn_channels_last": _conv_case(batchnorm=True, channels_last=True),

@@ -38,18 +38,20 @@ def _buffers(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v for k, v in state.items() if "running" in k or "num_batches" in k}
 
 
+@pytest.mark.parametrize("case", ["conv_bn", "conv_bn_channels_last"])
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_running_statistics_equal_ddp_on_every_rank(pool, strategy: str) -> None:
-    ddp = pool.run(train_ddp, "conv_bn", STEPS, optimizer="sgd")[0]  # rank 0: what DDP checkpoints
-    got = pool.run(train_engine, "conv_bn", strategy, STEPS, optimizer="sgd", evaluate=True)
+def test_running_statistics_equal_ddp_on_every_rank(pool, strategy: str, case: str) -> None:
+    ddp = pool.run(train_ddp, case, STEPS, optimizer="sgd")[0]  # rank 0: what DDP checkpoints
+    got = pool.run(train_engine, case, strategy, STEPS, optimizer="sgd", evaluate=True)
     for rank, result in enumerate(got):
         assert_close(_buffers(result["state"]), _buffers(ddp["state"]),
-                     f"rank {rank}: {strategy} BatchNorm running statistics against DDP's (rank 0's, "
-                     "broadcast_buffers=True)")
-        assert_close(result["state"], ddp["state"], f"rank {rank}: {strategy} parameters against DDP")
+                     f"rank {rank}: {case} under {strategy}: BatchNorm running statistics against DDP's "
+                     "(rank 0's, broadcast_buffers=True)")
+        assert_close(result["state"], ddp["state"], f"rank {rank}: {case} under {strategy}: parameters and "
+                     "buffers against DDP")
         assert_close({"eval": result["eval"]}, {"eval": ddp["eval"]},
-                     f"rank {rank}: {strategy} eval output against DDP's rank 0 (evaluation must not "
-                     "depend on the rank)")
+                     f"rank {rank}: {case} under {strategy}: eval output against DDP's rank 0 (evaluation "
+                     "must not depend on the rank)")
 
 
 def _save(path: str, strategy: str) -> dict[str, torch.Tensor]:

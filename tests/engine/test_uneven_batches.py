@@ -3,7 +3,9 @@ that does not divide by the world size, and token-weighted losses where ranks ho
 valid (not ``ignore_index``) tokens. The contract: ``engine.backward(loss, weight=n)``, where ``loss`` is
 this rank's mean over its ``n`` samples or tokens, makes the step equal to one process on the mean over
 every rank's samples (and every micro-batch's, with accumulation). A rank with ``n = 0`` contributes
-nothing and makes no NaN, even when its loss is 0/0. Without ``weight`` ranks keep equal weight."""
+nothing and makes no NaN, even when its loss is 0/0. Without ``weight``, local batches of different
+sizes are refused on every rank with a message that names the fix: equal weights would silently give
+another update than one process."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import torch.nn.functional as F
 
 import dspark
 from tests.engine import tiny_models as tm
-from tests.engine.harness import OPTIMIZERS, assert_close, micro_batches
+from tests.engine.harness import OPTIMIZERS, assert_close, micro_batches, run_or_explain_hang
 
 STRATEGIES = ["replicate", "zero1", "zero2", "zero3"]
 STEPS = 3
@@ -115,27 +117,30 @@ def test_the_kinds_really_are_uneven() -> None:
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_weighted_backward_equals_one_process_on_the_whole_batch(pool, strategy: str, kind: str) -> None:
     want = _reference(kind)
-    for rank, state in enumerate(pool.run(_engine, kind, strategy, True, timeout=60)):
+    states = run_or_explain_hang(pool, _engine, kind, strategy, True, timeout_s=30,
+                                 hang_means=f"{kind} under {strategy}: the ranks with different (or no) samples "
+                                            "ended in different collectives")
+    for rank, state in enumerate(states):
         bad = [k for k, v in state.items() if not torch.isfinite(v).all()]
         assert not bad, f"rank {rank}: {kind} under {strategy}: NaN/inf in {bad}"
         assert_close(state, want, f"rank {rank}: engine.backward(loss, weight=n) on {kind} under {strategy} "
                      "against one process's mean over the whole batch")
 
 
-def _equal_weight_reference() -> dict[str, torch.Tensor]:
-    """Without ``weight``: the mean over ranks of each rank's own mean (4 rows, then 3)."""
-    model = tm.make("mlp")
-    opt = OPTIMIZERS["sgd"](model.parameters())
-    for step in range(STEPS):
-        opt.zero_grad()
-        halves = zip(*(t.tensor_split(2) for t in _rows(7, step)), strict=True)
-        (sum(_rows_loss(model, half)[0] for half in halves) / 2).backward()
-        opt.step()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+def _engine_or_error(kind: str, strategy: str) -> str:
+    try:
+        _engine(kind, strategy, weighted=False)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
 
 
-def test_without_weight_ranks_keep_equal_weight(pool) -> None:
-    want = _equal_weight_reference()
-    for rank, state in enumerate(pool.run(_engine, "7_rows_split_4_3", "zero2", False)):
-        assert_close(state, want, f"rank {rank}: engine.backward(loss) on 4 + 3 rows against the mean of the "
-                     "two ranks' means")
+@pytest.mark.parametrize("strategy", ["replicate", "zero3"])
+def test_unequal_batches_without_weight_are_refused_with_the_fix(pool, strategy: str) -> None:
+    """4 + 3 rows and ``engine.backward(loss)``: equal weights would not give the mean over the 7 rows,
+    so every rank refuses, with the counts and the fix (``weight=``) in the message."""
+    messages = run_or_explain_hang(pool, _engine_or_error, "7_rows_split_4_3", strategy, timeout_s=30,
+                                   hang_means="one rank refused the unequal batches and the other went on")
+    for rank, message in enumerate(messages):
+        assert message != "no error", f"rank {rank}: 4 + 3 rows without weight= trained with equal weights"
+        assert "weight=" in message and "4" in message and "3" in message, f"rank {rank}: {message}"

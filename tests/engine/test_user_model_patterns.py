@@ -53,7 +53,7 @@ def test_evaluation_between_steps_sees_the_trained_model_and_changes_nothing(poo
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_user_model_pattern_trains_like_one_process(pool, strategy: str, case: str) -> None:
     """repeated_block: blocks[0] runs twice per forward; two_forwards: two forwards, one backward;
-    frozen: the first layer has requires_grad=False (it must not move, and gets no optimizer state)."""
+    frozen: the first layer has requires_grad=False on every rank (it must not move)."""
     want = train_reference(case, 3, optimizer="sgd")
     for rank, result in enumerate(pool.run(train_engine, case, strategy, 3, optimizer="sgd", evaluate=True)):
         assert_close(result["state"], want["state"], f"rank {rank}: {case} under {strategy}")
