@@ -329,6 +329,8 @@ class Engine:
         try:
             if w != 0.0:
                 (loss * scale if scale != 1.0 else loss).backward()
+            elif self._zero3 is not None:
+                self._zero_weight_backward(loss)
         except BaseException:
             self._end_window()
             raise
@@ -338,6 +340,19 @@ class Engine:
                 self._zero3.end_backward()
         if sync:
             self._sync_grads()
+
+    def _zero_weight_backward(self, loss: torch.Tensor) -> None:
+        """zero3 gathers each unit's parameters inside backward, in the order autograd reaches the
+        units, so a rank with ``weight=0`` cannot skip backward: its peers would wait in those
+        gathers. It runs backward with every parameter's gradient replaced by zeros before it is
+        accumulated (its loss may be 0/0, and 0 * NaN is NaN), which contributes exactly nothing."""
+        handles = [slot.param.register_hook(torch.zeros_like) for slot in self.slots
+                   if slot.param.requires_grad]
+        try:
+            (loss * 0.0).backward()
+        finally:
+            for handle in handles:
+                handle.remove()
 
     def _sync_grads(self) -> None:
         """The window's gradients, averaged over ranks, where the optimizer reads them."""
