@@ -16,6 +16,7 @@ from dspark.comm.collectives import (
     new_group,
     reduce_scatter_tensor,
 )
+from dspark.comm.observer import CommObserver, current_observer, set_observer
 from dspark.comm.stats import CollectiveStats, reset_stats, stats
 from dspark.comm.world import (
     BACKENDS,
@@ -30,6 +31,7 @@ from dspark.comm.world import (
 __all__ = [
     "BACKENDS",
     "CollectiveStats",
+    "CommObserver",
     "Group",
     "Handle",
     "World",
@@ -41,6 +43,7 @@ __all__ = [
     "barrier",
     "broadcast",
     "broadcast_object",
+    "current_observer",
     "default_group",
     "destroy_group",
     "device_mesh",
@@ -50,6 +53,7 @@ __all__ = [
     "new_group",
     "reduce_scatter_tensor",
     "reset_stats",
+    "set_observer",
     "shutdown",
     "stats",
 ]
