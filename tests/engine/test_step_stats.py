@@ -175,7 +175,7 @@ def test_a_slow_rank_shows_in_compute_not_in_step_time(pool) -> None:
     assert _median(fast, "comm_exposed_ms") >= 0.8 * sleep_ms, fast
     # collectives equalise wall time: both ranks' steps last about as long
     step_fast, step_slow = _median(fast, "step_ms"), _median(slow, "step_ms")
-    assert abs(step_fast - step_slow) <= 0.2 * max(step_fast, step_slow), (fast, slow)
+    assert abs(step_fast - step_slow) <= 0.3 * max(step_fast, step_slow), (fast, slow)
 
 
 def test_a_healthy_run_has_alike_compute_on_both_ranks(pool) -> None:
