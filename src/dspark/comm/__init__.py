@@ -16,6 +16,7 @@ from dspark.comm.collectives import (
     new_group,
     reduce_scatter_tensor,
 )
+from dspark.comm.observer import CommObserver, current_observer, set_observer
 from dspark.comm.stats import CollectiveStats, reset_stats, stats
 from dspark.comm.world import (
     BACKENDS,
@@ -31,6 +32,7 @@ from dspark.comm.world import (
 __all__ = [
     "BACKENDS",
     "CollectiveStats",
+    "CommObserver",
     "Group",
     "Handle",
     "World",
@@ -43,6 +45,7 @@ __all__ = [
     "barrier",
     "broadcast",
     "broadcast_object",
+    "current_observer",
     "default_group",
     "destroy_group",
     "device_mesh",
@@ -52,6 +55,7 @@ __all__ = [
     "new_group",
     "reduce_scatter_tensor",
     "reset_stats",
+    "set_observer",
     "shutdown",
     "stats",
 ]

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from dspark.comm import stats as _stats
+from dspark.comm.observer import current_observer
 from dspark.comm.world import get_world
 from dspark.errors import CollectiveError, CollectiveTimeoutError
 
@@ -121,12 +122,13 @@ def _raise_from(exc: BaseException, kind: str, group: Group, nbytes: int) -> Non
 class Handle:
     """An in-flight collective. ``wait()`` blocks until it is done and is safe to call twice."""
 
-    __slots__ = ("_after", "_done", "_group", "_kind", "_nbytes", "_work")
+    __slots__ = ("_after", "_done", "_group", "_kind", "_label", "_nbytes", "_work")
 
     def __init__(self, work: Any, kind: str, group: Group, nbytes: int,
-                 after: Callable[[], object] | None = None) -> None:
+                 after: Callable[[], object] | None = None, label: str | None = None) -> None:
         self._work = work
         self._kind = kind
+        self._label = label
         self._group = group
         self._nbytes = nbytes
         self._after = after
@@ -137,8 +139,12 @@ class Handle:
     def wait(self) -> None:
         if self._done:
             return
+        observer = current_observer()  # see [Note: why the hook lives in comm]
         try:
-            self._work.wait()
+            if observer is None:
+                self._work.wait()
+            else:
+                observer.wait(self._kind, self._label, self._work.wait)
         except Exception as exc:  # the backend's error, re-raised with our context
             _raise_from(exc, self._kind, self._group, self._nbytes)
         self._done = True
@@ -150,13 +156,14 @@ class Handle:
 
 
 def _run(kind: str, group: Group, nbytes: int, launch: Callable[[], Any], async_op: bool,
-         after: Callable[[], object] | None = None) -> Handle:
+         after: Callable[[], object] | None = None, label: str | None = None) -> Handle:
     _stats.record(kind, nbytes, group.size)
+    observer = current_observer()
     try:
-        work = launch()
+        work = launch() if observer is None else observer.launch(kind, label, launch)
     except Exception as exc:
         _raise_from(exc, kind, group, nbytes)
-    handle = Handle(work, kind, group, nbytes, after)
+    handle = Handle(work, kind, group, nbytes, after, label)
     if not async_op:
         handle.wait()
     return handle
@@ -171,38 +178,39 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def all_reduce(tensor: torch.Tensor, op: str = "sum", *, async_op: bool = False,
-               group: Group | None = None) -> Handle:
-    """Reduce ``tensor`` in place across ranks (``op``: sum, avg, max, min)."""
+               group: Group | None = None, label: str | None = None) -> Handle:
+    """Reduce ``tensor`` in place across ranks (``op``: sum, avg, max, min). ``label`` names this
+    collective for an observer (:mod:`dspark.comm.observer`), e.g. in profiler traces."""
     if op not in _VALID_OPS:
         raise ValueError(f"op={op!r} is not one of {_VALID_OPS}")
     g = group or default_group()
     if _is_noop(g):
-        return _run("all_reduce", g, _nbytes(tensor), lambda: None, async_op)
+        return _run("all_reduce", g, _nbytes(tensor), lambda: None, async_op, label=label)
     # gloo has no AVG: sum, then divide once the sum has landed.
     after = (lambda: tensor.div_(g.size)) if op == "avg" else None
     reduce_op = _REDUCE_OPS["sum" if op == "avg" else op]
     return _run("all_reduce", g, _nbytes(tensor),
                 lambda: dist.all_reduce(tensor, op=reduce_op, group=g.pg, async_op=True),
-                async_op, after)
+                async_op, after, label)
 
 
 def all_gather_into_tensor(output: torch.Tensor, shard: torch.Tensor, *, async_op: bool = False,
-                           group: Group | None = None) -> Handle:
+                           group: Group | None = None, label: str | None = None) -> Handle:
     """Concatenate every rank's ``shard`` (equal sizes) along dim 0 into ``output``."""
-    return _all_gather("all_gather", output, shard, async_op, group)
+    return _all_gather("all_gather", output, shard, async_op, group, label)
 
 
 def _all_gather(kind: str, output: torch.Tensor, shard: torch.Tensor, async_op: bool,
-                group: Group | None) -> Handle:
+                group: Group | None, label: str | None = None) -> Handle:
     g = group or default_group()
     if output.numel() != shard.numel() * g.size:
         raise ValueError(f"{kind}: output has {output.numel()} elements, expected "
                          f"{g.size} ranks x {shard.numel()} = {g.size * shard.numel()}")
     if _is_noop(g):
-        return _run(kind, g, _nbytes(shard), lambda: _copy(output, shard), async_op)
+        return _run(kind, g, _nbytes(shard), lambda: _copy(output, shard), async_op, label=label)
     return _run(kind, g, _nbytes(shard),
                 lambda: _ALL_GATHER(output.view(-1), shard.reshape(-1), group=g.pg, async_op=True),
-                async_op)
+                async_op, label=label)
 
 
 def all_gather(shard: torch.Tensor, *, group: Group | None = None,
@@ -215,7 +223,8 @@ def all_gather(shard: torch.Tensor, *, group: Group | None = None,
 
 
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: str = "sum", *,
-                          async_op: bool = False, group: Group | None = None) -> Handle:
+                          async_op: bool = False, group: Group | None = None,
+                          label: str | None = None) -> Handle:
     """Reduce ``input`` (``N`` equal chunks along dim 0) across ranks; rank ``r`` gets chunk ``r``
     in ``output``."""
     if op not in ("sum", "avg"):
@@ -225,26 +234,27 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: str = "
         raise ValueError(f"reduce_scatter_tensor: input has {input.numel()} elements, expected "
                          f"{g.size} ranks x {output.numel()} = {g.size * output.numel()}")
     if _is_noop(g):
-        return _run("reduce_scatter", g, _nbytes(input), lambda: _copy(output, input), async_op)
+        return _run("reduce_scatter", g, _nbytes(input), lambda: _copy(output, input), async_op,
+                    label=label)
     after = (lambda: output.div_(g.size)) if op == "avg" else None
     return _run("reduce_scatter", g, _nbytes(input),
                 lambda: _REDUCE_SCATTER(output.view(-1), input.reshape(-1), op=dist.ReduceOp.SUM,
                                         group=g.pg, async_op=True),
-                async_op, after)
+                async_op, after, label)
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0, *, async_op: bool = False,
-              group: Group | None = None) -> Handle:
+              group: Group | None = None, label: str | None = None) -> Handle:
     """Copy ``tensor`` from rank ``src`` to every rank, in place."""
     g = group or default_group()
     if not 0 <= src < g.size:
         raise ValueError(f"broadcast src={src} is outside [0, {g.size})")
     if _is_noop(g):
-        return _run("broadcast", g, _nbytes(tensor), lambda: None, async_op)
+        return _run("broadcast", g, _nbytes(tensor), lambda: None, async_op, label=label)
     global_src = src if g.pg is None else dist.get_global_rank(g.pg, src)
     return _run("broadcast", g, _nbytes(tensor),
                 lambda: dist.broadcast(tensor, src=global_src, group=g.pg, async_op=True),
-                async_op)
+                async_op, label=label)
 
 
 def device_mesh() -> Any:

@@ -30,6 +30,7 @@ from torch import nn
 
 from dspark import comm
 from dspark.engine.agreement import agree
+from dspark.engine.audit import BatchRecord, audit_rows, record_batch
 from dspark.engine.batch_check import DEFAULT_BATCH_CHECK_EVERY, BatchCheck
 from dspark.engine.buffer_sync import BufferSync, broadcast_tensors
 from dspark.engine.global_batchnorm import convert_batchnorm, restore_batchnorm
@@ -41,6 +42,8 @@ from dspark.engine.param_groups import ParamGroupsFn, group_by_overrides
 from dspark.engine.param_slot import ParamSlot
 from dspark.engine.policy import precision_policy, sharding_policy
 from dspark.engine.state_dict import load_sharded_state_dict, sharded_state_dict
+from dspark.engine.step_observer import StepObserver, observed
+from dspark.engine.trace import TraceSession, check_trace_args
 from dspark.engine.zero3_units import UnitPolicy, Zero3Scheduler
 from dspark.tensor import DistTensor, Placement, Replicate, Shard
 from dspark.tensor.fingerprint import batch_leaves
@@ -88,6 +91,10 @@ class Engine:
     forward, as DDP does. On the first step, and every ``batch_check_every`` steps after, ranks
     compare fingerprints of their input batches: identical batches raise
     :class:`dspark.PlacementError` (``None`` turns it off; see :mod:`dspark.engine.batch_check`).
+    ``trace_dir`` writes a PyTorch profiler trace per rank (``trace_dir/rank{R}.json``) of
+    ``trace_steps=(warmup, active)`` steps, with the engine's phases and collectives named
+    (:mod:`dspark.engine.trace`). ``step_stats()`` and ``audit()`` tell where
+    the last step's time and this rank's memory went.
     """
 
     def __init__(
@@ -107,9 +114,12 @@ class Engine:
         sync_batchnorm: bool = False,
         broadcast_buffers: bool = True,
         batch_check_every: int | None = DEFAULT_BATCH_CHECK_EVERY,
+        trace_dir: str | os.PathLike[str] | None = None,
+        trace_steps: tuple[int, int] = (1, 2),
     ) -> None:
         _check_arguments(model, optimizer, grad_accum_steps, clip_grad_norm, bucket_mb, reduce_dtype,
                          param_groups, zero3_units)
+        check_trace_args(trace_dir, trace_steps)
         self.strategy = sharding_policy(strategy)
         self.precision = precision_policy(precision)
         self.world = comm.get_world()
@@ -170,6 +180,11 @@ class Engine:
         self._hooks = [s.param.register_post_accumulate_grad_hook(self._grad_ready_hook(s))
                        for s in self.slots]
         self._hooks.append(model.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True))
+        self._last_batch: BatchRecord | None = None
+        trace = None if trace_dir is None else TraceSession(
+            trace_dir, rank=self.world.rank, warmup=trace_steps[0], active=trace_steps[1],
+            device=self.world.device)
+        self._observer = StepObserver(self.world.device, rank=self.world.rank, trace=trace)
 
     # -- construction ----------------------------------------------------------------------------
     def _agreed(self, what: str, fn: Callable[[], Any]) -> Any:
@@ -249,9 +264,12 @@ class Engine:
         leaves = batch_leaves((args, kwargs))
         if leaves and leaves[0].dim() > 0:
             self._batch_size = (self._batch_size or 0) + int(leaves[0].shape[0])
+        if leaves:
+            self._last_batch = record_batch(leaves)
         if self._buffer_sync is not None and module.training:
             self._buffer_sync.before_forward()
 
+    @observed("forward")
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the model's forward (under autocast for bf16/fp16)."""
         try:
@@ -287,6 +305,7 @@ class Engine:
                 self._zero3.on_grad_accumulated(slot)
         return hook
 
+    @observed("backward")
     def backward(self, loss: torch.Tensor, *, weight: float | int | torch.Tensor | None = None) -> None:
         """Backpropagate ``loss`` (the mean loss of this rank's micro-batch). The update averages the
         window's ``grad_accum_steps`` micro-batches over all ranks with equal weights; with
@@ -413,6 +432,7 @@ class Engine:
         self._zero_grads()
 
     # -- optimizer step --------------------------------------------------------------------------
+    @observed("optimizer")
     def step(self) -> bool:
         """Apply the optimizer to the window's averaged gradients (after 1 to ``grad_accum_steps``
         ``backward()`` calls; a shorter window, e.g. at the end of an epoch, is reduced here). Returns
@@ -494,7 +514,8 @@ class Engine:
                 slot.view_rows(send[offset:], slot.local_rows).copy_(rows)
                 offset += slot.shard_numel
             out = torch.empty((n, seg), dtype=send.dtype, device=device)
-            inflight.append((bucket, out, comm.all_gather_into_tensor(out, send, async_op=True)))
+            inflight.append((bucket, out, comm.all_gather_into_tensor(
+                out, send, async_op=True, label=f"dspark.bucket{bucket.index}.all_gather")))
         for bucket, out, handle in inflight:
             handle.wait()
             offset = 0
@@ -731,8 +752,43 @@ class Engine:
         report["total_bytes_expected"] = exp_params + exp_grads + exp_opt
         return report
 
+    def step_stats(self) -> dict[str, float]:
+        """Where this rank's last step went, in milliseconds: ``step_ms``, ``forward_ms``,
+        ``backward_ms``, ``comm_exposed_ms`` (waiting on communication that compute did not hide),
+        ``optimizer_ms``, ``data_ms`` (from the previous ``step()`` to this step's first forward) and
+        ``compute_ms`` (forward + backward + optimizer without the waits: what to compare across
+        ranks to find a straggler). See [Note: step breakdown] in :mod:`dspark.engine.step_observer`.
+        On CUDA this synchronises with the last step's events; nothing else does.
+
+        Example::
+
+            engine.step()
+            stats = engine.step_stats()   # {"step_ms": 41.8, "forward_ms": 12.1, ...}
+        """
+        return self._observer.step_stats()
+
+    def audit(self) -> list[dict[str, Any]]:
+        """Every tensor this rank holds (parameters, gradients, optimizer state, the last input batch)
+        with its placement, ``bytes`` held, ``expected_bytes`` its placement needs and ``factor``
+        between them; see [Note: replication audit] in :mod:`dspark.engine.audit`. Collective: call it
+        on every rank.
+
+        Example::
+
+            from dspark.engine.audit import format_audit
+            print(format_audit(engine.audit()))  # input batch: 2.0x a 1/2 share, replicated on every rank
+        """
+        return audit_rows(module=self.module, slots=(*self.slots, *self._frozen_slots),
+                          strategy=self.strategy, params_sharded=self._shard_params,
+                          buckets=[] if self._reducer is None else self._reducer.buckets,
+                          optimizer=self.optimizer, batch=self._last_batch, rank=self.world.rank,
+                          num_ranks=self.world.world_size, device=self.world.device)
+
     def close(self) -> None:
-        """Remove the engine's hooks (the module keeps working as a plain module unless zero3)."""
+        """Remove the engine's hooks (the module keeps working as a plain module unless zero3) and stop
+        its trace, if one is still recording."""
+        self._observer.close()
+        self._last_batch = None
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()

@@ -71,6 +71,8 @@ class GradBucket:
         if collective not in ("all_reduce", "reduce_scatter"):
             raise AssertionError(f"collective={collective!r}")
         self.index = index
+        self.label = f"dspark.bucket{index}.{collective}"
+        """This bucket's collective in traces and to comm observers (:mod:`dspark.engine.trace`)."""
         self.slots = list(slots)
         self.dtype = slots[0].dtype
         self.wire_dtype = wire_dtype or self.dtype
@@ -142,7 +144,7 @@ class GradBucket:
             if pre_scale != 1.0:
                 wire.mul_(pre_scale)
         self._wire = wire
-        self._handle = comm.all_reduce(wire, async_op=True)
+        self._handle = comm.all_reduce(wire, async_op=True, label=self.label)
 
     def _launch_sharded(self, send_pool: BufferPool, out_pool: BufferPool, pre_scale: float) -> None:
         n = self.num_ranks
@@ -161,10 +163,10 @@ class GradBucket:
             out = (self.shard_buffer if self.wire_dtype == self.dtype else
                    out_pool.take(self, self.wire_dtype, self.seg, self.device))
             self._wire = out
-            self._handle = comm.reduce_scatter_tensor(out, send, async_op=True)
+            self._handle = comm.reduce_scatter_tensor(out, send, async_op=True, label=self.label)
         else:
             self._wire = send
-            self._handle = comm.all_reduce(send, async_op=True)
+            self._handle = comm.all_reduce(send, async_op=True, label=self.label)
 
     # -- after the collective ----------------------------------------------------------------------
     def collect(self) -> None:

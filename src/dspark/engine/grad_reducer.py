@@ -153,7 +153,7 @@ class GradReducer:
         if weights.batch_size is not None:
             extras[2 + self.rank] = weights.batch_size + 1
         extras[2 + n:] = torch.tensor([float(s.used) for s in self._flag_order], dtype=torch.float64)
-        comm.all_reduce(extras)
+        comm.all_reduce(extras, label="dspark.step_extras.all_reduce")
         for bucket in self.buckets:  # every rank launched every bucket: waiting cannot hang
             bucket.collect()
         if self._late_bucket is not None:

@@ -26,9 +26,10 @@ _KNOWN_STATE: dict[str, tuple[int, bool]] = {
 }
 
 
-def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (views of one storage count once)."""
-    seen: set[tuple[int, int]] = set()
+def storage_bytes(tensors: Iterable[torch.Tensor | None], seen: set[tuple[int, int]] | None = None) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views of one storage count once). Pass the
+    same ``seen`` set to several calls to count a storage only in the first that meets it."""
+    seen = set() if seen is None else seen
     total = 0
     for t in tensors:
         if t is None:

@@ -47,11 +47,12 @@ class _Gather:
     ``i`` is the strided column ``out[:, off_i:off_i + shard_i]``; copying it out gives the full,
     padded parameter (``chunk * N`` rows, memory order)."""
 
-    def __init__(self, slots: list[ParamSlot]) -> None:
+    def __init__(self, slots: list[ParamSlot], label: str) -> None:
         self.slots = slots
         send = torch.cat([_shard(s) for s in slots]) if len(slots) > 1 else _shard(slots[0])
         self.out = send.new_empty((slots[0].num_ranks, send.numel()))  # (N, sum of shards)
-        self.handle: comm.Handle | None = comm.all_gather_into_tensor(self.out, send, async_op=True)
+        self.handle: comm.Handle | None = comm.all_gather_into_tensor(self.out, send, async_op=True,
+                                                                      label=label)
         for slot in slots:
             slot.pending = self
 
@@ -80,6 +81,7 @@ class _Unit:
     def __init__(self, index: int, name: str, module: nn.Module, slots: list[ParamSlot]) -> None:
         self.index = index
         self.name = name
+        self.label = f"dspark.gather.{name or 'root'}"  # its gathers in traces
         self.module = module
         self.slots = slots
         self.frozen = [s for s in slots if not s.requires_grad]
@@ -178,7 +180,8 @@ class Zero3Scheduler:
         return max((sum(s.numel * s.param.element_size() for s in u.slots) for u in self.units), default=0)
 
     # -- gathering -------------------------------------------------------------------------------
-    def _start(self, slots: Iterable[ParamSlot], *, prefetch: bool = False) -> None:
+    def _start(self, slots: Iterable[ParamSlot], *, prefetch: bool = False,
+               label: str = "dspark.gather") -> None:
         """Launch one all-gather per dtype for the slots that are neither gathered nor in flight (a
         prefetch also skips those whose gradient is complete: backward needs them no more)."""
         by_dtype: dict[torch.dtype, list[ParamSlot]] = {}
@@ -187,18 +190,19 @@ class Zero3Scheduler:
                 continue
             by_dtype.setdefault(s.dtype, []).append(s)
         for group in by_dtype.values():
-            _Gather(group)
+            _Gather(group, label)
 
-    def _gather(self, slots: Iterable[ParamSlot]) -> None:
+    def _gather(self, slots: Iterable[ParamSlot], label: str = "dspark.gather") -> None:
         slots = list(slots)
-        self._start(slots)
+        self._start(slots, label=label)
         for slot in slots:
             if slot.pending is not None:
                 slot.pending.finish()
 
     def _prefetch(self, unit_index: int | None) -> None:
         if unit_index is not None:
-            self._start(self.units[unit_index].slots, prefetch=True)
+            unit = self.units[unit_index]
+            self._start(unit.slots, prefetch=True, label=unit.label)
 
     def _neighbour(self, unit: _Unit, step: int) -> int | None:
         if unit.index not in self._order:
@@ -218,14 +222,14 @@ class Zero3Scheduler:
         @_eager
         def hook(module: nn.Module, args: Any, kwargs: Any) -> Any:
             if self._in_backward():  # recomputation: gather, free nothing (gradients will)
-                self._gather(unit.slots)
+                self._gather(unit.slots, unit.label)
                 return None
             if unit.index == 0:
                 self._current_order = []
             self._current_order.append(unit.index)
             for slot in unit.slots:
                 self._holders[id(slot)] += 1
-            self._gather(unit.slots)
+            self._gather(unit.slots, unit.label)
             self._prefetch(self._neighbour(unit, +1))
             if unit.frozen and torch.is_grad_enabled():
                 return self._wrap_inputs(unit, args, kwargs)
@@ -265,7 +269,7 @@ class Zero3Scheduler:
                 def pre_backward(grad: torch.Tensor) -> None:
                     if not fired[0]:
                         fired[0] = True
-                        self._gather(unit.slots)
+                        self._gather(unit.slots, unit.label)
                         self._prefetch(self._neighbour(unit, -1))
 
                 for leaf in tree_leaves(output):

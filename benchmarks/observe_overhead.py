@@ -1,0 +1,160 @@
+"""What leaving the step breakdown and the batch fingerprint on costs: ``engine.step_stats()`` and
+``engine.audit()`` need them on every step, so they are always on when this is small.
+
+Run on an idle machine (figures move with load; see docs/readme/observe.md)::
+
+    OMP_NUM_THREADS=1 .venv/bin/dspark run --nproc 2 benchmarks/observe_overhead.py \
+        --workload tiny gpt2-cpu --strategy zero2 --steps 40
+
+Two measurements per workload, printed by rank 0:
+
+1. *direct*: the observer's own calls for one step, timed in a loop: every phase's enter/leave and
+   every wait's two clock marks, as many as a real step of this workload makes (counted from it),
+   plus the fingerprint of this rank's batch;
+2. *A/B*: training steps alternately with the observer on and with it off (a no-op observer and no
+   fingerprint, what the engine would do without them), in blocks of 2 steps, median step time of
+   each. The difference is within noise unless it exceeds the two medians' spread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+import dspark
+import dspark.engine.engine as engine_module
+from dspark import comm
+from dspark.engine.step_observer import StepObserver
+
+_BLOCK = 2
+_DIRECT_REPEATS = 2000
+
+
+class _Off:
+    """The engine without observation: phases and waits cost nothing."""
+
+    def enter(self, phase: int) -> None:
+        pass
+
+    def leave(self, *, failed: bool = False, ends_step: bool = False) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _tiny() -> tuple[nn.Module, Callable[[int], tuple[torch.Tensor, torch.Tensor]], Callable[..., Any]]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 4))
+
+    def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(step)
+        return torch.randn(16, 32, generator=g), torch.randn(16, 4, generator=g)
+
+    return model, batch, nn.functional.mse_loss
+
+
+def _workload(name: str) -> tuple[nn.Module, Callable[[int], Any], Callable[..., Any], str]:
+    if name == "tiny":
+        return (*_tiny(), "fp32")
+    from dspark.models import get_workload
+
+    workload = get_workload(name)
+    model = workload.build_model(seed=0)
+    return (model, lambda step: workload.make_batch(workload.default_global_batch, seed=step),
+            workload.loss, workload.default_precision)
+
+
+def _time_step(engine: dspark.Engine, batch: Any, loss_fn: Callable[..., Any]) -> float:
+    x, y = dspark.distribute_batch(batch, shard_dim=0)
+    comm.barrier()
+    start = time.perf_counter()
+    engine.backward(loss_fn(engine(x), y))
+    engine.step()
+    return (time.perf_counter() - start) * 1e3
+
+
+def _direct_us(observer: StepObserver, phases: int, waits: int,
+               batch_leaves: list[torch.Tensor]) -> tuple[float, float]:
+    """Microseconds per step of the observer's calls (``phases`` phases, ``waits`` waits) and of the
+    batch fingerprint."""
+    def nothing() -> None:
+        pass
+
+    start = time.perf_counter()
+    for _ in range(_DIRECT_REPEATS):
+        for phase in range(phases):
+            observer.enter(min(phase, 2))
+            for _ in range(waits // phases + (phase < waits % phases)):
+                observer.wait("all_reduce", None, nothing)
+            observer.leave(ends_step=phase == phases - 1)
+    middle = time.perf_counter()
+    for _ in range(_DIRECT_REPEATS):
+        engine_module.record_batch(batch_leaves)
+    end = time.perf_counter()
+    return (middle - start) / _DIRECT_REPEATS * 1e6, (end - middle) / _DIRECT_REPEATS * 1e6
+
+
+def measure(name: str, strategy: str, steps: int) -> dict[str, float]:
+    model, make_batch, loss_fn, precision = _workload(name)
+    engine = dspark.Engine(model, optimizer=functools.partial(torch.optim.AdamW, lr=1e-4),
+                           strategy=strategy, precision=precision)
+    on, record = engine._observer, engine_module.record_batch
+    for step in range(2):  # warm-up; the first step also learns the bucket order
+        _time_step(engine, make_batch(step), loss_fn)
+    window = on._done[-1]
+    phases, waits = len(window.phases), len(window.waits)
+    times: dict[bool, list[float]] = {True: [], False: []}
+    try:
+        for block in range(steps // _BLOCK):
+            observing = block % 2 == 0
+            engine._observer = on if observing else _Off()  # type: ignore[assignment]
+            engine_module.record_batch = record if observing else (lambda leaves: None)  # type: ignore[assignment,return-value]
+            for step in range(_BLOCK):
+                times[observing].append(_time_step(engine, make_batch(100 + block * _BLOCK + step), loss_fn))
+    finally:
+        engine._observer, engine_module.record_batch = on, record
+    x, _ = dspark.distribute_batch(make_batch(0), shard_dim=0)
+    observer_us, fingerprint_us = _direct_us(StepObserver(torch.device("cpu"), rank=0), phases, waits, [x])
+    engine.close()
+    summary = torch.tensor([statistics.median(times[True]), statistics.median(times[False]), observer_us,
+                            fingerprint_us], dtype=torch.float64)
+    comm.all_reduce(summary, op="max")  # the slowest rank's
+    on_ms, off_ms, observer_us, fingerprint_us = summary.tolist()
+    spread = statistics.pstdev(times[True] + times[False])
+    return {"on_ms": on_ms, "off_ms": off_ms, "observer_us": observer_us, "fingerprint_us": fingerprint_us,
+            "phases": phases, "waits": waits, "spread_ms": spread}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workload", nargs="+", default=["tiny", "gpt2-cpu"],
+                        help="'tiny' (a 7k-parameter MLP: the worst case) or a dspark bench workload")
+    parser.add_argument("--strategy", default="zero2")
+    parser.add_argument("--steps", type=int, default=40, help="timed steps, half with the observer off")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    world = dspark.init()
+    for name in args.workload:
+        r = measure(name, args.strategy, args.steps)
+        if world.is_main:
+            direct_us = r["observer_us"] + r["fingerprint_us"]
+            print(f"{name:>12} {args.strategy} on {world.world_size} rank(s): direct {direct_us:.1f} us per "
+                  f"step (observer {r['observer_us']:.1f} us for {r['phases']:.0f} phases and "
+                  f"{r['waits']:.0f} waits, fingerprint {r['fingerprint_us']:.1f} us) = "
+                  f"{direct_us / 1e3 / r['off_ms'] * 100:.3f}% of a {r['off_ms']:.2f} ms step; "
+                  f"A/B median on {r['on_ms']:.2f} ms, "
+                  f"off {r['off_ms']:.2f} ms ({(r['on_ms'] / r['off_ms'] - 1) * 100:+.1f}%, step spread "
+                  f"{r['spread_ms']:.2f} ms)", flush=True)
+    dspark.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,166 @@
+"""DSpark's phases and collectives as named ranges in profiler traces, and the engine's own trace option.
+
+[Note: trace names] While named ranges are on, the engine marks
+
+* its phases: ``dspark.forward`` (each training forward), ``dspark.backward`` (each
+  ``engine.backward``), ``dspark.optimizer`` (each ``engine.step``);
+* each collective where it starts, under the name its caller gave it: ``dspark.bucket3.all_reduce``
+  (gradient bucket 3; ``reduce_scatter`` under zero2/zero3 on NCCL), ``dspark.gather.blocks.0`` (a
+  zero3 unit's parameters; ``dspark.gather.root`` for the root's own), ``dspark.bucket3.all_gather``
+  (zero1/zero2's updated rows), ``dspark.step_extras.all_reduce`` (the step's one small vector);
+  unnamed ones as ``dspark.comm.<kind>``;
+* every blocking wait for a collective as ``dspark.comm.wait``, with the collective's name inside.
+
+Ranges go to PyTorch's profiler (``torch.profiler.record_function``: the ``user_annotation`` events of
+a Chrome/Perfetto trace) and, on CUDA, to NVTX (``torch.cuda.nvtx``), so Nsight Systems shows the same
+names. They are off unless asked for: with them off the engine makes no profiler call at all. Turn
+them on around your own profiler with :func:`named_ranges`, or let the engine write a trace per rank
+with ``Engine(trace_dir=...)`` (:class:`TraceSession`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import torch
+
+__all__ = ["COMM_WAIT", "PHASE_RANGES", "Range", "TraceSession", "check_trace_args", "named_ranges",
+           "ranges_enabled", "trace_range"]
+
+PHASE_RANGES = ("dspark.forward", "dspark.backward", "dspark.optimizer")
+"""Range names of the engine's phases, in the order of :data:`dspark.engine.step_observer.PHASES`."""
+COMM_WAIT = "dspark.comm.wait"
+
+_enabled = 0  # how many callers want ranges now (named_ranges() nests; trace sessions overlap)
+_NULL = contextlib.nullcontext()
+
+
+def ranges_enabled() -> bool:
+    """Whether DSpark emits its named ranges now."""
+    return _enabled > 0
+
+
+@contextlib.contextmanager
+def named_ranges() -> Iterator[None]:
+    """Emit DSpark's named ranges (see [Note: trace names]) while the block runs: for a profiler (or
+    Nsight Systems) that you run yourself around engine steps.
+
+    Example::
+
+        with torch.profiler.profile() as prof, dspark.engine.named_ranges():
+            for x, y in batches:
+                engine.backward(loss_fn(engine(x), y))
+                engine.step()
+        prof.export_chrome_trace(f"rank{world.rank}.json")
+    """
+    global _enabled
+    _enabled += 1
+    try:
+        yield
+    finally:
+        _enabled -= 1
+
+
+class Range:
+    """One named range: a profiler ``record_function`` and, with CUDA, an NVTX range."""
+
+    __slots__ = ("_name", "_nvtx", "_record")
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._record: Any = None
+        self._nvtx = False
+
+    def __enter__(self) -> Range:
+        self._record = torch.profiler.record_function(self._name)
+        self._record.__enter__()
+        if torch.cuda.is_available():
+            torch.cuda.nvtx.range_push(self._name)
+            self._nvtx = True
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if self._nvtx:
+            torch.cuda.nvtx.range_pop()
+        self._record.__exit__(kind, exc, tb)
+
+
+def trace_range(name: str) -> contextlib.AbstractContextManager[Any]:
+    """A :class:`Range` named ``name`` while ranges are on, else a shared no-op context.
+
+    Example::
+
+        with trace_range("dspark.checkpoint.save"):
+            engine.save(path)
+    """
+    return Range(name) if _enabled else _NULL
+
+
+def check_trace_args(trace_dir: Any, trace_steps: Any) -> None:
+    """Raise ``TypeError``/``ValueError`` naming the value when the engine's trace options are wrong."""
+    if trace_dir is not None and not isinstance(trace_dir, (str, os.PathLike)):
+        raise TypeError(f"trace_dir={trace_dir!r} must be None or a directory path (str or PathLike)")
+    ok = (isinstance(trace_steps, tuple) and len(trace_steps) == 2
+          and all(isinstance(n, int) and not isinstance(n, bool) for n in trace_steps)
+          and trace_steps[0] >= 0 and trace_steps[1] >= 1)
+    if not ok:
+        raise ValueError(f"trace_steps={trace_steps!r} must be (warmup, active): ints, warmup >= 0 "
+                         "untraced steps first, then active >= 1 traced steps, e.g. (1, 2)")
+
+
+class TraceSession:
+    """The engine's own trace: a PyTorch profiler on this rank for ``warmup + active`` steps, written
+    as Chrome/Perfetto JSON to ``trace_dir/rank{rank}.json`` once the ``active`` steps are done.
+
+    The first ``warmup`` steps run untraced (the last of them also warms the profiler up), then
+    ``active`` steps are recorded with named ranges on. Call :meth:`after_step` at the end of each
+    step; :meth:`close` stops early (writing what was recorded, if anything).
+    """
+
+    def __init__(self, trace_dir: str | os.PathLike[str], *, rank: int, warmup: int, active: int,
+                 device: torch.device) -> None:
+        from torch.profiler import ProfilerActivity, profile, schedule
+
+        self.path = Path(trace_dir) / f"rank{rank}.json"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        activities = [ProfilerActivity.CPU]
+        if device.type == "cuda":
+            activities.append(ProfilerActivity.CUDA)
+        plan = schedule(wait=max(warmup - 1, 0), warmup=min(warmup, 1), active=active, repeat=1)
+        self._profiler: Any = profile(activities=activities, schedule=plan, on_trace_ready=self._write)
+        self._steps_left = warmup + active
+        self._ranges = named_ranges()
+        self._ranges.__enter__()
+        self._profiler.start()
+
+    def _write(self, profiler: Any) -> None:
+        profiler.export_chrome_trace(str(self.path))
+
+    @property
+    def running(self) -> bool:
+        return self._profiler is not None
+
+    def after_step(self) -> None:
+        """One engine step ended: advance the profiler's schedule; stop once the trace is written."""
+        if self._profiler is None:
+            return
+        self._profiler.step()
+        self._steps_left -= 1
+        if self._steps_left <= 0:
+            self.close()
+
+    def close(self) -> None:
+        """Stop the profiler (idempotent) and turn this session's named ranges off."""
+        profiler, self._profiler = self._profiler, None
+        if profiler is None:
+            return
+        try:
+            profiler.stop()
+        finally:
+            self._ranges.__exit__(None, None, None)
