@@ -18,6 +18,7 @@ in place and each rank copies out its row: more bytes on the wire, less time.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import torch
@@ -26,6 +27,8 @@ from dspark import comm
 from dspark.engine.param_slot import ParamSlot
 
 __all__ = ["BufferPool", "GradBucket", "make_buckets"]
+
+log = logging.getLogger(__name__)
 
 
 class BufferPool:
@@ -214,6 +217,17 @@ class GradBucket:
                 slot.shard_grad = late.mul(post_scale)
             else:
                 slot.shard_grad.add_(late, alpha=post_scale)
+        self.reset()
+
+    def abandon(self) -> None:
+        """After a failed backward: let a collective already launched land before its buffer is
+        reused (peers launched it too: it completes), then reset. Its result is discarded."""
+        handle, self._handle = self._handle, None
+        if handle is not None:
+            try:
+                handle.wait()
+            except Exception:  # the window failed already: that error is the one to report
+                log.debug("bucket %d: the abandoned collective failed too", self.index, exc_info=True)
         self.reset()
 
     def reset(self) -> None:

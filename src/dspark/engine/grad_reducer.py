@@ -81,6 +81,9 @@ class GradReducer:
 
     def _set_buckets(self, order: list[ParamSlot]) -> None:
         self.buckets: list[GradBucket] = []  # dropped first: the old buffers go before new ones come
+        self._bucket_of: dict[int, GradBucket] = {}
+        self._flag_order: list[ParamSlot] = []
+        self._late_bucket = None
         self.buckets = make_buckets(order, bucket_mb=self.bucket_mb, sharded=self.sharded,
                                     collective=self.collective, wire_dtype=self.wire_dtype,
                                     rank=self.rank, num_ranks=self.num_ranks, device=self.device)
@@ -229,6 +232,7 @@ class GradReducer:
         order += [s for i, s in reversed(list(enumerate(self.slots))) if i not in seen]
         for slot in self.slots:  # the update is done: nothing may keep the old buffers alive
             slot.grad_view = None
+            slot.shard_grad = None
             slot.param.grad = None
             if slot.opt_param is not None:
                 slot.opt_param.grad = None
@@ -238,8 +242,8 @@ class GradReducer:
 
     def end_window(self) -> None:
         """After the optimizer step (or a failure): forget this window's gradients and any bucket state."""
-        for bucket in self.buckets:
-            bucket.reset()
+        for bucket in (*self.buckets, *([self._late_bucket] if self._late_bucket else [])):
+            bucket.abandon()  # a no-op wait after a completed window; after a failed one, it matters
         self._send_pool.release()
         self._out_pool.release()
         self._next = 0
