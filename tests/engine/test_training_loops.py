@@ -312,3 +312,44 @@ def test_sharded_gradients_by_reduce_scatter_match_one_process(pool, strategy: s
     ref = lm.reference(3, OPTIMIZERS["sgd"])
     for result in pool.run(_train_with_reduce_scatter, strategy):
         assert lm.max_rel_error(result["state"], ref) <= TOLERANCE
+
+
+def _units_alive_after_a_zero3_forward() -> dict[str, int]:
+    """How many units gathered during a training forward still have their gathered storage alive when
+    the forward returns (weak references to the storages, so the count holds no reference itself)."""
+    from dspark.engine.param_slot import ParamSlot
+
+    torch.manual_seed(0)
+    engine = dspark.Engine(nn.Sequential(*[nn.Linear(64, 64) for _ in range(8)]),
+                           optimizer=OPTIMIZERS["sgd"], strategy="zero3")
+    x = torch.randn(2, 64)
+    for _ in range(2):  # the first step observes the unit order that prefetching follows
+        engine.backward(engine(dspark.distribute_batch(x, shard_dim=0)).square().mean())
+        engine.step()
+    gathered: list[tuple[Any, Any]] = []
+    original = ParamSlot.set_full
+
+    def recording(slot: ParamSlot, padded_full: torch.Tensor) -> None:
+        original(slot, padded_full)
+        gathered.append((slot, slot.param.untyped_storage()._weak_ref()))
+
+    ParamSlot.set_full = recording  # type: ignore[method-assign]
+    try:
+        out = engine(dspark.distribute_batch(x, shard_dim=0))
+    finally:
+        ParamSlot.set_full = original  # type: ignore[method-assign]
+    alive = {slot.name for slot, ref in gathered if not torch.UntypedStorage._expired(ref)}
+    engine.backward(out.square().mean())
+    engine.step()
+    engine.close()
+    return {"gathered": len({slot.name for slot, _ in gathered}), "alive": len(alive)}
+
+
+def test_a_zero3_forward_keeps_no_freed_unit_alive_for_backward(pool) -> None:
+    """Autograd saves views of parameters (Linear saves ``weight.t()``); a unit freed after its forward
+    must not stay whole through them until backward, or zero3 holds the whole model at the deepest
+    point of every step."""
+    for result in pool.run(_units_alive_after_a_zero3_forward):
+        assert result["gathered"] == 16, result  # 8 weights and 8 biases were gathered
+        # only the last unit (weight and bias) stays gathered: backward starts with it
+        assert result["alive"] <= 2, result

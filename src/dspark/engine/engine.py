@@ -273,7 +273,7 @@ class Engine:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the model's forward (under autocast for bf16/fp16)."""
         try:
-            with self._autocast():
+            with self._autocast(), self._saving_parameters():
                 return self.module(*args, **kwargs)
         except RuntimeError as exc:
             if self._zero3 is None:
@@ -289,6 +289,11 @@ class Engine:
                 f"the parent's forward, is an empty tensor there; freed now: {', '.join(freed[:5])}"
                 f"{' ...' if len(freed) > 5 else ''}. Move that use into the unit's forward, or use "
                 "strategy='zero2'.") from exc
+
+    def _saving_parameters(self) -> contextlib.AbstractContextManager[Any]:
+        if self._zero3 is None or not torch.is_grad_enabled():
+            return contextlib.nullcontext()
+        return self._zero3.saving_parameters_by_reference()
 
     def _grad_ready_hook(self, slot: ParamSlot) -> Callable[[torch.Tensor], None]:
         def hook(param: torch.Tensor) -> None:

@@ -47,8 +47,9 @@ class _Gather:
     ``i`` is the strided column ``out[:, off_i:off_i + shard_i]``; copying it out gives the full,
     padded parameter (``chunk * N`` rows, memory order)."""
 
-    def __init__(self, slots: list[ParamSlot], label: str) -> None:
+    def __init__(self, slots: list[ParamSlot], label: str, installed: dict[int, ParamSlot]) -> None:
         self.slots = slots
+        self.installed = installed
         send = torch.cat([_shard(s) for s in slots]) if len(slots) > 1 else _shard(slots[0])
         self.out = send.new_empty((slots[0].num_ranks, send.numel()))  # (N, sum of shards)
         self.handle: comm.Handle | None = comm.all_gather_into_tensor(self.out, send, async_op=True,
@@ -68,6 +69,7 @@ class _Gather:
             offset += slot.shard_numel
             if slot.pending is self:
                 slot.set_full(self.out.view(-1) if single else column.reshape(-1))
+                self.installed[slot.param.untyped_storage().data_ptr()] = slot
         del self.out
 
 
@@ -75,6 +77,19 @@ def _shard(slot: ParamSlot) -> torch.Tensor:
     if slot.shard_flat is None:
         raise AssertionError(f"{slot.name}: gather without a shard")
     return slot.shard_flat
+
+
+class _SavedParamView:
+    """A tensor autograd saved that is a view of a gathered parameter, kept as the parameter and the
+    view's geometry instead of a reference to the storage (see [Note: saved parameters])."""
+
+    __slots__ = ("offset", "shape", "slot", "stride")
+
+    def __init__(self, slot: ParamSlot, shape: tuple[int, ...], stride: tuple[int, ...], offset: int) -> None:
+        self.slot = slot
+        self.shape = shape
+        self.stride = stride
+        self.offset = offset
 
 
 class _Unit:
@@ -159,6 +174,7 @@ class Zero3Scheduler:
         self._order: list[int] = []  # unit indices in the previous forward's order
         self._current_order: list[int] = []
         self._grad_done: set[int] = set()
+        self._installed: dict[int, ParamSlot] = {}  # storage pointer -> slot gathered into it
         self._handles: list[Any] = []
         for unit in self.units:
             self._handles.append(unit.module.register_forward_pre_hook(
@@ -176,6 +192,40 @@ class Zero3Scheduler:
         seen: set[int] = set()
         return [p for p in params if not (id(p) in seen or seen.add(id(p)))]  # type: ignore[func-returns-value]
 
+    def saving_parameters_by_reference(self) -> torch.autograd.graph.saved_tensors_hooks:
+        """The context a forward runs in so that autograd does not keep freed parameters alive.
+
+        [Note: saved parameters] Autograd saves what backward needs, and for a layer that is often a
+        view of a gathered parameter (``nn.Linear`` saves ``weight.t()``). Freeing the parameter
+        (swapping its ``.data`` for an empty tensor) does not free such a view's storage, so without
+        this every unit stayed whole from its forward to its backward: the whole model at once. Here a
+        saved tensor that lives in a gathered parameter's storage is packed as (parameter, view
+        geometry) and rebuilt from the regathered parameter when backward unpacks it; everything else
+        is saved as usual."""
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, tensor: torch.Tensor) -> Any:
+        if tensor.device.type == "meta" or tensor.is_sparse:
+            return tensor
+        ptr = tensor.untyped_storage().data_ptr()
+        slot = self._installed.get(ptr)
+        if slot is None or not slot.gathered or tensor.dtype != slot.param.dtype:
+            return tensor
+        base = slot.param.detach()
+        if base.untyped_storage().data_ptr() != ptr:  # a stale entry: that storage was freed
+            return tensor
+        return _SavedParamView(slot, tuple(tensor.shape), tuple(tensor.stride()),
+                               int(tensor.storage_offset()) - int(base.storage_offset()))
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        if not isinstance(packed, _SavedParamView):
+            return packed  # type: ignore[no-any-return]
+        slot = packed.slot
+        if not slot.gathered:  # every rank unpacks the same graph: the gather is collective-safe
+            self._gather([slot])
+        base = slot.param.detach()
+        return base.as_strided(packed.shape, packed.stride, base.storage_offset() + packed.offset)
+
     def largest_unit_bytes(self) -> int:
         return max((sum(s.numel * s.param.element_size() for s in u.slots) for u in self.units), default=0)
 
@@ -190,7 +240,7 @@ class Zero3Scheduler:
                 continue
             by_dtype.setdefault(s.dtype, []).append(s)
         for group in by_dtype.values():
-            _Gather(group, label)
+            _Gather(group, label, self._installed)
 
     def _gather(self, slots: Iterable[ParamSlot], label: str = "dspark.gather") -> None:
         slots = list(slots)
