@@ -113,8 +113,11 @@ def straggler(result: BenchResult, noise: NoiseModel | None = None) -> list[dict
     shares = result.core_foreign_share_by_rank
     busy = shares[slow] if slow < len(shares) else None
     if busy is not None and busy > CORE_FOREIGN_ALLOWANCE:
-        cause = (f"its core spent up to {busy:.0%} of a timed window on other processes or stolen "
-                 "time (see busy_machine): the machine, not the code; re-run on a quiet machine")
+        # Foreign work on the rank's core either took time from the rank or filled time the rank
+        # left idle (a sleep, blocking I/O): the counters cannot tell which.
+        cause = (f"its core ran other processes (or was stolen) for up to {busy:.0%} of a timed "
+                 "window (see busy_machine): they took that time from the rank, or filled time "
+                 "it left idle (blocked on I/O, sleeping); re-run on a quiet machine to tell")
     else:
         cause = ("that rank's device or core is slower, or it does more work per step than the "
                  "others (an uneven split of the data, extra work on that rank)")

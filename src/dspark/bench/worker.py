@@ -1,10 +1,10 @@
 """One launch of one benchmark configuration (a *round*), measured: the program every rank runs.
 
 ``python -m dspark.bench.worker --config JSON --out PATH --round R [--probe] [--profile]
-[--trace DIR]`` is started by the runner through the launcher (one process per rank). Each rank builds the same model from the same
-seed, makes the same global batch each step and keeps its slice of it (or all of it:
-``batch_placement == "replicate"`` is the seed's bug, chosen on purpose). Rank 0 writes one
-:class:`~dspark.bench.measurement.Measurement` as JSON to ``PATH``.
+[--trace DIR]`` is started by the runner through the launcher (one process per rank). Each rank
+builds the same model from the same seed, makes the same global batch each step and keeps its
+slice of it (or all of it: ``batch_placement == "replicate"`` is the seed's bug, chosen on
+purpose). Rank 0 writes one :class:`~dspark.bench.measurement.Measurement` as JSON to ``PATH``.
 
 A launch, in order:
 
@@ -67,6 +67,8 @@ from dspark.bench.state_bytes import expected_model_state, held_model_state, par
 
 __all__ = ["PROBE_STEPS", "SLOW_RANK_ENV", "TRACE_STEPS", "bus_bytes_per_s", "error_path", "main",
            "run_config"]
+
+_log = logging.getLogger(__name__)
 
 _MODEL_SEED = 0
 _LEARNING_RATE = 3e-4
@@ -209,6 +211,8 @@ def _slow_down(model: torch.nn.Module, rank: int) -> None:
     except ValueError:
         raise ValueError(f"{SLOW_RANK_ENV}={spec!r} is not RANK:MS (e.g. 1:80)") from None
     if rank == target:
+        _log.warning("rank %d sleeps %g ms in every forward (%s=%r): a straggler on purpose, "
+                     "not a measurement", rank, seconds * 1e3, SLOW_RANK_ENV, spec)
         # A pre-hook on the root runs inside the engine's forward: it counts as this rank's compute.
         model.register_forward_pre_hook(lambda module, args: time.sleep(seconds))
 

@@ -229,7 +229,7 @@ def _print_traces(results: Sequence[Any], trace_root: Path, out: Console) -> Non
         files = sorted(where.glob("rank*.json"))
         if files:
             out.print(f"traces of {_describe(result.config)}: {where}/rank*.json "
-                      f"({len(files)} files)", highlight=False)
+                      f"({len(files)} file{'' if len(files) == 1 else 's'})", highlight=False)
         elif result.strategy in PEERS:
             out.print(f"no trace of {_describe(result.config)}: a PyTorch peer has no DSpark "
                       "trace option", highlight=False)
