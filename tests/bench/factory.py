@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from dspark.bench.measurement import Measurement
+from dspark.bench.measurement import Measurement, results_from_measurements
 from dspark.bench.result import BenchConfig, BenchResult
 from dspark.bench.runner import RunFailure
 
@@ -92,6 +92,28 @@ def make_measurement(**overrides: Any) -> Measurement:
     return Measurement(**values)
 
 
+def phase_stats(compute: list[float], wait: float = 2.0) -> dict[str, list[float]]:
+    """One rank's ``engine.step_stats()`` over its timed steps, key by key: ``compute`` split
+    1 : 2 : 0.1 between forward, backward and optimizer, plus ``wait`` ms of exposed communication."""
+    forward = [c / 3.1 for c in compute]
+    return {"step_ms": [c + wait + 1.0 for c in compute], "forward_ms": forward,
+            "backward_ms": [2 * f for f in forward], "comm_exposed_ms": [wait] * len(compute),
+            "optimizer_ms": [0.1 * f for f in forward], "data_ms": [0.5] * len(compute),
+            "compute_ms": list(compute)}
+
+
+def profiled_result(compute_by_rank: list[list[float]], *, waits: list[float] | None = None,
+                    **overrides: Any) -> BenchResult:
+    """A one-round result of ``dspark bench --profile`` whose rank ``r`` (on host ``box{r}``)
+    computed ``compute_by_rank[r]`` ms in its timed steps."""
+    waits = waits or [2.0] * len(compute_by_rank)
+    m = make_measurement(profiled=True, hosts_by_rank=[f"box{r}" for r in range(len(compute_by_rank))],
+                         phase_ms_by_rank=[phase_stats(c, w)
+                                           for c, w in zip(compute_by_rank, waits, strict=True)],
+                         **overrides)
+    return results_from_measurements([m])[0]
+
+
 class FakeWorkers:
     """Stands in for run_in_workers: steps of 200 / N ms (+ the round index), a record of the
     calls, a configuration that fails, or an interrupt after ``crash_at`` launches; ``fields``
@@ -100,11 +122,13 @@ class FakeWorkers:
     def __init__(self, *, fail: BenchConfig | None = None, crash_at: int | None = None,
                  **fields: Any) -> None:
         self.calls: list[tuple[BenchConfig, int, bool]] = []
+        self.options: list[dict[str, Any]] = []  # profile and trace_dir of each call
         self.fail, self.crash_at, self.fields = fail, crash_at, fields
 
-    def __call__(self, config: BenchConfig, *, round_index: int = 0,
-                 probe: bool = True) -> Measurement | RunFailure:
+    def __call__(self, config: BenchConfig, *, round_index: int = 0, probe: bool = True,
+                 **options: Any) -> Measurement | RunFailure:
         self.calls.append((config, round_index, probe))
+        self.options.append(options)
         if self.crash_at is not None and len(self.calls) > self.crash_at:
             raise KeyboardInterrupt  # the user gave up, or the machine went down
         if config == self.fail:

@@ -9,6 +9,7 @@ import pytest
 from dspark.bench.analysis import annotate
 from dspark.bench.anomalies import (
     activation_bytes_per_rank,
+    audit_lines,
     below_cost_model,
     is_batch_replicated,
     memory_above_expected,
@@ -222,3 +223,16 @@ def test_regression_ignores_noise_improvements_and_first_runs() -> None:
     assert regression(make_result(step_ms=290.0, round_step_ms=[290.0] * 3), old) == []
     assert regression(make_result(step_ms=200.0), make_result()) == []  # faster: not an anomaly
     assert regression(make_result(), None) == []
+
+
+def test_the_replicated_batch_is_explained_by_the_engines_audit() -> None:
+    one, bug, _ = seed_results()
+    assert audit_lines(bug, "batch") == []  # no audit taken (an older result, or a peer)
+    row = {"name": "input batch", "kind": "batch", "placement": "Replicate()", "bytes": 800,
+           "expected_bytes": 400, "factor": 2.0}
+    audited = dataclasses.replace(bug, audit_by_rank=[{"rows_checked": 106, "above_share": [row]}] * 2)
+    assert audit_lines(audited, "batch") == [
+        "engine.audit() on rank 0: input batch: 2.0x a 1/2 share, replicated on every rank"]
+    [found] = replicated_batch(audited, one)
+    assert "; engine.audit() on rank 0: input batch: 2.0x a 1/2 share, replicated on every rank;" \
+        in found["message"]

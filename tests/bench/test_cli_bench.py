@@ -1,8 +1,9 @@
 """`dspark bench` end to end: one tiny seed suite through the real CLI, launcher and workers.
 
 The suite (gpt2-cpu, global batch 4, 1 warm-up and 2 timed steps, 2 rounds; 1 device, 2 devices
-with the batch replicated, 2 sharded) runs once per module, from a directory that is not the
-repository, and every test reads what it left: the JSON, the ledger, the printed tables.
+with the batch replicated, 2 sharded; with `--profile` and `--trace`) runs once per module, from a
+directory that is not the repository, and every test reads what it left: the JSON, the ledger,
+the printed tables, the traces.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import csv
 import dataclasses
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +24,7 @@ from dspark.bench.analysis import annotate
 from dspark.bench.ledger import Ledger
 from dspark.bench.provenance import source_commit
 from dspark.cli.main import main
+from dspark.engine import STEP_STATS_KEYS
 
 pytestmark = pytest.mark.slow
 
@@ -43,16 +46,17 @@ REQUIRED_KEYS = {
 @pytest.fixture(scope="module")
 def seed_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     where = tmp_path_factory.mktemp("elsewhere")
-    db, out = where / "ledger.sqlite", where / "results.json"
+    db, out, traces = where / "ledger.sqlite", where / "results.json", where / "traces"
     done = subprocess.run(
         [sys.executable, "-m", "dspark.cli.main", "bench", "--suite", "seed", *TINY,
-         "--db", str(db), "--json", str(out)],
+         "--db", str(db), "--json", str(out), "--profile", "--trace", str(traces)],
         cwd=where, capture_output=True, text=True, timeout=600,
         env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, f"stdout:\n{done.stdout[-3000:]}\nstderr:\n{done.stderr[-3000:]}"
     rows = json.loads(out.read_text())
     by_run = {(r["num_devices"], r["batch_placement"]): r for r in rows}
-    return {"where": where, "db": db, "rows": rows, "by_run": by_run, "stdout": done.stdout}
+    return {"where": where, "db": db, "rows": rows, "by_run": by_run, "stdout": done.stdout,
+            "traces": traces}
 
 
 def test_json_has_every_key_and_every_step_of_every_round(seed_run: dict[str, Any]) -> None:
@@ -97,6 +101,51 @@ def test_seed_table_and_verdicts_are_printed(seed_run: dict[str, Any]) -> None:
     assert "replicated batch: FLAGGED" in seed_run["stdout"]
 
 
+def test_profile_gives_every_rank_its_breakdown_and_host(seed_run: dict[str, Any]) -> None:
+    for row in seed_run["rows"]:
+        n = row["num_devices"]
+        assert row["profiled"] and row["hosts_by_rank"] == [socket.gethostname()] * n
+        assert len(row["phase_ms_by_rank"]) == len(row["compute_ms_range_by_rank"]) == n
+        for phases in row["phase_ms_by_rank"]:
+            assert set(phases) == set(STEP_STATS_KEYS) and phases["compute_ms"] > 0
+    assert "Step breakdown per rank (median ms)" in seed_run["stdout"]
+
+
+def test_a_healthy_run_has_no_straggler(seed_run: dict[str, Any]) -> None:
+    # Both 2-device runs give each rank the same work. A core shared with other processes does
+    # make a real straggler, and the rule then says so (busy_machine names the load too).
+    for row in seed_run["rows"]:
+        kinds = [a["kind"] for a in row["anomalies"]]
+        assert "straggler" not in kinds or "busy_machine" in kinds, row["anomalies"]
+
+
+def test_each_configuration_has_a_trace_per_rank_naming_the_phases(
+        seed_run: dict[str, Any]) -> None:
+    for row in seed_run["rows"]:
+        where = seed_run["traces"] / (f"gpt2-cpu-{row['num_devices']}dev-replicate-bf16-"
+                                      f"{row['batch_placement']}4")
+        assert sorted(p.name for p in where.iterdir()) == [
+            f"rank{r}.json" for r in range(row["num_devices"])]
+        for path in where.iterdir():
+            names = {event.get("name") for event in json.loads(path.read_text())["traceEvents"]}
+            assert {"dspark.forward", "dspark.backward", "dspark.optimizer"} <= names
+            if row["num_devices"] > 1:
+                assert {"dspark.bucket0.all_reduce", "dspark.comm.wait"} <= names
+    assert f"traces of gpt2-cpu, 2 devices, replicate, bf16, batch 4 shard: {seed_run['traces']}" \
+        in " ".join(seed_run["stdout"].split())
+
+
+def test_the_replicated_run_is_explained_by_the_engines_audit(seed_run: dict[str, Any]) -> None:
+    line = "engine.audit() on rank 0: input batch: 2.0x a 1/2 share, replicated on every rank"
+    [message] = [a["message"] for a in seed_run["by_run"][(2, "replicate")]["anomalies"]
+                 if a["kind"] == "replicated_batch"]
+    assert line in message and line in " ".join(seed_run["stdout"].split())
+    for key in ((1, "shard"), (2, "shard")):
+        audits = seed_run["by_run"][key]["audit_by_rank"]
+        assert len(audits) == key[0] and all(a["rows_checked"] > 0 and a["above_share"] == []
+                                             for a in audits)
+
+
 def test_the_ledger_keeps_raw_rounds_and_reads_back_the_same_results(
         seed_run: dict[str, Any]) -> None:
     with Ledger(seed_run["db"]) as ledger:
@@ -132,7 +181,9 @@ def test_list_compare_export_report(seed_run: dict[str, Any], tmp_path: Path,
                  "--db", str(seed_run["db"])]) == 0
     assert json.loads((tmp_path / "r.json").read_text()) == seed_run["rows"]
     assert main(["bench", "report", "--report", str(tmp_path / "html"), "--db", str(db)]) == 0
-    assert "<h2>Anomalies</h2>" in (tmp_path / "html" / "index.html").read_text()
+    page = (tmp_path / "html" / "index.html").read_text()
+    assert "<h2>Anomalies</h2>" in page and "<h2>Step breakdown per rank</h2>" in page
+    assert (tmp_path / "html" / "breakdown.png").is_file()
 
 
 def test_bad_input_is_a_one_line_error(capsys: pytest.CaptureFixture[str]) -> None:

@@ -8,10 +8,12 @@ from pathlib import Path
 
 import pytest
 
+from dspark.bench.analysis import annotate
 from dspark.bench.ledger import SCHEMA_VERSION, Ledger, default_db_path
+from dspark.bench.ledger_schema import insert_measurement_sql, measurement_row
 from dspark.bench.measurement import Measurement
 from dspark.bench.result import BenchConfig
-from tests.bench.factory import make_measurement, make_result
+from tests.bench.factory import make_measurement, make_result, phase_stats
 
 OLD = "aaaaaaa1111111111111111111111111111111111"
 NEW = "bbbbbbb2222222222222222222222222222222222"
@@ -44,7 +46,10 @@ def test_round_trip_keeps_every_field(ledger: Ledger) -> None:
                                 estimated_comm_bytes_per_step=7, engine_options={"x": None},
                                 estimated_comm_wire_bytes_per_step=9, round_index=2,
                                 batch={"samples_by_rank": [4, 4], "identical_input_ranks": [[0, 1]],
-                                       "replicated_modules": ["h"], "replicated_module_count": 1})
+                                       "replicated_modules": ["h"], "replicated_module_count": 1},
+                                hosts_by_rank=["a", "b"], profiled=True,
+                                phase_ms_by_rank=[phase_stats([10.0]), phase_stats([11.0])],
+                                audit_by_rank=[{"rows_checked": 3, "above_share": []}] * 2)
     for f in fields(Measurement):  # the fixture must exercise every field, or the test proves less
         default = f.default_factory() if f.default_factory is not MISSING else f.default
         assert getattr(original, f.name) != default, f.name
@@ -267,3 +272,30 @@ def test_default_db_path(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Non
     monkeypatch.setenv("XDG_DATA_HOME", "relative/ignored")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert default_db_path() == tmp_path / "home" / ".local" / "share" / "dspark" / "ledger.sqlite"
+
+
+def test_the_ledger_keeps_the_breakdown_and_reads_rows_written_before_it(tmp_path: Path) -> None:
+    db = tmp_path / "ledger.sqlite"
+    new = make_measurement(profiled=True, hosts_by_rank=["a", "b"],
+                           phase_ms_by_rank=[phase_stats([10.0]), phase_stats([11.0])],
+                           audit_by_rank=[{"rows_checked": 3, "above_share": []}] * 2)
+    old = make_measurement(run_id="run-old", timestamp="2026-11-29T05:00:00+00:00")
+    with Ledger(db) as ledger:
+        ledger.append(new)
+        schema = ledger.schema_version()
+    # A row as the code before the breakdown wrote it: its JSON has none of the new keys.
+    text = json.dumps({k: v for k, v in old.to_dict().items()
+                       if k not in ("hosts_by_rank", "profiled", "phase_ms_by_rank",
+                                    "audit_by_rank")}, sort_keys=True)
+    conn = sqlite3.connect(db)
+    with conn:
+        conn.execute(insert_measurement_sql(), (*measurement_row(old)[:-1], text))
+    conn.close()
+    with Ledger(db) as ledger:
+        assert ledger.schema_version() == schema == 2
+        before, after = annotate(ledger.results(), history=ledger)
+    assert before.run_id == "run-old" and not before.profiled and before.phase_ms_by_rank == []
+    assert before.hosts_by_rank == [] and before.audit_by_rank == []
+    assert after.profiled and after.hosts_by_rank == ["a", "b"]
+    assert [p["compute_ms"] for p in after.phase_ms_by_rank] == [10.0, 11.0]
+    assert after.audit_by_rank == [{"rows_checked": 3, "above_share": []}] * 2

@@ -11,13 +11,17 @@ from rich.console import Console
 
 from dspark.bench.analysis import annotate
 from dspark.bench.compare import compare
+from dspark.bench.formatting import breakdown_rows
+from dspark.bench.measurement import results_from_measurements
+from dspark.bench.plots import report_figures
 from dspark.bench.report import (
+    render_breakdown_table,
     render_comparison,
     render_results_table,
     render_seed_table,
     write_html_report,
 )
-from tests.bench.factory import make_result, seed_results
+from tests.bench.factory import make_measurement, make_result, profiled_result, seed_results
 
 
 def _console() -> Console:
@@ -112,3 +116,25 @@ def test_seed_table_puts_shared_settings_in_the_title_and_the_rest_in_rows() -> 
     assert "Step time (ms): replicate strategy, fp16" in text
     assert "│ resnet50 (global batch 256) " in text and "│ gpt2-cpu (global batch 32) " in text
     assert "gpt2-cpu (global batch 32), 2 devices, replicated batch: not measured" in text
+
+
+def test_breakdown_table_and_html_report(tmp_path: Path) -> None:
+    slow = profiled_result([[30.0, 31.0, 30.5], [130.0, 131.0, 130.5]])
+    peer = results_from_measurements([make_measurement(strategy="torch-ddp", profiled=True,
+                                                       hosts_by_rank=["box", "box"],
+                                                       config_hash="peer")])[0]
+    results = annotate([slow, peer])
+    console = Console(record=True, width=250, color_system=None, file=io.StringIO())
+    assert render_breakdown_table(results, console)
+    text = console.export_text()
+    assert "Step breakdown per rank (median ms)" in text and "compute ms" in text
+    assert "box1" in text and "130" in text and "PyTorch's peers have no step breakdown" in text
+    assert not render_breakdown_table(annotate([make_result()]), console)
+    assert [f.name for f in report_figures(results)][-1] == "breakdown"
+    page = write_html_report(results, tmp_path / "report").read_text()
+    assert "<h2>Step breakdown per rank</h2>" in page and (tmp_path / "report/breakdown.png").is_file()
+    assert "PyTorch&#x27;s peers have no step breakdown: gpt2-cpu torch-ddp 2 dev" in page
+    assert "breakdown" not in [f.name for f in report_figures([make_result()])]
+    assert breakdown_rows(peer) == [[
+        "gpt2-cpu, 2 dev, torch-ddp, bf16, batch shard 8", "-", "box", *["-"] * 7]]
+    assert breakdown_rows(make_result()) == []  # not profiled

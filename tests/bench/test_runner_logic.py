@@ -106,3 +106,14 @@ def test_labels_and_run_ids() -> None:
     assert describe_config(TWO) == "gpt2-cpu, 2 devices, replicate, bf16, batch 8 shard"
     assert re.fullmatch(r"\d{8}T\d{6}Z-[0-9a-f]{6}", new_run_id())
     assert new_run_id() != new_run_id()
+
+
+def test_profile_reaches_every_round_and_a_trace_only_each_first_one(fake: FakeWorkers,
+                                                                      tmp_path: Path) -> None:
+    run_suite([ONE, TWO], db=tmp_path / "l.sqlite", rounds=2, progress=False, profile=True,
+              trace_root=tmp_path / "traces")
+    assert [(c.num_devices, r) for c, r, _ in fake.calls] == [(1, 0), (2, 0), (2, 1), (1, 1)]
+    assert all(options["profile"] for options in fake.options)
+    assert [options["trace_dir"] for options in fake.options] == [
+        tmp_path / "traces" / "gpt2-cpu-1dev-replicate-bf16-shard8",
+        tmp_path / "traces" / "gpt2-cpu-2dev-replicate-bf16-shard8", None, None]

@@ -100,3 +100,29 @@ def test_bad_counts_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "--rounds", "0", "--no-progress"]) == 2
     assert "'0' must be >= 1" in capsys.readouterr().err
     assert main(["bench", "--steps", "0", "--no-progress"]) == 2
+
+
+def test_profile_and_trace_reach_the_workers_and_rerun(workers: FakeWorkers,
+                                                       monkeypatch: pytest.MonkeyPatch,
+                                                       tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    db = str(tmp_path / "ledger.sqlite")
+    assert main(["bench", "--workloads", "gpt2-cpu", "--devices", "1", "--rounds", "1",
+                 "--no-progress", "--db", db, "--profile", "--trace", str(tmp_path / "t")]) == 0
+    assert workers.options == [{"profile": True,
+                                "trace_dir": tmp_path / "t" / "gpt2-cpu-1dev-replicate-bf16-shard32"}]
+    assert main(["bench", "--workloads", "gpt2-cpu", "--devices", "1", "--rounds", "1",
+                 "--no-progress", "--db", db]) == 0
+    assert workers.options[-1] == {"profile": False, "trace_dir": None}
+    _dirty(monkeypatch, True)
+    assert main(["bench", "rerun", "--stale", "--db", db, "--no-progress", "--rounds", "1",
+                 "--profile"]) == 0
+    assert workers.options[-1]["profile"] is True
+    capsys.readouterr()
+
+
+def test_help_names_profile_and_trace(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--profile" in text and "straggler" in text
+    assert "--trace DIR" in text and "DIR/<configuration>/rank<R>.json" in text

@@ -25,6 +25,7 @@ from dspark.bench.anomalies import (
     regression,
     replicated_batch,
 )
+from dspark.bench.breakdown import straggler
 from dspark.bench.cost_model import StepPrediction, cost_model_step_ms, predict_step
 from dspark.bench.noise import NoiseModel
 from dspark.bench.result import BenchResult
@@ -46,13 +47,15 @@ __all__ = [
 
 _Rule = Callable[[BenchResult, BenchResult | None], list[dict[str, Any]]]
 
-# Order = order in reports: the symptom first, then its causes, then what may void the figures.
+# Order = order in reports: the symptom first, then its causes, then what may void the figures
+# (annotate() puts straggler, which needs the noise model, between the two groups).
 _BASELINE_RULES: tuple[_Rule, ...] = (
-    negative_scaling, suspect_baseline, replicated_batch, memory_above_expected, below_cost_model,
-    busy_machine)
+    negative_scaling, suspect_baseline, replicated_batch, memory_above_expected, below_cost_model)
+_TRUST_RULES: tuple[_Rule, ...] = (busy_machine,)
 
 ANOMALY_KINDS = ("negative_scaling", "suspect_baseline", "replicated_batch",
-                 "memory_above_expected", "below_cost_model", "busy_machine", "regression")
+                 "memory_above_expected", "below_cost_model", "straggler", "busy_machine",
+                 "regression")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -110,7 +113,9 @@ def annotate(results: list[BenchResult], *, history: Ledger | None = None) -> li
     The baseline of each is the 1-device result of its ``baseline_key`` from the same run, in
     ``results``; baselines themselves get speedup 1.0, results without one ``speedup=None``. With
     a ``history`` (the ledger), each result is also checked for a regression against
-    ``history.previous(result)``, with noise bands from the history. Any anomalies a result came
+    ``history.previous(result)``, with noise bands from the history; a profiled result's ranks are
+    checked for a straggler against the host's run-to-run range from the same history (see
+    :mod:`dspark.bench.breakdown`). Any anomalies a result came
     with are replaced: the rules are the truth, not what an older version wrote down.
 
     Example::
@@ -141,6 +146,9 @@ def annotate(results: list[BenchResult], *, history: Ledger | None = None) -> li
         scaled = dataclasses.replace(result, anomalies=[], **fields)
         anomalies: list[dict[str, Any]] = []
         for rule in _BASELINE_RULES:
+            anomalies += rule(scaled, baseline)
+        anomalies += straggler(scaled, noise)
+        for rule in _TRUST_RULES:
             anomalies += rule(scaled, baseline)
         if history is not None:
             anomalies += regression(scaled, history.previous(scaled), noise)

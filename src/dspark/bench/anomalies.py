@@ -28,6 +28,7 @@ from dspark.bench.formatting import format_mb, format_ms, format_ratio
 from dspark.bench.noise import NoiseModel
 from dspark.bench.peers import PEERS
 from dspark.bench.result import BenchResult
+from dspark.engine import format_audit
 from dspark.engine.policy import STRATEGIES
 
 __all__ = [
@@ -38,6 +39,7 @@ __all__ = [
     "MODEL_STATE_TOLERANCE",
     "activation_bytes_per_rank",
     "anomaly",
+    "audit_lines",
     "below_cost_model",
     "devices",
     "gathered_bytes",
@@ -104,6 +106,23 @@ def is_batch_replicated(result: BenchResult) -> bool:
     if result.num_devices <= 1:
         return False
     return bool(result.identical_input_ranks or _over_share(result) or result.replicated_modules)
+
+
+def audit_lines(result: BenchResult, kind: str) -> list[str]:
+    """What ``engine.audit()`` found above its share, for rows of ``kind`` (``"batch"``,
+    ``"param"``, ...), in :func:`dspark.engine.format_audit`'s words, on the first rank that found
+    any; [] when it found none, or no audit was taken (a PyTorch peer, an older measurement).
+
+    Example::
+
+        audit_lines(result, "batch")   # ["input batch: 2.0x a 1/2 share, replicated on every rank"]
+    """
+    for rank, audit in enumerate(result.audit_by_rank):
+        rows = [row for row in audit.get("above_share", []) if row.get("kind") == kind]
+        if rows:
+            lines = format_audit(rows, num_ranks=result.num_devices).splitlines()
+            return [f"engine.audit() on rank {rank}: {line}" for line in lines]
+    return []
 
 
 def wire_bytes(result: BenchResult) -> tuple[int, bool]:
@@ -185,7 +204,8 @@ def negative_scaling(result: BenchResult, baseline: BenchResult | None) -> list[
                  f"wire{', estimated' if wire[1] else ''}) outweighs the compute saved, or ranks "
                  "wait on each other")
     else:
-        cause = "not evident from the numbers: profile communication and rank stragglers"
+        cause = ("not evident from the numbers: `dspark bench --profile` shows each rank's "
+                 "compute and exposed communication, and flags a straggler")
     return [anomaly("negative_scaling", f"{message}; likely cause: {cause}",
                     speedup=speedup, speedup_min=result.speedup_min,
                     speedup_max=result.speedup_max, step_ms=result.step_ms,
@@ -232,6 +252,7 @@ def replicated_batch(result: BenchResult, baseline: BenchResult | None) -> list[
                      "own inputs differed")
         causes.append("the model's code replicates the batch (e.g. gathers every rank's inputs "
                       "and computes on all of them)")
+    facts += audit_lines(result, "batch")
     numbers: dict[str, Any] = {"samples_by_rank": list(result.samples_by_rank),
                                "global_batch": result.global_batch, "num_devices": n,
                                "identical_input_ranks": result.identical_input_ranks,

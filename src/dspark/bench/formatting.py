@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from dspark.bench.result import BenchResult
 
-__all__ = ["BYTES_PER_MB", "MEMORY_COLUMNS_NOTE", "RESULT_COLUMNS", "TEXT_COLUMNS", "anomaly_kinds",
+__all__ = ["BREAKDOWN_COLUMNS", "BREAKDOWN_NOTE", "BYTES_PER_MB", "MEMORY_COLUMNS_NOTE",
+           "RESULT_COLUMNS", "TEXT_COLUMNS", "anomaly_kinds", "breakdown_rows", "config_label",
            "format_mb", "format_ms", "format_number", "format_ratio", "format_speedup",
            "result_cells"]
 
@@ -108,3 +109,47 @@ def result_cells(result: BenchResult) -> list[str]:
             format_speedup(r),
             "-" if r.efficiency is None else f"{r.efficiency:.0%}",
             ", ".join(anomaly_kinds(r)) or "-"]
+
+
+BREAKDOWN_PHASES = (("step_ms", "step"), ("forward_ms", "forward"), ("backward_ms", "backward"),
+                    ("comm_exposed_ms", "comm exposed"), ("optimizer_ms", "optimizer"),
+                    ("data_ms", "data"), ("compute_ms", "compute"))
+BREAKDOWN_COLUMNS = ("configuration", "rank", "host", *(f"{label} ms" for _, label in BREAKDOWN_PHASES))
+"""The columns of a step-breakdown table (``dspark bench --profile``), terminal and HTML alike."""
+BREAKDOWN_NOTE = (
+    "step breakdown: each rank's engine.step_stats(), the median over every timed step of every "
+    "round, in ms. compute = forward + backward + optimizer without the waits (compare it across "
+    "ranks to find a straggler); comm exposed = waiting on communication that compute did not "
+    "hide; data = from the previous step() to this forward, which in the lab holds making the "
+    "batch and the barrier each timed step starts with. PyTorch's peers have no step breakdown.")
+"""What the breakdown columns cover, printed under every breakdown table."""
+
+
+def config_label(result: BenchResult) -> str:
+    """One line naming a result's configuration.
+
+    Example::
+
+        config_label(result)   # "gpt2-cpu, 2 dev, replicate, bf16, batch shard 32"
+    """
+    return (f"{result.workload}, {result.num_devices} dev, {result.strategy}, {result.precision}, "
+            f"batch {result.batch_placement} {result.global_batch}")
+
+
+def breakdown_rows(result: BenchResult) -> list[list[str]]:
+    """The step breakdown of a profiled result as text rows of :data:`BREAKDOWN_COLUMNS`, one per
+    rank; one row of dashes when the run had none (a PyTorch peer); [] when not profiled.
+
+    Example::
+
+        breakdown_rows(result)[1][:4]   # ["gpt2-cpu, 2 dev, ...", "1", "box", "131"]
+    """
+    if not result.profiled:
+        return []
+    if not result.phase_ms_by_rank:
+        return [[config_label(result), "-", ", ".join(dict.fromkeys(result.hosts_by_rank)) or "-",
+                 *("-" for _ in BREAKDOWN_PHASES)]]
+    hosts = result.hosts_by_rank
+    return [[config_label(result), str(rank), hosts[rank] if rank < len(hosts) else "-",
+             *(format_number(phases[key]) if key in phases else "-" for key, _ in BREAKDOWN_PHASES)]
+            for rank, phases in enumerate(result.phase_ms_by_rank)]

@@ -11,7 +11,15 @@ import html
 from collections.abc import Sequence
 from pathlib import Path
 
-from dspark.bench.formatting import MEMORY_COLUMNS_NOTE, RESULT_COLUMNS, TEXT_COLUMNS, result_cells
+from dspark.bench.formatting import (
+    BREAKDOWN_COLUMNS,
+    BREAKDOWN_NOTE,
+    MEMORY_COLUMNS_NOTE,
+    RESULT_COLUMNS,
+    TEXT_COLUMNS,
+    breakdown_rows,
+    result_cells,
+)
 from dspark.bench.result import BenchResult
 
 __all__ = ["write_html_report"]
@@ -42,6 +50,16 @@ def _results_table(results: Sequence[BenchResult]) -> str:
              for column, value in zip(RESULT_COLUMNS, result_cells(r), strict=True)]
             for r in results]
     return _table(RESULT_COLUMNS, rows)
+
+
+def _breakdown_section(results: Sequence[BenchResult]) -> str:
+    rows = [[_cell(value, text=column in ("configuration", "host"))
+             for column, value in zip(BREAKDOWN_COLUMNS, row, strict=True)]
+            for r in results for row in breakdown_rows(r)]
+    if not rows:
+        return ""
+    return (f"<h2>Step breakdown per rank</h2>{_table(BREAKDOWN_COLUMNS, rows)}"
+            f"<p class='note'>{html.escape(BREAKDOWN_NOTE)}</p>")
 
 
 def _anomaly_list(results: Sequence[BenchResult]) -> str:
@@ -103,6 +121,7 @@ def write_html_report(results: Sequence[BenchResult], out_dir: str | Path, *,
             f"<h2>Figures</h2>{''.join(figures_html)}"
             f"<h2>Results</h2>{_results_table(results)}"
             f"<p class='note'>{html.escape(MEMORY_COLUMNS_NOTE)}</p>"
+            f"{_breakdown_section(results)}"
             f"<h2>Anomalies</h2>{_anomaly_list(results)}"
             f"<h2>Provenance</h2>{_provenance_table(results)}</body></html>\n")
     index = out / "index.html"

@@ -15,6 +15,13 @@ Schema history:
    core, the bytes held. Analysis is computed when read. A schema-1 file is migrated in place: each
    old row is copied as a one-round measurement without samples (its frozen analysis is dropped
    and recomputed), and the old table stays as it was, now refusing ``INSERT OR REPLACE`` too.
+
+Within schema 2, a measurement's JSON gains keys without a layout change: ``hosts_by_rank``,
+``profiled``, ``phase_ms_by_rank`` (``dspark bench --profile``) and ``audit_by_rank``. A row
+written before them reads back without them (empty breakdown, no audit); an older DSpark reading a
+newer row drops the keys it does not know. No version bump, so neither side refuses the other's
+file: the raw figures of a launch belong in its one ``measurement_json``, and a column or side
+table for them would only repeat it.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from dspark.bench.breakdown import step_breakdown
 from dspark.bench.cpu_load import RankLoad
 from dspark.bench.result import BenchConfig, BenchResult, ConfigKey, Recorded
 
@@ -93,6 +94,17 @@ class Measurement(Recorded):
     bus_bytes_per_s: float = 0.0
     buffer_sync: str = ""
     engine_options: dict[str, Any] = field(default_factory=dict)
+    hosts_by_rank: list[str] = field(default_factory=list)
+    """Each rank's host name."""
+    # inside a step
+    profiled: bool = False
+    """Whether the run asked for the step breakdown (``dspark bench --profile``)."""
+    phase_ms_by_rank: list[dict[str, list[float]]] = field(default_factory=list)
+    """With ``profiled``: per rank, ``engine.step_stats()`` after every timed step, key by key
+    (``{"forward_ms": [...], ...}``); [] for a PyTorch peer, which has no step breakdown."""
+    audit_by_rank: list[dict[str, Any]] = field(default_factory=list)
+    """The configuration's first round, DSpark's engine only: per rank, after the batch probe,
+    ``{"rows_checked": n, "above_share": [...]}``: the rows of ``engine.audit()`` above their share."""
 
     @property
     def config(self) -> BenchConfig:
@@ -171,6 +183,13 @@ def _machine_foreign_cores(loads: list[RankLoad]) -> float | None:
     return max(0.0, loads[0].machine_busy_s - own) / loads[0].window_s
 
 
+def _foreign_share_by_rank(loads: list[list[RankLoad]]) -> list[float | None]:
+    ranks = sorted({load.rank for per_round in loads for load in per_round})
+    shares = [[s for per_round in loads for load in per_round
+               if load.rank == rank and (s := load.foreign_share) is not None] for rank in ranks]
+    return [max(found) if found else None for found in shares]
+
+
 def _memory(first: Measurement | None) -> dict[str, Any]:
     if first is None or not first.state_held_by_rank:
         return {"model_state_bytes_per_rank": 0, "model_state_bytes_expected_per_rank": 0,
@@ -226,6 +245,7 @@ def _summarise(rounds: list[Measurement]) -> BenchResult:
         replicated_module_count=int(batch.get("replicated_module_count", 0)),
         core_foreign_share_by_round=[max(s) if s else None for s in shares],
         machine_foreign_cores_by_round=[_machine_foreign_cores(per_round) for per_round in loads],
+        core_foreign_share_by_rank=_foreign_share_by_rank(loads),
         threads_unpinned=max((load.threads - load.threads_pinned for load in pinned), default=0),
         ranks_pinned=bool(pinned) and len(pinned) == sum(len(per_round) for per_round in loads),
         comm_bytes_per_step=first.comm_bytes_per_step,
@@ -233,7 +253,10 @@ def _summarise(rounds: list[Measurement]) -> BenchResult:
         estimated_comm_bytes_per_step=first.estimated_comm_bytes_per_step,
         estimated_comm_wire_bytes_per_step=first.estimated_comm_wire_bytes_per_step,
         bus_bytes_per_s=statistics.median(m.bus_bytes_per_s for m in rounds),
-        engine_options=dict(first.engine_options))
+        engine_options=dict(first.engine_options),
+        hosts_by_rank=list(first.hosts_by_rank),
+        audit_by_rank=list(probed.audit_by_rank) if probed else [],
+        **step_breakdown(rounds))
 
 
 def results_from_measurements(measurements: Sequence[Measurement]) -> list[BenchResult]:

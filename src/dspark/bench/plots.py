@@ -16,7 +16,7 @@ from matplotlib.figure import Figure
 from dspark.bench.formatting import BYTES_PER_MB
 from dspark.bench.result import BenchResult
 
-__all__ = ["ReportFigure", "memory_figure", "report_figures", "speedup_figure",
+__all__ = ["ReportFigure", "breakdown_figure", "memory_figure", "report_figures", "speedup_figure",
            "step_time_figure"]
 
 _FLAGGED = "#c0392b"
@@ -155,6 +155,67 @@ def memory_figure(results: Sequence[BenchResult]) -> Figure:
     return figure
 
 
+# (key, label, colour) of each stacked segment, bottom to top; "other" is filled in below.
+_SEGMENTS = (("forward_ms", "forward", "#2874a6"), ("backward_ms", "backward", "#5dade2"),
+             ("optimizer_ms", "optimizer", "#27ae60"),
+             ("comm_exposed_ms", "comm exposed (waiting)", "#c0392b"),
+             ("other_ms", "other in the step (loss, user code)", "#aab7b8"),
+             ("data_ms", "data (before the step, outside its time)", "#f5cba7"))
+
+
+def _segments(phases: dict[str, float]) -> dict[str, float]:
+    inside = sum(phases.get(key, 0.0) for key in ("forward_ms", "backward_ms", "optimizer_ms",
+                                                  "comm_exposed_ms"))
+    return {**phases, "other_ms": max(0.0, phases.get("step_ms", 0.0) - inside)}
+
+
+def breakdown_figure(results: Sequence[BenchResult]) -> Figure | None:
+    """The step breakdown (``dspark bench --profile``): per configuration, a stacked bar per rank
+    of its median phases (forward, backward, optimizer, exposed communication, the rest of the
+    step, then the data time before it); None when no result has a breakdown.
+
+    Example::
+
+        breakdown_figure(annotate(results)).savefig("breakdown.png")
+    """
+    shown = [r for r in results if r.phase_ms_by_rank]
+    if not shown:
+        return None
+    num_bars = sum(len(r.phase_ms_by_rank) for r in shown) + len(shown) - 1
+    figure = _new_figure(num_bars, legend=True)
+    figure.set_figheight(5.6)
+    axes = figure.add_subplot()
+    positions: list[float] = []
+    labels: list[str] = []
+    bars: list[dict[str, float]] = []
+    x = 0.0
+    for result in shown:
+        first = x
+        for rank, phases in enumerate(result.phase_ms_by_rank):
+            positions.append(x)
+            labels.append(f"rank {rank}")
+            bars.append(_segments(phases))
+            x += 1
+        group = (f"{result.workload}, {result.strategy}\n{result.num_devices} dev, "
+                 f"{result.precision}\n{_batch_words(result.batch_placement)}")
+        # the configuration under its ranks' tick labels
+        axes.annotate(group, xy=((first + x - 1) / 2, 0), xycoords=("data", "axes fraction"),
+                      xytext=(0, -22), textcoords="offset points", ha="center", va="top",
+                      fontsize="small", color=_FLAGGED if result.anomalies else "black")
+        x += 1  # a gap between configurations
+    bottoms = [0.0] * len(bars)
+    for key, label, colour in _SEGMENTS:
+        heights = [bar.get(key, 0.0) for bar in bars]
+        axes.bar(positions, heights, 0.8, bottom=bottoms, label=label, color=colour,
+                 hatch="//" if key == "data_ms" else None, edgecolor="white", linewidth=0.5)
+        bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
+    axes.set_xticks(positions, labels, fontsize="small")
+    axes.set_ylabel("ms per step (median over the timed steps)")
+    axes.set_title("Where each rank's step went (configuration in red: anomalies)")
+    _legend_outside(axes)
+    return figure
+
+
 def report_figures(results: Sequence[BenchResult]) -> list[ReportFigure]:
     """Every figure of the HTML report, in order.
 
@@ -177,4 +238,16 @@ def report_figures(results: Sequence[BenchResult]) -> list[ReportFigure]:
         name="memory", figure=memory_figure(results),
         caption="Tensor peak, process RSS peak and model-state memory per rank; ticks mark the "
                 "model state the strategy needs."))
+    breakdown = breakdown_figure(results)
+    if breakdown is not None:
+        without = [r for r in results if r.profiled and not r.phase_ms_by_rank]
+        peers = (" PyTorch's peers have no step breakdown: "
+                 + "; ".join(f"{r.workload} {r.strategy} {r.num_devices} dev" for r in without)
+                 + "." if without else "")
+        figures.append(ReportFigure(
+            name="breakdown", figure=breakdown,
+            caption="Step breakdown per rank (dspark bench --profile): the median of each phase "
+                    "of engine.step_stats() over the timed steps. A rank whose compute (forward + "
+                    "backward + optimizer) stands above the others' is a straggler; the others "
+                    "show its extra time as exposed communication." + peers))
     return figures

@@ -14,11 +14,14 @@ from rich.text import Text
 
 from dspark.bench.compare import Comparison
 from dspark.bench.formatting import (
+    BREAKDOWN_COLUMNS,
+    BREAKDOWN_NOTE,
     BYTES_PER_MB,
     MEMORY_COLUMNS_NOTE,
     RESULT_COLUMNS,
     TEXT_COLUMNS,
     anomaly_kinds,
+    breakdown_rows,
     format_number,
     format_speedup,
     result_cells,
@@ -26,7 +29,8 @@ from dspark.bench.formatting import (
 from dspark.bench.html_report import write_html_report
 from dspark.bench.result import BenchResult
 
-__all__ = ["render_comparison", "render_results_table", "render_seed_table", "write_html_report"]
+__all__ = ["render_breakdown_table", "render_comparison", "render_results_table", "render_seed_table",
+           "write_html_report"]
 
 _VERDICT_STYLE = {"faster": "green", "slower": "bold red", "within noise": "dim",
                   "only in A": "yellow", "only in B": "yellow"}
@@ -61,6 +65,28 @@ def render_results_table(results: Sequence[BenchResult], console: Console | None
     console.print(table)
     console.print(Text(MEMORY_COLUMNS_NOTE, style="dim"))
     _print_messages(console, results)
+
+
+def render_breakdown_table(results: Sequence[BenchResult], console: Console | None = None) -> bool:
+    """The step breakdown of every profiled result (``dspark bench --profile``), one row per rank;
+    prints nothing and returns False when no result was profiled.
+
+    Example::
+
+        render_breakdown_table(annotate(results), Console())
+    """
+    rows = [row for r in results for row in breakdown_rows(r)]
+    if not rows:
+        return False
+    console = console or Console()
+    table = Table(title="Step breakdown per rank (median ms)", title_justify="left")
+    for column in BREAKDOWN_COLUMNS:
+        table.add_column(column, justify="left" if column in ("configuration", "host") else "right")
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
+    console.print(Text(BREAKDOWN_NOTE, style="dim"))
+    return True
 
 
 def _find(results: Sequence[BenchResult], group: tuple[str, str, str, int], num_devices: int,

@@ -65,6 +65,18 @@ class BenchConfig:
         """The 1-device configuration this one's speedup is measured against."""
         return _baseline_key(self)
 
+    @property
+    def slug(self) -> str:
+        """A name for the configuration's files (``dspark bench --trace DIR`` writes to
+        ``DIR/<slug>/``): the comparable fields, joined safely for a path.
+
+        Example::
+
+            BenchConfig(workload="gpt2-cpu", num_devices=2).slug   # "gpt2-cpu-2dev-replicate-bf16-shard32"
+        """
+        return (f"{self.workload}-{self.num_devices}dev-{self.strategy}-{self.precision}-"
+                f"{self.batch_placement}{self.global_batch}")
+
     def config_hash(self) -> str:
         payload = json.dumps(asdict(self), sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
@@ -162,6 +174,9 @@ class BenchResult(Recorded):
     (or stolen by the hypervisor); None where the kernel's counters are unavailable."""
     machine_foreign_cores_by_round: list[float | None] = field(default_factory=list)
     """Per round, cores' worth of other processes' work on the whole machine during the window."""
+    core_foreign_share_by_rank: list[float | None] = field(default_factory=list)
+    """Per rank, the largest share of its timed windows (over the rounds) its core spent on other
+    processes or stolen; None where the kernel's counters are unavailable."""
     threads_unpinned: int = 0
     """Threads of a rank that were not pinned to its core (0 when every thread was)."""
     ranks_pinned: bool = False
@@ -179,6 +194,21 @@ class BenchResult(Recorded):
     """How module buffers were kept equal across ranks (the same policy for DSpark and DDP)."""
     engine_options: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments the engine was built with beyond the configuration."""
+    hosts_by_rank: list[str] = field(default_factory=list)
+    """Each rank's host name ([] for measurements from before it was recorded)."""
+    # inside a step (``dspark bench --profile``; see dspark.bench.breakdown)
+    profiled: bool = False
+    """Whether the run asked for the step breakdown (``--profile``)."""
+    phase_ms_by_rank: list[dict[str, float]] = field(default_factory=list)
+    """Per rank, the median of each ``engine.step_stats()`` key (``forward_ms``, ``compute_ms``,
+    ...) over every timed step of every round; [] when not profiled, and for a PyTorch peer,
+    which has no step breakdown."""
+    compute_ms_range_by_rank: list[list[float]] = field(default_factory=list)
+    """Per rank, ``[p10, p90]`` of ``compute_ms`` over the same steps (the straggler rule's
+    noise)."""
+    audit_by_rank: list[dict[str, Any]] = field(default_factory=list)
+    """Per rank, after the batch probe: ``{"rows_checked": n, "above_share": [rows]}``, the rows of
+    ``engine.audit()`` held above their share; [] for a PyTorch peer or an older measurement."""
     # scaling, computed when read (see dspark.bench.analysis)
     speedup: float | None = None
     """Median over rounds of (baseline round median / this round median)."""

@@ -42,7 +42,7 @@ from dspark.errors import DSparkError
 from dspark.launcher import LaunchSpec, launch
 
 __all__ = ["DEFAULT_ROUNDS", "BenchRunError", "RunFailure", "describe_config", "interleaved_plan",
-           "new_run_id", "run_in_workers", "run_suite"]
+           "new_run_id", "run_in_workers", "run_suite", "trace_dir_of"]
 
 _log = logging.getLogger(__name__)
 
@@ -129,10 +129,12 @@ def interleaved_plan(configs: Sequence[BenchConfig], rounds: int) -> list[tuple[
     return plan
 
 
-def run_in_workers(config: BenchConfig, *, round_index: int = 0,
-                   probe: bool = True) -> Measurement | RunFailure:
+def run_in_workers(config: BenchConfig, *, round_index: int = 0, probe: bool = True,
+                   profile: bool = False, trace_dir: Path | None = None) -> Measurement | RunFailure:
     """Measure one round of a configuration in ``config.num_devices`` fresh worker processes;
-    ``probe`` adds the batch probe and the memory measurement (a configuration's first round).
+    ``probe`` adds the batch probe, the audit and the memory measurement (a configuration's first
+    round), ``profile`` the step breakdown of every timed step, and ``trace_dir`` a profiler trace
+    per rank (``trace_dir/rank{R}.json``, of untimed steps; DSpark's engine only).
 
     Example::
 
@@ -142,7 +144,9 @@ def run_in_workers(config: BenchConfig, *, round_index: int = 0,
     with tempfile.TemporaryDirectory(prefix="dspark-bench-") as tmp:
         out = Path(tmp) / "measurement.json"
         args = ("--config", json.dumps(asdict(config)), "--out", str(out),
-                "--round", str(round_index), *(("--probe",) if probe else ()))
+                "--round", str(round_index), *(("--probe",) if probe else ()),
+                *(("--profile",) if profile else ()),
+                *(("--trace", str(trace_dir)) if trace_dir is not None else ()))
         spec = LaunchSpec(target=_WORKER_MODULE, module=True, nproc=config.num_devices, args=args)
         done = launch(spec, capture=True)
         if done.returncode == 0 and out.is_file():
@@ -174,13 +178,28 @@ def _open_ledger(db: Ledger | str | Path) -> Iterator[Ledger]:
         yield ledger
 
 
+def trace_dir_of(config: BenchConfig, trace_root: str | Path) -> Path:
+    """Where ``dspark bench --trace DIR`` puts a configuration's traces: ``DIR/<config slug>/``,
+    one ``rank{R}.json`` per rank.
+
+    Example::
+
+        trace_dir_of(config, "traces")   # Path("traces/gpt2-cpu-2dev-replicate-bf16-shard32")
+    """
+    return Path(trace_root) / config.slug
+
+
 def run_suite(configs: Sequence[BenchConfig], *, db: Ledger | str | Path,
               rounds: int = DEFAULT_ROUNDS, progress: bool = True, run_id: str | None = None,
-              console: Console | None = None,
-              failures: list[RunFailure] | None = None) -> list[BenchResult]:
+              console: Console | None = None, failures: list[RunFailure] | None = None,
+              profile: bool = False, trace_root: str | Path | None = None) -> list[BenchResult]:
     """Measure each configuration ``rounds`` times in fresh workers, interleaved with its baseline
     (:func:`interleaved_plan`), append every measurement to the ledger ``db`` as soon as it is
     taken, and return this run's results, annotated against the ledger's history.
+
+    ``profile`` records the step breakdown of every timed step (``dspark bench --profile``);
+    ``trace_root`` has each configuration's first round write a profiler trace per rank to
+    :func:`trace_dir_of` (``dspark bench --trace DIR``).
 
     A configuration that fails is logged with its stderr tail and not launched again. Pass a
     ``failures`` list to receive them; without one, :class:`BenchRunError` is raised after the
@@ -206,7 +225,11 @@ def run_suite(configs: Sequence[BenchConfig], *, db: Ledger | str | Path,
                 bar.advance(task)
                 continue
             _log.info("run %s: measuring %s", run_id, label)
-            outcome = run_in_workers(config, round_index=round_index, probe=config not in probed)
+            first = config not in probed
+            outcome = run_in_workers(
+                config, round_index=round_index, probe=first, profile=profile,
+                trace_dir=trace_dir_of(config, trace_root) if first and trace_root is not None
+                else None)
             if isinstance(outcome, RunFailure):
                 _log.error("%s failed (exit code %d); the end of its error output:\n%s",
                            label, outcome.exit_code, outcome.stderr_tail)

@@ -1,22 +1,27 @@
 """One launch of one benchmark configuration (a *round*), measured: the program every rank runs.
 
-``python -m dspark.bench.worker --config JSON --out PATH --round R [--probe]`` is started by the
-runner through the launcher (one process per rank). Each rank builds the same model from the same
-seed, makes the same global batch each step and keeps its slice of it (or all of it:
-``batch_placement == "replicate"`` is the seed's bug, chosen on purpose). Rank 0 writes one
-:class:`~dspark.bench.measurement.Measurement` as JSON to ``PATH``.
+``python -m dspark.bench.worker --config JSON --out PATH --round R [--probe] [--profile]
+[--trace DIR]`` is started by the runner through the launcher (one process per rank). Each rank
+builds the same model from the same seed, makes the same global batch each step and keeps its
+slice of it (or all of it: ``batch_placement == "replicate"`` is the seed's bug, chosen on
+purpose). Rank 0 writes one :class:`~dspark.bench.measurement.Measurement` as JSON to ``PATH``.
 
 A launch, in order:
 
 1. pin every thread to the rank's core (before ``dspark.init()``, and again once the engine exists;
    see [Note: pinning every thread] in :mod:`dspark.bench.cpu_load`);
-2. with ``--probe`` (a configuration's first round): two untimed steps under the batch probe
+2. with ``--trace DIR``: the engine's own trace (``Engine(trace_dir=DIR)``) of
+   :data:`TRACE_STEPS` untimed steps, first, so that the profiler is gone before anything is
+   measured (DSpark's engine only: a PyTorch peer has no trace option);
+3. with ``--probe`` (a configuration's first round): two untimed steps under the batch probe
    (what each rank's model received, see :mod:`dspark.bench.batch_probe`), the second one reading
    the model state held between backward and optimizer step (:mod:`dspark.bench.state_bytes`);
-3. the remaining warm-up steps;
-4. the timed steps, with the garbage collector off and the load on each rank's core read over
-   exactly this window; each step starts after a barrier;
-5. with ``--probe``: the peak resident memory of the warm-up and timed steps, then the tensor peak
+   then ``engine.audit()``, whose rows above their share are kept;
+4. the remaining warm-up steps (traced and probe steps count as warm-up);
+5. the timed steps, with the garbage collector off and the load on each rank's core read over
+   exactly this window; each step starts after a barrier; with ``--profile``,
+   ``engine.step_stats()`` is read after each one, outside its time;
+6. with ``--probe``: the peak resident memory of the warm-up and timed steps, then the tensor peak
    of one more step (:mod:`dspark.bench.memory`).
 
 [Note: what a step's time covers] forward, loss, backward and the optimizer step, with their
@@ -31,6 +36,7 @@ import gc
 import json
 import logging
 import os
+import socket
 import sys
 import time
 import traceback
@@ -59,7 +65,10 @@ from dspark.bench.provenance import collect_provenance
 from dspark.bench.result import BenchConfig
 from dspark.bench.state_bytes import expected_model_state, held_model_state, param_specs
 
-__all__ = ["PROBE_STEPS", "bus_bytes_per_s", "error_path", "main", "run_config"]
+__all__ = ["PROBE_STEPS", "SLOW_RANK_ENV", "TRACE_STEPS", "bus_bytes_per_s", "error_path", "main",
+           "run_config"]
+
+_log = logging.getLogger(__name__)
 
 _MODEL_SEED = 0
 _LEARNING_RATE = 3e-4
@@ -68,6 +77,11 @@ _BUS_PROBE_BYTES = 16 * 2**20
 _BUS_PROBE_REPEATS = 3
 PROBE_STEPS = 2
 """Untimed steps of the batch probe; they count as warm-up steps."""
+TRACE_STEPS = (1, 2)
+"""``Engine(trace_steps=...)`` under ``--trace``: one untraced step, then two traced (all untimed)."""
+SLOW_RANK_ENV = "DSPARK_BENCH_SLOW_RANK"
+"""``"RANK:MS"`` makes rank ``RANK`` sleep ``MS`` ms in each forward: a straggler made on purpose,
+for the lab's own tests of the straggler rule. Never set in a real measurement."""
 
 Batch = tuple[torch.Tensor, ...]
 
@@ -112,18 +126,26 @@ def bus_bytes_per_s(device: torch.device, num_ranks: int) -> float:
 class _Trainer:
     """The model, engine and data of one configuration on this rank."""
 
-    def __init__(self, config: BenchConfig, world: dspark.World) -> None:
+    def __init__(self, config: BenchConfig, world: dspark.World, *,
+                 trace_dir: Path | None = None) -> None:
         from dspark.models import get_workload
 
         self.config = config
         self.world = world
         self.workload = get_workload(config.workload)
         model = self.workload.build_model(seed=_MODEL_SEED, device=world.device)
+        _slow_down(model, world.rank)
         self.specs = param_specs(model)  # before the engine shards the parameters in place
-        self.options = ({} if config.strategy in PEERS else
-                        dspark_engine_options(batch_placement=config.batch_placement))
+        self.is_dspark = config.strategy not in PEERS
+        self.options = (dspark_engine_options(batch_placement=config.batch_placement)
+                        if self.is_dspark else {})
+        # Not recorded in engine_options: where a trace goes does not change what is measured.
+        tracing = ({"trace_dir": trace_dir, "trace_steps": TRACE_STEPS}
+                   if trace_dir is not None and self.is_dspark else {})
         self.engine: Any = make_engine(config.strategy, model, world, lr=_LEARNING_RATE,
-                                       precision=config.precision, options=self.options)
+                                       precision=config.precision,
+                                       options={**self.options, **tracing})
+        self.traced = bool(tracing)
         self.shard_dim: Any = 0 if config.batch_placement == "shard" else dspark.REPLICATE
 
     def batch(self, step: int) -> Batch:
@@ -149,6 +171,19 @@ class _Trainer:
         self.forward_backward(batch)
         self.optimizer_step()
 
+    def step_stats(self) -> dict[str, float] | None:
+        """``engine.step_stats()`` of the last step; None for a PyTorch peer (it has none)."""
+        return self._live().step_stats() if self.is_dspark else None
+
+    def audit(self) -> dict[str, Any] | None:
+        """What ``engine.audit()`` found above its share (a collective); None for a PyTorch peer."""
+        if not self.is_dspark:
+            return None
+        from dspark.engine import above_share
+
+        rows = self._live().audit()
+        return {"rows_checked": len(rows), "above_share": above_share(rows)}
+
     def held_state(self) -> dict[str, int]:
         engine = self._live()
         return held_model_state(engine.module, engine.optimizer)
@@ -163,6 +198,23 @@ class _Trainer:
         if self.engine is not None:
             self.engine.close()
         self.engine = None
+
+
+def _slow_down(model: torch.nn.Module, rank: int) -> None:
+    """Make this rank a straggler when :data:`SLOW_RANK_ENV` names it (the lab's own tests only)."""
+    spec = os.environ.get(SLOW_RANK_ENV, "")
+    if not spec:
+        return
+    try:
+        slow_rank, sleep_ms = spec.split(":")
+        target, seconds = int(slow_rank), float(sleep_ms) / 1e3
+    except ValueError:
+        raise ValueError(f"{SLOW_RANK_ENV}={spec!r} is not RANK:MS (e.g. 1:80)") from None
+    if rank == target:
+        _log.warning("rank %d sleeps %g ms in every forward (%s=%r): a straggler on purpose, "
+                     "not a measurement", rank, seconds * 1e3, SLOW_RANK_ENV, spec)
+        # A pre-hook on the root runs inside the engine's forward: it counts as this rank's compute.
+        model.register_forward_pre_hook(lambda module, args: time.sleep(seconds))
 
 
 def _probe(trainer: _Trainer, first_step: int) -> tuple[BatchInspection, dict[str, int],
@@ -181,7 +233,9 @@ def _probe(trainer: _Trainer, first_step: int) -> tuple[BatchInspection, dict[st
 
 
 def _timed_steps(trainer: _Trainer, first_step: int, num_steps: int, *, core: int | None,
-                 threads: tuple[int, int]) -> tuple[list[float], RankLoad]:
+                 threads: tuple[int, int], phases: dict[str, list[float]] | None = None,
+                 ) -> tuple[list[float], RankLoad]:
+    """Time ``num_steps`` steps; with ``phases``, append each step's ``step_stats()`` to it."""
     device = trainer.world.device
     step_ms = []
     gc.collect()
@@ -196,6 +250,10 @@ def _timed_steps(trainer: _Trainer, first_step: int, num_steps: int, *, core: in
             trainer.step(batch)
             _synchronize(device)
             step_ms.append((time.perf_counter() - start) * 1e3)
+            stats = trainer.step_stats() if phases is not None else None
+            if phases is not None and stats is not None:
+                for key, ms in stats.items():
+                    phases.setdefault(key, []).append(ms)
         after = cpu_snapshot(core)
     finally:
         gc.enable()
@@ -203,10 +261,13 @@ def _timed_steps(trainer: _Trainer, first_step: int, num_steps: int, *, core: in
 
 
 def run_config(config: BenchConfig, *, round_index: int = 0, probe: bool = True,
-               core: int | None = None) -> Measurement:
+               core: int | None = None, profile: bool = False,
+               trace_dir: Path | None = None) -> Measurement:
     """Measure one round of ``config`` on the current world (call after :func:`dspark.init`);
     every rank gets the same measurement. ``core`` is the core this rank is pinned to (its
     threads are pinned to it again once the engine exists); None leaves threads where they are.
+    ``profile`` keeps ``engine.step_stats()`` of every timed step; ``trace_dir`` has the engine
+    write ``trace_dir/rank{R}.json`` of :data:`TRACE_STEPS` untimed steps first.
 
     Example::
 
@@ -218,25 +279,33 @@ def run_config(config: BenchConfig, *, round_index: int = 0, probe: bool = True,
         raise ValueError(f"config.num_devices={config.num_devices} but the job has "
                          f"world_size={world.world_size} ranks; launch one rank per device")
     device = world.device
-    trainer = _Trainer(config, world)
+    trainer = _Trainer(config, world, trace_dir=trace_dir)
     threads = pin_all_threads(core) if core is not None else (len(thread_ids()), 0)
-    mine: dict[str, Any] = {"held": {}, "expected": {}, "tensor_peak": 0, "rss_peak": 0}
+    mine: dict[str, Any] = {"held": {}, "expected": {}, "tensor_peak": 0, "rss_peak": 0,
+                            "host": socket.gethostname(), "phases": None, "audit": None}
     inspection: BatchInspection | None = None
     rss_scope = ""
     try:
-        bus_rate = bus_bytes_per_s(device, world.world_size)
         step = 0
+        # The trace first: its profiler must be gone before anything below is measured.
+        for _ in range(sum(TRACE_STEPS) if trainer.traced else 0):
+            trainer.step(trainer.batch(step))
+            step += 1
+        bus_rate = bus_bytes_per_s(device, world.world_size)
         if probe:
             inspection, mine["held"], mine["expected"] = _probe(trainer, step)
+            mine["audit"] = trainer.audit()  # the probe's last batch is the engine's last input
             step += PROBE_STEPS
-        for _ in range(max(0, config.warmup_steps - (PROBE_STEPS if probe else 0))):
+        for _ in range(max(0, config.warmup_steps - step)):
             trainer.step(trainer.batch(step))
             step += 1
         if probe:
             rss_scope = "training steps" if reset_peak_rss() else "process lifetime"
         comm.reset_stats()
+        phases: dict[str, list[float]] | None = {} if profile else None
         mine["step_ms"], load = _timed_steps(trainer, step, config.measure_steps, core=core,
-                                             threads=threads)
+                                             threads=threads, phases=phases)
+        mine["phases"] = phases
         traffic = comm.stats()  # read before the exchanges below add their own bytes
         mine["load"] = asdict(load)
         step += config.measure_steps
@@ -271,7 +340,12 @@ def run_config(config: BenchConfig, *, round_index: int = 0, probe: bool = True,
         estimated_comm_bytes_per_step=estimated[0] if estimated else None,
         estimated_comm_wire_bytes_per_step=estimated[1] if estimated else None,
         bus_bytes_per_s=bus_rate, buffer_sync=buffer_sync(config.strategy),
-        engine_options=options, config_hash=config.config_hash(), **asdict(provenance))
+        engine_options=options, hosts_by_rank=[e["host"] for e in everyone], profiled=profile,
+        phase_ms_by_rank=([e["phases"] for e in everyone]
+                          if profile and all(e["phases"] for e in everyone) else []),
+        audit_by_rank=([e["audit"] for e in everyone]
+                       if all(e["audit"] is not None for e in everyone) else []),
+        config_hash=config.config_hash(), **asdict(provenance))
 
 
 def error_path(out: Path, rank: int) -> Path:
@@ -294,6 +368,10 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--round", type=int, default=0, help="the round's index in its run")
     parser.add_argument("--probe", action="store_true",
                         help="also probe the batch and measure memory (a configuration's first round)")
+    parser.add_argument("--profile", action="store_true",
+                        help="keep engine.step_stats() of every timed step")
+    parser.add_argument("--trace", type=Path, default=None, metavar="DIR",
+                        help="the engine writes DIR/rank{R}.json, a profiler trace of untimed steps")
     return parser.parse_args(argv)
 
 
@@ -321,7 +399,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.set_num_threads(1)  # one device is one core
     world = dspark.init()
     try:
-        measurement = run_config(config, round_index=args.round, probe=args.probe, core=core)
+        measurement = run_config(config, round_index=args.round, probe=args.probe, core=core,
+                                 profile=args.profile, trace_dir=args.trace)
         if world.is_main:
             args.out.write_text(json.dumps(measurement.to_dict(), indent=2))
     except BaseException:

@@ -90,6 +90,16 @@ def _add_outputs(parser: argparse.ArgumentParser, *, default: Any) -> None:
                         help="also write an HTML report with plots to DIR")
     parser.add_argument("--no-progress", action="store_true", default=default,
                         help="no progress bar")
+    parser.add_argument("--profile", action="store_true", default=default,
+                        help="also record each rank's step breakdown (engine.step_stats(): "
+                             "forward, backward, exposed communication, optimizer, data, compute) "
+                             "of every timed step, print it per rank, add it to the ledger and "
+                             "the report, and flag a straggler rank; PyTorch's peers have none")
+    parser.add_argument("--trace", type=Path, default=default, metavar="DIR",
+                        help="also write a PyTorch profiler trace per rank (Chrome/Perfetto JSON, "
+                             "DSpark's phases and collectives named) of 2 untimed steps of each "
+                             "configuration's first round, to DIR/<configuration>/rank<R>.json; "
+                             "DSpark's engine only")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -172,7 +182,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_and_show(configs: Sequence[Any], args: argparse.Namespace, *, seed_table: bool) -> int:
-    from dspark.bench.report import render_results_table, render_seed_table, write_html_report
+    from dspark.bench.report import (
+        render_breakdown_table,
+        render_results_table,
+        render_seed_table,
+        write_html_report,
+    )
     from dspark.bench.runner import RunFailure, new_run_id, run_suite
 
     out, err = _console(), _console(stderr=True)
@@ -181,12 +196,16 @@ def _run_and_show(configs: Sequence[Any], args: argparse.Namespace, *, seed_tabl
     run_id = new_run_id()
     started = time.perf_counter()
     results = run_suite(configs, db=db, rounds=args.rounds, progress=not args.no_progress,
-                        run_id=run_id, console=err, failures=failures)
+                        run_id=run_id, console=err, failures=failures, profile=bool(args.profile),
+                        trace_root=args.trace)
     wall_s = time.perf_counter() - started
     if results:
         render_results_table(results, out)
+        render_breakdown_table(results, out)
         if seed_table:
             render_seed_table(results, out)
+    if args.trace is not None:
+        _print_traces(results, args.trace, out)
     if args.json is not None:
         args.json.write_text(json.dumps([r.to_dict() for r in results], indent=2))
         out.print(f"wrote {len(results)} results to {args.json}")
@@ -199,6 +218,21 @@ def _run_and_show(configs: Sequence[Any], args: argparse.Namespace, *, seed_tabl
         err.print(f"[bold red]FAILED[/] {_describe(failure.config)} (exit code "
                   f"{failure.exit_code}); nothing was recorded for it", highlight=False)
     return EXIT_FAILED if failures else 0
+
+
+def _print_traces(results: Sequence[Any], trace_root: Path, out: Console) -> None:
+    from dspark.bench.peers import PEERS
+    from dspark.bench.runner import trace_dir_of
+
+    for result in results:
+        where = trace_dir_of(result.config, trace_root)
+        files = sorted(where.glob("rank*.json"))
+        if files:
+            out.print(f"traces of {_describe(result.config)}: {where}/rank*.json "
+                      f"({len(files)} file{'' if len(files) == 1 else 's'})", highlight=False)
+        elif result.strategy in PEERS:
+            out.print(f"no trace of {_describe(result.config)}: a PyTorch peer has no DSpark "
+                      "trace option", highlight=False)
 
 
 def _describe(config: Any) -> str:

@@ -1,0 +1,57 @@
+"""The worker's step breakdown on the 2-rank pool: a rank slowed on purpose (a sleep in its forward,
+through the worker's test-only environment variable) is flagged as the straggler, by rank and host,
+while the step times of both ranks stay alike. The healthy case runs in the end-to-end seed suite
+(tests/bench/test_cli_bench.py), whose ranks are pinned to their cores."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import statistics
+from typing import Any
+
+import pytest
+
+from dspark.bench.analysis import annotate
+from dspark.bench.measurement import Measurement, results_from_measurements
+from dspark.bench.result import BenchConfig
+from dspark.bench.worker import SLOW_RANK_ENV, run_config
+
+SLEEP_MS = 100.0  # several times a 1-sample gpt2-cpu step's compute, so load on the box cannot hide it
+CONFIG = BenchConfig(workload="gpt2-cpu", num_devices=2, global_batch=2, warmup_steps=1,
+                     measure_steps=4)
+
+
+def _measure_with_rank_1_slowed() -> dict[str, Any]:
+    os.environ[SLOW_RANK_ENV] = f"1:{SLEEP_MS:g}"
+    try:
+        return run_config(CONFIG, probe=False, profile=True).to_dict()
+    finally:
+        del os.environ[SLOW_RANK_ENV]
+
+
+def test_a_rank_slowed_on_purpose_is_flagged_as_the_straggler(pool) -> None:
+    first, _ = pool.run(_measure_with_rank_1_slowed)
+    m = dataclasses.replace(Measurement.from_dict(first), run_id="slowed")
+    assert m.profiled and m.hosts_by_rank == [socket.gethostname()] * 2
+    compute = [statistics.median(phases["compute_ms"]) for phases in m.phase_ms_by_rank]
+    assert compute[1] - compute[0] > 0.8 * SLEEP_MS  # the sleep is rank 1's compute ...
+    waits = [statistics.median(phases["comm_exposed_ms"]) for phases in m.phase_ms_by_rank]
+    assert waits[0] > waits[1]  # ... and rank 0's wait for it
+
+    [result] = annotate(results_from_measurements([m]))
+    [found] = [a for a in result.anomalies if a["kind"] == "straggler"]
+    assert found["rank"] == 1 and found["host"] == socket.gethostname()
+    assert found["message"].startswith(f"rank 1 on host {socket.gethostname()} computes ")
+    assert found["compute_ms"] == pytest.approx(result.phase_ms_by_rank[1]["compute_ms"])
+
+
+def test_a_bad_slow_rank_value_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch import nn
+
+    from dspark.bench.worker import _slow_down
+
+    monkeypatch.setenv(SLOW_RANK_ENV, "rank one")
+    with pytest.raises(ValueError, match=r"DSPARK_BENCH_SLOW_RANK='rank one' is not RANK:MS"):
+        _slow_down(nn.Linear(2, 2), 0)
