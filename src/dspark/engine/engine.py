@@ -38,6 +38,7 @@ from dspark.engine.grad_reducer import GradReducer, StepWeights
 from dspark.engine.loss_scaler import LossScaler
 from dspark.engine.materialize import has_meta_tensors, materialize
 from dspark.engine.memory import expected_state_bytes, optimizer_state_elements, storage_bytes
+from dspark.engine.optimizer_kernel import prefer_fused_kernel
 from dspark.engine.param_groups import ParamGroupsFn, group_by_overrides
 from dspark.engine.param_slot import ParamSlot
 from dspark.engine.policy import precision_policy, sharding_policy
@@ -249,6 +250,8 @@ class Engine:
         if not isinstance(built, torch.optim.Optimizer):
             raise TypeError(f"the optimizer factory returned {type(built).__name__}, not a "
                             "torch.optim.Optimizer")
+        if prefer_fused_kernel(built):
+            log.debug("rank %d: %s steps with its fused kernel", self.world.rank, type(built).__name__)
         return built
 
     # -- forward / backward ----------------------------------------------------------------------

@@ -1,0 +1,46 @@
+"""The optimizer's kernel: PyTorch's fused one where the user left the choice open.
+
+[Note: fused optimizer] ``torch.optim.Adam``, ``AdamW`` and ``SGD`` step every parameter with a
+Python loop of small kernels unless told ``foreach=True`` or ``fused=True``; on CPU the default is
+the loop. The fused kernel does the same arithmetic in one pass per tensor: on one core, AdamW steps
+5.3M parameters in about 10 ms instead of 33 (the loop) or 27 (``foreach``). Under every strategy the
+engine hands the optimizer plain dense tensors it owns (whole parameters, or this rank's shards), so
+the fused kernel always applies. It is turned on only where every parameter group left both
+``fused`` and ``foreach`` unset (``None``): ``optimizer=functools.partial(torch.optim.AdamW,
+fused=False)`` (or ``foreach=...``) keeps the user's choice. Results differ from the loop by rounding
+only (the parity tests compare against the loop at 1e-5).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.optim.optimizer import _get_fused_kernels_supported_devices
+
+__all__ = ["prefer_fused_kernel"]
+
+_FUSED_CAPABLE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
+# fp32 only: the engine's master weights are fp32 under bf16/fp16 compute; a model that keeps bf16
+# parameters of its own gets the loop, whose rounding one-process PyTorch shares
+_FUSED_DTYPES = (torch.float32,)
+
+
+def prefer_fused_kernel(optimizer: torch.optim.Optimizer) -> bool:
+    """Turn on ``fused=True`` in every parameter group of ``optimizer`` when it is exactly one of
+    Adam, AdamW or SGD, no group chose ``fused`` or ``foreach``, none is ``differentiable``, and every
+    parameter is a dense fp32 tensor on a device with fused kernels. Returns whether it did."""
+    if type(optimizer) not in _FUSED_CAPABLE:
+        return False
+    supported = set(_get_fused_kernels_supported_devices())
+    for group in optimizer.param_groups:
+        if group.get("fused") is not None or group.get("foreach") is not None:
+            return False
+        if group.get("differentiable", False):
+            return False
+        for param in group["params"]:
+            if (param.is_sparse or param.dtype not in _FUSED_DTYPES
+                    or param.device.type not in supported):
+                return False
+    for group in optimizer.param_groups:
+        group["fused"] = True
+    optimizer.defaults["fused"] = True
+    return True

@@ -1,0 +1,68 @@
+"""The engine turns on PyTorch's fused optimizer kernel only where the user left the choice open."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import dspark
+from dspark.engine.optimizer_kernel import prefer_fused_kernel
+
+
+def _params(dtype: torch.dtype = torch.float32) -> list[nn.Parameter]:
+    return [nn.Parameter(torch.randn(4, 3, dtype=dtype)), nn.Parameter(torch.randn(3, dtype=dtype))]
+
+
+@pytest.mark.parametrize("cls", [torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD])
+def test_left_open_the_fused_kernel_is_chosen(cls: Any) -> None:
+    opt = cls(_params(), lr=0.1)
+    assert prefer_fused_kernel(opt)
+    assert all(group["fused"] is True for group in opt.param_groups)
+
+
+@pytest.mark.parametrize("choice", [{"fused": False}, {"foreach": True}, {"foreach": False}])
+def test_a_users_choice_is_kept(choice: dict[str, bool]) -> None:
+    opt = torch.optim.AdamW(_params(), lr=0.1, **choice)
+    assert not prefer_fused_kernel(opt)
+    assert opt.param_groups[0]["fused"] is choice.get("fused")
+
+
+def test_bf16_parameters_subclasses_and_other_optimizers_keep_the_loop() -> None:
+    class MyAdamW(torch.optim.AdamW):
+        pass
+
+    for opt in (torch.optim.AdamW(_params(torch.bfloat16), lr=0.1), MyAdamW(_params(), lr=0.1),
+                torch.optim.RMSprop(_params(), lr=0.1)):
+        assert not prefer_fused_kernel(opt), type(opt).__name__
+
+
+def test_one_group_with_a_choice_keeps_the_loop_for_all() -> None:
+    a, b = _params()
+    opt = torch.optim.AdamW([{"params": [a]}, {"params": [b], "foreach": True}], lr=0.1)
+    assert not prefer_fused_kernel(opt)
+    assert opt.param_groups[0]["fused"] is None
+
+
+def test_the_engine_steps_adamw_fused_and_matches_the_loop(single_process) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+    reference = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+    reference.load_state_dict(model.state_dict())
+    engine = dspark.Engine(model, optimizer=functools.partial(torch.optim.AdamW, lr=1e-2))
+    assert engine.optimizer.param_groups[0]["fused"] is True
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    assert ref_opt.param_groups[0]["fused"] is None
+    for step in range(5):
+        x = torch.randn(6, 8, generator=torch.Generator().manual_seed(step))
+        engine.backward(engine(x).square().mean())
+        engine.step()
+        ref_opt.zero_grad()
+        reference(x).square().mean().backward()
+        ref_opt.step()
+    for (name, got), want in zip(engine.module.state_dict().items(), reference.state_dict().values(), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7, msg=name)
+    engine.close()
