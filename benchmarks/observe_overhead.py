@@ -1,7 +1,7 @@
 """What leaving the step breakdown and the batch fingerprint on costs: ``engine.step_stats()`` and
 ``engine.audit()`` need them on every step, so they are always on when this is small.
 
-Run on an idle machine (figures move with load; see docs/readme/observe.md)::
+Run on an idle machine (figures move with load; see docs/observe.md)::
 
     OMP_NUM_THREADS=1 .venv/bin/dspark run --nproc 2 benchmarks/observe_overhead.py \
         --workload tiny gpt2-cpu --strategy zero2 --steps 40
