@@ -64,7 +64,8 @@ def stdlib_sources(max_chars: int) -> tuple[str, str]:
     files = sorted(root.glob("*.py"))
     if len(files) < 20:
         raise SystemExit(f"found only {len(files)} standard library files in {root}")
-    train, val = [], []
+    train: list[str] = []
+    val: list[str] = []
     for i, path in enumerate(files):
         (val if i % 10 == 0 else train).append(path.read_text(encoding="utf-8", errors="replace"))
     return "\n".join(train)[:max_chars], "\n".join(val)[: max_chars // 10]
@@ -88,8 +89,8 @@ class CharWindows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
 def encode(train_text: str, val_text: str) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
     """Character ids (int64) of both texts, and the vocabulary (id -> character)."""
     codes = np.frombuffer((train_text + val_text).encode("utf-32-le"), dtype=np.uint32)
-    vocab, ids = np.unique(codes, return_inverse=True)
-    ids = torch.from_numpy(ids.astype(np.int64))
+    vocab, inverse = np.unique(codes, return_inverse=True)
+    ids = torch.from_numpy(inverse.astype(np.int64))
     return ids[: len(train_text)], ids[len(train_text):], [chr(c) for c in vocab]
 
 
