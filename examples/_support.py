@@ -1,5 +1,6 @@
-"""What the real-data examples (char_gpt.py, digits_resnet.py) share: checkpoints that carry the
-data loader's position, an evaluation summed over ranks, and the training curves as a PNG.
+"""What the real-data examples (char_gpt.py, digits_resnet.py) share: numbered checkpoints (the
+engine's own, with the loader, the scheduler and the curves as ``extra=`` state), a warm-up + cosine
+learning-rate multiplier, an evaluation summed over ranks, and the training curves as a PNG.
 
 Not an example itself: each example imports it from its own folder (a script's folder is on
 ``sys.path``, also under ``dspark run``).
@@ -7,13 +8,11 @@ Not an example itself: each example imports it from its own folder (a script's f
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import shutil
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -22,60 +21,50 @@ from dspark import comm
 from dspark.checkpoint import is_checkpoint
 
 
-class Stateful(Protocol):
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
-
-
-def _extra_path(checkpoint: Path) -> Path:
-    return checkpoint.with_name(f"{checkpoint.name}.extra.json")
-
-
-def save_checkpoint(engine: dspark.Engine, root: Path, extra: dict[str, Stateful], *, keep: int = 2) -> None:
-    """``engine.save(root / "step-N")``, the state of ``extra`` (the loader, the curves) as JSON
-    beside it, and only the newest ``keep`` checkpoints kept. The JSON is the one part to replace by
-    ``engine.save(path, extra=extra)`` once the engine takes ``extra``. Collective: every rank
-    calls it."""
-    path = root / f"step-{engine.step_count:06d}"
-    engine.save(path)
+def save_checkpoint(engine: dspark.Engine, root: Path, extra: Mapping[str, Any], *, keep: int = 2) -> None:
+    """``engine.save(root / "step-N", extra=extra)``, then only the newest ``keep`` checkpoints kept.
+    Collective: every rank calls it."""
+    engine.save(root / f"step-{engine.step_count:06d}", extra=extra)
     if dspark.get_world().is_main:
-        # written after the checkpoint and renamed into place: a JSON that exists is complete, and
-        # its checkpoint too
-        tmp = _extra_path(path).with_suffix(".tmp")
-        tmp.write_text(json.dumps({name: obj.state_dict() for name, obj in extra.items()}))
-        os.replace(tmp, _extra_path(path))
+        # a save is published in one rename, so every step-N that exists is complete; deleting the
+        # oldest never touches the one just written
         for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-keep]:
-            _extra_path(old).unlink(missing_ok=True)  # first: a checkpoint without it is incomplete
             shutil.rmtree(old, ignore_errors=True)
     comm.barrier()
 
 
-def load_checkpoint(engine: dspark.Engine, path: Path, extra: dict[str, Stateful]) -> None:
-    """Restore what :func:`save_checkpoint` saved at ``path`` (at any world size), in place."""
-    engine.load(path)
-    state = json.loads(_extra_path(path).read_text())
-    for name, obj in extra.items():
-        obj.load_state_dict(state[name])
-
-
 def latest_checkpoint(root: Path) -> Path | None:
-    """The newest complete ``step-N`` checkpoint under ``root`` (its extra state written too)."""
-    found = sorted(p for p in root.glob("step-*") if is_checkpoint(p) and _extra_path(p).is_file())
+    """The newest ``step-N`` checkpoint under ``root``, or None."""
+    found = sorted(p for p in root.glob("step-*") if is_checkpoint(p))
     return found[-1] if found else None
 
 
-def set_cosine_lr(engine: dspark.Engine, *, peak_lr: float, total_steps: int, warmup_steps: int = 0) -> None:
-    """Set the learning rate of the engine's next step: a linear warm-up, then a cosine decay to a
-    tenth of ``peak_lr``. A function of ``engine.step_count`` alone, so a resumed run continues it."""
-    step = engine.step_count
+def warmup_cosine(step: int, *, warmup_steps: int, total_steps: int) -> float:
+    """The learning-rate multiplier of step ``step`` (from 0), for ``torch.optim.lr_scheduler.LambdaLR``:
+    a linear warm-up to 1 over ``warmup_steps``, then a cosine decay to 0.1 at ``total_steps``.
+
+    Example::
+
+        LambdaLR(engine.optimizer, functools.partial(warmup_cosine, warmup_steps=30, total_steps=600))
+    """
     if step < warmup_steps:
-        lr = peak_lr * (step + 1) / warmup_steps
-    else:
-        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-        lr = peak_lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
-    for group in engine.optimizer.param_groups:
-        group["lr"] = lr
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def no_decay_for_biases_and_norms(name: str, param: torch.nn.Parameter) -> dict[str, Any]:
+    """nanoGPT's weight-decay rule, for ``dspark.Engine(param_groups=...)``: matrices and embeddings
+    (``ndim >= 2``) decay; biases and norm weights (``ndim < 2``) do not."""
+    return {} if param.ndim >= 2 else {"weight_decay": 0.0}
+
+
+def global_mean(value: torch.Tensor) -> float:
+    """The mean of a per-rank scalar over every rank (each rank's loss over its rows -> the global
+    batch's loss, when every rank has as many rows). Collective."""
+    total = value.detach().double().clone()
+    comm.all_reduce(total, op="avg")
+    return float(total)
 
 
 @torch.no_grad()

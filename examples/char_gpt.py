@@ -9,10 +9,14 @@ validation: the validation loss is measured on modules the model never saw. ``ds
 gives each rank its rows of every global batch of windows, so 1 and 2 devices train on exactly the
 same global batches and follow the same loss curve, 2 devices in about half the time.
 
-A checkpoint (weights, optimizer, the loader's position and the curves) is written every
-``--save-every`` steps; run the same command again, at any ``--nproc``, and it resumes where it
-stopped, on exactly the samples the uninterrupted run would have seen. The curves go to
-``<out>/char_gpt.png``.
+The optimizer is nanoGPT's: AdamW with weight decay on the matrices and embeddings only (the engine's
+``param_groups=``), and a linear warm-up then cosine decay of the learning rate (a
+``torch.optim.lr_scheduler.LambdaLR`` on ``engine.optimizer``). Every ``--save-every`` steps
+``engine.save(..., extra=...)`` writes a checkpoint of the weights, the optimizer, the loader's
+position, the scheduler and the curves; run the same command again, at any ``--nproc``, and it
+resumes where it stopped, on exactly the samples the uninterrupted run would have seen.
+``--stop-after N`` stops at step N as a preempted job would (the schedule still spans ``--steps``).
+The curves go to ``<out>/char_gpt.png``.
 """
 
 from __future__ import annotations
@@ -37,7 +41,10 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("runs/char_gpt"),
                         help="checkpoints and the PNG of the curves")
-    parser.add_argument("--steps", type=int, default=600, help="train until this many steps")
+    parser.add_argument("--steps", type=int, default=600,
+                        help="train until this many steps (the learning-rate schedule's length)")
+    parser.add_argument("--stop-after", type=int, default=None,
+                        help="save and stop at this step, as a preempted job would; run again to resume")
     parser.add_argument("--global-batch", type=int, default=32, help="windows per step, all ranks")
     parser.add_argument("--seq-len", type=int, default=128, help="characters per window")
     parser.add_argument("--layers", type=int, default=4)
@@ -45,6 +52,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--width", type=int, default=128)
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (cosine decay)")
     parser.add_argument("--warmup-steps", type=int, default=30)
+    parser.add_argument("--weight-decay", type=float, default=0.1,
+                        help="AdamW's, on matrices and embeddings (not on biases and norms)")
     parser.add_argument("--max-chars", type=int, default=2_000_000,
                         help="characters of training text (validation: a tenth of it)")
     parser.add_argument("--eval-every", type=int, default=100)
@@ -64,7 +73,8 @@ def stdlib_sources(max_chars: int) -> tuple[str, str]:
     files = sorted(root.glob("*.py"))
     if len(files) < 20:
         raise SystemExit(f"found only {len(files)} standard library files in {root}")
-    train, val = [], []
+    train: list[str] = []
+    val: list[str] = []
     for i, path in enumerate(files):
         (val if i % 10 == 0 else train).append(path.read_text(encoding="utf-8", errors="replace"))
     return "\n".join(train)[:max_chars], "\n".join(val)[: max_chars // 10]
@@ -88,8 +98,8 @@ class CharWindows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
 def encode(train_text: str, val_text: str) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
     """Character ids (int64) of both texts, and the vocabulary (id -> character)."""
     codes = np.frombuffer((train_text + val_text).encode("utf-32-le"), dtype=np.uint32)
-    vocab, ids = np.unique(codes, return_inverse=True)
-    ids = torch.from_numpy(ids.astype(np.int64))
+    vocab, inverse = np.unique(codes, return_inverse=True)
+    ids = torch.from_numpy(inverse.astype(np.int64))
     return ids[: len(train_text)], ids[len(train_text):], [chr(c) for c in vocab]
 
 
@@ -137,39 +147,44 @@ def main() -> None:
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=len(vocab), context_len=args.seq_len, num_layers=args.layers,
                           num_heads=args.heads, width=args.width))
-    engine = dspark.Engine(model, optimizer=functools.partial(torch.optim.AdamW, lr=args.lr, weight_decay=0.0),
-                           strategy=args.strategy, clip_grad_norm=1.0)
+    optimizer = functools.partial(torch.optim.AdamW, lr=args.lr, betas=(0.9, 0.95),
+                                  weight_decay=args.weight_decay)
+    engine = dspark.Engine(model, optimizer=optimizer, strategy=args.strategy, clip_grad_norm=1.0,
+                           param_groups=support.no_decay_for_biases_and_norms)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, functools.partial(
+        support.warmup_cosine, warmup_steps=args.warmup_steps, total_steps=args.steps))
     curves = support.Curves()
-    state = {"loader": loader, "curves": curves}
+    state = {"loader": loader, "scheduler": scheduler, "curves": curves}
     latest = support.latest_checkpoint(args.out)
     if latest is not None:
-        support.load_checkpoint(engine, latest, state)
+        engine.load(latest, extra=state)
     if world.is_main:
         print(f"char_gpt: {len(train_set)} training windows of {args.seq_len} characters "
               f"({len(train_ids):,} characters, vocabulary {len(vocab)}), {len(val_subset)} validation "
               f"windows; {world.world_size} rank(s), {args.global_batch // world.world_size} windows each "
               f"per step; " + (f"resumed from {latest.name}" if latest else "starting at step 0"), flush=True)
 
+    last_step = min(args.steps, args.stop_after or args.steps)
     batches = iter(loader)
     start = time.perf_counter()
-    while engine.step_count < args.steps:
+    while engine.step_count < last_step:
         try:
             x, y = next(batches)
         except StopIteration:  # an epoch ended: the next pass reshuffles by itself
             batches = iter(loader)
             continue
-        support.set_cosine_lr(engine, peak_lr=args.lr, total_steps=args.steps, warmup_steps=args.warmup_steps)
         loss = token_loss(engine(x), y)
         engine.backward(loss)
         engine.step()
-        curves.add("train loss", engine.step_count, loss.item())
+        scheduler.step()
         step = engine.step_count
+        curves.add("train loss", step, support.global_mean(loss))  # the global batch's, not this rank's
         if step % args.eval_every == 0 or step == args.steps:
             curves.add("validation loss", step, validation_loss(engine, val_loader))
             if world.is_main:
-                print(f"step {step}: train loss {loss.item():.3f}, validation loss "
+                print(f"step {step}: train loss {curves.last('train loss'):.3f}, validation loss "
                       f"{curves.last('validation loss'):.3f} (epoch {loader.epoch})", flush=True)
-        if step % args.save_every == 0 or step == args.steps:
+        if step % args.save_every == 0 or step == last_step:
             curves.train_s += time.perf_counter() - start
             start = time.perf_counter()
             support.save_checkpoint(engine, args.out, state)
@@ -183,6 +198,9 @@ def main() -> None:
         print(f"{text}\nchar_gpt: {world.world_size} rank(s), step {engine.step_count}, validation loss "
               f"{val:.4f}, training time {curves.train_s:.1f} s, weights checksum {checksum:.8f}, "
               f"curves in {args.out / 'char_gpt.png'}", flush=True)
+        if engine.step_count < args.steps:
+            print(f"char_gpt: stopped at step {engine.step_count} of {args.steps}; run it again without "
+                  f"--stop-after to resume", flush=True)
     engine.close()
     dspark.shutdown()
 

@@ -11,9 +11,11 @@ every epoch by itself.
 
 Batch norm normalises over each rank's own rows (as PyTorch's DDP does without SyncBatchNorm), so
 with the global batch fixed, 2 ranks normalise over batches half as large as 1 rank does: the runs
-are close, not identical. A checkpoint (weights, optimizer, the loader's position and the curves) is
-written after every epoch; run the same command again, at any ``--nproc``, and it resumes there. The
-curves go to ``<out>/digits_resnet.png``.
+are close, not identical. Weight decay spares biases and batch norm (the engine's ``param_groups=``);
+the learning rate decays along a cosine (a ``torch.optim.lr_scheduler.LambdaLR``). After every epoch
+``engine.save(..., extra=...)`` writes a checkpoint of the weights, the optimizer, the loader's
+position, the scheduler and the curves; run the same command again, at any ``--nproc``, and it
+resumes there. The curves go to ``<out>/digits_resnet.png``.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--global-batch", type=int, default=128, help="images per step, all ranks")
     parser.add_argument("--width", type=int, default=64, help="channels of the first stage")
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (cosine decay)")
+    parser.add_argument("--weight-decay", type=float, default=0.01,
+                        help="AdamW's, on convolutions and the classifier's matrix (not on biases, norms)")
     parser.add_argument("--strategy", default="replicate", choices=["replicate", "zero1", "zero2", "zero3"])
     return parser.parse_args()
 
@@ -112,13 +116,17 @@ def main() -> None:
     test_loader = dspark.DataLoader(test_set, global_batch_size=args.global_batch, shuffle=False,
                                     drop_last=False)
     torch.manual_seed(0)
-    engine = dspark.Engine(DigitsResNet(args.width), optimizer=functools.partial(torch.optim.AdamW, lr=args.lr),
-                           strategy=args.strategy)
+    engine = dspark.Engine(DigitsResNet(args.width), strategy=args.strategy,
+                           optimizer=functools.partial(torch.optim.AdamW, lr=args.lr,
+                                                       weight_decay=args.weight_decay),
+                           param_groups=support.no_decay_for_biases_and_norms)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, functools.partial(
+        support.warmup_cosine, warmup_steps=0, total_steps=args.epochs * len(loader)))
     curves = support.Curves()
-    state = {"loader": loader, "curves": curves}
+    state = {"loader": loader, "scheduler": scheduler, "curves": curves}
     latest = support.latest_checkpoint(args.out)
     if latest is not None:
-        support.load_checkpoint(engine, latest, state)
+        engine.load(latest, extra=state)
     if world.is_main:
         print(f"digits_resnet: {len(train_set)} training and {len(test_set)} test images; "
               f"{world.world_size} rank(s), {loader.local_batch_size} images each per step, "
@@ -132,18 +140,19 @@ def main() -> None:
     start = time.perf_counter()
     while loader.epoch < args.epochs and not stopped():
         for images, labels in loader:  # this rank's rows; each epoch reshuffles by itself
-            support.set_cosine_lr(engine, peak_lr=args.lr, total_steps=args.epochs * len(loader))
             loss = nn.functional.cross_entropy(engine(images), labels)
             engine.backward(loss)
             engine.step()
-            curves.add("train loss", engine.step_count, loss.item())
+            scheduler.step()
+            curves.add("train loss", engine.step_count, support.global_mean(loss))  # the global batch's
             if stopped():
                 break
         curves.add("test accuracy", engine.step_count, test_accuracy(engine, test_loader))
         curves.train_s += time.perf_counter() - start
         start = time.perf_counter()
         if world.is_main:
-            print(f"step {engine.step_count}, {loader.epoch} epoch(s) done: train loss {loss.item():.4f}, "
+            print(f"step {engine.step_count}, {loader.epoch} epoch(s) done: train loss "
+                  f"{curves.last('train loss'):.4f}, "
                   f"test accuracy {curves.last('test accuracy'):.4f}", flush=True)
         support.save_checkpoint(engine, args.out, state)
 
