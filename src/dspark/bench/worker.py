@@ -64,6 +64,7 @@ from dspark.bench.peers import PEERS, buffer_sync, dspark_engine_options, make_e
 from dspark.bench.provenance import collect_provenance
 from dspark.bench.result import BenchConfig
 from dspark.bench.state_bytes import expected_model_state, held_model_state, param_specs
+from dspark.engine.optimizer_kernel import kernel_name
 
 __all__ = ["PROBE_STEPS", "SLOW_RANK_ENV", "TRACE_STEPS", "bus_bytes_per_s", "error_path", "main",
            "run_config"]
@@ -145,6 +146,7 @@ class _Trainer:
         self.engine: Any = make_engine(config.strategy, model, world, lr=_LEARNING_RATE,
                                        precision=config.precision,
                                        options={**self.options, **tracing})
+        self.optimizer_kernel = kernel_name(self.engine.optimizer)
         self.traced = bool(tracing)
         self.shard_dim: Any = 0 if config.batch_placement == "shard" else dspark.REPLICATE
 
@@ -316,6 +318,7 @@ def run_config(config: BenchConfig, *, round_index: int = 0, probe: bool = True,
         estimate = getattr(trainer.engine, "estimated_traffic_per_step", None)
         estimated = estimate() if estimate is not None else None
         options = dict(trainer.options)
+        optimizer_kernel = trainer.optimizer_kernel
     finally:
         trainer.close()
 
@@ -340,7 +343,8 @@ def run_config(config: BenchConfig, *, round_index: int = 0, probe: bool = True,
         estimated_comm_bytes_per_step=estimated[0] if estimated else None,
         estimated_comm_wire_bytes_per_step=estimated[1] if estimated else None,
         bus_bytes_per_s=bus_rate, buffer_sync=buffer_sync(config.strategy),
-        engine_options=options, hosts_by_rank=[e["host"] for e in everyone], profiled=profile,
+        engine_options=options, optimizer_kernel=optimizer_kernel,
+        hosts_by_rank=[e["host"] for e in everyone], profiled=profile,
         phase_ms_by_rank=([e["phases"] for e in everyone]
                           if profile and all(e["phases"] for e in everyone) else []),
         audit_by_rank=([e["audit"] for e in everyone]
