@@ -12,7 +12,7 @@ A launch, in order:
    see [Note: pinning every thread] in :mod:`dspark.bench.cpu_load`);
 2. with ``--trace DIR``: the engine's own trace (``Engine(trace_dir=DIR)``) of
    :data:`TRACE_STEPS` untimed steps, first, so that the profiler is gone before anything is
-   measured (DSpark's engine only: a PyTorch peer has no trace option);
+   measured (DSpark's engine only: a peer, PyTorch's or DeepSpeed's, has no trace option);
 3. with ``--probe`` (a configuration's first round): two untimed steps under the batch probe
    (what each rank's model received, see :mod:`dspark.bench.batch_probe`), the second one reading
    the model state held between backward and optimizer step (:mod:`dspark.bench.state_bytes`);
@@ -145,7 +145,10 @@ class _Trainer:
                    if trace_dir is not None and self.is_dspark else {})
         self.engine: Any = make_engine(config.strategy, model, world, lr=_LEARNING_RATE,
                                        precision=config.precision,
-                                       options={**self.options, **tracing})
+                                       options={**self.options, **tracing},
+                                       global_batch=config.global_batch)
+        if not self.is_dspark:  # a DeepSpeed peer records its configuration here
+            self.options = dict(self.engine.options)
         self.optimizer_kernel = kernel_name(self.engine.optimizer)
         self.traced = bool(tracing)
         self.shard_dim: Any = 0 if config.batch_placement == "shard" else dspark.REPLICATE
@@ -174,11 +177,11 @@ class _Trainer:
         self.optimizer_step()
 
     def step_stats(self) -> dict[str, float] | None:
-        """``engine.step_stats()`` of the last step; None for a PyTorch peer (it has none)."""
+        """``engine.step_stats()`` of the last step; None for a peer (it has none)."""
         return self._live().step_stats() if self.is_dspark else None
 
     def audit(self) -> dict[str, Any] | None:
-        """What ``engine.audit()`` found above its share (a collective); None for a PyTorch peer."""
+        """What ``engine.audit()`` found above its share (a collective); None for a peer."""
         if not self.is_dspark:
             return None
         from dspark.engine import above_share
