@@ -5,7 +5,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.dspark-installed
 
-.PHONY: install test lint bench example clean
+.PHONY: install peers test lint bench example clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -13,6 +13,14 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# Optional: DeepSpeed as a peer in `dspark bench --suite peers` (make test and CI do not need it).
+# --no-build-isolation: DeepSpeed's sdist imports torch to build, and must see the pinned one.
+# The second line builds DeepSpeed's CPU shared-memory op once (about a minute), so that no
+# benchmark launch waits for a compiler.
+peers: $(STAMP)
+	$(PY) -m pip install -q -c constraints.txt --no-build-isolation -e '.[dev,examples,peers]'
+	DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 $(PY) -c 'from deepspeed.comm.torch import build_shm_op; build_shm_op()'
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests examples benchmarks

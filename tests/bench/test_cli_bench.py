@@ -66,6 +66,7 @@ def test_json_has_every_key_and_every_step_of_every_round(seed_run: dict[str, An
         assert row["rounds"] == 2 and [len(s) for s in row["step_ms_by_round"]] == [2, 2]
         assert row["git_commit"] == source_commit()[0]  # from the package, not the cwd
         assert row["backend"] == "gloo" and row["device_model"]
+        assert row["optimizer_kernel"] == "fused"
         if len(os.sched_getaffinity(0)) >= 2:  # one core per rank: every thread on it
             assert row["ranks_pinned"] and row["threads_unpinned"] == 0
         assert all(share is not None for share in row["core_foreign_share_by_round"])

@@ -11,6 +11,7 @@ import torch
 
 import dspark
 from dspark.bench.peers import (
+    DEEPSPEED_PEERS,
     PEERS,
     PeerEngine,
     buffer_sync,
@@ -123,11 +124,14 @@ def test_the_ddp_peer_is_built_with_dspark_buffer_policy(pool) -> None:
     assert pool.run(_ddp_buffer_flag) == [buffers_broadcast()] * 2
 
 
-def test_peers_suite_pairs_each_strategy_with_its_pytorch_tool() -> None:
+def test_peers_suite_pairs_each_strategy_with_its_pytorch_tool(monkeypatch) -> None:
+    from dspark.bench import deepspeed_peer
+
+    monkeypatch.setattr(deepspeed_peer, "deepspeed_missing", lambda: "DeepSpeed is not installed")
     configs = build_suite("peers", machine=Machine(num_gpus=0, num_cpu_cores=2))
     assert {c.strategy for c in configs} == {"replicate", "torch-ddp", "zero3", "torch-fsdp2"}
     assert {c.num_devices for c in configs} == {1, 2}
-    assert set(PEERS) == {"torch-ddp", "torch-fsdp2"}
+    assert set(PEERS) == {"torch-ddp", "torch-fsdp2", *DEEPSPEED_PEERS}
 
 
 def test_fp16_peer_is_refused_with_the_reason(single_process) -> None:

@@ -35,6 +35,7 @@ def test_a_rank_slowed_on_purpose_is_flagged_as_the_straggler(pool) -> None:
     first, _ = pool.run(_measure_with_rank_1_slowed)
     m = dataclasses.replace(Measurement.from_dict(first), run_id="slowed")
     assert m.profiled and m.hosts_by_rank == [socket.gethostname()] * 2
+    assert m.optimizer_kernel == "fused"  # DSpark's engine chose PyTorch's fused AdamW
     compute = [statistics.median(phases["compute_ms"]) for phases in m.phase_ms_by_rank]
     assert compute[1] - compute[0] > 0.8 * SLEEP_MS  # the sleep is rank 1's compute ...
     waits = [statistics.median(phases["comm_exposed_ms"]) for phases in m.phase_ms_by_rank]

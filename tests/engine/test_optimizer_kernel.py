@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import dspark
-from dspark.engine.optimizer_kernel import prefer_fused_kernel
+from dspark.engine.optimizer_kernel import kernel_name, prefer_fused_kernel
 
 
 def _params(dtype: torch.dtype = torch.float32) -> list[nn.Parameter]:
@@ -45,6 +45,17 @@ def test_one_group_with_a_choice_keeps_the_loop_for_all() -> None:
     opt = torch.optim.AdamW([{"params": [a]}, {"params": [b], "foreach": True}], lr=0.1)
     assert not prefer_fused_kernel(opt)
     assert opt.param_groups[0]["fused"] is None
+
+
+def test_kernel_name_says_what_the_step_runs() -> None:
+    opt = torch.optim.AdamW(_params(), lr=0.1)
+    assert kernel_name(opt) == "for-loop"  # PyTorch's own default for CPU tensors
+    prefer_fused_kernel(opt)
+    assert kernel_name(opt) == "fused"
+    assert kernel_name(torch.optim.AdamW(_params(), lr=0.1, foreach=True)) == "foreach"
+    a, b = _params()
+    mixed = torch.optim.AdamW([{"params": [a], "fused": True}, {"params": [b]}], lr=0.1)
+    assert kernel_name(mixed) == "for-loop + fused"
 
 
 def test_the_engine_steps_adamw_fused_and_matches_the_loop(single_process) -> None:

@@ -94,6 +94,11 @@ class Measurement(Recorded):
     bus_bytes_per_s: float = 0.0
     buffer_sync: str = ""
     engine_options: dict[str, Any] = field(default_factory=dict)
+    """DSpark's engine: keyword arguments beyond the configuration; a DeepSpeed peer: its
+    ``deepspeed_config`` and ``deepspeed_version``."""
+    optimizer_kernel: str = ""
+    """The kernel the optimizer stepped with (``fused``, ``foreach``, ``for-loop``); "" in a row
+    written before it was recorded."""
     hosts_by_rank: list[str] = field(default_factory=list)
     """Each rank's host name."""
     # inside a step
@@ -253,7 +258,7 @@ def _summarise(rounds: list[Measurement]) -> BenchResult:
         estimated_comm_bytes_per_step=first.estimated_comm_bytes_per_step,
         estimated_comm_wire_bytes_per_step=first.estimated_comm_wire_bytes_per_step,
         bus_bytes_per_s=statistics.median(m.bus_bytes_per_s for m in rounds),
-        engine_options=dict(first.engine_options),
+        engine_options=dict(first.engine_options), optimizer_kernel=first.optimizer_kernel,
         hosts_by_rank=list(first.hosts_by_rank),
         audit_by_rank=list(probed.audit_by_rank) if probed else [],
         **step_breakdown(rounds))

@@ -1,4 +1,5 @@
-"""PyTorch's own data-parallel wrappers, measured by the same worker as DSpark's engine, so a
+"""PyTorch's own data-parallel wrappers (and, with the optional ``peers`` extra, DeepSpeed's ZeRO
+stages: :mod:`dspark.bench.deepspeed_peer`), measured by the same worker as DSpark's engine, so a
 claim like "DSpark's zero3 is as fast as FSDP2" is a measurement side by side, not a belief.
 
 =============  ===================================================  ===================
@@ -10,18 +11,22 @@ peer           PyTorch tool                                         DSpark count
 
 Both run the model the way DSpark does: fp32 parameters and AdamW, autocast for bf16, the same
 global batch split the same way. FSDP2 wraps the same units as DSpark's zero3 (the model's
-repeated blocks, then the root).
+repeated blocks, then the root). Their AdamW is built as DSpark's is and keeps PyTorch's default
+kernel (the loop on CPU), where DSpark's engine turns on the fused one; every result records the
+kernel that ran (``optimizer_kernel``).
 
 [Note: buffer policy] DDP broadcasts rank 0's module buffers (BatchNorm's running statistics) before
 every forward by default; that is traffic and a copy per step. A fair comparison runs DSpark and
 DDP under one policy, decided by what DSpark's engine does: when :class:`dspark.Engine` takes
 ``broadcast_buffers``, both run with buffers broadcast each forward; an engine without that option
 never broadcasts, and DDP then runs with ``broadcast_buffers=False``. The policy is recorded with
-every result (``buffer_sync``). FSDP2 has no buffer synchronisation at all.
+every result (``buffer_sync``). FSDP2 has no buffer synchronisation at all; DeepSpeed broadcasts
+rank 0's parameters once, at construction, and never its buffers.
 
-[Note: estimated traffic] PyTorch's wrappers bypass DSpark's byte counters, so a peer's traffic is
-not measured: :meth:`PeerEngine.estimated_traffic_per_step` derives it from the algorithm and the
-parameter sizes, and results keep it in fields named ``estimated_*``, never in the measured ones.
+[Note: estimated traffic] PyTorch's wrappers and DeepSpeed bypass DSpark's byte counters, so a
+peer's traffic is not measured: :meth:`PeerEngine.estimated_traffic_per_step` (and DeepSpeed's
+peer's) derives it from the algorithm and the parameter sizes, and results keep it in fields
+named ``estimated_*``, never in the measured ones.
 
 [Note: why this file uses torch.distributed directly] DSpark's own code reaches the process group
 only through :mod:`dspark.comm`. A peer is the reference DSpark is measured against, so it must be
@@ -39,14 +44,18 @@ from typing import Any
 import torch
 from torch import nn
 
+from dspark.bench.deepspeed_peer import DEEPSPEED_PEERS, DeepSpeedPeer, peer_precision
 from dspark.comm import World
 from dspark.comm.stats import wire_bytes
-from dspark.engine.policy import precision_policy
 
-__all__ = ["PEERS", "PeerEngine", "buffer_sync", "dspark_engine_options", "make_engine"]
+__all__ = ["DEEPSPEED_PEERS", "PEERS", "TORCH_PEERS", "PeerEngine", "buffer_sync",
+           "dspark_engine_options", "make_engine"]
 
-PEERS: dict[str, str] = {"torch-ddp": "replicate", "torch-fsdp2": "zero3"}
-"""Peer name -> the DSpark strategy it is compared with."""
+TORCH_PEERS: dict[str, str] = {"torch-ddp": "replicate", "torch-fsdp2": "zero3"}
+"""PyTorch's peers: name -> the DSpark strategy it is compared with."""
+PEERS: dict[str, str] = {**TORCH_PEERS, **DEEPSPEED_PEERS}
+"""Every peer, DeepSpeed's included (whether or not DeepSpeed is installed): name -> the DSpark
+strategy it is compared with."""
 
 
 def _engine_accepts(engine_cls: type, name: str) -> bool:
@@ -78,6 +87,8 @@ def buffer_sync(strategy: str, engine_cls: type | None = None) -> str:
     """
     if strategy == "torch-fsdp2":
         return "none (FSDP2 does not synchronise buffers)"
+    if strategy in DEEPSPEED_PEERS:
+        return "none (DeepSpeed broadcasts parameters once at construction, never buffers)"
     if buffers_broadcast(engine_cls):
         return "broadcast from rank 0 before every forward"
     return "none (broadcast once at construction)"
@@ -116,12 +127,7 @@ class PeerEngine:
 
     def __init__(self, name: str, model: nn.Module, world: World, *, lr: float, precision: str,
                  broadcast_buffers: bool | None = None) -> None:
-        if name not in PEERS:
-            raise ValueError(f"peer={name!r} is not one of {', '.join(map(repr, PEERS))}")
-        policy = precision_policy(precision)
-        if policy.loss_scaling:
-            raise ValueError(f"peer {name!r} is measured in fp32 or bf16; precision={precision!r} "
-                             "would need PyTorch's GradScaler, which DSpark's comparison does not model")
+        policy = peer_precision(name, precision, known=TORCH_PEERS, scaler="PyTorch's GradScaler")
         self.name = name
         self.world = world
         self._compute_dtype = policy.compute_dtype
@@ -147,6 +153,8 @@ class PeerEngine:
             fully_shard(model, mesh=mesh)
             self.module = model
         self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=lr)
+        self.options: dict[str, Any] = {}
+        """What the worker records as ``engine_options`` (a PyTorch peer takes none)."""
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         if self._compute_dtype is None:
@@ -192,18 +200,26 @@ class PeerEngine:
 
 
 def make_engine(strategy: str, model: nn.Module, world: World, *, lr: float, precision: str,
-                options: dict[str, Any] | None = None) -> Any:
+                options: dict[str, Any] | None = None, global_batch: int | None = None) -> Any:
     """DSpark's engine for a DSpark strategy (with ``options``, see :func:`dspark_engine_options`),
-    a :class:`PeerEngine` for a peer name.
+    a :class:`PeerEngine` for a PyTorch peer, a
+    :class:`~dspark.bench.deepspeed_peer.DeepSpeedPeer` for a DeepSpeed one (which needs the
+    ``global_batch`` for its configuration). DSpark's engine and DeepSpeed get the same optimizer
+    factory.
 
     Example::
 
         make_engine("zero3", model, world, lr=3e-4, precision="bf16", options={})
     """
-    if strategy in PEERS:
+    factory: Callable[..., torch.optim.Optimizer] = functools.partial(torch.optim.AdamW, lr=lr)
+    if strategy in TORCH_PEERS:
         return PeerEngine(strategy, model, world, lr=lr, precision=precision)
+    if strategy in DEEPSPEED_PEERS:
+        if global_batch is None:
+            raise ValueError(f"peer {strategy!r} needs global_batch for its DeepSpeed configuration")
+        return DeepSpeedPeer(strategy, model, world, lr=lr, precision=precision,
+                             global_batch=global_batch, optimizer=factory)
     import dspark
 
-    factory: Callable[..., torch.optim.Optimizer] = functools.partial(torch.optim.AdamW, lr=lr)
     return dspark.Engine(model, optimizer=factory, strategy=strategy, precision=precision,
                          **(options or {}))

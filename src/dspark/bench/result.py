@@ -193,7 +193,11 @@ class BenchResult(Recorded):
     buffer_sync: str = ""
     """How module buffers were kept equal across ranks (the same policy for DSpark and DDP)."""
     engine_options: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments the engine was built with beyond the configuration."""
+    """Keyword arguments the engine was built with beyond the configuration; for a DeepSpeed peer,
+    the DeepSpeed configuration (``deepspeed_config``) and version."""
+    optimizer_kernel: str = ""
+    """The kernel the optimizer stepped with: ``fused``, ``foreach`` or ``for-loop`` (DSpark's
+    engine turns on the fused one; see dspark.engine.optimizer_kernel); "" when not recorded."""
     hosts_by_rank: list[str] = field(default_factory=list)
     """Each rank's host name ([] for measurements from before it was recorded)."""
     # inside a step (``dspark bench --profile``; see dspark.bench.breakdown)

@@ -6,7 +6,10 @@
   (the seed's bug, on purpose); N devices sharded. On CPU the presets; with 2 or more GPUs the
   real ResNet-50 and GPT-2 124M, whose defaults are the article's (global batch 256, fp16).
 * ``peers``: DSpark's replicate and zero3 beside PyTorch's DDP and FSDP2 (:mod:`dspark.bench.peers`)
-  on the CPU presets, 1 and 2 devices: a speedup claim checked against PyTorch's own tools.
+  on the CPU presets, 1 and 2 devices: a speedup claim checked against PyTorch's own tools. When
+  DeepSpeed imports (the optional ``peers`` extra, ``make peers``), also zero1, zero2 and zero3
+  beside DeepSpeed's ZeRO stages (:mod:`dspark.bench.deepspeed_peer`); without it they are skipped
+  with one line saying how to install them.
 * ``full``: the real sizes, every strategy, 1 to all GPUs (needs at least 2).
 
 Every default can be overridden (:class:`SuiteOverrides`); a device count the machine does not
@@ -23,7 +26,8 @@ from typing import Any
 
 import torch
 
-from dspark.bench.peers import PEERS
+from dspark.bench import deepspeed_peer
+from dspark.bench.peers import DEEPSPEED_PEERS, PEERS
 from dspark.bench.result import BenchConfig
 from dspark.engine.policy import PRECISIONS, STRATEGIES
 
@@ -45,6 +49,10 @@ _CPU_STEPS = (2, 5)
 # whole compute plus the all-reduce): a step more per launch narrows the medians.
 _CPU_SEED_STEPS = (2, 6)
 _GPU_STEPS = (5, 20)
+# the peers suite: each DSpark strategy beside the tools it stands in for
+_TORCH_PEER_STRATEGIES = ("replicate", "torch-ddp", "zero3", "torch-fsdp2")
+_ALL_PEER_STRATEGIES = ("replicate", "torch-ddp", "zero1", "deepspeed-zero1", "zero2",
+                        "deepspeed-zero2", "zero3", "torch-fsdp2", "deepspeed-zero3")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -135,8 +143,7 @@ def _suite_defaults(name: str, machine: Machine) -> tuple[tuple[str, ...], tuple
     if name == "seed":
         return (_GPU_WORKLOADS if machine.num_gpus >= 2 else _CPU_WORKLOADS), (1, 2), (_DEFAULT_STRATEGY,)
     if name == "peers":
-        # each DSpark strategy beside the PyTorch tool it stands in for, measured the same way
-        return _CPU_WORKLOADS, (1, 2), ("replicate", "torch-ddp", "zero3", "torch-fsdp2")
+        return _CPU_WORKLOADS, (1, 2), _TORCH_PEER_STRATEGIES  # DeepSpeed's: see build_suite
     if machine.num_gpus < 2:
         raise ValueError(
             f"suite 'full' measures the real-size models ({', '.join(_GPU_WORKLOADS)}) on 1 to all "
@@ -144,6 +151,16 @@ def _suite_defaults(name: str, machine: Machine) -> tuple[tuple[str, ...], tuple
             "Run `dspark bench --suite seed` (the article's table on the CPU presets) or "
             "`dspark bench --suite quick` instead")
     return _GPU_WORKLOADS, _full_device_counts(machine.num_gpus), tuple(STRATEGIES)
+
+
+def _peer_strategies() -> tuple[str, ...]:
+    """The peers suite's strategies: DeepSpeed's stages only where DeepSpeed imports."""
+    missing = deepspeed_peer.deepspeed_missing()
+    if missing is not None:
+        _log.warning("suite 'peers': skipping the DeepSpeed peers %s (%s); %s",
+                     ", ".join(DEEPSPEED_PEERS), missing, deepspeed_peer.INSTALL_HINT)
+        return _TORCH_PEER_STRATEGIES
+    return _ALL_PEER_STRATEGIES
 
 
 def build_suite(name: str = "quick", overrides: SuiteOverrides | None = None, *,
@@ -165,8 +182,12 @@ def build_suite(name: str = "quick", overrides: SuiteOverrides | None = None, *,
     workloads, devices, strategies = _suite_defaults(name, machine)
     workloads = overrides.workloads or workloads
     devices = tuple(sorted(set(overrides.devices or devices)))
+    if name == "peers" and not overrides.strategies:
+        strategies = _peer_strategies()
     strategies = overrides.strategies or strategies
     _valid("strategy", strategies, (*STRATEGIES, *PEERS))
+    if overrides.strategies:
+        deepspeed_peer.require_deepspeed(overrides.strategies)
     if overrides.precision is not None:
         _valid("precision", (overrides.precision,), tuple(PRECISIONS))
     check_devices(devices, machine)

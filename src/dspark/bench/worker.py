@@ -12,7 +12,7 @@ A launch, in order:
    see [Note: pinning every thread] in :mod:`dspark.bench.cpu_load`);
 2. with ``--trace DIR``: the engine's own trace (``Engine(trace_dir=DIR)``) of
    :data:`TRACE_STEPS` untimed steps, first, so that the profiler is gone before anything is
-   measured (DSpark's engine only: a PyTorch peer has no trace option);
+   measured (DSpark's engine only: a peer, PyTorch's or DeepSpeed's, has no trace option);
 3. with ``--probe`` (a configuration's first round): two untimed steps under the batch probe
    (what each rank's model received, see :mod:`dspark.bench.batch_probe`), the second one reading
    the model state held between backward and optimizer step (:mod:`dspark.bench.state_bytes`);
@@ -64,6 +64,7 @@ from dspark.bench.peers import PEERS, buffer_sync, dspark_engine_options, make_e
 from dspark.bench.provenance import collect_provenance
 from dspark.bench.result import BenchConfig
 from dspark.bench.state_bytes import expected_model_state, held_model_state, param_specs
+from dspark.engine.optimizer_kernel import kernel_name
 
 __all__ = ["PROBE_STEPS", "SLOW_RANK_ENV", "TRACE_STEPS", "bus_bytes_per_s", "error_path", "main",
            "run_config"]
@@ -144,7 +145,11 @@ class _Trainer:
                    if trace_dir is not None and self.is_dspark else {})
         self.engine: Any = make_engine(config.strategy, model, world, lr=_LEARNING_RATE,
                                        precision=config.precision,
-                                       options={**self.options, **tracing})
+                                       options={**self.options, **tracing},
+                                       global_batch=config.global_batch)
+        if not self.is_dspark:  # a DeepSpeed peer records its configuration here
+            self.options = dict(self.engine.options)
+        self.optimizer_kernel = kernel_name(self.engine.optimizer)
         self.traced = bool(tracing)
         self.shard_dim: Any = 0 if config.batch_placement == "shard" else dspark.REPLICATE
 
@@ -172,11 +177,11 @@ class _Trainer:
         self.optimizer_step()
 
     def step_stats(self) -> dict[str, float] | None:
-        """``engine.step_stats()`` of the last step; None for a PyTorch peer (it has none)."""
+        """``engine.step_stats()`` of the last step; None for a peer (it has none)."""
         return self._live().step_stats() if self.is_dspark else None
 
     def audit(self) -> dict[str, Any] | None:
-        """What ``engine.audit()`` found above its share (a collective); None for a PyTorch peer."""
+        """What ``engine.audit()`` found above its share (a collective); None for a peer."""
         if not self.is_dspark:
             return None
         from dspark.engine import above_share
@@ -316,6 +321,7 @@ def run_config(config: BenchConfig, *, round_index: int = 0, probe: bool = True,
         estimate = getattr(trainer.engine, "estimated_traffic_per_step", None)
         estimated = estimate() if estimate is not None else None
         options = dict(trainer.options)
+        optimizer_kernel = trainer.optimizer_kernel
     finally:
         trainer.close()
 
@@ -340,7 +346,8 @@ def run_config(config: BenchConfig, *, round_index: int = 0, probe: bool = True,
         estimated_comm_bytes_per_step=estimated[0] if estimated else None,
         estimated_comm_wire_bytes_per_step=estimated[1] if estimated else None,
         bus_bytes_per_s=bus_rate, buffer_sync=buffer_sync(config.strategy),
-        engine_options=options, hosts_by_rank=[e["host"] for e in everyone], profiled=profile,
+        engine_options=options, optimizer_kernel=optimizer_kernel,
+        hosts_by_rank=[e["host"] for e in everyone], profiled=profile,
         phase_ms_by_rank=([e["phases"] for e in everyone]
                           if profile and all(e["phases"] for e in everyone) else []),
         audit_by_rank=([e["audit"] for e in everyone]

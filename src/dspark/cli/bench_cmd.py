@@ -94,7 +94,7 @@ def _add_outputs(parser: argparse.ArgumentParser, *, default: Any) -> None:
                         help="also record each rank's step breakdown (engine.step_stats(): "
                              "forward, backward, exposed communication, optimizer, data, compute) "
                              "of every timed step, print it per rank, add it to the ledger and "
-                             "the report, and flag a straggler rank; PyTorch's peers have none")
+                             "the report, and flag a straggler rank; the peers have none")
     parser.add_argument("--trace", type=Path, default=default, metavar="DIR",
                         help="also write a PyTorch profiler trace per rank (Chrome/Perfetto JSON, "
                              "DSpark's phases and collectives named) of 2 untimed steps of each "
@@ -117,12 +117,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
                     "ledger, and flag scaling anomalies. Without an action, runs a suite.")
     parser.add_argument("--suite", choices=SUITES, default="quick",
                         help="quick (CPU presets, 1 and 2 devices; default), seed (the article's "
-                             "table), peers (DSpark beside PyTorch's DDP and FSDP2), full (real "
+                             "table), peers (DSpark beside PyTorch's DDP and FSDP2, and "
+                             "DeepSpeed's ZeRO stages when installed: make peers), full (real "
                              "sizes on GPUs)")
     parser.add_argument("--workloads", type=_names, metavar="A,B", help="workloads to run")
     parser.add_argument("--devices", type=_counts, metavar="1,2", help="device counts")
     parser.add_argument("--strategies", type=_names, metavar="S,T",
-                        help="replicate, zero1, zero2, zero3, or the PyTorch peers torch-ddp, torch-fsdp2")
+                        help="replicate, zero1, zero2, zero3, the PyTorch peers torch-ddp, "
+                             "torch-fsdp2, or the DeepSpeed peers deepspeed-zero1, "
+                             "deepspeed-zero2, deepspeed-zero3 (make peers)")
     parser.add_argument("--precision", help="fp32, fp16 or bf16 (default: the workload's)")
     parser.add_argument("--global-batch", type=_non_negative, metavar="N",
                         help="samples per step across all devices")
@@ -231,8 +234,8 @@ def _print_traces(results: Sequence[Any], trace_root: Path, out: Console) -> Non
             out.print(f"traces of {_describe(result.config)}: {where}/rank*.json "
                       f"({len(files)} file{'' if len(files) == 1 else 's'})", highlight=False)
         elif result.strategy in PEERS:
-            out.print(f"no trace of {_describe(result.config)}: a PyTorch peer has no DSpark "
-                      "trace option", highlight=False)
+            out.print(f"no trace of {_describe(result.config)}: a peer (PyTorch's or "
+                      "DeepSpeed's) has no DSpark trace option", highlight=False)
 
 
 def _describe(config: Any) -> str:

@@ -13,10 +13,12 @@ only (the parity tests compare against the loop at 1e-5).
 
 from __future__ import annotations
 
-import torch
-from torch.optim.optimizer import _get_fused_kernels_supported_devices
+from typing import Any
 
-__all__ = ["prefer_fused_kernel"]
+import torch
+from torch.optim.optimizer import _default_to_fused_or_foreach, _get_fused_kernels_supported_devices
+
+__all__ = ["kernel_name", "prefer_fused_kernel"]
 
 _FUSED_CAPABLE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 # fp32 only: the engine's master weights are fp32 under bf16/fp16 compute; a model that keeps bf16
@@ -44,3 +46,29 @@ def prefer_fused_kernel(optimizer: torch.optim.Optimizer) -> bool:
         group["fused"] = True
     optimizer.defaults["fused"] = True
     return True
+
+
+def _group_kernel(group: dict[str, Any]) -> str:
+    if "fused" not in group and "foreach" not in group:
+        return "its own step"  # an optimizer without PyTorch's kernel choice
+    if group.get("fused"):
+        return "fused"
+    foreach = group.get("foreach")
+    if foreach is None:  # PyTorch decides at step time: foreach for CUDA tensors, else the loop
+        tensors = [p for p in group["params"] if isinstance(p, torch.Tensor)]
+        _, foreach = _default_to_fused_or_foreach(tensors, differentiable=bool(
+            group.get("differentiable", False)), use_fused=False)
+    return "foreach" if foreach else "for-loop"
+
+
+def kernel_name(optimizer: torch.optim.Optimizer) -> str:
+    """The kernel ``optimizer.step()`` runs, in words: ``"fused"``, ``"foreach"``, ``"for-loop"``
+    (one small kernel per tensor), or several of them joined by ``" + "`` when the parameter
+    groups differ. Read it after any :func:`prefer_fused_kernel`, so it records what ran.
+
+    Example::
+
+        kernel_name(torch.optim.AdamW(model.parameters()))   # "for-loop" on CPU
+    """
+    kinds = sorted({_group_kernel(group) for group in optimizer.param_groups})
+    return " + ".join(kinds) if kinds else "for-loop"
