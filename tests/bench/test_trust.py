@@ -30,3 +30,14 @@ def test_suspect_baseline_only_above_n() -> None:
     assert "above the 2x that 2 devices can give" in found["message"]
     assert "its rounds' medians ranged by 5%" in found["message"]
     assert suspect_baseline(above, None) == []
+
+
+def test_perfect_scaling_within_the_rounds_spread_is_not_suspect() -> None:
+    """Seen on a quiet machine: 2.00x with rounds 1.94x-2.04x is 2 devices scaling perfectly."""
+    one = make_result(round_step_ms=[1602.0, 1650.0, 1560.0])
+    straddling = make_result(num_devices=2, speedup=2.004, speedup_min=1.94, speedup_max=2.04)
+    assert suspect_baseline(straddling, one) == []
+    every_round_above = make_result(num_devices=2, speedup=2.04, speedup_min=2.02, speedup_max=2.06)
+    assert [a["kind"] for a in suspect_baseline(every_round_above, one)] == ["suspect_baseline"]
+    far_above_median = make_result(num_devices=2, speedup=2.1, speedup_min=1.98, speedup_max=2.2)
+    assert [a["kind"] for a in suspect_baseline(far_above_median, one)] == ["suspect_baseline"]

@@ -13,7 +13,7 @@ from dspark.bench.formatting import format_ms, format_ratio
 from dspark.bench.noise import relative_range
 from dspark.bench.result import BenchResult
 
-__all__ = ["CORE_FOREIGN_ALLOWANCE", "busy_machine", "suspect_baseline"]
+__all__ = ["CORE_FOREIGN_ALLOWANCE", "SUPERLINEAR_MARGIN", "busy_machine", "suspect_baseline"]
 
 CORE_FOREIGN_ALLOWANCE = 0.10
 """A rank's core may spend 10% of the timed window on other processes (or stolen by the
@@ -57,18 +57,26 @@ def busy_machine(result: BenchResult, baseline: BenchResult | None = None) -> li
                     threads_unpinned=result.threads_unpinned)]
 
 
+SUPERLINEAR_MARGIN = 0.03
+"""How far above N a median speedup may sit, while some round is at or below N, before the baseline
+is suspect: perfect scaling measured with a few percent of noise straddles N."""
+
+
 def suspect_baseline(result: BenchResult, baseline: BenchResult | None) -> list[dict[str, Any]]:
-    """N devices came out more than N times faster than 1 (median of the rounds): the 1-device
-    baseline was likely slowed down, since splitting a batch over N devices can at best divide the
-    compute by N.
+    """N devices came out more than N times faster than 1: every round above N, or the median more
+    than ``SUPERLINEAR_MARGIN`` above it. The 1-device baseline was then likely slowed down, since
+    splitting a batch over N devices can at best divide the compute by N.
 
     Example::
 
         suspect_baseline(two_devices, one_device)   # "2 devices are 2.31x faster than 1, above ..."
     """
-    if (baseline is None or result.num_devices <= 1 or result.speedup is None
-            or result.speedup <= result.num_devices):
+    if baseline is None or result.num_devices <= 1 or result.speedup is None:
         return []
+    n = result.num_devices
+    low = result.speedup_min if result.speedup_min is not None else result.speedup
+    if result.speedup <= n or (low <= n and result.speedup <= n * (1 + SUPERLINEAR_MARGIN)):
+        return []  # perfect scaling within the rounds' own spread is not evidence of a bad baseline
     facts = [f"the baseline's step was {format_ms(baseline.step_ms)} (result {baseline.result_id})"]
     busiest = max((s for s in baseline.core_foreign_share_by_round if s is not None), default=None)
     if busiest is not None:
@@ -78,7 +86,6 @@ def suspect_baseline(result: BenchResult, baseline: BenchResult | None) -> list[
     spread = relative_range(baseline.round_step_ms)
     if len(baseline.round_step_ms) > 1:
         facts.append(f"its rounds' medians ranged by {spread:.0%}")
-    low = result.speedup_min if result.speedup_min is not None else result.speedup
     high = result.speedup_max if result.speedup_max is not None else result.speedup
     message = (f"{devices(result.num_devices)} are {format_ratio(result.speedup)} faster than 1 "
                f"(rounds {format_ratio(low)}-{format_ratio(high)}), above the "
