@@ -34,6 +34,7 @@ from dspark.engine.agreement import agree
 from dspark.engine.audit import BatchRecord, audit_rows, record_batch
 from dspark.engine.batch_check import DEFAULT_BATCH_CHECK_EVERY, BatchCheck
 from dspark.engine.buffer_sync import BufferSync, broadcast_tensors
+from dspark.engine.compile_boundary import outside_compile
 from dspark.engine.global_batchnorm import convert_batchnorm, restore_batchnorm
 from dspark.engine.grad_bucket import GradBucket
 from dspark.engine.grad_reducer import GradReducer, StepWeights
@@ -263,7 +264,7 @@ class Engine:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.world.device.type, dtype=self.precision.compute_dtype)
 
-    @torch.compiler.disable
+    @outside_compile
     def _root_pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         if self._in_backward or not torch.is_grad_enabled():
             return

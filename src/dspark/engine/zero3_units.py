@@ -31,6 +31,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from dspark import comm
+from dspark.engine.compile_boundary import outside_compile
 from dspark.engine.param_slot import ParamSlot
 
 __all__ = ["UnitPolicy", "Zero3Scheduler", "unit_modules"]
@@ -133,14 +134,6 @@ def unit_modules(root: nn.Module, policy: UnitPolicy = None) -> list[tuple[str, 
             seen.add(id(module))
             unique.append((name, module))
     return unique
-
-
-def _eager(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Run ``fn`` outside any ``torch.compile`` graph: a compiled model is split at unit boundaries
-    (each unit's forward compiled on its own), because gathering and freeing swap parameter storage,
-    which a graph traced across units cannot follow."""
-    disable = getattr(torch.compiler, "disable", None)
-    return disable(fn) if disable is not None else fn
 
 
 class _AfterUnitBackward(torch.autograd.Function):
@@ -268,8 +261,11 @@ class Zero3Scheduler:
                 slot.free_full()
 
     # -- hooks -----------------------------------------------------------------------------------
+    # Both run outside any torch.compile graph: a compiled model is split at unit boundaries (each
+    # unit's forward compiled on its own), because gathering and freeing swap parameter storage,
+    # which a graph traced across units cannot follow.
     def _pre_forward_hook(self, unit: _Unit) -> Any:
-        @_eager
+        @outside_compile
         def hook(module: nn.Module, args: Any, kwargs: Any) -> Any:
             if self._in_backward():  # recomputation: gather, free nothing (gradients will)
                 self._gather(unit.slots, unit.label)
@@ -297,7 +293,7 @@ class Zero3Scheduler:
         return tree_unflatten(leaves, spec)
 
     def _post_forward_hook(self, unit: _Unit) -> Any:
-        @_eager
+        @outside_compile
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             if self._in_backward():
                 return
