@@ -112,3 +112,14 @@ def test_the_summary_words_each_case() -> None:
     ]
     assert format_audit(rows[:1], num_ranks=4) == "nothing above its share (1 tensor checked on this rank)"
     assert above_share(rows, tolerance=1.0) == rows[1:]
+
+
+def test_the_recorded_batch_keeps_no_autograd_graph_and_is_fingerprinted_when_read() -> None:
+    from dspark.engine.audit import record_batch
+    from dspark.tensor.fingerprint import batch_fingerprint
+
+    x = torch.randn(4, 3, requires_grad=True) * 2  # a non-leaf input: holding it would hold a graph
+    record = record_batch([x])
+    assert record.nbytes == 4 * 3 * 4
+    assert all(t.grad_fn is None and not t.requires_grad for t in record.leaves)
+    assert torch.equal(record.fingerprint(), batch_fingerprint([x]))

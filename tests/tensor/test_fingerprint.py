@@ -41,3 +41,21 @@ def test_large_float_batch_has_no_float64_copy_and_is_stable() -> None:
     a, b = batch_fingerprint(x), batch_fingerprint(x)
     assert torch.equal(a, b)
     assert a[1] == x.numel()
+
+
+def test_a_sampled_fingerprint_tells_copies_from_different_tensors_without_a_pass() -> None:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(16, 8, 12, 12, generator=g).to(memory_format=torch.channels_last)
+    sampled = batch_fingerprint(x, whole=False)
+    assert torch.equal(sampled, batch_fingerprint(x.clone(), whole=False))  # clone keeps the format
+    assert not torch.equal(sampled, batch_fingerprint(x + 1e-3, whole=False))
+    assert identical_ranks([sampled, batch_fingerprint(x.flip(0), whole=False)]) == []
+    # the sampled statistics are those of the same positions a contiguous copy has
+    assert torch.equal(sampled[4:], batch_fingerprint(x.contiguous(), whole=False)[4:])
+
+
+def test_a_non_contiguous_tensor_is_fingerprinted_like_its_contiguous_copy() -> None:
+    x = torch.randn(8, 4, 6, 6).to(memory_format=torch.channels_last)
+    a, b = batch_fingerprint(x), batch_fingerprint(x.contiguous())
+    assert torch.equal(a[:2], b[:2]) and torch.equal(a[4:], b[4:])  # counts and sample exact
+    torch.testing.assert_close(a[2:4], b[2:4], rtol=1e-12, atol=0)  # sums: another order

@@ -4,8 +4,8 @@ submodule, compared across ranks.
 [Note: batch probe] The seed's bug was a batch replicated on every rank. The lab does not trust the
 configuration to say whether that happened: for two untimed training steps it puts a forward
 pre-hook on every module of the model (the root first), fingerprints the tensors each call receives
-(:func:`dspark.tensor.fingerprint.batch_fingerprint`: a few numbers, no copy of the data), and
-all ranks exchange their fingerprints. Three facts come out:
+(:func:`dspark.tensor.fingerprint.batch_fingerprint`: a few numbers, no copy of the data; the
+root's inputs read whole, a submodule's sampled), and all ranks exchange their fingerprints. Three facts come out:
 
 * ``samples_by_rank``: how many samples (rows of the first input) each rank's model received;
 * ``identical_input_ranks``: ranks whose models received the very same batch;
@@ -64,12 +64,13 @@ class BatchProbe:
         probe.close()
     """
 
-    def __init__(self, root: nn.Module) -> None:
+    def __init__(self, root: nn.Module, *, submodules: bool = True) -> None:
         self._prints: StepPrints = {}
         self._calls: dict[str, int] = {}
         self._samples: int | None = None
+        modules = root.named_modules() if submodules else [("", root)]
         self._handles = [module.register_forward_pre_hook(self._hook(name), with_kwargs=True)
-                         for name, module in root.named_modules()]
+                         for name, module in modules]
 
     def _hook(self, name: str) -> Callable[..., None]:
         def record(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -79,7 +80,10 @@ class BatchProbe:
             index = self._calls.get(name, 0)
             self._calls[name] = index + 1
             with torch.no_grad():
-                self._prints[(name, index)] = tuple(batch_fingerprint(leaves).tolist())
+                # the root's inputs are read whole; a submodule's activations are sampled, which
+                # tells a replicated input from a different one without a pass over each activation
+                # (read whole, they cost more than the step itself on an image model)
+                self._prints[(name, index)] = tuple(batch_fingerprint(leaves, whole=not name).tolist())
             if name == "" and index == 0:
                 first = leaves[0]
                 self._samples = int(first.shape[0]) if first.dim() else 1
@@ -136,9 +140,11 @@ def compare_ranks(first: Sequence[StepPrints], second: Sequence[StepPrints],
 
 
 def inspect_batches(root: nn.Module, steps: Sequence[Callable[[], object]],
-                    all_gather_object: Callable[[Any], list[Any]]) -> BatchInspection:
+                    all_gather_object: Callable[[Any], list[Any]], *,
+                    submodules: bool = True) -> BatchInspection:
     """Run the two training ``steps`` (different batches) under a :class:`BatchProbe` on ``root``
-    and compare what every rank's modules received. Every rank must call it.
+    and compare what every rank's modules received. Every rank must call it. ``submodules=False``
+    probes the root only (one rank: there is no other rank to compare a submodule's input with).
 
     Example::
 
@@ -147,7 +153,7 @@ def inspect_batches(root: nn.Module, steps: Sequence[Callable[[], object]],
     """
     if len(steps) != 2:
         raise ValueError(f"steps has {len(steps)} entries; the probe compares exactly two steps")
-    probe = BatchProbe(root)
+    probe = BatchProbe(root, submodules=submodules)
     try:
         steps[0]()
         samples, first = probe.take()

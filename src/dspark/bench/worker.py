@@ -21,8 +21,9 @@ A launch, in order:
 5. the timed steps, with the garbage collector off and the load on each rank's core read over
    exactly this window; each step starts after a barrier; with ``--profile``,
    ``engine.step_stats()`` is read after each one, outside its time;
-6. with ``--probe``: the peak resident memory of the warm-up and timed steps, then the tensor peak
-   of one more step (:mod:`dspark.bench.memory`).
+6. with ``--probe``: the peak resident memory of the timed steps (its high-water mark is reset
+   when they start), then the tensor peak of one more step (:mod:`dspark.bench.memory`), whose
+   profiler would otherwise count in the resident peak.
 
 [Note: what a step's time covers] forward, loss, backward and the optimizer step, with their
 collectives. Making the synthetic batch and slicing it stand for a data loader and are outside the
@@ -233,7 +234,7 @@ def _probe(trainer: _Trainer, first_step: int) -> tuple[BatchInspection, dict[st
 
     inspection = inspect_batches(trainer._live().module,
                                  [lambda: trainer.step(trainer.batch(first_step)), second],
-                                 comm.all_gather_object)
+                                 comm.all_gather_object, submodules=trainer.world.world_size > 1)
     return inspection, held, trainer.expected_state()
 
 
@@ -316,6 +317,7 @@ def run_config(config: BenchConfig, *, round_index: int = 0, probe: bool = True,
         step += config.measure_steps
         if probe:
             mine["rss_peak"] = peak_rss_bytes()
+            # after the RSS peak: the profiler's own buffers must not count in it
             peak_batch = trainer.batch(step)
             mine["tensor_peak"] = measure_peak_bytes(lambda: trainer.step(peak_batch), device)
         estimate = getattr(trainer.engine, "estimated_traffic_per_step", None)

@@ -51,24 +51,32 @@ _REPLICATE = repr(Replicate())
 
 @dataclass(frozen=True, slots=True)
 class BatchRecord:
-    """What the audit keeps of the last training forward's inputs: their size and fingerprint (never
-    the data itself)."""
+    """The last training forward's input tensors, as the audit needs them: their size, and their
+    fingerprint when the audit asks for it.
+
+    The record keeps detached references to the tensors (no copy, no autograd graph) and
+    fingerprints them only in :meth:`fingerprint`: reading the whole batch on every forward cost
+    3-6 ms per step on a CPU image batch, for an audit most steps never run. The previous batch is
+    released when the next forward starts. A batch tensor overwritten in place after its forward is
+    fingerprinted as it is when the audit runs (the same on every rank that shares it)."""
 
     nbytes: int
-    fingerprint: torch.Tensor
+    leaves: tuple[torch.Tensor, ...]
+
+    def fingerprint(self) -> torch.Tensor:
+        """:func:`~dspark.tensor.fingerprint.batch_fingerprint` of the tensors, read now."""
+        return batch_fingerprint(list(self.leaves))
 
 
 def record_batch(leaves: Sequence[torch.Tensor]) -> BatchRecord:
-    """Size and fingerprint of a forward's input tensors (one pass over the data, no copy).
+    """Size of a forward's input tensors and a detached reference to them (no pass over the data).
 
     Example::
 
         record_batch([images]).nbytes   # images.numel() * images.element_size()
     """
-    # No autocast or no_grad context needed (each costs more than the fingerprint's smallest ops):
-    # the fingerprint reads detached data in float64, the same arithmetic on every rank.
     return BatchRecord(nbytes=sum(t.numel() * t.element_size() for t in leaves),
-                       fingerprint=batch_fingerprint(list(leaves)))
+                       leaves=tuple(t.detach() for t in leaves))
 
 
 def _row(name: str, kind: str, placement: str, nbytes: int, expected: int) -> dict[str, Any]:
@@ -147,7 +155,7 @@ def _batch_rows(batch: BatchRecord | None, *, rank: int, num_ranks: int,
                 device: torch.device) -> list[dict[str, Any]]:
     """The input batch's row: every rank's fingerprint is all-gathered (collective), and the ranks
     holding the same batch as this one divide its expected bytes."""
-    mine = (batch.fingerprint if batch is not None
+    mine = (batch.fingerprint() if batch is not None
             else torch.zeros(FINGERPRINT_LEN, dtype=torch.float64))  # no elements: matches nothing
     everyone = comm.all_gather(mine.to(device=device, dtype=torch.float64))
     if batch is None:

@@ -44,29 +44,46 @@ def batch_leaves(batch: Any) -> list[torch.Tensor]:
     return []
 
 
-def _leaf_stats(t: torch.Tensor) -> torch.Tensor:
-    """``[sum, sum of squares, weighted sample sum, sample max]`` of one tensor, in float64."""
-    flat = t.detach().reshape(-1)
-    if flat.is_complex():
-        flat = torch.view_as_real(flat).reshape(-1)
-    if flat.dtype == torch.bool:
-        flat = flat.to(torch.uint8)
-    total = flat.sum(dtype=torch.float64)
-    stride = max(1, flat.numel() // _SAMPLE_POSITIONS)
-    sample = flat[::stride][:_SAMPLE_POSITIONS].double()  # at most 32 KiB, whatever the batch
-    if flat.is_floating_point():  # accumulated in float64 by the kernel, no float64 copy of the data
-        squares = torch.linalg.vector_norm(flat, dtype=torch.float64).square()
-    else:  # integer data (token ids): the sample's squares
-        squares = sample.square().sum()
+def _sample(t: torch.Tensor) -> torch.Tensor:
+    """Up to ``_SAMPLE_POSITIONS`` evenly spaced elements of ``t`` in row-major order, as float64.
+    ``torch.take`` reads them through the strides: no copy of a non-contiguous (channels_last)
+    tensor, which ``reshape(-1)`` would make."""
+    stride = max(1, t.numel() // _SAMPLE_POSITIONS)
+    positions = torch.arange(0, t.numel(), stride, device=t.device)[:_SAMPLE_POSITIONS]
+    sample = torch.take(t, positions)
+    if sample.is_complex():
+        sample = torch.view_as_real(sample).reshape(-1)
+    return sample.double()
+
+
+def _leaf_stats(t: torch.Tensor, *, whole: bool) -> torch.Tensor:
+    """``[sum, sum of squares, weighted sample sum, sample max]`` of one tensor, in float64; with
+    ``whole=False`` the sum and the squares are the sample's too (no pass over the data)."""
+    t = t.detach()
+    if t.dtype == torch.bool:
+        t = t.to(torch.uint8)
+    sample = _sample(t)
+    if whole:
+        total = t.sum(dtype=torch.float64) if not t.is_complex() else torch.view_as_real(t).sum(
+            dtype=torch.float64)
+        if t.is_floating_point() or t.is_complex():  # accumulated in float64, no float64 copy
+            squares = torch.linalg.vector_norm(t, dtype=torch.float64).square()
+        else:  # integer data (token ids): the sample's squares
+            squares = sample.square().sum()
+    else:
+        total, squares = sample.sum(), sample.square().sum()
     weights = torch.arange(1, sample.numel() + 1, dtype=torch.float64, device=sample.device)
     return torch.stack([total, squares, (sample * weights.reciprocal().sqrt()).sum(),
                         sample.abs().max() if sample.numel() else total])
 
 
-def batch_fingerprint(batch: Any, *, device: torch.device | None = None) -> torch.Tensor:
+def batch_fingerprint(batch: Any, *, device: torch.device | None = None,
+                      whole: bool = True) -> torch.Tensor:
     """A float64 vector of length :data:`FINGERPRINT_LEN` summarising every tensor in ``batch``; equal
     batches give equal vectors (see [Note: batch fingerprint]). It reads the data once and copies
-    none of it.
+    none of it. ``whole=False`` reads only the sampled positions (a few microseconds whatever the
+    size): enough to tell a copy of a tensor from a different one, not two tensors that differ
+    in a few elements.
 
     Example::
 
@@ -80,7 +97,7 @@ def batch_fingerprint(batch: Any, *, device: torch.device | None = None) -> torc
         if leaf.numel() == 0:
             continue
         numel += leaf.numel()
-        folded += _leaf_stats(leaf).to(out_device) * (1.0 + index / len(leaves))
+        folded += _leaf_stats(leaf, whole=whole).to(out_device) * (1.0 + index / len(leaves))
     head = torch.tensor([float(len(leaves)), float(numel)], dtype=torch.float64, device=out_device)
     return torch.cat([head, folded])
 
