@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from dspark.launcher import LaunchSpec, launcher_argv, launcher_command, launcher_env
+from dspark.launcher import LaunchSpec, launch, launcher_argv, launcher_command, launcher_env
 
 
 @pytest.fixture
@@ -67,6 +67,7 @@ def test_multi_node_passes_master_and_node_rank_through(script: str) -> None:
     ({"rdzv_endpoint": "h:1", "master_addr": "h"}, "not both"),
     ({"target": "missing.py"}, "script 'missing.py' does not exist"),
     ({"target": "not a module", "module": True}, "not a dotted module name"),
+    ({"agent": False}, "agent=False runs one process on one node without restarts; got nproc=2"),
 ])
 def test_bad_specs_are_rejected_with_the_value(script: str, kwargs: dict[str, object], message: str) -> None:
     fields: dict[str, object] = {"target": script, "nproc": 2, **kwargs}
@@ -79,3 +80,18 @@ def test_env_sets_omp_threads_only_when_unset() -> None:
     assert launcher_env({"PATH": "/bin"}) == {"PATH": "/bin", "OMP_NUM_THREADS": "1"}
     assert launcher_env({"OMP_NUM_THREADS": "4"}) == {"OMP_NUM_THREADS": "4"}
     assert launcher_env({"OMP_NUM_THREADS": ""})["OMP_NUM_THREADS"] == "1"
+
+
+def test_a_one_process_job_without_the_agent_joins_a_real_one_rank_group(tmp_path: Path) -> None:
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "import dspark, os, sys\n"
+        "world = dspark.init()\n"
+        "print(world.backend, world.world_size, os.environ['LOCAL_WORLD_SIZE'],\n"
+        "      os.environ['MASTER_ADDR'], 'torch.distributed.run' in ' '.join(sys.orig_argv))\n"
+        "dspark.shutdown()\n")
+    spec = LaunchSpec(target=str(probe), nproc=1, agent=False)
+    assert launcher_command(spec)[1:] == [str(probe)]
+    done = launch(spec, capture=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["gloo", "1", "1", "127.0.0.1", "False"]

@@ -1,8 +1,8 @@
 """Running a suite: rounds of fresh worker launches, each measurement appended to the ledger the
 moment it is measured, then the analysis of what the run recorded.
 
-Every launch gets its own job through :mod:`dspark.launcher` (PyTorch's launcher underneath): one
-process per device, so no state (allocator caches, process groups, warm kernels) leaks from one
+Every launch gets its own job through :mod:`dspark.launcher` (PyTorch's launcher underneath; a
+1-device launch is its one worker process alone, ``agent=False``): one process per device, so no state (allocator caches, process groups, warm kernels) leaks from one
 measurement into the next. The launches of a configuration alternate with its 1-device baseline's
 (see [Note: rounds] in :mod:`dspark.bench.measurement`), so a slow spell of the machine hits both
 sides of a speedup. A configuration that fails is reported with the tail of its stderr and not
@@ -147,7 +147,10 @@ def run_in_workers(config: BenchConfig, *, round_index: int = 0, probe: bool = T
                 "--round", str(round_index), *(("--probe",) if probe else ()),
                 *(("--profile",) if profile else ()),
                 *(("--trace", str(trace_dir)) if trace_dir is not None else ()))
-        spec = LaunchSpec(target=_WORKER_MODULE, module=True, nproc=config.num_devices, args=args)
+        # One device: the worker alone, in a real one-rank process group, without torchrun's agent
+        # (its start-up is ~1.4 s of every baseline launch and measures nothing).
+        spec = LaunchSpec(target=_WORKER_MODULE, module=True, nproc=config.num_devices, args=args,
+                          agent=config.num_devices > 1)
         done = launch(spec, capture=True)
         if done.returncode == 0 and out.is_file():
             return Measurement.from_dict(json.loads(out.read_text()))
