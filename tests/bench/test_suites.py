@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from dspark.bench.suites import Machine, SuiteOverrides, build_suite
 
@@ -85,3 +86,34 @@ def test_more_devices_than_gpus_suggests_cpu_cores() -> None:
 def test_detect_sees_this_machine() -> None:
     machine = Machine.detect()
     assert machine.num_cpu_cores >= 1 and machine.num_devices >= 1
+
+
+SLOW_BF16 = Machine(num_gpus=0, num_cpu_cores=2, cpu_matmul_ms=(("fp32", 1.9), ("bf16", 3.1), ("fp16", 1.7)))
+FAST_BF16 = Machine(num_gpus=0, num_cpu_cores=2, cpu_matmul_ms=(("fp32", 2.8), ("bf16", 0.67), ("fp16", 103.0)))
+
+
+@pytest.mark.parametrize("suite", ["quick", "peers"])
+def test_quick_and_peers_run_fp32_on_a_cpu_that_runs_bf16_slower(suite: str, caplog) -> None:
+    assert {c.precision for c in build_suite(suite, machine=SLOW_BF16)} == {"fp32"}
+    assert "this CPU runs bf16 slower (bf16 matmul 3.10 ms vs fp32 1.90 ms" in caplog.text
+    assert {c.precision for c in build_suite(suite, machine=FAST_BF16)} == {"bf16"}
+
+
+def test_the_seed_suite_and_an_explicit_precision_ignore_the_cpus_speed() -> None:
+    assert {c.precision for c in build_suite("seed", machine=SLOW_BF16)} == {"bf16"}
+    configs = build_suite("quick", SuiteOverrides(precision="bf16"), machine=SLOW_BF16)
+    assert {c.precision for c in configs} == {"bf16"}
+
+
+def test_gpus_keep_the_presets_precision_whatever_the_cpu() -> None:
+    machine = Machine(num_gpus=2, num_cpu_cores=2, cpu_matmul_ms=SLOW_BF16.cpu_matmul_ms)
+    assert {c.precision for c in build_suite("quick", SuiteOverrides(workloads=("gpt2-cpu",)),
+                                             machine=machine)} == {"bf16"}
+
+
+def test_detect_times_a_matmul_per_precision_on_cpu() -> None:
+    timings = dict(Machine.detect().cpu_matmul_ms)
+    if torch.cuda.is_available():
+        assert timings == {}
+    else:
+        assert set(timings) == {"fp32", "bf16", "fp16"} and all(ms > 0 for ms in timings.values())

@@ -107,8 +107,8 @@ def test_profile_and_trace_reach_the_workers_and_rerun(workers: FakeWorkers,
                                                        tmp_path: Path,
                                                        capsys: pytest.CaptureFixture[str]) -> None:
     db = str(tmp_path / "ledger.sqlite")
-    assert main(["bench", "--workloads", "gpt2-cpu", "--devices", "1", "--rounds", "1",
-                 "--no-progress", "--db", db, "--profile", "--trace", str(tmp_path / "t")]) == 0
+    assert main(["bench", "--workloads", "gpt2-cpu", "--devices", "1", "--rounds", "1", "--precision",
+                 "bf16", "--no-progress", "--db", db, "--profile", "--trace", str(tmp_path / "t")]) == 0
     assert workers.options == [{"profile": True,
                                 "trace_dir": tmp_path / "t" / "gpt2-cpu-1dev-replicate-bf16-shard32"}]
     assert main(["bench", "--workloads", "gpt2-cpu", "--devices", "1", "--rounds", "1",

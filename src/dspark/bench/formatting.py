@@ -77,7 +77,7 @@ MEMORY_COLUMNS_NOTE = (
     "tensor peak: on CPU, the tensor storages a rank held at its peak during one training step "
     "(those Python reaches plus the allocations PyTorch's profiler saw; not buffers only C++ "
     "holds, such as DDP's reducer buckets); on GPU, the allocator's peak. RSS peak: the rank's "
-    "whole process at its peak over the warm-up and timed steps, PyTorch's libraries and every "
+    "whole process at its peak over the timed steps, PyTorch's libraries and every "
     "C++ buffer included. model state: parameters, gradients and optimizer state found by "
     "walking the module and the optimizer.")
 """What the memory columns cover, printed under every results table."""

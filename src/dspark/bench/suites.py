@@ -1,7 +1,9 @@
 """The benchmark suites, as lists of :class:`BenchConfig`.
 
 * ``quick`` (the default): the CPU presets on 1 and 2 devices, batch sharded, each preset's own
-  precision and batch. Sized to finish in a few minutes on a 2-core machine, start-up included.
+  batch, in its own precision where this CPU runs that faster than fp32, else fp32
+  (:mod:`dspark.bench.cpu_precision`). Sized to finish in under 2 minutes on a 2-core machine,
+  start-up included.
 * ``seed``: the article's table. Per workload: 1 device; N devices with the batch *replicated*
   (the seed's bug, on purpose); N devices sharded. On CPU the presets; with 2 or more GPUs the
   real ResNet-50 and GPT-2 124M, whose defaults are the article's (global batch 256, fp16).
@@ -9,7 +11,7 @@
   on the CPU presets, 1 and 2 devices: a speedup claim checked against PyTorch's own tools. When
   DeepSpeed imports (the optional ``peers`` extra, ``make peers``), also zero1, zero2 and zero3
   beside DeepSpeed's ZeRO stages (:mod:`dspark.bench.deepspeed_peer`); without it they are skipped
-  with one line saying how to install them.
+  with one line saying how to install them. Precision as in ``quick``.
 * ``full``: the real sizes, every strategy, 1 to all GPUs (needs at least 2).
 
 Every default can be overridden (:class:`SuiteOverrides`); a device count the machine does not
@@ -27,6 +29,7 @@ from typing import Any
 import torch
 
 from dspark.bench import deepspeed_peer
+from dspark.bench.cpu_precision import choose_cpu_precision, cpu_matmul_ms
 from dspark.bench.peers import DEEPSPEED_PEERS, PEERS
 from dspark.bench.result import BenchConfig
 from dspark.engine.policy import PRECISIONS, STRATEGIES
@@ -41,14 +44,18 @@ _CPU_WORKLOADS = ("resnet50-cpu", "gpt2-cpu")
 _GPU_WORKLOADS = ("resnet50", "gpt2-124m")
 _DEFAULT_STRATEGY = "replicate"
 # (warm-up, measured) steps per launch; a run launches each configuration in 3 rounds (see
-# dspark.bench.runner), so a result has 3x the timed steps. CPU steps take ~0.2-0.6 s and a launch
-# costs ~4 s of start-up, so `quick` (12 launches) stays under 2 minutes on 2 cores. The first round
-# runs 2 untimed probe steps, which count as its warm-up.
-_CPU_STEPS = (2, 5)
+# dspark.bench.runner), so a result has 3x the timed steps. On CPU only a launch's first step is slow
+# (first-touch pages, optimizer state, the engine's bucket order): 1.2x the others on both presets,
+# the second already within the spread of the rest, so one warm-up step is enough. The first round
+# runs 2 untimed probe steps instead. CPU steps take ~0.3-1 s and a launch costs ~3-5 s of
+# start-up (interpreter, torch, the launcher), so `quick` (12 launches) stays under 2 minutes.
+_CPU_STEPS = (1, 5)
 # The seed table compares runs a few percent apart (a replicated batch on CPU costs each rank the
 # whole compute plus the all-reduce): a step more per launch narrows the medians.
-_CPU_SEED_STEPS = (2, 6)
+_CPU_SEED_STEPS = (1, 6)
 _GPU_STEPS = (5, 20)
+# suites whose precision follows this CPU's speed (the seed suite keeps the presets': the article's)
+_MACHINE_PRECISION_SUITES = ("quick", "peers")
 # the peers suite: each DSpark strategy beside the tools it stands in for
 _TORCH_PEER_STRATEGIES = ("replicate", "torch-ddp", "zero3", "torch-fsdp2")
 _ALL_PEER_STRATEGIES = ("replicate", "torch-ddp", "zero1", "deepspeed-zero1", "zero2",
@@ -63,18 +70,23 @@ class Machine:
     """CUDA devices visible to this process."""
     num_cpu_cores: int
     """Cores this process may run on (its CPU affinity)."""
+    cpu_matmul_ms: tuple[tuple[str, float], ...] = ()
+    """``(precision, ms)`` of a 512 x 512 matmul on one core (:mod:`dspark.bench.cpu_precision`);
+    measured by :meth:`detect` on a CPU-only machine, empty when unknown (presets keep their
+    precision)."""
 
     @classmethod
     def detect(cls) -> Machine:
-        """This machine.
+        """This machine (on CPU, with its matmul timings: about 0.2 s).
 
         Example::
 
-            Machine.detect()   # Machine(num_gpus=0, num_cpu_cores=2)
+            Machine.detect()   # Machine(num_gpus=0, num_cpu_cores=2, cpu_matmul_ms=(('fp32', 1.9), ...))
         """
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        return cls(num_gpus=torch.cuda.device_count() if torch.cuda.is_available() else 0,
-                   num_cpu_cores=cores or 1)
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        timings = () if gpus else tuple(cpu_matmul_ms().items())
+        return cls(num_gpus=gpus, num_cpu_cores=cores or 1, cpu_matmul_ms=timings)
 
     @property
     def device_kind(self) -> str:
@@ -163,6 +175,19 @@ def _peer_strategies() -> tuple[str, ...]:
     return _ALL_PEER_STRATEGIES
 
 
+def _default_precision(suite: str, workload: str, preset: str, machine: Machine) -> str:
+    """The preset's precision, except on a CPU that runs it slower than fp32 in ``quick`` and
+    ``peers`` (see :mod:`dspark.bench.cpu_precision`)."""
+    if suite not in _MACHINE_PRECISION_SUITES or machine.num_gpus:
+        return preset
+    choice = choose_cpu_precision(preset, dict(machine.cpu_matmul_ms))
+    if choice.precision != preset:
+        _log.warning("suite %r: %s in fp32, not its preset's %s: this CPU runs %s slower (%s); "
+                     "pass --precision %s to measure it anyway", suite, workload, preset, preset,
+                     choice.reason, preset)
+    return choice.precision
+
+
 def build_suite(name: str = "quick", overrides: SuiteOverrides | None = None, *,
                 machine: Machine | None = None) -> list[BenchConfig]:
     """The configurations of suite ``name`` on ``machine`` (default: this one), with
@@ -199,7 +224,8 @@ def build_suite(name: str = "quick", overrides: SuiteOverrides | None = None, *,
     configs = []
     for workload_name in workloads:
         workload = get_workload(workload_name)  # unknown names raise, listing the valid ones
-        precision = overrides.precision or workload.default_precision
+        precision = overrides.precision or _default_precision(name, workload_name,
+                                                              workload.default_precision, machine)
         global_batch = (workload.default_global_batch if overrides.global_batch is None
                         else overrides.global_batch)
         uneven = [n for n in devices if global_batch % n]

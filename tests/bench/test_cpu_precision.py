@@ -1,0 +1,27 @@
+"""The CPU precision rule: the preset's mixed precision only where this CPU computes it faster."""
+
+from __future__ import annotations
+
+import pytest
+
+from dspark.bench.cpu_precision import choose_cpu_precision
+
+
+def test_a_half_precision_this_cpu_runs_slower_falls_back_to_fp32() -> None:
+    choice = choose_cpu_precision("bf16", {"fp32": 1.9, "bf16": 3.1})
+    assert choice.precision == "fp32" and "bf16 matmul 3.10 ms vs fp32 1.90 ms" in choice.reason
+
+
+def test_a_faster_half_precision_is_kept() -> None:
+    assert choose_cpu_precision("bf16", {"fp32": 2.8, "bf16": 0.67}).precision == "bf16"
+    assert choose_cpu_precision("fp16", {"fp32": 2.8, "fp16": 103.0}).precision == "fp32"
+
+
+def test_without_timings_or_for_fp32_the_preset_stands() -> None:
+    assert choose_cpu_precision("bf16", {}).precision == "bf16"
+    assert choose_cpu_precision("fp32", {"fp32": 9.0, "bf16": 1.0}).precision == "fp32"
+
+
+def test_an_unknown_precision_is_refused() -> None:
+    with pytest.raises(ValueError, match="precision='int8' is not one of fp32, bf16, fp16"):
+        choose_cpu_precision("int8", {})
