@@ -47,9 +47,10 @@ _DEFAULT_STRATEGY = "replicate"
 # dspark.bench.runner), so a result has 3x the timed steps. On CPU only a launch's first step is slow
 # (first-touch pages, optimizer state, the engine's bucket order): 1.2x the others on both presets,
 # the second already within the spread of the rest, so one warm-up step is enough. The first round
-# runs 2 untimed probe steps instead. CPU steps take ~0.3-1 s and a launch costs ~3-5 s of
-# start-up (interpreter, torch, the launcher), so `quick` (12 launches) stays under 2 minutes.
-_CPU_STEPS = (1, 5)
+# runs 2 untimed probe steps instead. CPU steps take ~0.5-1 s and a launch costs ~3-5 s of
+# start-up (interpreter, torch, the launcher), so `quick` (12 launches, 12 timed steps per
+# configuration) stays under 2 minutes on a 2-core machine: 1 + 5 steps took 114-119 s here.
+_CPU_STEPS = (1, 4)
 # The seed table compares runs a few percent apart (a replicated batch on CPU costs each rank the
 # whole compute plus the all-reduce): a step more per launch narrows the medians.
 _CPU_SEED_STEPS = (1, 6)
