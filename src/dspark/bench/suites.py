@@ -176,16 +176,15 @@ def _peer_strategies() -> tuple[str, ...]:
     return _ALL_PEER_STRATEGIES
 
 
-def _default_precision(suite: str, workload: str, preset: str, machine: Machine) -> str:
+def _default_precision(suite: str, preset: str, machine: Machine,
+                       switched: dict[str, str]) -> str:
     """The preset's precision, except on a CPU that runs it slower than fp32 in ``quick`` and
-    ``peers`` (see :mod:`dspark.bench.cpu_precision`)."""
+    ``peers`` (see :mod:`dspark.bench.cpu_precision`); ``switched`` collects why, by preset."""
     if suite not in _MACHINE_PRECISION_SUITES or machine.num_gpus:
         return preset
     choice = choose_cpu_precision(preset, dict(machine.cpu_matmul_ms))
     if choice.precision != preset:
-        _log.warning("suite %r: %s in fp32, not its preset's %s: this CPU runs %s slower (%s); "
-                     "pass --precision %s to measure it anyway", suite, workload, preset, preset,
-                     choice.reason, preset)
+        switched[preset] = choice.reason
     return choice.precision
 
 
@@ -223,10 +222,14 @@ def build_suite(name: str = "quick", overrides: SuiteOverrides | None = None, *,
              "measure_steps": measure if overrides.measure_steps is None else overrides.measure_steps}
 
     configs = []
+    switched: dict[str, str] = {}  # preset precision -> why this CPU runs fp32 instead
+    in_fp32: dict[str, list[str]] = {}  # preset precision -> its workloads run in fp32
     for workload_name in workloads:
         workload = get_workload(workload_name)  # unknown names raise, listing the valid ones
-        precision = overrides.precision or _default_precision(name, workload_name,
-                                                              workload.default_precision, machine)
+        precision = overrides.precision or _default_precision(name, workload.default_precision,
+                                                              machine, switched)
+        if precision != workload.default_precision and not overrides.precision:
+            in_fp32.setdefault(workload.default_precision, []).append(workload_name)
         global_batch = (workload.default_global_batch if overrides.global_batch is None
                         else overrides.global_batch)
         uneven = [n for n in devices if global_batch % n]
@@ -245,4 +248,8 @@ def build_suite(name: str = "quick", overrides: SuiteOverrides | None = None, *,
                     configs.append(BenchConfig(num_devices=num_devices, batch_placement="replicate",
                                                **common))
                 configs.append(BenchConfig(num_devices=num_devices, batch_placement="shard", **common))
+    for preset, reason in switched.items():
+        _log.warning("suite %r: %s in fp32, not the presets' %s: this CPU runs %s slower (%s); pass "
+                     "--precision %s to measure it anyway", name, ", ".join(in_fp32[preset]), preset, preset,
+                     reason, preset)
     return configs
