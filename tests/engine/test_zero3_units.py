@@ -1,10 +1,18 @@
-"""zero3's default units (pure logic, no process group): every child of a ModuleList/Sequential,
-split further inside a unit only into pieces worth a collective of their own."""
+"""zero3's default units: every child of a ModuleList/Sequential, split further inside a unit only
+into pieces worth a collective of their own (pure logic); and a model whose default units both
+merge a small nested container and keep a large one trains on 2 ranks as one process does, with
+SGD (scale-sensitive) and AdamW."""
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
+import pytest
+import torch
 from torch import nn
 
+import dspark
 from dspark.engine.zero3_units import MIN_NESTED_UNIT_BYTES, unit_modules
 
 
@@ -15,6 +23,9 @@ class _Block(nn.Module):
         super().__init__()
         self.body = nn.Linear(width, width)
         self.shortcut = nn.Sequential(nn.Linear(width, width, bias=False), nn.LayerNorm(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.body(x)) + self.shortcut(x)
 
 
 def _names(model: nn.Module, policy=None) -> list[str]:
@@ -42,3 +53,63 @@ def test_top_level_blocks_are_units_however_small() -> None:
 def test_an_explicit_policy_is_taken_as_given() -> None:
     model = nn.Sequential(nn.Linear(4, 8), nn.Sequential(_Block(8), _Block(8)))
     assert _names(model, [nn.LayerNorm]) == ["", "1.0.shortcut.1", "1.1.shortcut.1"]
+
+
+OPTIMIZERS = {"sgd": functools.partial(torch.optim.SGD, lr=0.05),
+              "adamw": functools.partial(torch.optim.AdamW, lr=1e-3, weight_decay=0.1)}
+WIDE, NARROW = 512, 16
+STEPS = 3
+# float32 sums of halves over 2 ranks, a few steps; a factor of 2 on any gradient moves SGD's
+# parameters by ~1e-2 relative
+TOLERANCE = 2e-5
+
+
+def _mixed_model() -> nn.Module:
+    """Wide blocks (nested units of their own, 1 MiB Linears) beside narrow ones (merged)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(NARROW, WIDE),
+                         nn.Sequential(_Block(WIDE), _Block(WIDE)),
+                         nn.Linear(WIDE, NARROW),
+                         nn.Sequential(_Block(NARROW), _Block(NARROW)),
+                         nn.Linear(NARROW, 4))
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(8, NARROW, generator=g), torch.randint(0, 4, (8,), generator=g)
+
+
+def _reference(opt: str) -> dict[str, torch.Tensor]:
+    model = _mixed_model()
+    optimizer = OPTIMIZERS[opt](model.parameters())
+    for step in range(STEPS):
+        x, y = _batch(step)
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _zero3(opt: str) -> dict[str, Any]:
+    model = _mixed_model()
+    engine = dspark.Engine(model, optimizer=OPTIMIZERS[opt], strategy="zero3")
+    units = [unit.name for unit in engine._zero3.units] if engine._zero3 is not None else []
+    for step in range(STEPS):
+        x, y = dspark.distribute_batch(_batch(step), shard_dim=0)
+        engine.backward(nn.functional.cross_entropy(engine(x), y))
+        engine.step()
+    state = engine.full_state_dict()
+    engine.close()
+    return {"units": units, "state": state}
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adamw"])
+def test_default_units_that_merge_and_keep_nested_pieces_train_like_one_process(pool, opt: str) -> None:
+    want = _reference(opt)
+    for result in pool.run(_zero3, opt):
+        assert sorted(result["units"]) == ["", "0", "1", "1.0", "1.0.shortcut.0", "1.1",
+                                           "1.1.shortcut.0", "2", "3", "4"]
+        for key, value in want.items():
+            got = result["state"][key]
+            error = float((got.double() - value.double()).norm() / max(float(value.double().norm()), 1e-6))
+            assert error <= TOLERANCE, f"{key} under {opt}: relative error {error:.2e}"

@@ -28,6 +28,7 @@ per dtype, started in the same order on every rank (same graph, same hooks).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -117,12 +118,15 @@ def _is_unit(policy: UnitPolicy, name: str, module: nn.Module) -> bool:
     return isinstance(module, tuple(policy or ()))
 
 
-def _param_bytes(module: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in module.parameters())
+def _whole_bytes(param: nn.Parameter) -> int:
+    return param.numel() * param.element_size()
 
 
-def unit_modules(root: nn.Module, policy: UnitPolicy = None) -> list[tuple[str, nn.Module]]:
-    """``(name, module)`` of every unit, the root first (see [Note: units]).
+def unit_modules(root: nn.Module, policy: UnitPolicy = None, *,
+                 param_bytes: Callable[[nn.Parameter], int] = _whole_bytes,
+                 ) -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` of every unit, the root first (see [Note: units]). ``param_bytes`` gives a
+    parameter's whole size, for a model whose parameters are already sharded.
 
     Example::
 
@@ -139,7 +143,7 @@ def unit_modules(root: nn.Module, policy: UnitPolicy = None) -> list[tuple[str, 
         names = [name for name, _ in candidates]
         for name, module in candidates:
             nested = any(name.startswith(outer + ".") for outer in names)
-            if not nested or _param_bytes(module) >= MIN_NESTED_UNIT_BYTES:
+            if not nested or sum(map(param_bytes, module.parameters())) >= MIN_NESTED_UNIT_BYTES:
                 units.append((name, module))
     else:
         for name, module in root.named_modules():
@@ -172,7 +176,10 @@ class Zero3Scheduler:
     def __init__(self, root: nn.Module, slots: list[ParamSlot], *, policy: UnitPolicy = None,
                  in_backward: Callable[[], bool]) -> None:
         by_param = {id(s.param): s for s in slots}
-        modules = unit_modules(root, policy)
+        # the engine has sharded the parameters by now: sizes come from their slots
+        modules = unit_modules(root, policy, param_bytes=lambda p: (
+            math.prod(by_param[id(p)].shape) * p.element_size() if id(p) in by_param
+            else _whole_bytes(p)))
         unit_ids = {id(m) for _, m in modules}
         self.units: list[_Unit] = []
         for index, (name, module) in enumerate(modules):
