@@ -172,8 +172,7 @@ def launcher_argv(spec: LaunchSpec) -> list[str]:
                  "--rdzv-id", spec.rdzv_id]
     else:
         if spec.nnodes == 1:
-            addr = spec.master_addr or LOOPBACK_ADDR
-            port = spec.master_port if spec.master_port is not None else free_port()
+            addr, port = _single_node_master(spec)
         else:
             addr = str(spec.master_addr)
             port = spec.master_port if spec.master_port is not None else DEFAULT_MASTER_PORT
@@ -198,10 +197,15 @@ def launcher_command(spec: LaunchSpec) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", *launcher_argv(spec)]
 
 
+def _single_node_master(spec: LaunchSpec) -> tuple[str, int]:
+    """A single-node job's rendezvous: loopback and a free port unless the spec names them."""
+    addr = spec.master_addr or LOOPBACK_ADDR
+    return addr, spec.master_port if spec.master_port is not None else free_port(addr)
+
+
 def _one_rank_env(spec: LaunchSpec) -> dict[str, str]:
     """What torchrun sets for the only worker of a one-process job (``agent=False``)."""
-    addr = spec.master_addr or LOOPBACK_ADDR
-    port = spec.master_port if spec.master_port is not None else free_port(addr)
+    addr, port = _single_node_master(spec)
     return {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
             "GROUP_RANK": "0", "ROLE_RANK": "0", "ROLE_WORLD_SIZE": "1", "MASTER_ADDR": addr,
             "MASTER_PORT": str(port)}

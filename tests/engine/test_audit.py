@@ -122,4 +122,8 @@ def test_the_recorded_batch_keeps_no_autograd_graph_and_is_fingerprinted_when_re
     record = record_batch([x])
     assert record.nbytes == 4 * 3 * 4
     assert all(t.grad_fn is None and not t.requires_grad for t in record.leaves)
+    before = batch_fingerprint([x])
+    with torch.no_grad():
+        x.add_(1.0)  # the data changes after the forward: the record read nothing yet
+    assert not torch.equal(record.fingerprint(), before)
     assert torch.equal(record.fingerprint(), batch_fingerprint([x]))

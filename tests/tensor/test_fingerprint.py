@@ -59,3 +59,11 @@ def test_a_non_contiguous_tensor_is_fingerprinted_like_its_contiguous_copy() -> 
     a, b = batch_fingerprint(x), batch_fingerprint(x.contiguous())
     assert torch.equal(a[:2], b[:2]) and torch.equal(a[4:], b[4:])  # counts and sample exact
     torch.testing.assert_close(a[2:4], b[2:4], rtol=1e-12, atol=0)  # sums: another order
+
+
+def test_complex_tensors_are_fingerprinted_whole_and_sampled() -> None:
+    z = torch.randn(8, 3, dtype=torch.complex64)
+    for whole in (True, False):
+        a = batch_fingerprint(z, whole=whole)
+        assert torch.equal(a, batch_fingerprint(z.clone(), whole=whole))
+        assert not torch.equal(a, batch_fingerprint(z * 1j, whole=whole))

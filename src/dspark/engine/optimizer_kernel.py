@@ -44,8 +44,7 @@ def prefer_fused_kernel(optimizer: torch.optim.Optimizer) -> bool:
                     or param.device.type not in supported):
                 return False
     for group in optimizer.param_groups:
-        group["fused"] = True
-    optimizer.defaults["fused"] = True
+        group["fused"] = True  # not the defaults: a group added later is checked by nobody
     return True
 
 

@@ -28,7 +28,6 @@ per dtype, started in the same order on every rank (same graph, same hooks).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -43,11 +42,11 @@ from dspark.engine.param_slot import ParamSlot
 __all__ = ["UnitPolicy", "Zero3Scheduler", "unit_modules"]
 
 UnitPolicy = Sequence[type[nn.Module]] | Callable[[str, nn.Module], bool] | None
+"""Which modules are zero3 units besides the root: module classes, a ``(name, module) -> bool``
+predicate, or None for the default (children of ``nn.ModuleList`` / ``nn.Sequential``)."""
 MIN_NESTED_UNIT_BYTES = 1 << 20
 """The default units split a unit further (a container inside a block) only into pieces of at least
 this many parameter bytes; smaller ones stay with the unit around them (see [Note: units])."""
-"""Which modules are zero3 units besides the root: module classes, a ``(name, module) -> bool``
-predicate, or None for the default (children of ``nn.ModuleList`` / ``nn.Sequential``)."""
 
 
 class _Gather:
@@ -176,10 +175,9 @@ class Zero3Scheduler:
     def __init__(self, root: nn.Module, slots: list[ParamSlot], *, policy: UnitPolicy = None,
                  in_backward: Callable[[], bool]) -> None:
         by_param = {id(s.param): s for s in slots}
-        # the engine has sharded the parameters by now: sizes come from their slots
-        modules = unit_modules(root, policy, param_bytes=lambda p: (
-            math.prod(by_param[id(p)].shape) * p.element_size() if id(p) in by_param
-            else _whole_bytes(p)))
+        # the engine has sharded the parameters by now: their whole sizes come from their slots
+        modules = unit_modules(root, policy,
+                               param_bytes=lambda p: by_param[id(p)].numel * p.element_size())
         unit_ids = {id(m) for _, m in modules}
         self.units: list[_Unit] = []
         for index, (name, module) in enumerate(modules):
@@ -368,6 +366,7 @@ class Zero3Scheduler:
                 slot.free_full()
             self._holders[id(slot)] = 0
         self._grad_done.clear()
+        self._installed.clear()  # every storage it named is freed now
 
     def gather_slots(self, slots: Iterable[ParamSlot]) -> None:
         self._gather(slots)

@@ -50,28 +50,26 @@ def _sample(t: torch.Tensor) -> torch.Tensor:
     tensor, which ``reshape(-1)`` would make."""
     stride = max(1, t.numel() // _SAMPLE_POSITIONS)
     positions = torch.arange(0, t.numel(), stride, device=t.device)[:_SAMPLE_POSITIONS]
-    sample = torch.take(t, positions)
-    if sample.is_complex():
-        sample = torch.view_as_real(sample).reshape(-1)
-    return sample.double()
+    return torch.take(t, positions).double()
 
 
 def _leaf_stats(t: torch.Tensor, *, whole: bool) -> torch.Tensor:
     """``[sum, sum of squares, weighted sample sum, sample max]`` of one tensor, in float64; with
     ``whole=False`` the sum and the squares are the sample's too (no pass over the data)."""
     t = t.detach()
+    if t.is_complex():
+        t = torch.view_as_real(t)  # a view: real and imaginary parts as the last dimension
     if t.dtype == torch.bool:
         t = t.to(torch.uint8)
     sample = _sample(t)
-    if whole:
-        total = t.sum(dtype=torch.float64) if not t.is_complex() else torch.view_as_real(t).sum(
-            dtype=torch.float64)
-        if t.is_floating_point() or t.is_complex():  # accumulated in float64, no float64 copy
+    if not whole:
+        total, squares = sample.sum(), sample.square().sum()
+    else:
+        total = t.sum(dtype=torch.float64)
+        if t.is_floating_point():  # accumulated in float64 by the kernel, no float64 copy
             squares = torch.linalg.vector_norm(t, dtype=torch.float64).square()
         else:  # integer data (token ids): the sample's squares
             squares = sample.square().sum()
-    else:
-        total, squares = sample.sum(), sample.square().sum()
     weights = torch.arange(1, sample.numel() + 1, dtype=torch.float64, device=sample.device)
     return torch.stack([total, squares, (sample * weights.reciprocal().sqrt()).sum(),
                         sample.abs().max() if sample.numel() else total])
