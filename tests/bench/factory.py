@@ -76,7 +76,7 @@ def make_measurement(**overrides: Any) -> Measurement:
              "steal_s": 0.0, "machine_busy_s": 0.72, "threads": 4, "threads_pinned": 4}
             for r in range(2)],
         "tensor_peak_bytes_by_rank": [90 * MB, 91 * MB], "rss_peak_bytes_by_rank": [400 * MB, 410 * MB],
-        "rss_scope": "training steps",
+        "rss_scope": "timed steps",
         "state_held_by_rank": [{"params": 15 * MB, "grads": 15 * MB, "optimizer": 30 * MB,
                                 "buffers": 1000}] * 2,
         "state_expected_by_rank": [{"params": 15 * MB, "grads": 15 * MB, "optimizer": 30 * MB}] * 2,

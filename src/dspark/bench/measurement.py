@@ -80,7 +80,8 @@ class Measurement(Recorded):
     tensor_peak_bytes_by_rank: list[int] = field(default_factory=list)
     rss_peak_bytes_by_rank: list[int] = field(default_factory=list)
     rss_scope: str = ""
-    """What the RSS peak spans: ``"training steps"`` or ``"process lifetime"``."""
+    """What the RSS peak spans: ``"timed steps"`` (``"training steps"`` in older results) or
+    ``"process lifetime"``."""
     state_held_by_rank: list[dict[str, int]] = field(default_factory=list)
     """Per rank: bytes held for params, grads, optimizer, buffers (between backward and step)."""
     state_expected_by_rank: list[dict[str, int]] = field(default_factory=list)

@@ -49,10 +49,11 @@ _DEFAULT_STRATEGY = "replicate"
 # the second already within the spread of the rest, so one warm-up step is enough. The first round
 # runs 2 untimed probe steps instead. CPU steps take ~0.5-1 s and a launch costs ~3-5 s of
 # start-up (interpreter, torch, the launcher), so `quick` (12 launches, 12 timed steps per
-# configuration) stays under 2 minutes on a 2-core machine: 1 + 5 steps took 114-119 s here.
+# configuration) stays under 2 minutes on a 2-core machine (1 + 5 steps took 114-119 s here; one
+# timed step less saves ~9 s).
 _CPU_STEPS = (1, 4)
 # The seed table compares runs a few percent apart (a replicated batch on CPU costs each rank the
-# whole compute plus the all-reduce): a step more per launch narrows the medians.
+# whole compute plus the all-reduce): two steps more per launch narrow the medians.
 _CPU_SEED_STEPS = (1, 6)
 _GPU_STEPS = (5, 20)
 # suites whose precision follows this CPU's speed (the seed suite keeps the presets': the article's)
@@ -77,8 +78,9 @@ class Machine:
     precision)."""
 
     @classmethod
-    def detect(cls) -> Machine:
-        """This machine (on CPU, with its matmul timings: about 0.2 s).
+    def detect(cls, *, time_matmuls: bool = True) -> Machine:
+        """This machine; on CPU with ``time_matmuls``, also its fp32 and bf16 matmul timings (the
+        CPU presets' precision; about 0.1 s).
 
         Example::
 
@@ -86,7 +88,7 @@ class Machine:
         """
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        timings = () if gpus else tuple(cpu_matmul_ms().items())
+        timings = () if gpus or not time_matmuls else tuple(cpu_matmul_ms(("fp32", "bf16")).items())
         return cls(num_gpus=gpus, num_cpu_cores=cores or 1, cpu_matmul_ms=timings)
 
     @property
@@ -203,7 +205,8 @@ def build_suite(name: str = "quick", overrides: SuiteOverrides | None = None, *,
     if name not in SUITES:
         raise ValueError(f"suite={name!r} is not one of {', '.join(SUITES)}")
     overrides = overrides or SuiteOverrides()
-    machine = machine or Machine.detect()
+    machine = machine or Machine.detect(
+        time_matmuls=name in _MACHINE_PRECISION_SUITES and overrides.precision is None)
     workloads, devices, strategies = _suite_defaults(name, machine)
     workloads = overrides.workloads or workloads
     devices = tuple(sorted(set(overrides.devices or devices)))

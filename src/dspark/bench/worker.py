@@ -306,7 +306,7 @@ def run_config(config: BenchConfig, *, round_index: int = 0, probe: bool = True,
             trainer.step(trainer.batch(step))
             step += 1
         if probe:
-            rss_scope = "training steps" if reset_peak_rss() else "process lifetime"
+            rss_scope = "timed steps" if reset_peak_rss() else "process lifetime"
         comm.reset_stats()
         phases: dict[str, list[float]] | None = {} if profile else None
         mine["step_ms"], load = _timed_steps(trainer, step, config.measure_steps, core=core,
