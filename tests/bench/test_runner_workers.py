@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import platform
+
 import pytest
 
+from dspark.bench.measurement import Measurement
 from dspark.bench.result import BenchConfig
 from dspark.bench.runner import RunFailure, run_in_workers
 
@@ -16,3 +19,23 @@ def test_failing_workers_give_their_stderr_tail() -> None:
     assert outcome.exit_code != 0
     assert "unknown workload 'no-such-model'" in outcome.stderr_tail
     assert "USDT" not in outcome.stderr_tail
+
+
+@pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
+                    reason="glibc's malloc on Linux only")
+def test_pytorch_peers_keep_glibc_malloc_and_dspark_sets_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DDP runs as its users run it; DSpark's engine with dspark.init()'s malloc thresholds; and
+    DSPARK_CPU_MALLOC set by the caller reaches the peer too."""
+    monkeypatch.delenv("DSPARK_CPU_MALLOC", raising=False)
+
+    def malloc_of(strategy: str) -> str:
+        outcome = run_in_workers(BenchConfig(workload="gpt2-cpu", num_devices=1, strategy=strategy,
+                                             precision="fp32", global_batch=2, warmup_steps=0,
+                                             measure_steps=1), probe=False)
+        assert isinstance(outcome, Measurement), outcome
+        return outcome.cpu_malloc
+
+    assert malloc_of("torch-ddp") == "default (DSPARK_CPU_MALLOC=default)"
+    assert malloc_of("replicate") == "dspark"
+    monkeypatch.setenv("DSPARK_CPU_MALLOC", "tuned")
+    assert malloc_of("torch-ddp") == "dspark"

@@ -198,6 +198,10 @@ class BenchResult(Recorded):
     optimizer_kernel: str = ""
     """The kernel the optimizer stepped with: ``fused``, ``foreach`` or ``for-loop`` (DSpark's
     engine turns on the fused one; see dspark.engine.optimizer_kernel); "" when not recorded."""
+    cpu_malloc: str = ""
+    """How the workers' malloc was set on a CPU device (:mod:`dspark.cpu_malloc`): ``dspark``, or
+    ``default (<why>)`` (PyTorch's peers run with glibc's own, as their users do); "" when not
+    recorded."""
     hosts_by_rank: list[str] = field(default_factory=list)
     """Each rank's host name ([] for measurements from before it was recorded)."""
     # inside a step (``dspark bench --profile``; see dspark.bench.breakdown)

@@ -9,7 +9,9 @@ purpose). Rank 0 writes one :class:`~dspark.bench.measurement.Measurement` as JS
 A launch, in order:
 
 1. pin every thread to the rank's core (before ``dspark.init()``, and again once the engine exists;
-   see [Note: pinning every thread] in :mod:`dspark.bench.cpu_load`);
+   see [Note: pinning every thread] in :mod:`dspark.bench.cpu_load`); DDP's and FSDP2's ranks keep
+   glibc's own malloc thresholds, as their users have them, unless ``DSPARK_CPU_MALLOC`` is set
+   (DSpark's engine sets its own, see :mod:`dspark.cpu_malloc`; recorded as ``cpu_malloc``);
 2. with ``--trace DIR``: the engine's own trace (``Engine(trace_dir=DIR)``) of
    :data:`TRACE_STEPS` untimed steps, first, so that the profiler is gone before anything is
    measured (DSpark's engine only: a peer, PyTorch's or DeepSpeed's, has no trace option);
@@ -49,7 +51,7 @@ from typing import Any
 import torch
 
 import dspark
-from dspark import comm
+from dspark import comm, cpu_malloc
 from dspark.bench.batch_probe import BatchInspection, inspect_batches
 from dspark.bench.cpu_load import (
     RankLoad,
@@ -61,7 +63,7 @@ from dspark.bench.cpu_load import (
 )
 from dspark.bench.measurement import Measurement
 from dspark.bench.memory import measure_peak_bytes, peak_rss_bytes, reset_peak_rss
-from dspark.bench.peers import PEERS, buffer_sync, dspark_engine_options, make_engine
+from dspark.bench.peers import PEERS, TORCH_PEERS, buffer_sync, dspark_engine_options, make_engine
 from dspark.bench.provenance import collect_provenance
 from dspark.bench.result import BenchConfig
 from dspark.bench.state_bytes import expected_model_state, held_model_state, param_specs
@@ -349,6 +351,7 @@ def run_config(config: BenchConfig, *, round_index: int = 0, probe: bool = True,
         estimated_comm_wire_bytes_per_step=estimated[1] if estimated else None,
         bus_bytes_per_s=bus_rate, buffer_sync=buffer_sync(config.strategy),
         engine_options=options, optimizer_kernel=optimizer_kernel,
+        cpu_malloc=malloc.describe() if (malloc := cpu_malloc.current()) is not None else "",
         hosts_by_rank=[e["host"] for e in everyone], profiled=profile,
         phase_ms_by_rank=([e["phases"] for e in everyone]
                           if profile and all(e["phases"] for e in everyone) else []),
@@ -401,6 +404,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     args = _parse(argv)
     config = BenchConfig(**json.loads(args.config))
+    if config.strategy in TORCH_PEERS:
+        # DDP and FSDP2 run as their users run them, on glibc's own malloc thresholds, unless the
+        # caller chose (DSPARK_CPU_MALLOC=tuned gives them DSpark's too): see dspark.cpu_malloc. The
+        # DeepSpeed peers get DSpark's, as they get its optimizer kernel: their ratio compares engines.
+        os.environ.setdefault(cpu_malloc.ENV_VAR, "default")
+    if not torch.cuda.is_available():
+        cpu_malloc.tune_for_training()  # what DSpark's engine would do first, for every strategy
     core = _core_from_launcher_env()
     if core is not None:
         pin_all_threads(core)

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from dspark import comm
+from dspark import comm, cpu_malloc
 from dspark.engine.agreement import agree
 from dspark.engine.audit import BatchRecord, audit_rows, record_batch
 from dspark.engine.batch_check import DEFAULT_BATCH_CHECK_EVERY, BatchCheck
@@ -98,7 +98,9 @@ class Engine:
     ``trace_dir`` writes a PyTorch profiler trace per rank (``trace_dir/rank{R}.json``) of
     ``trace_steps=(warmup, active)`` steps, with the engine's phases and collectives named
     (:mod:`dspark.engine.trace`). ``step_stats()`` and ``audit()`` tell where
-    the last step's time and this rank's memory went.
+    the last step's time and this rank's memory went. On a CPU device the engine fixes glibc's malloc
+    thresholds for the process, so that each step reuses the memory the last one freed instead of
+    page-faulting it in again (:mod:`dspark.cpu_malloc`; ``DSPARK_CPU_MALLOC=default`` opts out).
     """
 
     def __init__(
@@ -127,6 +129,8 @@ class Engine:
         self.strategy = sharding_policy(strategy)
         self.precision = precision_policy(precision)
         self.world = comm.get_world()
+        if self.world.device.type == "cpu":
+            cpu_malloc.tune_for_training()  # before the first step allocates: see dspark.cpu_malloc
         self.grad_accum_steps = grad_accum_steps
         self.clip_grad_norm = None if clip_grad_norm is None else float(clip_grad_norm)
         self.bucket_mb = float(bucket_mb)

@@ -1,0 +1,110 @@
+"""dspark.cpu_malloc: when DSpark's engine sets glibc's malloc thresholds, and that a step's tensors
+then come from the heap (kept between steps) instead of fresh mappings."""
+
+from __future__ import annotations
+
+import json
+import platform
+import subprocess
+import sys
+
+import pytest
+
+from dspark import cpu_malloc
+
+glibc_linux = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
+                                 reason="glibc's malloc on Linux only")
+
+
+@pytest.mark.parametrize(("env", "reason"), [
+    ({"DSPARK_CPU_MALLOC": "default"}, "DSPARK_CPU_MALLOC=default"),
+    ({"DSPARK_CPU_MALLOC": " Default "}, "DSPARK_CPU_MALLOC=default"),
+    ({"DSPARK_CPU_MALLOC": "heap", "LD_PRELOAD": "libmimalloc.so"}, "mimalloc preloaded"),
+    ({"LD_PRELOAD": "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"}, "jemalloc preloaded"),
+    ({"LD_PRELOAD": "libtcmalloc_minimal.so.4"}, "tcmalloc preloaded"),
+    ({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=0"}, "GLIBC_TUNABLES sets malloc"),
+    ({"MALLOC_TRIM_THRESHOLD_": "0"}, "MALLOC_TRIM_THRESHOLD_ is set"),
+    ({"MALLOC_MMAP_THRESHOLD_": "65536"}, "MALLOC_MMAP_THRESHOLD_ is set"),
+])
+@glibc_linux
+def test_the_user_s_own_malloc_setting_is_left_alone(env: dict[str, str], reason: str) -> None:
+    assert cpu_malloc._reason_to_leave(env) == reason
+
+
+@glibc_linux
+def test_nothing_set_means_dspark_sets_it() -> None:
+    assert cpu_malloc._reason_to_leave({}) is None
+    assert cpu_malloc._reason_to_leave({"DSPARK_CPU_MALLOC": "tuned",
+                                        "GLIBC_TUNABLES": "glibc.cpu.hwcaps=-AVX512F"}) is None
+
+
+def test_an_unknown_choice_names_the_valid_ones() -> None:
+    with pytest.raises(ValueError, match=r"DSPARK_CPU_MALLOC='fast'.*tuned, heap, default"):
+        cpu_malloc.tune_for_training({"DSPARK_CPU_MALLOC": "fast"})
+
+
+def test_describe() -> None:
+    assert cpu_malloc.CpuMalloc("tuned").describe() == "dspark"
+    assert cpu_malloc.CpuMalloc("heap").describe() == "dspark heap"
+    assert cpu_malloc.CpuMalloc("default", "not glibc").describe() == "default (not glibc)"
+    assert not cpu_malloc.CpuMalloc("default", "not glibc").tuned
+
+
+_PROBE = """
+import functools, json, torch
+import dspark
+from dspark import cpu_malloc
+
+def heap():
+    for line in open("/proc/self/maps"):
+        if line.rstrip().endswith("[heap]"):
+            return tuple(int(x, 16) for x in line.split()[0].split("-"))
+    return (0, 0)
+
+world = dspark.init()
+assert cpu_malloc.current() is None  # init alone leaves malloc as it is: the engine sets it
+engine = dspark.Engine(torch.nn.Linear(4, 4), optimizer=functools.partial(torch.optim.SGD, lr=0.1))
+in_heap = {}
+for mib in (16, 64):  # below and above glibc's largest moving mmap threshold (32 MiB)
+    t = torch.empty(mib * 2**18)  # float32: mib MiB
+    lo, hi = heap()
+    in_heap[mib] = lo <= t.data_ptr() < hi
+    del t
+print(json.dumps({"state": cpu_malloc.current().describe(), "in_heap": in_heap}))
+"""
+
+
+def _probe(env_value: str | None) -> dict[str, object]:
+    import os
+
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("DSPARK_CPU_MALLOC", "GLIBC_TUNABLES", "LD_PRELOAD", "MALLOC_TRIM_THRESHOLD_",
+                        "MALLOC_MMAP_THRESHOLD_") and not k.startswith(("RANK", "WORLD_SIZE"))}
+    if env_value is not None:
+        env["DSPARK_CPU_MALLOC"] = env_value
+    done = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True,
+                          timeout=120, check=True)
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+@glibc_linux
+def test_the_engine_serves_a_step_s_tensors_from_the_heap() -> None:
+    """A fresh process's first 16 MiB tensor: glibc maps it on its own (its threshold starts at
+    128 KiB and only moves once a mapping is freed); once an Engine exists it comes from the heap,
+    where a later step reuses it without page faults. 64 MiB stays a mapping unless ``heap``."""
+    assert _probe(None) == {"state": "dspark", "in_heap": {"16": True, "64": False}}
+    assert _probe("heap") == {"state": "dspark heap", "in_heap": {"16": True, "64": True}}
+    assert _probe("default") == {"state": "default (DSPARK_CPU_MALLOC=default)",
+                                 "in_heap": {"16": False, "64": False}}
+
+
+def test_the_engine_refuses_an_unknown_choice(single_process: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    import functools
+
+    import torch
+
+    import dspark
+
+    monkeypatch.setenv("DSPARK_CPU_MALLOC", "off")
+    with pytest.raises(ValueError, match="DSPARK_CPU_MALLOC='off'"):
+        dspark.Engine(torch.nn.Linear(2, 2), optimizer=functools.partial(torch.optim.SGD, lr=0.1))
