@@ -20,7 +20,8 @@ from tests.engine.test_memory_report import _by_hand
 ROW_KEYS = {"name", "kind", "placement", "bytes", "expected_bytes", "factor"}
 
 
-def _audited(strategy: str, *, shard_dim: Any = 0, gather: str | None = None) -> dict[str, Any]:
+def _audited(strategy: str, *, shard_dim: Any = 0, gather: str | None = None,
+             mid_window: bool = False) -> dict[str, Any]:
     # the batch check would refuse the replicated batch at once; the audit is what is under test
     engine = dspark.Engine(tm.make("mlp"), optimizer=functools.partial(torch.optim.AdamW, lr=1e-2),
                            strategy=strategy, bucket_mb=1e-4, batch_check_every=None)
@@ -31,6 +32,9 @@ def _audited(strategy: str, *, shard_dim: Any = 0, gather: str | None = None) ->
     if gather is not None:  # a zero3 parameter left whole on purpose, as a bug would leave it
         slot = next(s for s in engine.slots if s.name == gather)
         engine._zero3.gather_slots([slot])
+    if mid_window:  # between backward and step: the reduced gradients are held
+        x, y = dspark.distribute_batch(tm.batch("mlp", 8, 2), shard_dim=shard_dim)
+        engine.backward(tm.loss_fn("mlp", engine(x), y))
     rows = engine.audit()
     out = {"rows": rows, "text": format_audit(rows)}
     engine.close()
@@ -41,15 +45,18 @@ def _total(rows: list[dict[str, Any]], kind: str) -> int:
     return sum(r["bytes"] for r in rows if r["kind"] == kind)
 
 
+@pytest.mark.parametrize("mid_window", [False, True], ids=["between steps", "after backward"])
 @pytest.mark.parametrize("strategy", ["replicate", "zero1", "zero2", "zero3"])
-def test_a_healthy_run_holds_nothing_above_its_share(pool, strategy: str) -> None:
-    for rank, result in enumerate(pool.run(_audited, strategy)):
+def test_a_healthy_run_holds_nothing_above_its_share(pool, strategy: str, mid_window: bool) -> None:
+    for rank, result in enumerate(pool.run(_audited, strategy, mid_window=mid_window)):
         rows = result["rows"]
         assert all(set(r) == ROW_KEYS and r["kind"] in AUDIT_KINDS for r in rows)
         assert {r["kind"] for r in rows} == set(AUDIT_KINDS)
         assert above_share(rows) == [], rows
         assert result["text"].startswith("nothing above its share"), result["text"]
         want = _by_hand(strategy, rank)  # the ZeRO formulas, written out in test_memory_report
+        if not mid_window:
+            want["grads"] = 0  # a rank frees its reduced gradients after the step
         assert {"params": _total(rows, "param"), "grads": _total(rows, "grad"),
                 "optimizer": _total(rows, "optimizer")} == want, rows
         # every parameter appears once, by its name in the model

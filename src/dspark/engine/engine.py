@@ -517,8 +517,9 @@ class Engine:
     def _gather_updated_rows(self) -> None:
         """zero1/zero2: every rank updated its rows; all-gather them into the full parameters, one
         collective per bucket (one dtype each). At most two buckets are in flight, in two pairs of
-        persistent buffers per dtype, so the gather costs about two buckets of memory, not a second
-        copy of the model, and allocates nothing after the first step."""
+        buffers per dtype, so the gather costs about two buckets of memory, not a second copy of the
+        model; the buffers are freed once the last bucket landed (as the reducer's pool: see
+        [Note: gradients live in buckets])."""
         if self._reducer is None:
             return
         n, device = self.world.world_size, self.world.device
@@ -541,6 +542,7 @@ class Engine:
                 out, send[:seg], async_op=True, label=f"dspark.bucket{bucket.index}.all_gather")))
         while inflight:
             self._land_updated_rows(*inflight.popleft())
+        self._row_buffers.clear()
 
     def _row_gather_buffers(self, dtype: torch.dtype, k: int, seg: int,
                             device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -2,13 +2,21 @@
 reduces many of them, launched from autograd hooks as soon as every gradient of the bucket is ready.
 
 [Note: gradients live in buckets] Under replicate and zero1 every rank keeps whole gradients, so each
-bucket owns one persistent flat buffer and each parameter's ``.grad`` *is* a view into it (with the
-parameter's strides, see [Note: memory layout]): the all-reduce runs in place, with no copy in or out
-and no second copy of the gradients. Under zero2 and zero3 a rank keeps only its shard of each
-gradient: the bucket owns a persistent flat *shard* buffer (``1/N`` of the gradients), and the whole
+bucket owns one flat buffer and each parameter's ``.grad`` *is* a view into it (with the parameter's
+strides, see [Note: memory layout]): the all-reduce runs in place, with no copy in or out and no
+second copy of the gradients. The buffer exists from the window's first gradient to the optimizer
+step, like gradients under ``zero_grad(set_to_none=True)`` in one process: between steps a rank
+holds no gradient, so the next forward's activation peak does not include them (DDP keeps its
+buckets, a second copy of the gradients, for the whole run). Under zero2 and zero3 a rank keeps only its shard of each
+gradient: the bucket owns a flat *shard* buffer (``1/N`` of the gradients) from its launch until
+the optimizer step has used it (none between steps, as ``zero_grad(set_to_none=True)`` in one
+process: at the next step's activation peak a sharded rank holds no gradient), and the whole
 gradients are copied into a pooled send buffer when the bucket launches and freed at once; pooled
 buffers are reused by later buckets once their collective has landed, so sending costs about two
-buckets of memory, not a copy of the model's gradients.
+buckets of memory, not a copy of the model's gradients, and the pool is emptied when the reduction
+ends: a bucket as large as GPT-2's 154 MB embedding gradient would otherwise stay allocated through
+the next step's activation peak. (On CPU the engine's malloc setting keeps buffers up to 32 MiB in
+the heap, so allocating them again each step costs no page faults: see :mod:`dspark.cpu_malloc`.)
 
 [Note: send layout] A sharded bucket sends an ``(N, seg)`` buffer: row ``r`` holds chunk ``r`` (padded)
 of every parameter in turn, so a reduce-scatter hands rank ``r`` exactly its rows. Where the backend's
@@ -59,8 +67,12 @@ class BufferPool:
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
     def release(self) -> None:
-        """Forget the owners (after every bucket collected): nothing is in flight any more."""
+        """Free the buffers (after every bucket collected: nothing is in flight any more). They live
+        only while one backward's reduction runs, so they are not part of the next forward's and
+        backward's peak (see [Note: gradients live in buckets])."""
         self._owners.clear()
+        self._buffers.clear()
+        self._turn.clear()
 
 
 class GradBucket:
@@ -90,31 +102,53 @@ class GradBucket:
         self._handle: comm.Handle | None = None
         self._wire: torch.Tensor | None = None  # the pooled buffer the collective writes, if any
         self._collected = True
+        # This window's storage (see [Note: gradients live in buckets]): allocated when the first
+        # gradient arrives (whole) or the bucket launches (shards), freed after the optimizer step.
+        self.shard_buffer: torch.Tensor | None = None  # sharded: the reduced shards
+        self.grad_buffer: torch.Tensor | None = None  # replicate/zero1: the whole gradients
         if sharded:
             self.offsets = _offsets([s.shard_numel for s in self.slots])
             self.seg = sum(s.shard_numel for s in self.slots)
-            self.shard_buffer = torch.zeros(self.seg, dtype=self.dtype, device=device)
-            self.grad_buffer = None
         else:
             self.offsets = _offsets([s.numel for s in self.slots])
-            self.grad_buffer = torch.zeros(sum(s.numel for s in self.slots), dtype=self.dtype,
-                                           device=device)
-            for slot, offset in zip(self.slots, self.offsets, strict=True):
-                slot.grad_view = slot.view_full(self.grad_buffer[offset: offset + slot.numel])
 
     @property
     def numel(self) -> int:
         return sum(s.numel for s in self.slots)
 
-    def persistent_bytes(self) -> int:
-        buf = self.shard_buffer if self.sharded else self.grad_buffer
-        return 0 if buf is None else buf.numel() * buf.element_size()
+    def _shards(self) -> torch.Tensor:
+        """zero2/zero3: this window's flat shard buffer (allocated when the bucket launches)."""
+        if self.shard_buffer is None:
+            self.shard_buffer = torch.empty(self.seg, dtype=self.dtype, device=self.device)
+        return self.shard_buffer
+
+    def _whole(self) -> torch.Tensor:
+        """replicate/zero1: this window's flat gradient buffer, each slot's ``grad_view`` a view into
+        it (allocated when the first gradient arrives; every slot is written before it is read: by
+        its first gradient, or zeroed at launch when this rank has none)."""
+        if self.grad_buffer is None:
+            self.grad_buffer = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+            for slot, offset in zip(self.slots, self.offsets, strict=True):
+                slot.grad_view = slot.view_full(self.grad_buffer[offset: offset + slot.numel])
+        return self.grad_buffer
+
+    def free_window(self) -> None:
+        """After the optimizer step: free this window's gradients. A rank keeps no gradient between
+        steps (as ``zero_grad(set_to_none=True)`` in one process), so they are not part of the next
+        forward's activation peak."""
+        self.shard_buffer = None
+        self.grad_buffer = None
+        if not self.sharded:
+            for slot in self.slots:
+                slot.grad_view = None
 
     # -- during backward -------------------------------------------------------------------------
     def absorb(self, slot: ParamSlot) -> None:
         """replicate/zero1: make ``slot``'s gradient live in this bucket. A gradient autograd created
         afresh (the parameter had ``grad=None``) is copied in once; later accumulations then land in
         the bucket in place."""
+        if slot.grad_view is None:
+            self._whole()
         grad, view = slot.param.grad, slot.grad_view
         if grad is None or view is None or grad.data_ptr() == view.data_ptr():
             return
@@ -131,9 +165,7 @@ class GradBucket:
         if self.sharded:
             self._launch_sharded(send_pool, out_pool, pre_scale)
             return
-        grads = self.grad_buffer
-        if grads is None:
-            raise AssertionError(f"bucket {self.index}: no gradient buffer")
+        grads = self._whole()
         for slot in self.slots:
             if not slot.used and slot.grad_view is not None:
                 slot.grad_view.zero_()  # stale values of an earlier step: this rank adds nothing
@@ -163,7 +195,7 @@ class GradBucket:
         if pre_scale != 1.0:
             send.mul_(pre_scale)
         if self.collective == "reduce_scatter":
-            out = (self.shard_buffer if self.wire_dtype == self.dtype else
+            out = (self._shards() if self.wire_dtype == self.dtype else
                    out_pool.take(self, self.wire_dtype, self.seg, self.device))
             self._wire = out
             self._handle = comm.reduce_scatter_tensor(out, send, async_op=True, label=self.label)
@@ -181,10 +213,11 @@ class GradBucket:
         self._handle.wait()
         wire = self._wire
         if self.sharded:
+            shards = self._shards()
             if self.collective == "all_reduce":
-                self.shard_buffer.copy_(wire.view(self.num_ranks, self.seg)[self.rank])
-            elif wire is not self.shard_buffer:
-                self.shard_buffer.copy_(wire)
+                shards.copy_(wire.view(self.num_ranks, self.seg)[self.rank])
+            elif wire is not shards:
+                shards.copy_(wire)
         elif self.grad_buffer is not None and wire is not self.grad_buffer:
             self.grad_buffer.copy_(wire)
         self._handle = None
@@ -196,10 +229,11 @@ class GradBucket:
         no rank produced a gradient for keeps ``grad=None``, as in single-process PyTorch."""
         self.collect()
         if self.sharded:
+            shards = self._shards()
             if post_scale != 1.0:
-                self.shard_buffer.mul_(post_scale)
+                shards.mul_(post_scale)
             for slot, offset, used in zip(self.slots, self.offsets, used_anywhere, strict=True):
-                slot.shard_grad = self.shard_buffer[offset: offset + slot.shard_numel] if used else None
+                slot.shard_grad = shards[offset: offset + slot.shard_numel] if used else None
         else:
             if post_scale != 1.0 and self.grad_buffer is not None:
                 self.grad_buffer.mul_(post_scale)
@@ -211,8 +245,9 @@ class GradBucket:
         """A bucket of gradients that arrived late (after their first bucket left): add its reduced
         shards into the slots' shard gradients."""
         self.collect()
+        shards = self._shards()
         for slot, offset in zip(self.slots, self.offsets, strict=True):
-            late = self.shard_buffer[offset: offset + slot.shard_numel]
+            late = shards[offset: offset + slot.shard_numel]
             if slot.shard_grad is None:
                 slot.shard_grad = late.mul(post_scale)
             else:

@@ -244,6 +244,7 @@ class GradReducer:
         """After the optimizer step (or a failure): forget this window's gradients and any bucket state."""
         for bucket in (*self.buckets, *([self._late_bucket] if self._late_bucket else [])):
             bucket.abandon()  # a no-op wait after a completed window; after a failed one, it matters
+            bucket.free_window()
         self._send_pool.release()
         self._out_pool.release()
         self._next = 0
