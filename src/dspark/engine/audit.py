@@ -5,9 +5,10 @@ half, and nothing said so. ``engine.audit()`` lists, on this rank, one row per
 
 * parameter (``kind="param"``): its zero3 shard, plus the whole parameter while it is gathered; or the
   whole parameter under the other strategies;
-* gradient storage (``"grad"``): each bucket's buffer as held after the last backward (whole
-  gradients under replicate/zero1, the padded shard under zero2/zero3), and any gradient held outside
-  the buckets (one process: every parameter's gradient);
+* gradient storage (``"grad"``): each bucket's buffer as held now (whole gradients under
+  replicate/zero1, the padded shard under zero2/zero3, between a window's first gradient and its
+  optimizer step; none after ``engine.step()``, which frees them), and any gradient held outside the
+  buckets (one process: every parameter's gradient);
 * optimizer state (``"optimizer"``): the state tensors of each parameter (its rows under zero1-3);
 * the last input batch (``"batch"``): the tensors of the last training forward's arguments.
 

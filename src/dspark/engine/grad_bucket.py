@@ -7,11 +7,9 @@ strides, see [Note: memory layout]): the all-reduce runs in place, with no copy 
 second copy of the gradients. The buffer exists from the window's first gradient to the optimizer
 step, like gradients under ``zero_grad(set_to_none=True)`` in one process: between steps a rank
 holds no gradient, so the next forward's activation peak does not include them (DDP keeps its
-buckets, a second copy of the gradients, for the whole run). Under zero2 and zero3 a rank keeps only its shard of each
-gradient: the bucket owns a flat *shard* buffer (``1/N`` of the gradients) from its launch until
-the optimizer step has used it (none between steps, as ``zero_grad(set_to_none=True)`` in one
-process: at the next step's activation peak a sharded rank holds no gradient), and the whole
-gradients are copied into a pooled send buffer when the bucket launches and freed at once; pooled
+buckets, a second copy of the gradients, for the whole run). Under zero2 and zero3 a rank keeps
+only its shard of each gradient: the bucket owns a flat *shard* buffer (``1/N`` of the
+gradients), likewise from its launch to the optimizer step, and the whole gradients are copied into a pooled send buffer when the bucket launches and freed at once; pooled
 buffers are reused by later buckets once their collective has landed, so sending costs about two
 buckets of memory, not a copy of the model's gradients, and the pool is emptied when the reduction
 ends: a bucket as large as GPT-2's 154 MB embedding gradient would otherwise stay allocated through
