@@ -47,7 +47,6 @@ def test_describe() -> None:
     assert cpu_malloc.CpuMalloc("tuned").describe() == "dspark"
     assert cpu_malloc.CpuMalloc("heap").describe() == "dspark heap"
     assert cpu_malloc.CpuMalloc("default", "not glibc").describe() == "default (not glibc)"
-    assert not cpu_malloc.CpuMalloc("default", "not glibc").tuned
 
 
 _PROBE = """

@@ -78,10 +78,6 @@ class CpuMalloc:
     mode: str
     reason: str = ""
 
-    @property
-    def tuned(self) -> bool:
-        return self.mode != "default"
-
     def describe(self) -> str:
         """One short label for reports: ``"dspark"``, ``"dspark heap"`` or ``"default (<why>)"``."""
         if self.mode == "default":

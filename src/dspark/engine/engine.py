@@ -36,7 +36,7 @@ from dspark.engine.batch_check import DEFAULT_BATCH_CHECK_EVERY, BatchCheck
 from dspark.engine.buffer_sync import BufferSync, broadcast_tensors
 from dspark.engine.compile_boundary import outside_compile
 from dspark.engine.global_batchnorm import convert_batchnorm, restore_batchnorm
-from dspark.engine.grad_bucket import GradBucket
+from dspark.engine.grad_bucket import BufferPool, GradBucket
 from dspark.engine.grad_reducer import GradReducer, StepWeights
 from dspark.engine.loss_scaler import LossScaler
 from dspark.engine.materialize import has_meta_tensors, materialize
@@ -189,7 +189,6 @@ class Engine:
                        for s in self.slots]
         self._hooks.append(model.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True))
         self._last_batch: BatchRecord | None = None
-        self._row_buffers: dict[tuple[torch.dtype, int], tuple[torch.Tensor, torch.Tensor]] = {}
         trace = None if trace_dir is None else TraceSession(
             trace_dir, rank=self.world.rank, warmup=trace_steps[0], active=trace_steps[1],
             device=self.world.device)
@@ -516,44 +515,31 @@ class Engine:
 
     def _gather_updated_rows(self) -> None:
         """zero1/zero2: every rank updated its rows; all-gather them into the full parameters, one
-        collective per bucket (one dtype each). At most two buckets are in flight, in two pairs of
-        buffers per dtype, so the gather costs about two buckets of memory, not a second copy of the
-        model; the buffers are freed once the last bucket landed (as the reducer's pool: see
-        [Note: gradients live in buckets])."""
+        collective per bucket (one dtype each). At most two buckets are in flight, their buffers taken
+        in turn from two pools of depth 2 (the reducer's kind), so the gather costs about two buckets
+        of memory, not a second copy of the model, and the pools go when it ends (see [Note:
+        gradients live in buckets])."""
         if self._reducer is None:
             return
         n, device = self.world.world_size, self.world.device
+        sends, outs = BufferPool(), BufferPool()  # a buffer is reused only after its bucket landed
         inflight: collections.deque[tuple[GradBucket, torch.Tensor, comm.Handle]] = collections.deque()
-        turn: dict[torch.dtype, int] = {}
         for bucket in self._reducer.buckets:
             if len(inflight) == 2:
                 self._land_updated_rows(*inflight.popleft())
             seg = sum(s.shard_numel for s in bucket.slots)
-            k = turn.get(bucket.dtype, 0)
-            turn[bucket.dtype] = 1 - k
-            send, out = self._row_gather_buffers(bucket.dtype, k, seg, device)
+            send = sends.take(bucket, bucket.dtype, seg, device)
+            out = outs.take(bucket, bucket.dtype, n * seg, device)
             offset = 0
             for slot in bucket.slots:
                 rows = slot.rows_view(slot.param.detach())[slot.start:slot.stop]
                 slot.view_rows(send[offset:], slot.local_rows).copy_(rows)  # padding: never read
                 offset += slot.shard_numel
-            out = out[: n * seg].view(n, seg)
+            out = out.view(n, seg)
             inflight.append((bucket, out, comm.all_gather_into_tensor(
-                out, send[:seg], async_op=True, label=f"dspark.bucket{bucket.index}.all_gather")))
+                out, send, async_op=True, label=f"dspark.bucket{bucket.index}.all_gather")))
         while inflight:
             self._land_updated_rows(*inflight.popleft())
-        self._row_buffers.clear()
-
-    def _row_gather_buffers(self, dtype: torch.dtype, k: int, seg: int,
-                            device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (dtype, k)
-        send, out = self._row_buffers.get(key, (None, None))
-        n = self.world.world_size
-        if send is None or out is None or send.numel() < seg:
-            send = torch.empty(seg, dtype=dtype, device=device)
-            out = torch.empty(n * seg, dtype=dtype, device=device)
-            self._row_buffers[key] = (send, out)
-        return send, out
 
     def _land_updated_rows(self, bucket: GradBucket, out: torch.Tensor, handle: comm.Handle) -> None:
         handle.wait()
