@@ -32,8 +32,8 @@ resnet50-cpu, batch 64, bf16   195 ms, 0, 542 MB           193 ms, 0, 550 MB    
 GPT-2 124M, 1 x 1024, fp32     10.0 s, 320,223, 3073 MB    9.8 s, 314,111, 3117 MB     8.2 s, 37,692, 3538 MB
 =============================  ==========================  ==========================  ==========================
 
-glibc's own thresholds are a matter of luck: the resnet50-cpu processes above had settled well
-(0 faults), other runs of the same step faulted 9,873 times and took 207 ms. GPT-2 124M's largest
+glibc's own thresholds are a matter of luck: in the resnet50-cpu processes above they had settled
+well (no fault), in the gpt2-cpu ones they had not. GPT-2 124M's largest
 tensors (the 154 MB embedding gradient, the 206 MB logits and their gradient) are above 32 MiB:
 only ``heap`` keeps them, 18% faster for 15% more peak memory, which is why it is a choice and not
 the default.
