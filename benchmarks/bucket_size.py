@@ -16,6 +16,7 @@ import statistics
 import time
 
 import torch
+from interleaved import interleaved_medians
 
 import dspark
 from dspark import comm
@@ -62,19 +63,13 @@ def main() -> None:
         pin_all_threads(core_for_rank(int(os.environ.get("LOCAL_RANK", "0")),
                                       int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     world = dspark.init()
-    sizes = [float(s) for s in args.sizes.split(",")]
-    medians: dict[float, list[float]] = {s: [] for s in sizes}
-    for round_index in range(args.rounds):
-        order = sizes[round_index % len(sizes):] + sizes[:round_index % len(sizes)]
-        for size in order:
-            ms = _step_ms(args.workload, args.strategy, args.precision, size, args.steps, world)
-            medians[size].append(ms)
-            if world.is_main:
-                print(f"round {round_index}: bucket_mb={size:g}: {ms:.1f} ms", flush=True)
+    def measure(size: float) -> tuple[str, float]:
+        return "", _step_ms(args.workload, args.strategy, args.precision, size, args.steps, world)
+
     if world.is_main:
-        for size, values in medians.items():
-            print(f"{args.workload} {args.strategy} bucket_mb={size:g}: median step "
-                  f"{statistics.median(values):.1f} ms (rounds {min(values):.1f}-{max(values):.1f})")
+        print(f"{args.workload}, {args.strategy}, {args.precision}, {world.world_size} ranks", flush=True)
+    interleaved_medians({f"bucket_mb={float(s):g}": functools.partial(measure, float(s))
+                         for s in args.sizes.split(",")}, args.rounds, verbose=world.is_main)
     gc.collect()
     dspark.shutdown()
 

@@ -22,6 +22,7 @@ import statistics
 import time
 
 import torch
+from interleaved import interleaved_medians
 
 import dspark
 from dspark import comm
@@ -78,18 +79,12 @@ def main() -> None:
     policies: dict[str, tuple[str, ...] | str | None] = {
         "every container child": "every container child", "default": None,
         "coarse": tuple(args.coarse.split(","))}
-    medians: dict[str, list[float]] = {name: [] for name in policies}
-    for round_index in range(args.rounds):
-        order = list(policies)[round_index % 3:] + list(policies)[:round_index % 3]
-        for name in order:
-            count, ms = _step_ms(args.workload, policies[name], args.steps, args.global_batch, world)
-            medians[name].append(ms)
-            if world.is_main:
-                print(f"round {round_index}: {name} ({count} units): {ms:.1f} ms", flush=True)
-    if world.is_main:
-        for name, values in medians.items():
-            print(f"{name}: median step {statistics.median(values):.1f} ms "
-                  f"(rounds {min(values):.1f}-{max(values):.1f})")
+    def measure(units: tuple[str, ...] | str | None) -> tuple[str, float]:
+        count, ms = _step_ms(args.workload, units, args.steps, args.global_batch, world)
+        return f" ({count} units)", ms
+
+    interleaved_medians({name: functools.partial(measure, units) for name, units in policies.items()},
+                        args.rounds, verbose=world.is_main)
     gc.collect()
     dspark.shutdown()
 
