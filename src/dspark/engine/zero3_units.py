@@ -15,12 +15,20 @@ forward, which keeps functional uses such as a tied output head working.
 Lifecycle of one unit in a step:
   forward pre-hook   gather its parameters (waiting on a prefetch if one is in flight), then start
                      gathering the next unit of the previous forward's order (prefetch)
-  forward post-hook  free its parameters (the root keeps its own until backward reaches them, and
-                     prefetches the unit backward starts with); hook its outputs so that backward
+  forward post-hook  free its parameters (the root's own too); hook its outputs so that backward
                      regathers them
   pre-backward       (the outputs' gradient arrived) gather again, prefetch the unit that ran before it
+                     (for the root: the last unit, which backward reaches next)
   post-accumulate    each trainable parameter is freed as soon as its gradient is complete
   post-backward      (units with frozen parameters) free them once the unit's inputs got their gradients
+[Note: the root after forward] The root frees its own parameters after forward like every unit,
+and regathers them when the gradient reaches its outputs, which is after the loss's own backward. A
+language model's activation peak is that loss backward (the logits, their log-softmax and its
+gradient: three tensors of batch x tokens x vocabulary), so a root kept whole from forward into
+backward, or a last unit prefetched at the end of forward, sat on top of the peak: GPT-2 124M's
+tied 147 MB embedding and a 27 MB block gather with its send buffer. The price is one gather that
+nothing overlaps, the root's, at the start of backward.
+
 A forward that runs *during* backward is a recomputation (activation checkpointing): it gathers what it
 needs and frees nothing, the gradients that follow free the parameters. Every gather is an all-gather
 per dtype, started in the same order on every rank (same graph, same hooks).
@@ -325,21 +333,19 @@ class Zero3Scheduler:
             grad_enabled = torch.is_grad_enabled()
             if unit.index == 0:
                 self._order = self._current_order
-            if unit.index == 0 and grad_enabled:
-                # backward starts with the root's own parameters (the head) and then the last unit:
-                # keep the first, prefetch the second
-                if self._order:
-                    self._prefetch(self._order[-1])
-            else:
-                self._free(unit.slots)
-            if grad_enabled and unit.slots:
+            # The root too: see [Note: the root after forward].
+            self._free(unit.slots)
+            if grad_enabled and (unit.slots or unit.index == 0):
                 fired = [False]
 
                 def pre_backward(grad: torch.Tensor) -> None:
                     if not fired[0]:
                         fired[0] = True
                         self._gather(unit.slots, unit.label)
-                        self._prefetch(self._neighbour(unit, -1))
+                        # backward reaches the root's own parameters (the head) first, then the
+                        # last unit; every other unit, then the one that ran before it
+                        self._prefetch(self._order[-1] if unit.index == 0 and self._order
+                                       else self._neighbour(unit, -1))
 
                 for leaf in tree_leaves(output):
                     if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
