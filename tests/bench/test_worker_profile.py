@@ -18,7 +18,9 @@ from dspark.bench.measurement import Measurement, results_from_measurements
 from dspark.bench.result import BenchConfig
 from dspark.bench.worker import SLOW_RANK_ENV, run_config
 
-SLEEP_MS = 100.0  # several times a 1-sample gpt2-cpu step's compute, so load on the box cannot hide it
+# Ten times a 1-sample gpt2-cpu step's compute here (36 ms), and a third of it where CI's box was
+# loaded enough to stretch that compute to 1.2 s: a 100 ms sleep then hid in the noise (76 ms measured).
+SLEEP_MS = 400.0
 CONFIG = BenchConfig(workload="gpt2-cpu", num_devices=2, global_batch=2, warmup_steps=1,
                      measure_steps=4)
 
@@ -37,7 +39,7 @@ def test_a_rank_slowed_on_purpose_is_flagged_as_the_straggler(pool) -> None:
     assert m.profiled and m.hosts_by_rank == [socket.gethostname()] * 2
     assert m.optimizer_kernel == "fused"  # DSpark's engine chose PyTorch's fused AdamW
     compute = [statistics.median(phases["compute_ms"]) for phases in m.phase_ms_by_rank]
-    assert compute[1] - compute[0] > 0.8 * SLEEP_MS  # the sleep is rank 1's compute ...
+    assert compute[1] - compute[0] > 0.6 * SLEEP_MS  # the sleep is rank 1's compute ...
     waits = [statistics.median(phases["comm_exposed_ms"]) for phases in m.phase_ms_by_rank]
     assert waits[0] > waits[1]  # ... and rank 0's wait for it
 
