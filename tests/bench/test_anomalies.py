@@ -203,6 +203,18 @@ def test_regression_beyond_noise_with_what_changed() -> None:
     assert found["previous_result_id"] == old.result_id
 
 
+def test_a_regression_names_a_changed_malloc_and_optimizer_kernel() -> None:
+    # DSPARK_CPU_MALLOC=lean trades speed for memory on the same commit: that is the cause to name,
+    # not "load on the machine"
+    old = make_result(run_id="run-old", cpu_malloc="dspark", optimizer_kernel="fused")
+    new = make_result(run_id="run-new", step_ms=330.0, round_step_ms=[330.0] * 3,
+                      cpu_malloc="dspark lean", optimizer_kernel="for-loop")
+    (found,) = regression(new, old)
+    assert "what changed: CPU malloc 'dspark' -> 'dspark lean'; optimizer kernel 'fused' -> " \
+           "'for-loop'" in found["message"]
+    assert "load on the machine" not in found["message"]
+
+
 def test_same_code_reruns_within_the_machines_range_are_not_regressions() -> None:
     # Before: a 10% floor under a 14% run-to-run range called same-code reruns slower.
     old = make_result(run_id="run-old", result_id="run-old/x")

@@ -375,7 +375,8 @@ def below_cost_model(result: BenchResult, baseline: BenchResult | None) -> list[
 _PROVENANCE = (("git_commit", "commit"), ("git_dirty", "uncommitted changes"),
                ("dspark_version", "DSpark"), ("torch_version", "PyTorch"),
                ("python_version", "Python"), ("host", "host"), ("device_model", "device"),
-               ("backend", "backend"))
+               ("backend", "backend"), ("cpu_malloc", "CPU malloc"),
+               ("optimizer_kernel", "optimizer kernel"))
 
 
 def _shown(name: str, result: BenchResult) -> object:
