@@ -1,5 +1,5 @@
 """DSpark's engine on one core under each ``DSPARK_CPU_MALLOC`` choice (see :mod:`dspark.cpu_malloc`):
-glibc's own moving thresholds, ``tuned`` (the default) and ``heap``. Each choice runs in a fresh
+glibc's own moving thresholds, ``tuned`` (the default), ``heap`` and ``lean``. Each choice runs in a fresh
 process (malloc's state is per process), the choices interleaved round after round; printed per
 choice: the median step over all rounds, the page faults of a median step and the peak resident
 memory.
@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 
-CHOICES = ("default", "tuned", "heap")
+CHOICES = ("default", "tuned", "heap", "lean")
 
 
 def child(args: argparse.Namespace) -> None:

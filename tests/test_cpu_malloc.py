@@ -39,13 +39,14 @@ def test_nothing_set_means_dspark_sets_it() -> None:
 
 
 def test_an_unknown_choice_names_the_valid_ones() -> None:
-    with pytest.raises(ValueError, match=r"DSPARK_CPU_MALLOC='fast'.*tuned, heap, default"):
+    with pytest.raises(ValueError, match=r"DSPARK_CPU_MALLOC='fast'.*tuned, heap, lean, default"):
         cpu_malloc.tune_for_training({"DSPARK_CPU_MALLOC": "fast"})
 
 
 def test_describe() -> None:
     assert cpu_malloc.CpuMalloc("tuned").describe() == "dspark"
     assert cpu_malloc.CpuMalloc("heap").describe() == "dspark heap"
+    assert cpu_malloc.CpuMalloc("lean").describe() == "dspark lean"
     assert cpu_malloc.CpuMalloc("default", "not glibc").describe() == "default (not glibc)"
 
 
@@ -64,10 +65,11 @@ world = dspark.init()
 assert cpu_malloc.current() is None  # init alone leaves malloc as it is: the engine sets it
 engine = dspark.Engine(torch.nn.Linear(4, 4), optimizer=functools.partial(torch.optim.SGD, lr=0.1))
 in_heap = {}
-for mib in (16, 64):  # below and above glibc's largest moving mmap threshold (32 MiB)
-    t = torch.empty(mib * 2**18)  # float32: mib MiB
+# below lean's 1 MiB; below and above glibc's largest moving mmap threshold (32 MiB)
+for kib in (512, 16 * 1024, 64 * 1024):
+    t = torch.empty(kib * 2**8)  # float32: kib KiB
     lo, hi = heap()
-    in_heap[mib] = lo <= t.data_ptr() < hi
+    in_heap[kib] = lo <= t.data_ptr() < hi
     del t
 print(json.dumps({"state": cpu_malloc.current().describe(), "in_heap": in_heap}))
 """
@@ -90,11 +92,16 @@ def _probe(env_value: str | None) -> dict[str, object]:
 def test_the_engine_serves_a_step_s_tensors_from_the_heap() -> None:
     """A fresh process's first 16 MiB tensor: glibc maps it on its own (its threshold starts at
     128 KiB and only moves once a mapping is freed); once an Engine exists it comes from the heap,
-    where a later step reuses it without page faults. 64 MiB stays a mapping unless ``heap``."""
-    assert _probe(None) == {"state": "dspark", "in_heap": {"16": True, "64": False}}
-    assert _probe("heap") == {"state": "dspark heap", "in_heap": {"16": True, "64": True}}
-    assert _probe("default") == {"state": "default (DSPARK_CPU_MALLOC=default)",
-                                 "in_heap": {"16": False, "64": False}}
+    where a later step reuses it without page faults. 64 MiB stays a mapping unless ``heap``;
+    ``lean`` maps everything from 1 MiB up and keeps only smaller requests in the heap."""
+    assert _probe(None) == {"state": "dspark", "in_heap": {"512": True, "16384": True, "65536": False}}
+    assert _probe("heap") == {"state": "dspark heap", "in_heap": {"512": True, "16384": True, "65536": True}}
+    assert _probe("lean") == {"state": "dspark lean", "in_heap": {"512": True, "16384": False, "65536": False}}
+    untouched = _probe("default")  # 512 KiB: wherever glibc's moving threshold has got to
+    assert untouched["state"] == "default (DSPARK_CPU_MALLOC=default)"
+    in_heap = untouched["in_heap"]
+    assert isinstance(in_heap, dict)
+    assert {k: v for k, v in in_heap.items() if k != "512"} == {"16384": False, "65536": False}
 
 
 def test_the_engine_refuses_an_unknown_choice(single_process: object, monkeypatch: pytest.MonkeyPatch) -> None:
