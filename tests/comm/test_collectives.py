@@ -21,8 +21,11 @@ def _sum_and_counters() -> dict:
     assert handle is not None
     handle.wait()
     handle.wait()  # idempotent
+    rs_avg = torch.empty(3)  # on gloo an all-to-all and a local sum, then the average
+    comm.reduce_scatter_tensor(rs_avg, torch.arange(6.0) * (world.rank + 1), op="avg")
     objs = comm.all_gather_object({"rank": world.rank})
     return {"sum": t.tolist(), "avg": avg.tolist(), "gathered": out.tolist(), "rs": rs.tolist(),
+            "rs_avg": rs_avg.tolist(),
             "objs": objs, "stats": {k: (v.calls, v.bytes, v.wire_bytes) for k, v in comm.stats().items()}}
 
 
@@ -32,11 +35,12 @@ def test_collectives_and_byte_counters(pool) -> None:
     assert r0["avg"] == [0.5, 0.5]
     assert r0["gathered"] == [0, 0, 0, 1, 1, 1]
     assert r0["rs"] == [0.0, 2.0] and r1["rs"] == [4.0, 6.0]
+    assert r0["rs_avg"] == [0.0, 1.5, 3.0] and r1["rs_avg"] == [4.5, 6.0, 7.5]  # (1 + 2) / 2 * x
     assert r0["objs"] == [{"rank": 0}, {"rank": 1}]
     stats = r0["stats"]
     assert stats["all_reduce"] == (2, 16 + 8, 16 + 8)  # 2*(N-1)/N * bytes with N=2
     assert stats["all_gather"][:2] == (1, 12)
-    assert stats["reduce_scatter"] == (1, 16, 8)
+    assert stats["reduce_scatter"] == (2, 16 + 24, 8 + 12)  # (N-1)/N * bytes
 
 
 def _skip_collective_on_rank_1() -> str:

@@ -11,13 +11,13 @@ import dspark
 from dspark import comm
 from tests.engine import tiny_models as tm
 
-# on gloo, sharded gradients travel as an all-reduce of the bucket's (N, segment) buffer (faster there
-# than gloo's reduce-scatter); each rank keeps its row
+# sharded gradients travel as a reduce-scatter of the bucket's (N, segment) buffer (on gloo an
+# all-to-all and a local sum); the all-reduce left is the step's small extras vector
 EXPECTED_KINDS = {
     "replicate": {"all_reduce"},
     "zero1": {"all_reduce", "all_gather"},
-    "zero2": {"all_reduce", "all_gather"},
-    "zero3": {"all_reduce", "all_gather"},
+    "zero2": {"all_reduce", "reduce_scatter", "all_gather"},
+    "zero3": {"all_reduce", "reduce_scatter", "all_gather"},
 }
 
 
@@ -46,10 +46,14 @@ def test_byte_counters_match_the_strategy(pool, strategy: str) -> None:
     extras_bytes = 8 * (2 + 2 + len(params))
     if strategy in ("replicate", "zero1"):
         assert stats["all_reduce"] == (2, grad_bytes + extras_bytes)  # one bucket + the extras
-    if strategy == "zero1":  # each rank's updated rows, padded to equal chunks
-        rows = sum(-(-(p.shape[0] if p.dim() else 1) // 2) * (p.numel() // (p.shape[0] if p.dim() else 1))
-                   for p in params)
+    # each rank's rows, padded to equal chunks
+    rows = sum(-(-(p.shape[0] if p.dim() else 1) // 2) * (p.numel() // (p.shape[0] if p.dim() else 1))
+               for p in params)
+    if strategy == "zero1":
         assert stats["all_gather"][1] == 4 * rows
+    if strategy in ("zero2", "zero3"):  # one bucket: every rank's padded rows, the extras apart
+        assert stats["reduce_scatter"] == (1, 2 * 4 * rows)
+        assert stats["all_reduce"] == (1, extras_bytes)
 
 
 def _launched_before_backward_ends() -> int:

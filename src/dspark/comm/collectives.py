@@ -226,7 +226,8 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: str = "
                           async_op: bool = False, group: Group | None = None,
                           label: str | None = None) -> Handle:
     """Reduce ``input`` (``N`` equal chunks along dim 0) across ranks; rank ``r`` gets chunk ``r``
-    in ``output``."""
+    in ``output``. On gloo it runs as an all-to-all into a buffer of ``input``'s size, summed into
+    ``output`` when the handle is waited on (see [Note: reduce-scatter on gloo])."""
     if op not in ("sum", "avg"):
         raise ValueError(f"reduce_scatter op={op!r} is not one of ('sum', 'avg')")
     g = group or default_group()
@@ -236,10 +237,40 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: str = "
     if _is_noop(g):
         return _run("reduce_scatter", g, _nbytes(input), lambda: _copy(output, input), async_op,
                     label=label)
+    if _reduce_scatter_by_all_to_all(g, input):
+        return _reduce_scatter_gloo(output, input, op, g, async_op, label)
     after = (lambda: output.div_(g.size)) if op == "avg" else None
     return _run("reduce_scatter", g, _nbytes(input),
                 lambda: _REDUCE_SCATTER(output.view(-1), input.reshape(-1), op=dist.ReduceOp.SUM,
                                         group=g.pg, async_op=True),
+                async_op, after, label)
+
+
+# [Note: reduce-scatter on gloo] gloo builds its reduce-scatter from point-to-point messages and
+# is slower than an all-reduce of the whole input, which itself moves twice the bytes a
+# reduce-scatter needs. An all-to-all moves exactly those bytes (rank r receives chunk r of every
+# rank, (N - 1) / N of the input), and this rank then sums its N chunks. Measured on 2 gloo ranks
+# over loopback, one core each (2026-12-01, 2-vCPU Intel Xeon VM, median of 30; buckets of whole
+# gradients): 3 MB all-reduce 3.62 ms, gloo reduce-scatter 4.30 ms, all-to-all + sum 1.72 ms;
+# 12 MB: 9.98, 14.07, 6.80 ms; 25 MB: 19.61, 28.67, 17.58 ms.
+def _reduce_scatter_by_all_to_all(group: Group, input: torch.Tensor) -> bool:
+    return input.device.type == "cpu" and dist.get_backend(group.pg) == "gloo"
+
+
+def _reduce_scatter_gloo(output: torch.Tensor, input: torch.Tensor, op: str, group: Group,
+                         async_op: bool, label: str | None) -> Handle:
+    # lives from the launch to the sum: the caller's buffers are never written behind its back
+    scratch = torch.empty(input.numel(), dtype=input.dtype, device=input.device)
+    received = scratch.view(group.size, output.numel())
+
+    def after() -> None:
+        torch.sum(received, dim=0, out=output.view(-1))
+        if op == "avg":
+            output.div_(group.size)
+
+    return _run("reduce_scatter", group, _nbytes(input),
+                lambda: dist.all_to_all_single(scratch.view(-1), input.reshape(-1), group=group.pg,
+                                               async_op=True),
                 async_op, after, label)
 
 

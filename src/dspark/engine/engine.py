@@ -61,8 +61,10 @@ log = logging.getLogger(__name__)
 
 OptimizerFactory = Callable[..., torch.optim.Optimizer]
 
-# gloo builds reduce-scatter from point-to-point messages: an all-reduce of the same buffer is faster
-_SHARDED_REDUCE = {"nccl": "reduce_scatter"}
+# How zero2/zero3 reduce gradient shards, per backend: a reduce-scatter where the backend has a good
+# one (gloo's goes through an all-to-all, see [Note: reduce-scatter on gloo] in dspark.comm), else an
+# all-reduce of the whole bucket, each rank keeping its rows.
+_SHARDED_REDUCE = {"nccl": "reduce_scatter", "gloo": "reduce_scatter"}
 
 
 class Engine:

@@ -17,9 +17,9 @@ the next step's activation peak. (On CPU the engine's malloc setting keeps buffe
 the heap, so allocating them again each step costs no page faults: see :mod:`dspark.cpu_malloc`.)
 
 [Note: send layout] A sharded bucket sends an ``(N, seg)`` buffer: row ``r`` holds chunk ``r`` (padded)
-of every parameter in turn, so a reduce-scatter hands rank ``r`` exactly its rows. Where the backend's
-reduce-scatter is slow (gloo: it is built from point-to-point messages) the same buffer is all-reduced
-in place and each rank copies out its row: more bytes on the wire, less time.
+of every parameter in turn, so a reduce-scatter hands rank ``r`` exactly its rows (on gloo,
+``comm.reduce_scatter_tensor`` runs it as an all-to-all and a local sum). A backend without a
+reduce-scatter (MPI) all-reduces the same buffer in place and each rank copies out its row.
 """
 
 from __future__ import annotations

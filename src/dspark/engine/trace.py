@@ -5,7 +5,7 @@
 * its phases: ``dspark.forward`` (each training forward), ``dspark.backward`` (each
   ``engine.backward``), ``dspark.optimizer`` (each ``engine.step``);
 * each collective where it starts, under the name its caller gave it: ``dspark.bucket3.all_reduce``
-  (gradient bucket 3; ``reduce_scatter`` under zero2/zero3 on NCCL), ``dspark.gather.blocks.0`` (a
+  (gradient bucket 3; ``reduce_scatter`` under zero2/zero3), ``dspark.gather.blocks.0`` (a
   zero3 unit's parameters; ``dspark.gather.root`` for the root's own), ``dspark.bucket3.all_gather``
   (zero1/zero2's updated rows), ``dspark.step_extras.all_reduce`` (the step's one small vector);
   unnamed ones as ``dspark.comm.<kind>``;
