@@ -36,7 +36,7 @@ resnet50-cpu, batch 64, bf16   195 ms, 0, 542 MB           193 ms, 0, 550 MB    
 GPT-2 124M, 1 x 1024, fp32     10.0 s, 320,223, 3073 MB    9.8 s, 314,111, 3117 MB     8.2 s, 37,692, 3538 MB
 =============================  ==========================  ==========================  ==========================
 
-The same commands with ``--precision fp32`` on a 2-core Intel Xeon VM (software bf16), with
+The same commands with ``--precision fp32`` on a 2-core Intel Xeon VM with AMX, with
 ``lean`` (DSpark ``56c1a43`` plus the commit that adds ``lean``, 2026-12-01 20:55-21:00 UTC):
 
 =============================  ======================  ======================  ======================  ======================
