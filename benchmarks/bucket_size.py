@@ -12,41 +12,23 @@ import argparse
 import functools
 import gc
 import os
-import statistics
-import time
 
 import torch
-from interleaved import interleaved_medians
+from interleaved import interleaved_medians, median_step_ms
 
 import dspark
-from dspark import comm
 from dspark.bench.cpu_load import core_for_rank, pin_all_threads
 from dspark.models import get_workload
 
 
-def _step_ms(workload_name: str, strategy: str, precision: str, bucket_mb: float, steps: int,
-             world: dspark.World) -> float:
+def _step_ms(workload_name: str, strategy: str, precision: str, bucket_mb: float,
+             steps: int) -> float:
     workload = get_workload(workload_name)
-    model = workload.build_model(seed=0)
-    engine = dspark.Engine(model, optimizer=functools.partial(torch.optim.AdamW, lr=3e-4),
-                           strategy=strategy, precision=precision, bucket_mb=bucket_mb)
-    global_batch = workload.default_global_batch
-    inputs, targets = workload.make_batch(global_batch, seed=0)
-    share = global_batch // world.world_size
-    rows = slice(world.rank * share, (world.rank + 1) * share)
-    x, y = inputs[rows], targets[rows]
-    times = []
-    for step in range(steps + 2):  # two warm-up steps: the first also rebuilds the buckets
-        comm.barrier()
-        start = time.perf_counter()
-        engine.backward(workload.loss(engine(x), y))
-        engine.step()
-        if step >= 2:
-            times.append((time.perf_counter() - start) * 1e3)
-    engine.close()
-    del engine, model
-    gc.collect()
-    return statistics.median(times)
+    engine = dspark.Engine(workload.build_model(seed=0), strategy=strategy, precision=precision,
+                           optimizer=functools.partial(torch.optim.AdamW, lr=3e-4),
+                           bucket_mb=bucket_mb)
+    # two warm-up steps: the first also rebuilds the buckets
+    return median_step_ms(engine, workload, workload.default_global_batch, steps, warmup=2)
 
 
 def main() -> None:
@@ -64,7 +46,7 @@ def main() -> None:
                                       int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     world = dspark.init()
     def measure(size: float) -> tuple[str, float]:
-        return "", _step_ms(args.workload, args.strategy, args.precision, size, args.steps, world)
+        return "", _step_ms(args.workload, args.strategy, args.precision, size, args.steps)
 
     if world.is_main:
         print(f"{args.workload}, {args.strategy}, {args.precision}, {world.world_size} ranks", flush=True)

@@ -4,8 +4,11 @@ each measurement and, at the end, each choice's median over the rounds."""
 
 from __future__ import annotations
 
+import gc
 import statistics
+import time
 from collections.abc import Callable, Mapping
+from typing import Any
 
 
 def interleaved_medians(measure: Mapping[str, Callable[[], tuple[str, float]]], rounds: int, *,
@@ -31,3 +34,32 @@ def interleaved_medians(measure: Mapping[str, Callable[[], tuple[str, float]]], 
             print(f"{name}: median step {statistics.median(ms):.1f} ms "
                   f"(rounds {min(ms):.1f}-{max(ms):.1f})")
     return values
+
+
+def median_step_ms(engine: Any, workload: Any, global_batch: int, steps: int, warmup: int) -> float:
+    """Train ``engine`` on this rank's rows of ``workload``'s batch: ``warmup`` untimed steps, then
+    the median of ``steps`` timed ones (each after a barrier, so that every rank starts together).
+    Closes the engine afterwards and collects the garbage, so that the next choice starts clean.
+
+    Example::
+
+        median_step_ms(dspark.Engine(model, optimizer=opt), get_workload("gpt2-cpu"), 32, 5, 2)
+    """
+    from dspark import comm, get_world
+
+    world = get_world()
+    inputs, targets = workload.make_batch(global_batch, seed=0)
+    share = global_batch // world.world_size
+    rows = slice(world.rank * share, (world.rank + 1) * share)
+    x, y = inputs[rows], targets[rows]
+    times = []
+    for step in range(warmup + steps):
+        comm.barrier()
+        start = time.perf_counter()
+        engine.backward(workload.loss(engine(x), y))
+        engine.step()
+        if step >= warmup:
+            times.append((time.perf_counter() - start) * 1e3)
+    engine.close()
+    gc.collect()
+    return statistics.median(times)

@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from interleaved import interleaved_medians
+from interleaved import interleaved_medians, median_step_ms
 
 import dspark
 from dspark import comm
@@ -74,23 +74,8 @@ def _step_ms(workload_name: str, strategy: str, precision: str, path: str, steps
     workload = get_workload(workload_name)
     engine = dspark.Engine(workload.build_model(seed=0), strategy=strategy, precision=precision,
                            optimizer=functools.partial(torch.optim.AdamW, lr=3e-4))
-    global_batch = workload.default_global_batch
-    inputs, targets = workload.make_batch(global_batch, seed=0)
-    share = global_batch // world.world_size
-    x = inputs[world.rank * share:(world.rank + 1) * share]
-    y = targets[world.rank * share:(world.rank + 1) * share]
-    times = []
-    for step in range(steps + 2):  # two warm-up steps: the first also rebuilds the buckets
-        comm.barrier()
-        start = time.perf_counter()
-        engine.backward(workload.loss(engine(x), y))
-        engine.step()
-        if step >= 2:
-            times.append((time.perf_counter() - start) * 1e3)
-    engine.close()
-    del engine
-    gc.collect()
-    return statistics.median(times)
+    # two warm-up steps: the first also rebuilds the buckets
+    return median_step_ms(engine, workload, workload.default_global_batch, steps, warmup=2)
 
 
 def main() -> None:

@@ -18,14 +18,11 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
-import statistics
-import time
 
 import torch
-from interleaved import interleaved_medians
+from interleaved import interleaved_medians, median_step_ms
 
 import dspark
-from dspark import comm
 from dspark.engine.zero3_units import unit_modules
 from dspark.models import get_workload
 
@@ -36,8 +33,8 @@ def _container_children(model: torch.nn.Module) -> set[str]:
             for child, _ in module.named_children()}
 
 
-def _step_ms(workload_name: str, units: tuple[str, ...] | str | None, steps: int, global_batch: int,
-             world: dspark.World) -> tuple[int, float]:
+def _step_ms(workload_name: str, units: tuple[str, ...] | str | None, steps: int,
+             global_batch: int) -> tuple[int, float]:
     workload = get_workload(workload_name)
     model = workload.build_model(seed=0)
     if units == "every container child":
@@ -47,22 +44,8 @@ def _step_ms(workload_name: str, units: tuple[str, ...] | str | None, steps: int
     engine = dspark.Engine(model, optimizer=functools.partial(torch.optim.AdamW, lr=3e-4),
                            strategy="zero3", broadcast_buffers=True,
                            **({} if policy is None else {"zero3_units": policy}))
-    inputs, targets = workload.make_batch(global_batch, seed=0)
-    share = global_batch // world.world_size
-    rows = slice(world.rank * share, (world.rank + 1) * share)
-    x, y = inputs[rows], targets[rows]
-    times = []
-    for step in range(steps + 1):  # the first step is warm-up
-        comm.barrier()
-        start = time.perf_counter()
-        engine.backward(workload.loss(engine(x), y))
-        engine.step()
-        if step:
-            times.append((time.perf_counter() - start) * 1e3)
-    engine.close()
-    del engine, model
-    gc.collect()
-    return num_units, statistics.median(times)
+    del model
+    return num_units, median_step_ms(engine, workload, global_batch, steps, warmup=1)
 
 
 def main() -> None:
@@ -80,7 +63,7 @@ def main() -> None:
         "every container child": "every container child", "default": None,
         "coarse": tuple(args.coarse.split(","))}
     def measure(units: tuple[str, ...] | str | None) -> tuple[str, float]:
-        count, ms = _step_ms(args.workload, units, args.steps, args.global_batch, world)
+        count, ms = _step_ms(args.workload, units, args.steps, args.global_batch)
         return f" ({count} units)", ms
 
     interleaved_medians({name: functools.partial(measure, units) for name, units in policies.items()},
