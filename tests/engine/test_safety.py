@@ -136,3 +136,32 @@ def test_zero3_explains_a_parameter_used_outside_its_block(pool) -> None:
     for message in pool.run(_outside_use):
         assert "[DSpark zero3] parameters are whole only while the unit" in message, message
         assert "blocks.0.weight" in message and "strategy='zero2'" in message
+
+
+def _regulariser_over_all_parameters() -> dict[str, object]:
+    """A loss term over every parameter, computed after the forward returned: under zero3 the
+    parameters are empty there. Then a plain step, to see the engine recover."""
+    torch.manual_seed(0)
+    engine = dspark.Engine(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), optimizer=ADAMW,
+                           strategy="zero3")
+    x = dspark.distribute_batch(torch.randn(4, 4), shard_dim=0)
+    out = engine(x)
+    reg = sum(p.pow(2).sum() for p in engine.module.parameters())
+    try:
+        engine.backward(out.square().mean() + 1e-3 * reg)
+        message = "no error"
+    except RuntimeError as exc:
+        message = str(exc)
+    engine.backward(engine(x).square().mean())
+    recovered = engine.step()
+    engine.close()
+    return {"message": message, "value": float(reg), "recovered": recovered}
+
+
+def test_zero3_explains_a_loss_term_over_parameters_outside_their_units(pool) -> None:
+    for got in pool.run(_regulariser_over_all_parameters):
+        message = str(got["message"])
+        assert "[DSpark zero3] the loss used a parameter outside the forward of the unit" in message
+        assert "weight_decay" in message and "strategy='zero2'" in message, message
+        assert got["value"] == 0.0  # what the term read: nothing
+        assert got["recovered"] is True  # the failed window left nothing behind

@@ -22,6 +22,7 @@ import contextlib
 import logging
 import math
 import os
+import re
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -60,6 +61,11 @@ __all__ = ["Engine"]
 log = logging.getLogger(__name__)
 
 OptimizerFactory = Callable[..., torch.optim.Optimizer]
+
+# autograd's complaint when an op saw a freed (empty) zero3 parameter and its gradient has the full
+# shape: "Function PowBackward0 returned an invalid gradient at index 0 - got [0] but expected
+# shape compatible with [2]"
+_EMPTY_PARAMETER_GRADIENT = re.compile(r"invalid gradient at index \d+ - got \[0\]")
 
 # How zero2/zero3 reduce gradient shards, per backend: a reduce-scatter where the backend has a good
 # one (gloo's goes through an all-to-all, see [Note: reduce-scatter on gloo] in dspark.comm), else an
@@ -367,8 +373,17 @@ class Engine:
                 (loss * scale if scale != 1.0 else loss).backward()
             elif self._zero3 is not None:
                 self._zero_weight_backward(loss)
-        except BaseException:
+        except BaseException as exc:
             self._end_window()
+            if self._zero3 is not None and _EMPTY_PARAMETER_GRADIENT.search(str(exc)):
+                raise RuntimeError(
+                    f"{exc}\n[DSpark zero3] the loss used a parameter outside the forward of the "
+                    "unit that owns it (a regulariser over engine.module.parameters(), a weight read "
+                    "after engine(...) returned): under zero3 a parameter is whole only while its "
+                    "unit runs, and an empty tensor elsewhere, so such a term is computed from "
+                    "nothing (its value reads 0) and its gradient cannot reach the parameter. Compute "
+                    "it inside the model's forward, use the optimizer's weight_decay (per group with "
+                    "param_groups=), or use strategy='zero2'.") from exc
             raise
         finally:
             self._in_backward = False
