@@ -10,6 +10,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from dspark import comm, get_world
+
 
 def interleaved_medians(measure: Mapping[str, Callable[[], tuple[str, float]]], rounds: int, *,
                         verbose: bool) -> dict[str, list[float]]:
@@ -45,8 +47,6 @@ def median_step_ms(engine: Any, workload: Any, global_batch: int, steps: int, wa
 
         median_step_ms(dspark.Engine(model, optimizer=opt), get_workload("gpt2-cpu"), 32, 5, 2)
     """
-    from dspark import comm, get_world
-
     world = get_world()
     inputs, targets = workload.make_batch(global_batch, seed=0)
     share = global_batch // world.world_size

@@ -97,16 +97,16 @@ def main() -> None:
     if world.is_main:
         print(f"{world.world_size} gloo ranks, one core each", flush=True)
     collectives([float(s) for s in args.sizes.split(",")], args.repeats, world)
+    def measure(strategy: str, path: str) -> tuple[str, float]:
+        return "", _step_ms(args.workload, strategy, args.precision, path, args.steps, world)
+
     if args.workload:
         for strategy in args.strategies.split(","):
             if world.is_main:
                 print(f"{args.workload}, {strategy}, {args.precision}", flush=True)
-            interleaved_medians(
-                {f"{strategy} by {path}": functools.partial(
-                    lambda p, s: ("", _step_ms(args.workload, s, args.precision, p, args.steps, world)),
-                    path, strategy)
-                 for path in ("all_reduce", "reduce_scatter")},
-                args.rounds, verbose=world.is_main)
+            interleaved_medians({f"{strategy} by {path}": functools.partial(measure, strategy, path)
+                                 for path in ("all_reduce", "reduce_scatter")},
+                                args.rounds, verbose=world.is_main)
     gc.collect()
     dspark.shutdown()
 

@@ -2,7 +2,8 @@
 four ranks, where the 2-rank pool cannot look (uneven shards over 4: a 13-row embedding is split
 4 + 4 + 4 + 1; the all-to-all behind gloo's reduce-scatter routes N x N pieces, not 2 x 2).
 
-``python -m dspark.cli.main run --nproc 4 tests/engine/four_ranks_worker.py OUT.pt``: rank 0 saves
+From the repository root, ``PYTHONPATH=. python -m dspark.cli.main run --nproc 4
+tests/engine/four_ranks_worker.py OUT.pt``: rank 0 saves
 ``{"collectives": {...}, "states": {(strategy, optimizer): state_dict}}`` to ``OUT.pt``."""
 
 from __future__ import annotations

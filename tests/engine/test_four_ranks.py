@@ -4,7 +4,6 @@ SGD (scale-sensitive) and AdamW, on a model whose shards are uneven over 4 ranks
 
 from __future__ import annotations
 
-import functools
 import os
 import subprocess
 import sys
@@ -14,13 +13,12 @@ import pytest
 import torch
 
 from tests.engine import loop_models as lm
+from tests.engine.four_ranks_worker import OPTIMIZERS, STEPS
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("four_ranks_worker.py")
 N = 4
 TOLERANCE = 2e-5
-OPTIMIZERS = {"sgd": functools.partial(torch.optim.SGD, lr=0.5),
-              "adamw": functools.partial(torch.optim.AdamW, lr=1e-2)}
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +47,7 @@ def test_collectives_hand_each_of_four_ranks_its_chunk(four_ranks: dict) -> None
 @pytest.mark.parametrize("strategy", ["replicate", "zero1", "zero2", "zero3"])
 def test_every_strategy_on_four_ranks_trains_as_one_process(four_ranks: dict, strategy: str,
                                                             optimizer: str) -> None:
-    want = lm.reference(3, OPTIMIZERS[optimizer])
+    want = lm.reference(STEPS, OPTIMIZERS[optimizer])
     assert not torch.equal(want["embed.weight"], lm.build().embed.weight.detach())  # it trained
     got = four_ranks["states"][(strategy, optimizer)]
     assert lm.max_rel_error(got, want) <= TOLERANCE
