@@ -85,6 +85,11 @@ def _mlp_batch(step: int) -> Batch:
     return tm.batch("mlp", GLOBAL_BATCH, step)
 
 
+def _two_target_batch(step: int) -> Batch:
+    g = torch.Generator().manual_seed(3000 + step)
+    return torch.randn(GLOBAL_BATCH, 6, generator=g), torch.randn(GLOBAL_BATCH, 2, generator=g)
+
+
 def _images(step: int, *, channels_last: bool = False) -> Batch:
     g = torch.Generator().manual_seed(5000 + step)
     images = torch.randn(GLOBAL_BATCH, 3, 6, 6, generator=g)
@@ -132,6 +137,10 @@ CASES: dict[str, Case] = {
     "tied": Case(build=functools.partial(tm.make, "tied"),
                  batch=functools.partial(tm.batch, "tied", GLOBAL_BATCH), loss=_next_token, evaluate=_out),
     "frozen": _mlp_case(_frozen_first_layer),
+    # a two-output head (a binary classifier's): its 2-element bias is one element per rank on 2
+    # ranks, the smallest shard a zero3 gather packs beside other parameters
+    "two_outputs": Case(build=_seeded(functools.partial(tm.TinyMLP, d_out=2)), batch=_two_target_batch,
+                        loss=_mse, evaluate=_out),
     "two_forwards": _mlp_case(functools.partial(tm.make, "mlp"), loss=_two_forwards),
     "repeated_block": _mlp_case(_seeded(tm.RepeatedBlockNet)),
     "repeated_block_reentrant": _mlp_case(_seeded(functools.partial(tm.RepeatedBlockNet, "reentrant"))),
@@ -143,6 +152,7 @@ CASES: dict[str, Case] = {
     "conv_bn_channels_last": _conv_case(batchnorm=True, channels_last=True),
     "gpt2": _hf_case(hf_models.gpt2, hf_models.token_batch, "input_ids"),
     "bert": _hf_case(hf_models.bert, hf_models.masked_batch, "input_ids"),
+    "bert_classifier": _hf_case(hf_models.bert_classifier, hf_models.labelled_batch, "input_ids"),
     "resnet": _hf_case(hf_models.resnet, hf_models.image_batch, "pixel_values"),
 }
 for _where in ("inside", "unit"):

@@ -36,16 +36,31 @@ def gpt2(seed: int = 0) -> nn.Module:
     return GPT2LMHeadModel(config)
 
 
+def _bert_config() -> object:
+    from transformers import BertConfig
+
+    return BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                      intermediate_size=32, max_position_embeddings=16, hidden_dropout_prob=0.0,
+                      attention_probs_dropout_prob=0.0, pad_token_id=0)
+
+
 def bert(seed: int = 0) -> nn.Module:
     """BertForMaskedLM, 2 layers, width 16: the decoder is tied to the word embedding."""
     _quiet_transformers()
-    from transformers import BertConfig, BertForMaskedLM
+    from transformers import BertForMaskedLM
 
     torch.manual_seed(seed)
-    config = BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=32, max_position_embeddings=16, hidden_dropout_prob=0.0,
-                        attention_probs_dropout_prob=0.0, pad_token_id=0)
-    return BertForMaskedLM(config)
+    return BertForMaskedLM(_bert_config())
+
+
+def bert_classifier(seed: int = 0) -> nn.Module:
+    """BertForSequenceClassification with its default 2 labels (a binary fine-tune): the head's
+    2-element bias is one element per rank on 2 ranks."""
+    _quiet_transformers()
+    from transformers import BertForSequenceClassification
+
+    torch.manual_seed(seed)
+    return BertForSequenceClassification(_bert_config())
 
 
 def resnet(seed: int = 0) -> nn.Module:
@@ -64,6 +79,13 @@ def token_batch(global_batch: int, step: int) -> tuple[torch.Tensor, torch.Tenso
     g = torch.Generator().manual_seed(2000 + step)
     tokens = torch.randint(2, VOCAB, (global_batch, SEQ), generator=g)
     return tokens, tokens.clone()
+
+
+def labelled_batch(global_batch: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequence classification data: ``(input_ids, labels)``, one label in {0, 1} per sequence."""
+    g = torch.Generator().manual_seed(4000 + step)
+    tokens = torch.randint(2, VOCAB, (global_batch, SEQ), generator=g)
+    return tokens, torch.randint(0, 2, (global_batch,), generator=g)
 
 
 def masked_batch(global_batch: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:

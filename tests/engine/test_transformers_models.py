@@ -1,6 +1,6 @@
 """Models nobody here wrote: HuggingFace ``transformers`` models from small configs (no downloads,
-dropout off), trained on 2 ranks under every strategy. GPT-2 (tied head) and BERT (masked LM, tied
-decoder) must end with the parameters of single-process training, with SGD and with AdamW, and the
+dropout off), trained on 2 ranks under every strategy. GPT-2 (tied head), BERT (masked LM, tied
+decoder) and BERT fine-tuned as a binary classifier (its head's bias one element per rank) must end with the parameters of single-process training, with SGD and with AdamW, and the
 trained engine's module must evaluate (eval mode, no_grad) like the reference. ResNet has BatchNorm, so
 in training mode each rank normalises with its own batch: PyTorch's DDP on the same slices is the
 reference there (parameters and running statistics); with ``sync_batchnorm=True``, one process again."""
@@ -24,7 +24,7 @@ STEPS = 2
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 @pytest.mark.parametrize("strategy", STRATEGIES)
-@pytest.mark.parametrize("model", ["gpt2", "bert"])
+@pytest.mark.parametrize("model", ["gpt2", "bert", "bert_classifier"])
 def test_language_model_trains_like_one_process(pool, model: str, strategy: str, optimizer: str) -> None:
     # AdamW turns rounding-noise gradients (the attention key bias) into full-size updates: ATOL_ADAMW
     atol = ATOL if optimizer == "sgd" else ATOL_ADAMW

@@ -1,7 +1,7 @@
 """Patterns from models and training loops written elsewhere, each trained by every strategy against one
 process (SGD, so a wrong factor shows): evaluation (eval mode, ``torch.no_grad``) between steps, which
 under zero3 gathers parameters with no backward to follow; a block called twice per forward; several
-forwards before one backward; frozen parameters. (Activation checkpointing, BatchNorm, channels_last,
+forwards before one backward; frozen parameters; a two-output head. (Activation checkpointing, BatchNorm, channels_last,
 mixed dtypes and unequal batches have their own files.)"""
 
 from __future__ import annotations
@@ -49,11 +49,12 @@ def test_evaluation_between_steps_sees_the_trained_model_and_changes_nothing(poo
                      "steps against training without")
 
 
-@pytest.mark.parametrize("case", ["repeated_block", "two_forwards", "frozen"])
+@pytest.mark.parametrize("case", ["repeated_block", "two_forwards", "frozen", "two_outputs"])
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_user_model_pattern_trains_like_one_process(pool, strategy: str, case: str) -> None:
     """repeated_block: blocks[0] runs twice per forward; two_forwards: two forwards, one backward;
-    frozen: the first layer has requires_grad=False on every rank (it must not move)."""
+    frozen: the first layer has requires_grad=False on every rank (it must not move); two_outputs: a
+    2-output head, whose bias is one element per rank on 2 ranks."""
     want = train_reference(case, 3, optimizer="sgd")
     for rank, result in enumerate(pool.run(train_engine, case, strategy, 3, optimizer="sgd", evaluate=True)):
         assert_close(result["state"], want["state"], f"rank {rank}: {case} under {strategy}")

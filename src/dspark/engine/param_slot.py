@@ -189,7 +189,10 @@ class ParamSlot:
 
     def set_full(self, padded_full: torch.Tensor) -> None:
         """Install the gathered parameter: ``padded_full`` is 1-D, ``chunk * N`` rows in memory order
-        (the padding at the end)."""
+        (the padding at the end), dense."""
+        if padded_full.dim() != 1 or (padded_full.numel() > 1 and padded_full.stride(0) != 1):
+            raise AssertionError(f"{self.name}: set_full needs a dense 1-D tensor, got shape "
+                                 f"{tuple(padded_full.shape)} strides {padded_full.stride()}")
         self.param.data = self.view_full(padded_full)
         self.gathered = True
         self.pending = None

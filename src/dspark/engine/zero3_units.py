@@ -85,7 +85,9 @@ class _Gather:
             column = self.out[:, offset: offset + slot.shard_numel]
             offset += slot.shard_numel
             if slot.pending is self:
-                slot.set_full(self.out.view(-1) if single else column.reshape(-1))
+                # a copy, never reshape(): a one-element shard's column (N, 1) reshapes to a strided
+                # view, which set_full's as_strided would read as if it were dense
+                slot.set_full(self.out.view(-1) if single else column.contiguous().view(-1))
                 self.installed[slot.param.untyped_storage().data_ptr()] = slot
         del self.out
 
