@@ -10,6 +10,7 @@ __all__ = [
     "NotInitializedError",
     "OtherRankError",
     "PlacementError",
+    "Zero3StateDictError",
 ]
 
 
@@ -41,3 +42,9 @@ class OtherRankError(DSparkError, RuntimeError):
         super().__init__(message)
         self.failed_ranks = failed_ranks
         """The ranks where the step failed."""
+
+
+class Zero3StateDictError(DSparkError, RuntimeError):
+    """``state_dict()`` or ``load_state_dict()`` on a module trained with ``strategy="zero3"`` while its
+    parameters are freed (between steps): it would save or compare empty tensors. The message names
+    ``engine.full_state_dict()``, ``engine.save()`` and ``engine.load_full_state_dict()``."""

@@ -165,3 +165,52 @@ def test_zero3_explains_a_loss_term_over_parameters_outside_their_units(pool) ->
         assert "weight_decay" in message and "strategy='zero2'" in message, message
         assert got["value"] == 0.0  # what the term read: nothing
         assert got["recovered"] is True  # the failed window left nothing behind
+
+
+def _module_state_dict_under(strategy: str) -> dict[str, object]:
+    """A loop written for one process saves ``model.state_dict()`` and loads one back."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)))
+    plain = {k: v.clone() for k, v in model.state_dict().items()}
+    engine = dspark.Engine(model, optimizer=ADAMW, strategy=strategy)
+    x = dspark.distribute_batch(torch.randn(4, 4), shard_dim=0)
+    engine.backward(engine(x).square().mean())
+    engine.step()
+    got: dict[str, object] = {}
+    for what, call in (("save", lambda: engine.module.state_dict()),
+                       ("save_child", lambda: engine.module[1].state_dict()),
+                       ("load", lambda: engine.module.load_state_dict(plain))):
+        try:
+            call()
+            got[what] = "no error"
+        except RuntimeError as exc:
+            got[what] = str(exc)
+    full = engine.full_state_dict()  # the engine's own walks still work
+    engine.load_full_state_dict(plain)
+    got["full_keys"] = sorted(full)
+    got["loaded"] = all(torch.equal(engine.full_state_dict()[k], v) for k, v in plain.items())
+    engine.close()  # takes the guard off with the other hooks
+    got["after_close"] = sorted(engine.module.state_dict())
+    return got
+
+
+def test_zero3_refuses_the_modules_own_state_dict_and_names_the_fix(pool) -> None:
+    for rank, got in enumerate(pool.run(_module_state_dict_under, "zero3")):
+        for what, names in (("save", "0.weight, 0.bias, 1.0.weight, 1.0.bias and 2 more"),
+                            ("save_child", "0.weight, 0.bias, 1.weight, 1.bias")):
+            message = str(got[what])
+            assert message.startswith(f"rank {rank}: state_dict() of a module trained with "
+                                      "strategy='zero3'"), message
+            assert f"freed ({names})" in message, message
+            assert "engine.full_state_dict(rank0_only=True, cpu=True)" in message
+            assert "engine.save(path" in message and "strategy='zero2'" in message
+        assert "load_state_dict() into a module trained with strategy='zero3'" in str(got["load"])
+        assert "engine.load_full_state_dict(sd)" in str(got["load"])
+        assert got["full_keys"] == ["0.bias", "0.weight", "1.0.bias", "1.0.weight", "1.1.bias", "1.1.weight"]
+        assert got["loaded"] is True
+        assert got["after_close"] == got["full_keys"]
+
+
+def test_zero2_keeps_the_modules_state_dict(pool) -> None:
+    for got in pool.run(_module_state_dict_under, "zero2"):
+        assert got["save"] == got["save_child"] == got["load"] == "no error"

@@ -49,6 +49,7 @@ from dspark.engine.policy import precision_policy, sharding_policy
 from dspark.engine.state_dict import load_sharded_state_dict, sharded_state_dict
 from dspark.engine.step_observer import StepObserver, observed
 from dspark.engine.trace import TraceSession, check_trace_args
+from dspark.engine.zero3_guard import Zero3StateDictGuard
 from dspark.engine.zero3_units import UnitPolicy, Zero3Scheduler
 from dspark.tensor import DistTensor, Placement, Replicate, Shard
 from dspark.tensor.fingerprint import batch_leaves
@@ -177,9 +178,12 @@ class Engine:
             self._buffer_sync = BufferSync(model, skip=skip)
 
         self._zero3: Zero3Scheduler | None = None
+        self._zero3_guard: Zero3StateDictGuard | None = None
         if self._shard_params:
             self._zero3 = Zero3Scheduler(model, all_slots, policy=zero3_units,
                                          in_backward=lambda: self._in_backward)
+            # model.state_dict() would hold empty tensors: see [Note: state dicts under zero3]
+            self._zero3_guard = Zero3StateDictGuard(model, all_slots, rank=self.world.rank)
         elif self.strategy.shard_optimizer:
             # one rank's shard of a parameter is the whole parameter: zero3 on one rank keeps it in place
             for slot in self.slots:
@@ -642,7 +646,7 @@ class Engine:
         if not keep:
             return {}
         out: dict[str, torch.Tensor] = {}
-        for name, value in self.module.state_dict(keep_vars=True).items():
+        for name, value in self._module_state_dict().items():
             out[name] = values[name] if name in values else own(value)
         return out
 
@@ -658,7 +662,7 @@ class Engine:
         if not isinstance(state_dict, Mapping):
             raise TypeError(f"state_dict must be a mapping of name -> tensor, got {type(state_dict).__name__}")
         self._check_between_steps("load_full_state_dict")
-        expected = self.module.state_dict(keep_vars=True)
+        expected = self._module_state_dict()
         slot_of = {name: s for s in (*self.slots, *self._frozen_slots) for name in s.names}
         missing = [k for k in expected if k not in state_dict and not (k in slot_of and any(
             n in state_dict for n in slot_of[k].names))]
@@ -688,6 +692,14 @@ class Engine:
                         slot.padded_shard[: slot.local_rows].copy_(rows)
                         continue
                 current.copy_(value)
+
+    def _module_state_dict(self) -> dict[str, Any]:
+        """``self.module.state_dict(keep_vars=True)`` for the engine's own walks over names and
+        buffers: under zero3 the module refuses it while its parameters are freed (see [Note: state
+        dicts under zero3]); the parameters' entries here are then empty and must not be read."""
+        guard = self._zero3_guard
+        with guard.allowed() if guard is not None else contextlib.nullcontext():
+            return self.module.state_dict(keep_vars=True)
 
     def sync_buffers(self) -> None:
         """Give every rank rank 0's buffers now (collective; done before checkpoints and full state
@@ -838,6 +850,8 @@ class Engine:
         self.batch_check.remove()
         if self._zero3 is not None:
             self._zero3.remove_hooks()
+        if self._zero3_guard is not None:
+            self._zero3_guard.remove()
         restore_batchnorm(self._batchnorms)
         self._batchnorms = []
 

@@ -90,7 +90,7 @@ def sharded_state_dict(engine: Engine) -> dict[str, Any]:
         else:
             model[slot.name] = slot.rows_view(slot.param.detach())
     params = dict(engine.module.named_parameters())
-    for name, tensor in engine.module.state_dict(keep_vars=True).items():
+    for name, tensor in engine._module_state_dict().items():
         if name in slot_names:
             continue
         value = tensor.detach()
@@ -152,7 +152,7 @@ def load_sharded_state_dict(engine: Engine, state: Mapping[str, Any]) -> None:
                 continue
             _install_param(slot, _local(model[name]), name)
         slot_names = {name for slot in slots for name in slot.names}
-        for name, tensor in engine.module.state_dict(keep_vars=True).items():
+        for name, tensor in engine._module_state_dict().items():
             if name in slot_names or name not in model:
                 continue
             value = _local(model[name])
