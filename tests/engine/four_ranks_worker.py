@@ -1,16 +1,19 @@
 """Run by ``test_four_ranks.py`` under ``dspark run --nproc 4``: the collectives and every strategy on
 four ranks, where the 2-rank pool cannot look (uneven shards over 4: a 13-row embedding is split
-4 + 4 + 4 + 1; the all-to-all behind gloo's reduce-scatter routes N x N pieces, not 2 x 2).
+4 + 4 + 4 + 1; the all-to-all behind gloo's reduce-scatter routes N x N pieces, not 2 x 2), and a
+model so small that rank 3 owns no row of any parameter, through a checkpoint.
 
 From the repository root, ``PYTHONPATH=. python -m dspark.cli.main run --nproc 4
 tests/engine/four_ranks_worker.py OUT.pt``: rank 0 saves
-``{"collectives": {...}, "states": {(strategy, optimizer): state_dict}}`` to ``OUT.pt``."""
+``{"collectives": {...}, "states": {(strategy, optimizer): state_dict}, "rowless": {strategy:
+state_dict}}`` to ``OUT.pt``."""
 
 from __future__ import annotations
 
 import functools
 import gc
 import sys
+from collections.abc import Callable
 
 import torch
 
@@ -51,12 +54,51 @@ def train(strategy: str, optimizer: str) -> dict[str, torch.Tensor]:
     return state
 
 
+def rowless_model() -> torch.nn.Module:
+    """Every parameter has at most 3 rows: over 4 ranks, rank 3 owns no row of any of them."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
+
+
+def rowless_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(8, 3, generator=g), torch.randn(8, 2, generator=g)
+
+
+def rowless_loss(model: Callable[[torch.Tensor], torch.Tensor], step: int, *, split: bool) -> torch.Tensor:
+    """The step's loss on the whole batch, or (``split``) on this rank's rows of it."""
+    x, y = rowless_batch(step)
+    if split:
+        x, y = dspark.distribute_batch((x, y), shard_dim=0)
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def train_rowless(strategy: str, checkpoint: str) -> dict[str, torch.Tensor]:
+    """AdamW, 2 steps, a checkpoint, a fresh engine loads it, 2 more steps."""
+    engine = dspark.Engine(rowless_model(), optimizer=OPTIMIZERS["adamw"], strategy=strategy)
+    for step in range(2 * STEPS):
+        if step == STEPS:
+            engine.save(checkpoint)
+            engine.close()
+            engine = dspark.Engine(rowless_model(), optimizer=OPTIMIZERS["adamw"], strategy=strategy)
+            engine.load(checkpoint)
+        engine.backward(rowless_loss(engine, step, split=True))
+        engine.step()
+    state = engine.full_state_dict()
+    engine.close()
+    del engine
+    gc.collect()
+    return state
+
+
 def main() -> None:
     world = dspark.init()
     out = {"collectives": collectives(world.rank, world.world_size), "states": {}}
     for strategy in ("replicate", "zero1", "zero2", "zero3"):
         for optimizer in OPTIMIZERS:
             out["states"][(strategy, optimizer)] = train(strategy, optimizer)
+    out["rowless"] = {strategy: train_rowless(strategy, f"{sys.argv[1]}.{strategy}.ckpt")
+                      for strategy in ("zero1", "zero2", "zero3")}
     if world.rank == 0:
         torch.save(out, sys.argv[1])
     comm.barrier()

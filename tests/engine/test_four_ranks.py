@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.engine import loop_models as lm
-from tests.engine.four_ranks_worker import OPTIMIZERS, STEPS
+from tests.engine.four_ranks_worker import OPTIMIZERS, STEPS, rowless_loss, rowless_model
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("four_ranks_worker.py")
@@ -51,3 +51,18 @@ def test_every_strategy_on_four_ranks_trains_as_one_process(four_ranks: dict, st
     assert not torch.equal(want["embed.weight"], lm.build().embed.weight.detach())  # it trained
     got = four_ranks["states"][(strategy, optimizer)]
     assert lm.max_rel_error(got, want) <= TOLERANCE
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
+def test_a_rank_that_owns_no_row_trains_and_resumes_as_one_process(four_ranks: dict, strategy: str) -> None:
+    """Rank 3 holds no row of the 3-row parameters: its optimizer has nothing to update (it used to
+    be refused as an empty parameter list), and the checkpoint in the middle carries no rows of it."""
+    model = rowless_model()
+    opt = OPTIMIZERS["adamw"](model.parameters())
+    for step in range(2 * STEPS):
+        opt.zero_grad()
+        rowless_loss(model, step, split=False).backward()
+        opt.step()
+    want = {k: v.detach() for k, v in model.state_dict().items()}
+    assert lm.max_rel_error(four_ranks["rowless"][strategy], want) <= TOLERANCE

@@ -261,7 +261,10 @@ class Engine:
             return p
 
         if groups is None:
-            built = factory([opt_param(s) for s in self.slots if opt_param(s).numel() > 0])
+            mine = [opt_param(s) for s in self.slots if opt_param(s).numel() > 0]
+            # a rank that owns no row of any parameter (a small model on many ranks) still gets an
+            # optimizer, with one empty group: PyTorch refuses an empty parameter list
+            built = factory(mine if mine else [{"params": []}])
         else:
             built = factory([{"params": [opt_param(self.slots[i]) for i in indices
                                          if opt_param(self.slots[i]).numel() > 0], **overrides}
