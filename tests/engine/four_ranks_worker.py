@@ -47,6 +47,11 @@ def train(strategy: str, optimizer: str) -> dict[str, torch.Tensor]:
         x, y = dspark.distribute_batch(lm.batch(step), shard_dim=0)
         engine.backward(lm.loss_fn(engine(x), y))
         engine.step()
+    return final_state(engine)
+
+
+def final_state(engine: dspark.Engine) -> dict[str, torch.Tensor]:
+    """The engine's full state dict; the engine is closed and freed (gloo exits cleanly)."""
     state = engine.full_state_dict()
     engine.close()
     del engine
@@ -84,11 +89,7 @@ def train_rowless(strategy: str, checkpoint: str) -> dict[str, torch.Tensor]:
             engine.load(checkpoint)
         engine.backward(rowless_loss(engine, step, split=True))
         engine.step()
-    state = engine.full_state_dict()
-    engine.close()
-    del engine
-    gc.collect()
-    return state
+    return final_state(engine)
 
 
 def main() -> None:
