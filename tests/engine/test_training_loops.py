@@ -301,6 +301,21 @@ def test_a_mismatched_pretrained_state_dict_names_the_keys(single_process) -> No
     del bad["norm.bias"]
     with pytest.raises(ValueError, match=r"missing \['norm.bias'\].*unexpected \['extra.weight'\]"):
         engine.load_full_state_dict(bad)
+    ddp_saved = {f"module.{k}": v for k, v in lm.build().state_dict().items()}
+    with pytest.raises(ValueError, match=r"starts with 'module\.' .*strip it, "
+                       r"\{k\.removeprefix\('module\.'\): v for k, v in sd\.items\(\)\}"):
+        engine.load_full_state_dict(ddp_saved)
+    bare = {k.removeprefix("module."): v for k, v in ddp_saved.items()}
+    engine.load_full_state_dict(bare)  # the fix the message gives works
+    wrapped = dspark.Engine(torch.nn.Sequential(lm.build()), optimizer=OPTIMIZERS["sgd"])  # names "0.*"
+    with pytest.raises(ValueError, match=r"name of the model starts with '0\.'.*add it"):
+        wrapped.load_full_state_dict(bare)
+    with pytest.raises(ValueError, match=r"none of the state dict's \d+ keys is a name of the model.*"
+                       r"nothing would load.*strip it"):
+        engine.load_full_state_dict(ddp_saved, strict=False)  # strict=False would load nothing
+    partial = {k: v for k, v in lm.build().state_dict().items() if k != "norm.bias"}
+    partial["extra.weight"] = torch.zeros(1)
+    assert engine.load_full_state_dict(partial, strict=False) == (["norm.bias"], ["extra.weight"])
     bad = dict(lm.build().state_dict())
     bad["norm.weight"] = torch.zeros(3)
     with pytest.raises(ValueError, match=r"'norm.weight' has shape \(3,\)"):

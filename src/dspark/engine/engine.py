@@ -25,7 +25,7 @@ import os
 import re
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import nn
@@ -57,7 +57,7 @@ from dspark.tensor.fingerprint import batch_leaves
 if TYPE_CHECKING:
     from dspark.checkpoint import CheckpointInfo
 
-__all__ = ["Engine"]
+__all__ = ["Engine", "IncompatibleKeys"]
 
 log = logging.getLogger(__name__)
 
@@ -653,14 +653,18 @@ class Engine:
             out[name] = values[name] if name in values else own(value)
         return out
 
-    def load_full_state_dict(self, state_dict: Mapping[str, torch.Tensor], *, strict: bool = True) -> None:
+    def load_full_state_dict(self, state_dict: Mapping[str, torch.Tensor], *,
+                             strict: bool = True) -> IncompatibleKeys:
         """Load a plain ``model.state_dict()`` (pretrained weights, every rank passing the same) into the
         engine, whatever its strategy: zero3 keeps this rank's rows. Optimizer state is untouched.
-        ``strict=False`` ignores keys the model lacks and leaves missing ones as they are.
+        ``strict=False`` ignores keys the model lacks and leaves missing ones as they are; a state
+        dict none of whose keys is a name of the model is an error even then (nothing would load).
+        Returns the missing and unexpected keys, as ``nn.Module.load_state_dict`` does.
 
         Example::
 
             engine.load_full_state_dict(torch.load("gpt2.pt", weights_only=True))
+            missing, unexpected = engine.load_full_state_dict(backbone, strict=False)  # a new head
         """
         if not isinstance(state_dict, Mapping):
             raise TypeError(f"state_dict must be a mapping of name -> tensor, got {type(state_dict).__name__}")
@@ -674,7 +678,12 @@ class Engine:
             raise ValueError(f"load_full_state_dict: the state dict does not match the model: missing "
                              f"{missing[:5]}{' ...' if len(missing) > 5 else ''}, unexpected "
                              f"{unexpected[:5]}{' ...' if len(unexpected) > 5 else ''} (strict=False "
-                             "skips them)")
+                             f"skips them){_prefix_fix(list(expected), list(state_dict))}")
+        if state_dict and len(unexpected) == len(state_dict):
+            raise ValueError(f"load_full_state_dict: none of the state dict's {len(state_dict)} keys is a "
+                             f"name of the model (first: {unexpected[:3]}; the model's: "
+                             f"{list(expected)[:3]}), so nothing would load"
+                             f"{_prefix_fix(list(expected), list(state_dict))}")
         done: set[int] = set()
         with torch.no_grad():
             for name, current in expected.items():
@@ -695,6 +704,7 @@ class Engine:
                         slot.padded_shard[: slot.local_rows].copy_(rows)
                         continue
                 current.copy_(value)
+        return IncompatibleKeys(missing, unexpected)
 
     def _module_state_dict(self) -> dict[str, Any]:
         """``self.module.state_dict(keep_vars=True)`` for the engine's own walks over names and
@@ -857,6 +867,33 @@ class Engine:
             self._zero3_guard.remove()
         restore_batchnorm(self._batchnorms)
         self._batchnorms = []
+
+
+class IncompatibleKeys(NamedTuple):
+    """What :meth:`Engine.load_full_state_dict` did not match (as ``nn.Module.load_state_dict``)."""
+
+    missing_keys: list[str]
+    """Names of the model the state dict has no value for (left as they were)."""
+    unexpected_keys: list[str]
+    """Keys of the state dict that name nothing in the model (ignored)."""
+
+
+def _prefix_fix(expected: list[str], given: list[Any]) -> str:
+    """A hint when the two key sets differ only by a leading name: a checkpoint saved from a DDP or
+    ``torch.compile`` wrapper (``module.``, ``_orig_mod.``) or from a model held inside another."""
+    names = [k for k in given if isinstance(k, str)]
+    if not names or not expected:
+        return ""
+    want = set(expected)
+    for prefix in {k.split(".", 1)[0] + "." for k in names if "." in k}:
+        if all(k.startswith(prefix) for k in names) and {k[len(prefix):] for k in names} <= want:
+            return (f". Every key of the state dict starts with {prefix!r} (saved from a wrapper, e.g. "
+                    f"DDP's 'module.'): strip it, {{k.removeprefix({prefix!r}): v for k, v in sd.items()}}")
+    for prefix in {k.split(".", 1)[0] + "." for k in expected if "." in k}:
+        if all(k.startswith(prefix) for k in expected) and {prefix + k for k in names} <= want:
+            return (f". Every name of the model starts with {prefix!r} (the engine wraps a wrapper, e.g. "
+                    f"torch.compile's '_orig_mod.'): add it, {{{prefix!r} + k: v for k, v in sd.items()}}")
+    return ""
 
 
 def _memory_order(slot: ParamSlot, grad: torch.Tensor) -> torch.Tensor:
