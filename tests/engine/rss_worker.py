@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import gc
 import json
+import os
 import resource
 import sys
 
@@ -30,8 +31,9 @@ def main(strategy: str) -> None:
         engine.backward(engine(local).square().mean())
         engine.step()
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(json.dumps({"rank": world.rank, "peak_bytes": peak_kib * 1024, "num_params": num_params,
-                      "total_bytes": engine.memory_report()["total_bytes"]}), flush=True)
+    line = json.dumps({"rank": world.rank, "peak_bytes": peak_kib * 1024, "num_params": num_params,
+                       "total_bytes": engine.memory_report()["total_bytes"]}) + "\n"
+    os.write(sys.stdout.fileno(), line.encode())  # one write: the other rank's output cannot split it
     del engine
     gc.collect()
     dspark.shutdown()

@@ -16,7 +16,11 @@ WORKER = Path(__file__).with_name("rss_worker.py")
 def _peaks(strategy: str) -> list[dict]:
     done = launch(LaunchSpec(nproc=2, target=str(WORKER), args=(strategy,)), capture=True)
     assert done.returncode == 0, done.stderr[-3000:]
-    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    # both ranks print to one pipe, so one rank's line can land inside the other's: decode each
+    # object where it starts instead of line by line
+    decoder = json.JSONDecoder()
+    starts = [i for i in range(len(done.stdout)) if done.stdout.startswith('{"rank"', i)]
+    rows = [decoder.raw_decode(done.stdout, i)[0] for i in starts]
     assert len(rows) == 2, done.stdout
     return sorted(rows, key=lambda r: r["rank"])
 
