@@ -10,6 +10,7 @@ from torch import nn
 
 import dspark
 from tests.engine import tiny_models as tm
+from tests.engine.harness import run_or_explain_hang
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3)
 
@@ -214,3 +215,37 @@ def test_zero3_refuses_the_modules_own_state_dict_and_names_the_fix(pool) -> Non
 def test_zero2_keeps_the_modules_state_dict(pool) -> None:
     for got in pool.run(_module_state_dict_under, "zero2"):
         assert got["save"] == got["save_child"] == got["load"] == "no error"
+
+
+def _evaluation_on_rank_0_only() -> dict[str, object]:
+    """nanoGPT's ``if master_process: estimate_loss()``: under zero3 rank 0's evaluation forward
+    would pair its gathers with rank 1's training forward."""
+    torch.manual_seed(0)
+    engine = dspark.Engine(tm.TinyMLP(), optimizer=ADAMW, strategy="zero3")
+    x = dspark.distribute_batch(torch.randn(4, 6), shard_dim=0)
+    try:
+        if dspark.get_world().rank == 0:
+            with torch.no_grad():
+                engine(x)
+        engine.backward(engine(x).square().mean())
+        message = "no error"
+    except dspark.CollectiveError as exc:
+        message = str(exc)
+    engine.backward(engine(x).square().mean())  # both ranks raised at the same gather: in step again
+    recovered = engine.step()
+    engine.close()
+    return {"message": message, "recovered": recovered}
+
+
+def test_zero3_names_an_evaluation_that_ran_on_one_rank_only(pool) -> None:
+    got = run_or_explain_hang(pool, _evaluation_on_rank_0_only, timeout_s=60,
+                              hang_means="the ranks' gathers paired up wrongly and nobody noticed")
+    for rank, result in enumerate(got):
+        message = str(result["message"])
+        assert message.startswith(f"rank {rank}: under zero3 the ranks gathered different parameters"), message
+        mine, theirs = (("a forward without grad", "a training forward") if rank == 0
+                        else ("a training forward", "a forward without grad"))
+        assert f"this rank gathered scale for {mine}" in message, message
+        assert f"rank {1 - rank} scale for {theirs}" in message, message
+        assert "not on rank 0 alone" in message and "engine.full_state_dict()" in message
+        assert result["recovered"] is True

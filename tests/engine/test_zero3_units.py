@@ -113,3 +113,13 @@ def test_default_units_that_merge_and_keep_nested_pieces_train_like_one_process(
             got = result["state"][key]
             error = float((got.double() - value.double()).norm() / max(float(value.double().norm()), 1e-6))
             assert error <= TOLERANCE, f"{key} under {opt}: relative error {error:.2e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_a_gather_tag_travels_exactly_in_any_parameter_dtype(dtype: torch.dtype) -> None:
+    from dspark.engine.zero3_units import _tag_tensor, _tags_of
+
+    tags = [(3 << 48) | (17 << 24) | 16_777_215, (1 << 48) | 5]  # all-ones low bits: NaN patterns
+    rows = torch.stack([_tag_tensor(tag, dtype, torch.device("cpu")) for tag in tags])
+    assert rows.dtype == dtype and rows.numel() * rows.element_size() == 2 * 8
+    assert _tags_of(rows).tolist() == tags

@@ -36,6 +36,7 @@ per dtype, started in the same order on every rank (same graph, same hooks).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -46,6 +47,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 from dspark import comm
 from dspark.engine.compile_boundary import outside_compile
 from dspark.engine.param_slot import ParamSlot
+from dspark.errors import CollectiveError
 
 __all__ = ["UnitPolicy", "Zero3Scheduler", "unit_modules"]
 
@@ -57,18 +59,31 @@ MIN_NESTED_UNIT_BYTES = 1 << 20
 this many parameter bytes; smaller ones stay with the unit around them (see [Note: units])."""
 
 
+_FORWARD, _NO_GRAD, _BACKWARD = 1, 2, 3
+_PHASE_NAMES = {_FORWARD: "a training forward", _NO_GRAD: "a forward without grad (evaluation)",
+                _BACKWARD: "backward"}
+_DEFERRED_TAG_CHECKS = 256
+"""On an accelerator, gather tags are checked at the end of backward or after this many gathers."""
+
+
 class _Gather:
     """One all-gather of several same-dtype parameters' shards, packed into one flat buffer.
 
-    Rank ``r``'s segment of the output holds its shard of every parameter in order, so parameter
-    ``i`` is the strided column ``out[:, off_i:off_i + shard_i]``; copying it out gives the full,
-    padded parameter (``chunk * N`` rows, memory order)."""
+    Rank ``r``'s segment of the output holds its shard of every parameter in order, then an 8-byte
+    tag saying what it gathers (see [Note: gather tags]), so parameter ``i`` is the strided column
+    ``out[:, off_i:off_i + shard_i]``; copying it out gives the full, padded parameter
+    (``chunk * N`` rows, memory order)."""
 
-    def __init__(self, slots: list[ParamSlot], label: str, installed: dict[int, ParamSlot]) -> None:
+    def __init__(self, slots: list[ParamSlot], label: str, installed: dict[int, ParamSlot],
+                 tag: int, check: Callable[[_Gather, torch.Tensor], None]) -> None:
         self.slots = slots
         self.installed = installed
-        send = torch.cat([_shard(s) for s in slots]) if len(slots) > 1 else _shard(slots[0])
-        self.out = send.new_empty((slots[0].num_ranks, send.numel()))  # (N, sum of shards)
+        self.tag = tag
+        self._check = check
+        header = _tag_tensor(tag, slots[0].dtype, slots[0].param.device)
+        send = torch.cat([*(_shard(s) for s in slots), header])
+        self.seg = send.numel() - header.numel()
+        self.out = send.new_empty((slots[0].num_ranks, send.numel()))  # (N, shards + tag)
         self.handle: comm.Handle | None = comm.all_gather_into_tensor(self.out, send, async_op=True,
                                                                       label=label)
         for slot in slots:
@@ -79,17 +94,43 @@ class _Gather:
             return
         self.handle.wait()
         self.handle = None
+        out = self.out
+        del self.out
+        try:
+            self._check(self, _tags_of(out[:, self.seg:]))
+        except BaseException:
+            for slot in self.slots:  # nothing was installed: later gathers must not wait on this one
+                if slot.pending is self:
+                    slot.pending = None
+            raise
         offset = 0
-        single = len(self.slots) == 1
         for slot in self.slots:
-            column = self.out[:, offset: offset + slot.shard_numel]
+            column = out[:, offset: offset + slot.shard_numel]
             offset += slot.shard_numel
             if slot.pending is self:
                 # a copy, never reshape(): a one-element shard's column (N, 1) reshapes to a strided
                 # view, which set_full's as_strided would read as if it were dense
-                slot.set_full(self.out.view(-1) if single else column.contiguous().view(-1))
+                slot.set_full(column.contiguous().view(-1))
                 self.installed[slot.param.untyped_storage().data_ptr()] = slot
-        del self.out
+
+
+_TAG_BYTES = 8
+
+
+@functools.lru_cache(maxsize=4096)
+def _tag_tensor(tag: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``tag`` as the raw bytes of a few elements of ``dtype`` (a gather copies bytes: any dtype
+    carries them exactly); cached, read only."""
+    size = torch.empty((), dtype=dtype).element_size()
+    header = torch.zeros(-(-_TAG_BYTES // size), dtype=dtype, device=device)
+    header.view(torch.uint8)[:_TAG_BYTES].copy_(torch.tensor([tag], dtype=torch.int64).view(torch.uint8))
+    return header
+
+
+def _tags_of(headers: torch.Tensor) -> torch.Tensor:
+    """Each rank's tag (int64, one per row) from the gathered headers ``(N, elements)``."""
+    raw = headers.contiguous().view(torch.uint8)[:, :_TAG_BYTES]
+    return raw.contiguous().view(torch.int64).view(-1)
 
 
 def _shard(slot: ParamSlot) -> torch.Tensor:
@@ -195,6 +236,8 @@ class Zero3Scheduler:
             unit_slots = [by_param[id(p)] for p in owned if id(p) in by_param]
             self.units.append(_Unit(index, name, module, unit_slots))
         self._in_backward = in_backward
+        self._position = {id(s): i for i, s in enumerate(slots)}  # in gather tags: see [Note: gather tags]
+        self._deferred_tags: list[tuple[int, torch.Tensor]] = []
         self._holders: dict[int, int] = {id(s): 0 for s in slots}
         self._slots = slots
         self._order: list[int] = []  # unit indices in the previous forward's order
@@ -266,7 +309,57 @@ class Zero3Scheduler:
                 continue
             by_dtype.setdefault(s.dtype, []).append(s)
         for group in by_dtype.values():
-            _Gather(group, label, self._installed)
+            _Gather(group, label, self._installed, self._tag(group), self._check_tags)
+
+    # [Note: gather tags] Every rank must gather the same parameters in the same order, for the same
+    # purpose; a rank that runs a forward of its own (an evaluation on rank 0 only, one more generated
+    # token) would otherwise pair its gathers with its peers' next ones: the same sizes exchange the
+    # wrong data, or the job hangs at the first collective that differs, until the timeout. So each
+    # rank's piece of a gather ends with 8 bytes naming its first and last parameter and the phase
+    # (training forward, forward without grad, backward), and every rank compares the tags it
+    # receives: a mismatch is a CollectiveError on every rank, at the gather where the ranks parted.
+    # On CPU the check reads the tags when the gather lands; on an accelerator it is batched to the
+    # end of backward (or every _DEFERRED_TAG_CHECKS gathers), so that no gather adds a host sync.
+    def _tag(self, group: list[ParamSlot]) -> int:
+        phase = _BACKWARD if self._in_backward() else (_FORWARD if torch.is_grad_enabled() else _NO_GRAD)
+        return (phase << 48) | (self._position[id(group[0])] << 24) | self._position[id(group[-1])]
+
+    def _check_tags(self, gather: _Gather, tags: torch.Tensor) -> None:
+        if tags.device.type == "cpu":
+            self._verify_tags(gather.tag, tags.tolist())
+            return
+        self._deferred_tags.append((gather.tag, tags))
+        if len(self._deferred_tags) >= _DEFERRED_TAG_CHECKS:
+            self._verify_deferred_tags()
+
+    def _verify_deferred_tags(self) -> None:
+        deferred, self._deferred_tags = self._deferred_tags, []
+        if deferred:
+            received = torch.stack([tags for _, tags in deferred]).tolist()  # one host sync
+            for (mine, _), tags in zip(deferred, received, strict=True):
+                self._verify_tags(mine, tags)
+
+    def _verify_tags(self, mine: int, tags: list[int]) -> None:
+        other = next((r for r, tag in enumerate(tags) if tag != mine), None)
+        if other is None:
+            return
+        me = comm.get_world().rank
+        raise CollectiveError(
+            f"rank {me}: under zero3 the ranks gathered different parameters in one all-gather: this "
+            f"rank gathered {self._describe(mine)}, rank {other} {self._describe(tags[other])}. Each "
+            "zero3 forward and backward gathers parameters together with every rank, so every rank "
+            "must run the same forwards in the same order: evaluate on every rank (each on its own "
+            "share of the data), not on rank 0 alone; generate the same number of tokens on every "
+            "rank; for an evaluation on one rank, load engine.full_state_dict() into a plain copy of "
+            "the model, or train with strategy='zero2'.")
+
+    def _describe(self, tag: int) -> str:
+        phase, first, last = tag >> 48, (tag >> 24) & 0xFFFFFF, tag & 0xFFFFFF
+        if phase not in _PHASE_NAMES or first >= len(self._slots) or last >= len(self._slots):
+            return f"something else (tag {tag:#x}: not a zero3 gather of this model)"
+        names = self._slots[first].name if first == last else (
+            f"{self._slots[first].name} ... {self._slots[last].name}")
+        return f"{names} for {_PHASE_NAMES[phase]}"
 
     def _gather(self, slots: Iterable[ParamSlot], label: str = "dspark.gather") -> None:
         slots = list(slots)
@@ -366,15 +459,21 @@ class Zero3Scheduler:
             slot.free_full()
 
     def end_backward(self) -> None:
-        """Free whatever is still gathered (or in flight) and reset for the next step."""
-        for slot in self._slots:
-            if slot.pending is not None:
-                slot.pending.finish()
-            if slot.gathered:
-                slot.free_full()
-            self._holders[id(slot)] = 0
-        self._grad_done.clear()
-        self._installed.clear()  # every storage it named is freed now
+        """Free whatever is still gathered (or in flight), check the deferred gather tags and reset
+        for the next step."""
+        try:
+            for slot in self._slots:
+                if slot.pending is not None:
+                    slot.pending.finish()
+        finally:
+            for slot in self._slots:
+                slot.pending = None
+                if slot.gathered:
+                    slot.free_full()
+                self._holders[id(slot)] = 0
+            self._grad_done.clear()
+            self._installed.clear()  # every storage it named is freed now
+        self._verify_deferred_tags()
 
     def gather_slots(self, slots: Iterable[ParamSlot]) -> None:
         self._gather(slots)
