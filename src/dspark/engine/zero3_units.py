@@ -130,7 +130,7 @@ def _tag_tensor(tag: int, dtype: torch.dtype, device: torch.device) -> torch.Ten
 def _tags_of(headers: torch.Tensor) -> torch.Tensor:
     """Each rank's tag (int64, one per row) from the gathered headers ``(N, elements)``."""
     raw = headers.contiguous().view(torch.uint8)[:, :_TAG_BYTES]
-    return raw.contiguous().view(torch.int64).view(-1)
+    return raw.contiguous().view(torch.int64).view(-1).clone()  # never a view of the gather's buffer
 
 
 def _shard(slot: ParamSlot) -> torch.Tensor:
