@@ -249,3 +249,37 @@ def test_zero3_names_an_evaluation_that_ran_on_one_rank_only(pool) -> None:
         assert f"rank {1 - rank} scale for {theirs}" in message, message
         assert "not on rank 0 alone" in message and "engine.full_state_dict()" in message
         assert result["recovered"] is True
+
+
+def _optimizer_state_saved_on_rank_0(path: str) -> dict[str, object]:
+    """A loop written for DDP saves ``optimizer.state_dict()`` on rank 0 and loads that file on
+    every rank; under zero1-3 each rank's optimizer holds only its rows."""
+    world = dspark.get_world()
+    torch.manual_seed(0)
+    engine = dspark.Engine(tm.TinyMLP(), optimizer=ADAMW, strategy="zero2")
+    x = dspark.distribute_batch(torch.randn(4, 6), shard_dim=0)
+    engine.backward(engine(x).square().mean())
+    engine.step()
+    own = engine.optimizer.state_dict()
+    if world.rank == 0:
+        torch.save(own, path)
+    dspark.comm.barrier()
+    got: dict[str, object] = {}
+    try:
+        engine.optimizer.load_state_dict(torch.load(path, weights_only=True))
+        got["rank0_file"] = "no error"
+    except ValueError as exc:
+        got["rank0_file"] = str(exc)
+    engine.optimizer.load_state_dict(own)  # a rank's own state dict loads back
+    got["own"] = "loaded"
+    engine.close()
+    return got
+
+
+def test_a_sharded_optimizer_state_dict_refuses_another_ranks_rows(pool, tmp_path) -> None:
+    r0, r1 = pool.run(_optimizer_state_saved_on_rank_0, str(tmp_path / "optimizer.pt"))
+    assert r0["rank0_file"] == "no error" and r0["own"] == r1["own"] == "loaded"
+    message = str(r1["rank0_file"])
+    assert message.startswith("rank 1: this optimizer state dict holds the shard of rank 0 of 2 "
+                              "under strategy='zero2'"), message
+    assert "engine.save(path) / engine.load(path)" in message

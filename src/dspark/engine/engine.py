@@ -42,6 +42,7 @@ from dspark.engine.grad_reducer import GradReducer, StepWeights
 from dspark.engine.loss_scaler import LossScaler
 from dspark.engine.materialize import has_meta_tensors, materialize
 from dspark.engine.memory import expected_state_bytes, optimizer_state_elements, storage_bytes
+from dspark.engine.optimizer_guard import guard_sharded_optimizer
 from dspark.engine.optimizer_kernel import prefer_fused_kernel
 from dspark.engine.param_groups import ParamGroupsFn, group_by_overrides
 from dspark.engine.param_slot import ParamSlot
@@ -199,6 +200,9 @@ class Engine:
                                         rank=self.world.rank, num_ranks=n, device=self.world.device)
         self._hooks = [s.param.register_post_accumulate_grad_hook(self._grad_ready_hook(s))
                        for s in self.slots]
+        if self.strategy.shard_optimizer and n > 1:  # see [Note: a rank's optimizer state dict]
+            self._hooks.extend(guard_sharded_optimizer(self.optimizer, rank=self.world.rank, world_size=n,
+                                                       strategy=self.strategy.name))
         self._hooks.append(model.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True))
         self._last_batch: BatchRecord | None = None
         trace = None if trace_dir is None else TraceSession(
