@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+import dspark
 from tests.engine import tiny_models as tm
-from tests.engine.harness import engine_state, parity, rel_error
+from tests.engine.harness import assert_close, engine_state, parity, rel_error, train_reference
 
 STRATEGIES = ["replicate", "zero1", "zero2", "zero3"]
 
@@ -32,6 +33,45 @@ def test_clipping_parity_uses_the_global_norm(pool, strategy: str) -> None:
         assert result["error"] <= 1e-5, result["error"]
         assert all(n is not None and n > 0.05 for n in result["norms"]), result["norms"]
     assert results[0]["norms"] == pytest.approx(results[1]["norms"], rel=1e-6)
+
+
+def _clip_in_the_loop(strategy: str, steps: int) -> dict:
+    """A loop that clips itself between backward and step (SGD: a wrong factor shows)."""
+    from tests.engine.cases import get_case
+    from tests.engine.harness import build_engine, micro_batches
+
+    case = get_case("mlp")
+    engine = build_engine("mlp", strategy, optimizer="sgd", accum=2)
+    norms = []
+    for step in range(steps):
+        for micro in micro_batches(case.batch(step), 2):
+            engine.backward(case.loss(engine, dspark.distribute_batch(micro, shard_dim=0)))
+        norms.append(engine.clip_grad_norm_(0.05))
+        engine.step()
+    state = engine.full_state_dict()
+    engine.close()
+    return {"state": state, "norms": norms}
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_clip_grad_norm_in_the_loop_matches_torch_clip_grad_norm(pool, strategy: str) -> None:
+    want = train_reference("mlp", 3, optimizer="sgd", accum=2, clip=0.05)
+    for result in pool.run(_clip_in_the_loop, strategy, 3):
+        assert result["norms"] == pytest.approx(want["norms"], rel=1e-6)  # clip_grad_norm_'s return
+        assert all(n > 0.05 for n in result["norms"])  # it really clipped
+        assert_close(result["state"], want["state"], f"{strategy}: clip_grad_norm_ in the loop")
+
+
+def test_clip_grad_norm_before_the_last_backward_is_refused(single_process) -> None:
+    engine = dspark.Engine(tm.make("mlp"), optimizer=torch.optim.SGD, grad_accum_steps=2)
+    x, y = tm.batch("mlp", 4, 0)
+    engine.backward(tm.loss_fn("mlp", engine(x), y))
+    with pytest.raises(RuntimeError, match=r"clip_grad_norm_\(\) before the window's gradients are "
+                       r"reduced \(1 of grad_accum_steps=2"):
+        engine.clip_grad_norm_(1.0)
+    with pytest.raises(ValueError, match=r"max_norm=0 must be a positive number"):
+        engine.clip_grad_norm_(0)
+    engine.close()
 
 
 def _accumulation_sends_nothing_early() -> dict:

@@ -521,6 +521,38 @@ class Engine:
         self.step_count += 1
         return True
 
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Scale the window's reduced gradients so that their global L2 norm is at most ``max_norm``
+        and return the norm before clipping, as ``torch.nn.utils.clip_grad_norm_`` does in one
+        process; ``max_norm=float("inf")`` only measures it. For loops that clip (or log the norm)
+        themselves between ``engine.backward`` and ``engine.step``: under zero2 and zero3 the
+        model's parameters hold no gradient (each rank keeps its shard), so PyTorch's own function
+        would see none. Call it on every rank (sharded gradients sum their squares across ranks),
+        after the window's last ``backward()``. ``clip_grad_norm=`` does the same inside ``step()``.
+
+        Example::
+
+            engine.backward(loss)
+            norm = engine.clip_grad_norm_(1.0)
+            engine.step()
+        """
+        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
+            raise ValueError(f"max_norm={max_norm!r} must be a positive number (float('inf') only "
+                             "measures the norm)")
+        if not self._synced:
+            raise RuntimeError(
+                f"rank {self.world.rank}: clip_grad_norm_() before the window's gradients are reduced "
+                f"({self._micro_step} of grad_accum_steps={self.grad_accum_steps} backward() calls "
+                "so far); call it after the window's last engine.backward() and before engine.step()")
+        norm = self._global_grad_norm()
+        self.last_grad_norm = norm
+        coef = float(max_norm) / (norm + 1e-6)
+        if coef < 1.0:
+            grads = [g for g in self._owned_grads() if g is not None]
+            if grads:
+                torch._foreach_mul_(grads, coef)
+        return norm
+
     def _owned_grads(self) -> list[torch.Tensor | None]:
         """The gradient tensors this rank holds: shards (zero2/3) or whole gradients (replicate, zero1;
         identical on every rank after the all-reduce)."""
