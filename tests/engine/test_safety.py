@@ -283,3 +283,37 @@ def test_a_sharded_optimizer_state_dict_refuses_another_ranks_rows(pool, tmp_pat
     assert message.startswith("rank 1: this optimizer state dict holds the shard of rank 0 of 2 "
                               "under strategy='zero2'"), message
     assert "engine.save(path) / engine.load(path)" in message
+
+
+def _deferred_tag_checks() -> dict[str, object]:
+    """The accelerator's way (tags checked in batches, at the end of backward), run on CPU: a clean
+    step leaves nothing pending, and a mismatched batch of tags names both sides."""
+    torch.manual_seed(0)
+    engine = dspark.Engine(tm.TinyMLP(), optimizer=ADAMW, strategy="zero3")
+    scheduler = engine._zero3
+    assert scheduler is not None and scheduler.defer_tag_checks is False  # CPU parameters
+    scheduler.defer_tag_checks = True
+    x = dspark.distribute_batch(torch.randn(4, 6), shard_dim=0)
+    engine(x)  # a forward alone: its tags wait
+    pending = len(scheduler._deferred_tags)
+    engine.backward(engine(x).square().mean())
+    engine.step()
+    left = len(scheduler._deferred_tags)
+    forward_tag = (1 << 48) | (0 << 24) | 0  # a training forward of the first parameter
+    no_grad_tag = (2 << 48) | (0 << 24) | 0
+    scheduler._deferred_tags = [(forward_tag, torch.tensor([forward_tag, no_grad_tag]))]
+    try:
+        scheduler._verify_deferred_tags()
+        message = "no error"
+    except dspark.CollectiveError as exc:
+        message = str(exc)
+    engine.close()
+    return {"pending": pending, "left": left, "message": message}
+
+
+def test_zero3_deferred_tag_checks_wait_for_backward_and_name_the_mismatch(pool) -> None:
+    for result in pool.run(_deferred_tag_checks):
+        assert result["pending"] > 0 and result["left"] == 0, result
+        message = str(result["message"])
+        assert "this rank gathered scale for a training forward, rank 1 scale for a forward without " \
+               "grad" in message, message

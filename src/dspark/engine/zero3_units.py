@@ -238,6 +238,8 @@ class Zero3Scheduler:
         self._in_backward = in_backward
         self._position = {id(s): i for i, s in enumerate(slots)}  # in gather tags: see [Note: gather tags]
         self._deferred_tags: list[tuple[int, torch.Tensor]] = []
+        # on an accelerator, reading a gather's tags would sync the host: check them in batches
+        self.defer_tag_checks = any(s.param.device.type != "cpu" for s in slots)
         self._holders: dict[int, int] = {id(s): 0 for s in slots}
         self._slots = slots
         self._order: list[int] = []  # unit indices in the previous forward's order
@@ -325,7 +327,7 @@ class Zero3Scheduler:
         return (phase << 48) | (self._position[id(group[0])] << 24) | self._position[id(group[-1])]
 
     def _check_tags(self, gather: _Gather, tags: torch.Tensor) -> None:
-        if tags.device.type == "cpu":
+        if not self.defer_tag_checks:
             self._verify_tags(gather.tag, tags.tolist())
             return
         self._deferred_tags.append((gather.tag, tags))
