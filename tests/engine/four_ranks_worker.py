@@ -5,8 +5,8 @@ model so small that rank 3 owns no row of any parameter, through a checkpoint.
 
 From the repository root, ``PYTHONPATH=. python -m dspark.cli.main run --nproc 4
 tests/engine/four_ranks_worker.py OUT.pt``: rank 0 saves
-``{"collectives": {...}, "states": {(strategy, optimizer): state_dict}, "rowless": {strategy:
-state_dict}}`` to ``OUT.pt``."""
+``{"collectives": {...}, "states": {(strategy, optimizer): state_dict}, "rowless": {(strategy,
+optimizer): state_dict}}`` to ``OUT.pt``."""
 
 from __future__ import annotations
 
@@ -78,14 +78,14 @@ def rowless_loss(model: Callable[[torch.Tensor], torch.Tensor], step: int, *, sp
     return torch.nn.functional.mse_loss(model(x), y)
 
 
-def train_rowless(strategy: str, checkpoint: str) -> dict[str, torch.Tensor]:
-    """AdamW, 2 steps, a checkpoint, a fresh engine loads it, 2 more steps."""
-    engine = dspark.Engine(rowless_model(), optimizer=OPTIMIZERS["adamw"], strategy=strategy)
+def train_rowless(strategy: str, optimizer: str, checkpoint: str) -> dict[str, torch.Tensor]:
+    """STEPS steps, a checkpoint, a fresh engine loads it, STEPS more steps."""
+    engine = dspark.Engine(rowless_model(), optimizer=OPTIMIZERS[optimizer], strategy=strategy)
     for step in range(2 * STEPS):
         if step == STEPS:
             engine.save(checkpoint)
             engine.close()
-            engine = dspark.Engine(rowless_model(), optimizer=OPTIMIZERS["adamw"], strategy=strategy)
+            engine = dspark.Engine(rowless_model(), optimizer=OPTIMIZERS[optimizer], strategy=strategy)
             engine.load(checkpoint)
         engine.backward(rowless_loss(engine, step, split=True))
         engine.step()
@@ -98,8 +98,9 @@ def main() -> None:
     for strategy in ("replicate", "zero1", "zero2", "zero3"):
         for optimizer in OPTIMIZERS:
             out["states"][(strategy, optimizer)] = train(strategy, optimizer)
-    out["rowless"] = {strategy: train_rowless(strategy, f"{sys.argv[1]}.{strategy}.ckpt")
-                      for strategy in ("zero1", "zero2", "zero3")}
+    out["rowless"] = {(strategy, optimizer): train_rowless(strategy, optimizer,
+                                                           f"{sys.argv[1]}.{strategy}.{optimizer}.ckpt")
+                      for strategy in ("zero1", "zero2", "zero3") for optimizer in OPTIMIZERS}
     if world.rank == 0:
         torch.save(out, sys.argv[1])
     comm.barrier()

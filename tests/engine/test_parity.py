@@ -35,13 +35,13 @@ def test_clipping_parity_uses_the_global_norm(pool, strategy: str) -> None:
     assert results[0]["norms"] == pytest.approx(results[1]["norms"], rel=1e-6)
 
 
-def _clip_in_the_loop(strategy: str, steps: int) -> dict:
+def _clip_in_the_loop(strategy: str, steps: int, optimizer: str) -> dict:
     """A loop that clips itself between backward and step (SGD: a wrong factor shows)."""
     from tests.engine.cases import get_case
     from tests.engine.harness import build_engine, micro_batches
 
     case = get_case("mlp")
-    engine = build_engine("mlp", strategy, optimizer="sgd", accum=2)
+    engine = build_engine("mlp", strategy, optimizer=optimizer, accum=2)
     norms = []
     for step in range(steps):
         for micro in micro_batches(case.batch(step), 2):
@@ -53,13 +53,14 @@ def _clip_in_the_loop(strategy: str, steps: int) -> dict:
     return {"state": state, "norms": norms}
 
 
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_clip_grad_norm_in_the_loop_matches_torch_clip_grad_norm(pool, strategy: str) -> None:
-    want = train_reference("mlp", 3, optimizer="sgd", accum=2, clip=0.05)
-    for result in pool.run(_clip_in_the_loop, strategy, 3):
+def test_clip_grad_norm_in_the_loop_matches_torch_clip_grad_norm(pool, strategy: str, optimizer: str) -> None:
+    want = train_reference("mlp", 3, optimizer=optimizer, accum=2, clip=0.05)
+    for result in pool.run(_clip_in_the_loop, strategy, 3, optimizer):
         assert result["norms"] == pytest.approx(want["norms"], rel=1e-6)  # clip_grad_norm_'s return
         assert all(n > 0.05 for n in result["norms"])  # it really clipped
-        assert_close(result["state"], want["state"], f"{strategy}: clip_grad_norm_ in the loop")
+        assert_close(result["state"], want["state"], f"{strategy} + {optimizer}: clip_grad_norm_ in the loop")
 
 
 def test_clip_grad_norm_before_the_last_backward_is_refused(single_process) -> None:

@@ -511,10 +511,7 @@ class Engine:
                     return False
             self.last_grad_norm = norm
             if self.clip_grad_norm is not None:
-                coef = self.clip_grad_norm / (norm + 1e-6)
-                if coef < 1.0:
-                    grads = [g for g in self._owned_grads() if g is not None]
-                    torch._foreach_mul_(grads, coef)
+                self._clip_to(self.clip_grad_norm, norm)
         self.optimizer.step()
         if self.strategy.shard_optimizer and not self._shard_params and self.world.world_size > 1:
             self._gather_updated_rows()
@@ -546,12 +543,17 @@ class Engine:
                 "so far); call it after the window's last engine.backward() and before engine.step()")
         norm = self._global_grad_norm()
         self.last_grad_norm = norm
-        coef = float(max_norm) / (norm + 1e-6)
+        self._clip_to(float(max_norm), norm)
+        return norm
+
+    def _clip_to(self, max_norm: float, norm: float) -> None:
+        """Scale this rank's gradients by ``max_norm / norm`` when that is below 1, with
+        ``clip_grad_norm_``'s epsilon."""
+        coef = max_norm / (norm + 1e-6)
         if coef < 1.0:
             grads = [g for g in self._owned_grads() if g is not None]
             if grads:
                 torch._foreach_mul_(grads, coef)
-        return norm
 
     def _owned_grads(self) -> list[torch.Tensor | None]:
         """The gradient tensors this rank holds: shards (zero2/3) or whole gradients (replicate, zero1;
