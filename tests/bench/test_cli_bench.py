@@ -24,6 +24,7 @@ from dspark.bench.analysis import annotate
 from dspark.bench.ledger import Ledger
 from dspark.bench.provenance import source_commit
 from dspark.cli.main import main
+from dspark.comm.shm_transport import shm_wanted
 from dspark.engine import STEP_STATS_KEYS
 
 pytestmark = pytest.mark.slow
@@ -65,7 +66,9 @@ def test_json_has_every_key_and_every_step_of_every_round(seed_run: dict[str, An
         assert REQUIRED_KEYS <= row.keys(), REQUIRED_KEYS - row.keys()
         assert row["rounds"] == 2 and [len(s) for s in row["step_ms_by_round"]] == [2, 2]
         assert row["git_commit"] == source_commit()[0]  # from the package, not the cwd
-        assert row["backend"] == "gloo" and row["device_model"]
+        # 2 ranks of one machine: DSpark's collectives go through shared memory (dspark.comm)
+        shared = row["num_devices"] > 1 and shm_wanted(2, 2, "gloo", "cpu")
+        assert row["backend"] == ("gloo+shm" if shared else "gloo") and row["device_model"]
         assert row["optimizer_kernel"] == "fused"
         if len(os.sched_getaffinity(0)) >= 2:  # one core per rank: every thread on it
             assert row["ranks_pinned"] and row["threads_unpinned"] == 0

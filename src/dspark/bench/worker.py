@@ -326,13 +326,18 @@ def run_config(config: BenchConfig, *, round_index: int = 0, probe: bool = True,
         estimated = estimate() if estimate is not None else None
         options = dict(trainer.options)
         optimizer_kernel = trainer.optimizer_kernel
+        is_dspark = trainer.is_dspark
     finally:
         trainer.close()
 
     everyone = comm.all_gather_object(mine)
     # A peer's collectives bypass DSpark's counters: its traffic is estimated, never "measured".
     counted = estimated is None
-    provenance = collect_provenance(device=device, backend=world.backend)
+    # DSpark's collectives may travel through shared memory (dspark.comm.transport()); a peer's
+    # go through the process group as its users run it
+    transport = comm.transport() if is_dspark else world.backend
+    provenance = collect_provenance(
+        device=device, backend=world.backend if transport == world.backend else f"{world.backend}+{transport}")
     return Measurement(
         **asdict(config), round_index=round_index,
         step_ms_by_rank=[e["step_ms"] for e in everyone],

@@ -15,6 +15,7 @@ from dspark.comm.collectives import (
     device_mesh,
     new_group,
     reduce_scatter_tensor,
+    transport,
 )
 from dspark.comm.observer import CommObserver, current_observer, set_observer
 from dspark.comm.stats import CollectiveStats, reset_stats, stats
@@ -58,4 +59,5 @@ __all__ = [
     "set_observer",
     "shutdown",
     "stats",
+    "transport",
 ]

@@ -164,6 +164,13 @@ def init(backend: str = "auto", *, timeout: float | _dt.timedelta = 300.0) -> Wo
     _world = World(rank=rank, world_size=world_size, local_rank=local_rank,
                    local_world_size=local_world_size, device=device, backend=chosen,
                    timeout_s=timeout_s)
+    from dspark.comm import collectives
+
+    try:
+        collectives._start_shm()  # every rank on this machine: tensors travel through shared memory
+    except BaseException:
+        shutdown()
+        raise
     return _world
 
 

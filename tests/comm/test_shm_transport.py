@@ -1,0 +1,209 @@
+"""The shared-memory transport: two ranks simulated by two threads of this process over one mapping
+(pure logic, no process group), then the real path through the 2-rank gloo pool."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+import dspark
+from dspark import comm
+from dspark.comm import shm_transport as shm
+from dspark.errors import CollectiveError, CollectiveTimeoutError
+
+pytestmark = pytest.mark.skipif(not shm.shm_wanted(2, 2, "gloo", "cpu"),
+                                reason="needs /dev/shm on x86-64")
+
+
+def _pair(region: int = 1 << 20, timeout_s: float = 20.0) -> list[shm.ShmTransport]:
+    path = shm.new_path()
+    shm.create_file(path, shm.mapping_bytes(2, region))
+    try:
+        return [shm.ShmTransport(path, r, 2, region, timeout_s) for r in range(2)]
+    finally:
+        os.unlink(path)
+
+
+def _on_both(ranks: list[shm.ShmTransport], program: Callable[[shm.ShmTransport], Any]) -> list[Any]:
+    """Run ``program`` for each rank in its own thread (as two processes would), results by rank."""
+    results: list[Any] = [None, None]
+
+    def body(r: int) -> None:
+        try:
+            results[r] = program(ranks[r])
+        except BaseException as exc:  # returned, so that the test sees it
+            results[r] = exc
+
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a rank never finished: the transport hung"
+    for t in ranks:
+        t.close()
+    return results
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64])
+@pytest.mark.parametrize("numel", [1, 7, 70_001])   # 70_001 x 4 bytes: pieces of 256 KiB
+def test_three_collectives_match_their_definition(dtype: torch.dtype, numel: int) -> None:
+    inputs = [(torch.randn(2 * numel, generator=torch.Generator().manual_seed(r)) * 8).to(dtype)
+              for r in range(2)]
+
+    def program(t: shm.ShmTransport) -> dict[str, torch.Tensor]:
+        mine = inputs[t.rank]
+        total = mine.clone()
+        gathered = torch.empty(4 * numel, dtype=dtype)
+        scattered = torch.empty(numel, dtype=dtype)
+        ops = [t.all_reduce(total, "sum"), t.all_gather(gathered, mine),
+               t.reduce_scatter(scattered, mine)]
+        for op in reversed(ops):  # waited out of order: completed in order all the same
+            op.wait()
+        return {"sum": total, "gathered": gathered, "scattered": scattered}
+
+    got = _on_both(_pair(), program)
+    expected_sum = inputs[0] + inputs[1]
+    for r in range(2):
+        assert torch.equal(got[r]["sum"], expected_sum)   # every rank the same bits
+        assert torch.equal(got[r]["gathered"], torch.cat(inputs))
+        assert torch.equal(got[r]["scattered"], expected_sum[r * numel:(r + 1) * numel])
+
+
+def test_max_and_min() -> None:
+    def program(t: shm.ShmTransport) -> list[list[float]]:
+        hi, lo = torch.tensor([1.0, -3.0]) * (t.rank + 1), torch.tensor([1.0, -3.0]) * (t.rank + 1)
+        t.all_reduce(hi, "max").wait()
+        t.all_reduce(lo, "min").wait()
+        return [hi.tolist(), lo.tolist()]
+
+    assert _on_both(_pair(), program) == [[[2.0, -3.0], [1.0, -6.0]]] * 2
+
+
+def test_more_in_flight_than_the_region_and_the_headers_hold() -> None:
+    """300 all-reduces of 40 KB launched before any wait: 12 MB through a 256 KiB region and 128
+    headers. A rank out of room completes its own oldest collectives; nothing deadlocks."""
+    def program(t: shm.ShmTransport) -> bool:
+        tensors = [torch.full((10_000,), float(t.rank + i)) for i in range(300)]
+        ops = [t.all_reduce(x, "sum") for x in tensors]
+        for op in ops[::-1]:
+            op.wait()
+        return all(bool(torch.all(x == 2 * i + 1)) for i, x in enumerate(tensors))
+
+    assert _on_both(_pair(region=256 * 1024), program) == [True, True]
+
+
+def test_different_collectives_are_named_on_both_ranks_and_the_ranks_go_on() -> None:
+    def program(t: shm.ShmTransport) -> tuple[str, float]:
+        try:
+            if t.rank == 0:
+                t.all_reduce(torch.ones(6), "sum").wait()
+            else:
+                t.all_gather(torch.empty(6), torch.ones(3)).wait()
+            message = "no error"
+        except CollectiveError as exc:
+            message = str(exc)
+        after = torch.ones(2)
+        t.all_reduce(after, "sum").wait()   # both ranks stepped past it together
+        return message, float(after[0])
+
+    (m0, a0), (m1, a1) = _on_both(_pair(), program)
+    assert m0.startswith("rank 0: collective #1 is all_reduce of 6 x torch.float32 here and "
+                         "all_gather of 3 x torch.float32 on rank 1"), m0
+    assert m1.startswith("rank 1: collective #1 is all_gather of 3 x torch.float32 here and "
+                         "all_reduce of 6 x torch.float32 on rank 0"), m1
+    assert "same collectives in the same order" in m0
+    assert a0 == a1 == 2.0
+
+
+def test_a_rank_that_never_joins_times_out_with_its_number() -> None:
+    def program(t: shm.ShmTransport) -> str:
+        if t.rank == 1:
+            return "skipped"
+        try:
+            t.all_reduce(torch.ones(4), "sum").wait()
+        except CollectiveTimeoutError as exc:
+            return str(exc)
+        return "no error"
+
+    got = _on_both(_pair(timeout_s=0.5), program)
+    assert got[0].startswith("rank 0: all_reduce of 16 bytes (collective #1) timed out after 0.5 s "
+                             "in shared memory: rank(s) 1 never joined it"), got[0]
+
+
+def test_the_settings_are_checked() -> None:
+    assert not shm.shm_wanted(2, 1, "gloo", "cpu")      # ranks on two machines
+    assert not shm.shm_wanted(1, 1, "gloo", "cpu")
+    assert not shm.shm_wanted(2, 2, "nccl", "cuda")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(shm.SHM_ENV, "0")
+        assert not shm.shm_wanted(2, 2, "gloo", "cpu")
+        mp.setenv(shm.SHM_ENV, "sometimes")
+        with pytest.raises(ValueError, match="DSPARK_SHM='sometimes': use 1"):
+            shm.shm_wanted(2, 2, "gloo", "cpu")
+        mp.setenv(shm.SHM_MB_ENV, "0.5")
+        with pytest.raises(ValueError, match="at least 1 MiB"):
+            shm.region_bytes()
+        mp.setenv(shm.SHM_MB_ENV, "lots")
+        with pytest.raises(ValueError, match="is not a number of MiB"):
+            shm.region_bytes()
+
+
+# -- through the pool: the default group of a real gloo job -----------------------------------------
+def _shm_against_gloo() -> dict[str, object]:
+    world = dspark.get_world()
+    gloo = comm.new_group()   # a side group always runs on gloo
+    try:
+        torch.manual_seed(world.rank)
+        x = torch.randn(3_000_001)   # 12 MB: pieces of 4 MiB
+        via_shm, via_gloo = x.clone(), x.clone()
+        h = comm.all_reduce(via_shm, async_op=True)
+        comm.all_reduce(via_gloo, group=gloo)
+        h.wait()
+        bf = x[:1001].to(torch.bfloat16)
+        g_shm, g_gloo = torch.empty(2002, dtype=torch.bfloat16), torch.empty(2002, dtype=torch.bfloat16)
+        comm.all_gather_into_tensor(g_shm, bf)
+        comm.all_gather_into_tensor(g_gloo, bf, group=gloo)
+        rs_shm, rs_gloo = torch.empty(500), torch.empty(500)
+        comm.reduce_scatter_tensor(rs_shm, x[:1000], op="avg")
+        comm.reduce_scatter_tensor(rs_gloo, x[:1000], op="avg", group=gloo)
+        strided = torch.ones(4, 6)[:, ::2]   # not contiguous: gloo's way, the same on every rank
+        comm.all_reduce(strided.contiguous())
+        shared = dspark.comm.collectives._shm
+        return {"transport": comm.transport(),
+                "file_left": shared is not None and os.path.exists(shared.path),
+                "sum": torch.equal(via_shm, via_gloo), "gather": torch.equal(g_shm, g_gloo),
+                "rs": torch.allclose(rs_shm, rs_gloo, rtol=0, atol=1e-6)}
+    finally:
+        comm.destroy_group(gloo)
+
+
+def test_the_pool_runs_through_shared_memory_with_gloos_results(pool) -> None:
+    for got in pool.run(_shm_against_gloo):
+        assert got == {"transport": "shm", "file_left": False, "sum": True, "gather": True,
+                       "rs": True}
+
+
+def test_a_rank_that_exited_stops_the_wait_at_once() -> None:
+    """gloo notices a closed connection; shared memory watches the other ranks' processes."""
+    import subprocess
+    import sys
+    import time
+
+    ranks = _pair(timeout_s=60.0)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    ranks[0].watch([os.getpid(), gone.pid])
+    gone.wait()
+    started = time.monotonic()
+    with pytest.raises(CollectiveError, match=r"rank 0: all_reduce of 16 bytes \(collective #1\) "
+                                              r"cannot complete: rank\(s\) 1 exited while this rank "
+                                              r"waited on them"):
+        ranks[0].all_reduce(torch.ones(4), "sum").wait()
+    assert time.monotonic() - started < 5
+    for t in ranks:
+        t.close()
