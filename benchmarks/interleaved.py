@@ -63,3 +63,17 @@ def median_step_ms(engine: Any, workload: Any, global_batch: int, steps: int, wa
     engine.close()
     gc.collect()
     return statistics.median(times)
+
+
+def median_call_ms(fn: Callable[[], object], repeats: int, warmup: int = 3) -> float:
+    """Median wall ms of ``fn()`` over ``repeats`` calls after ``warmup`` untimed ones, every call
+    started together on all ranks (a barrier before each)."""
+    for _ in range(warmup):  # the first calls of a kind also set up gloo's buffers and pairs
+        fn()
+    times = []
+    for _ in range(repeats):
+        comm.barrier()
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)

@@ -18,13 +18,10 @@ import argparse
 import functools
 import gc
 import os
-import statistics
-import time
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from interleaved import interleaved_medians, median_step_ms
+from interleaved import interleaved_medians, median_call_ms, median_step_ms
 
 import dspark
 from dspark import comm
@@ -33,28 +30,16 @@ from dspark.engine import engine as engine_module
 from dspark.models import get_workload
 
 
-def _median_ms(fn: Callable[[], object], repeats: int, warmup: int = 3) -> float:
-    for _ in range(warmup):  # the first calls of a kind also set up gloo's buffers and pairs
-        fn()
-    times = []
-    for _ in range(repeats):
-        comm.barrier()
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
-
-
 def _bucket_timings(mb: float, n: int, repeats: int) -> dict[str, float]:
     seg = int(mb * 2**20 / 4 / n)  # a bucket of mb MB of fp32 gradients, seg elements per rank
     bucket = torch.randn(n * seg)
     rows = torch.empty(seg)
     return {
-        "all-reduce of the bucket": _median_ms(lambda: comm.all_reduce(bucket), repeats),
+        "all-reduce of the bucket": median_call_ms(lambda: comm.all_reduce(bucket), repeats),
         # gloo's own, called directly: DSpark's comm layer no longer takes this path on gloo
-        "gloo's reduce-scatter": _median_ms(lambda: dist.reduce_scatter_tensor(rows, bucket),
+        "gloo's reduce-scatter": median_call_ms(lambda: dist.reduce_scatter_tensor(rows, bucket),
                                             repeats),
-        "DSpark's reduce-scatter": _median_ms(lambda: comm.reduce_scatter_tensor(rows, bucket),
+        "DSpark's reduce-scatter": median_call_ms(lambda: comm.reduce_scatter_tensor(rows, bucket),
                                               repeats),
     }
 

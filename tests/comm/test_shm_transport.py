@@ -4,6 +4,9 @@
 from __future__ import annotations
 
 import os
+import re
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -75,6 +78,23 @@ def test_three_collectives_match_their_definition(dtype: torch.dtype, numel: int
         assert torch.equal(got[r]["scattered"], expected_sum[r * numel:(r + 1) * numel])
 
 
+def test_all_gather_parts_lands_each_part_in_its_own_output() -> None:
+    """Parts of 1, 5 and 70_000 elements (the last crosses pieces of 64 K elements): each output
+    holds every rank's part in rank order."""
+    sizes = [1, 5, 70_000, 3]
+    parts = [[torch.arange(k, dtype=torch.float32) + 1000 * r + 100 * i for i, k in enumerate(sizes)]
+             for r in range(2)]
+
+    def program(t: shm.ShmTransport) -> list[torch.Tensor]:
+        outputs = [torch.empty(2 * k) for k in sizes]
+        t.all_gather_parts(parts[t.rank], outputs).wait()
+        return outputs
+
+    for got in _on_both(_pair(region=1 << 20), program):
+        for i, out in enumerate(got):
+            assert torch.equal(out, torch.cat([parts[0][i], parts[1][i]])), i
+
+
 def test_max_and_min() -> None:
     def program(t: shm.ShmTransport) -> list[list[float]]:
         hi, lo = torch.tensor([1.0, -3.0]) * (t.rank + 1), torch.tensor([1.0, -3.0]) * (t.rank + 1)
@@ -119,6 +139,22 @@ def test_different_collectives_are_named_on_both_ranks_and_the_ranks_go_on() -> 
                          "all_reduce of 6 x torch.float32 on rank 0"), m1
     assert "same collectives in the same order" in m0
     assert a0 == a1 == 2.0
+
+
+def test_ranks_whose_regions_went_out_of_step_still_gather_right() -> None:
+    """After a mismatched collective of different sizes the ranks' inputs sit at different offsets
+    of their regions: the gather reads each rank's copy where it is."""
+    def program(t: shm.ShmTransport) -> list[float]:
+        try:
+            t.all_reduce(torch.ones(100 if t.rank == 0 else 10), "sum").wait()
+        except CollectiveError:
+            pass
+        out = torch.empty(4)
+        t.all_gather_parts([torch.full((1,), float(t.rank)), torch.full((1,), 10.0 + t.rank)],
+                           [out[:2], out[2:]]).wait()
+        return out.tolist()
+
+    assert _on_both(_pair(), program) == [[0.0, 1.0, 10.0, 11.0]] * 2
 
 
 def test_a_rank_that_never_joins_times_out_with_its_number() -> None:
@@ -172,13 +208,18 @@ def _shm_against_gloo() -> dict[str, object]:
         rs_shm, rs_gloo = torch.empty(500), torch.empty(500)
         comm.reduce_scatter_tensor(rs_shm, x[:1000], op="avg")
         comm.reduce_scatter_tensor(rs_gloo, x[:1000], op="avg", group=gloo)
+        parts = [x[:3], x[3:1003], x[1003:1004]]
+        via = [[torch.empty(2 * p.numel()) for p in parts] for _ in range(2)]
+        comm.all_gather_parts(parts, via[0])
+        comm.all_gather_parts(parts, via[1], group=gloo)
         strided = torch.ones(4, 6)[:, ::2]   # not contiguous: gloo's way, the same on every rank
         comm.all_reduce(strided.contiguous())
         shared = dspark.comm.collectives._shm
         return {"transport": comm.transport(),
                 "file_left": shared is not None and os.path.exists(shared.path),
                 "sum": torch.equal(via_shm, via_gloo), "gather": torch.equal(g_shm, g_gloo),
-                "rs": torch.allclose(rs_shm, rs_gloo, rtol=0, atol=1e-6)}
+                "rs": torch.allclose(rs_shm, rs_gloo, rtol=0, atol=1e-6),
+                "parts": all(torch.equal(a, b) for a, b in zip(*via, strict=True))}
     finally:
         comm.destroy_group(gloo)
 
@@ -186,13 +227,11 @@ def _shm_against_gloo() -> dict[str, object]:
 def test_the_pool_runs_through_shared_memory_with_gloos_results(pool) -> None:
     for got in pool.run(_shm_against_gloo):
         assert got == {"transport": "shm", "file_left": False, "sum": True, "gather": True,
-                       "rs": True}
+                       "rs": True, "parts": True}
 
 
 def test_a_rank_that_exited_stops_the_wait_at_once() -> None:
     """gloo notices a closed connection; shared memory watches the other ranks' processes."""
-    import subprocess
-    import sys
     import time
 
     ranks = _pair(timeout_s=60.0)
@@ -207,3 +246,33 @@ def test_a_rank_that_exited_stops_the_wait_at_once() -> None:
     assert time.monotonic() - started < 5
     for t in ranks:
         t.close()
+
+
+_SCRIPT = """
+import torch, dspark
+from dspark import comm
+world = dspark.init()
+t = torch.full((3,), float(world.rank + 1))
+comm.all_reduce(t)
+print(f"rank {world.rank}: {comm.transport()} {t.tolist()}", flush=True)
+dspark.shutdown()
+"""
+
+
+def _launch(tmp_path, setting: str) -> subprocess.CompletedProcess[str]:
+    script = tmp_path / "transport.py"
+    script.write_text(_SCRIPT)
+    env = {**os.environ, shm.SHM_ENV: setting}
+    return subprocess.run([sys.executable, "-m", "dspark.cli.main", "run", "--nproc", "2", str(script)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+
+
+def test_dspark_shm_0_puts_the_job_on_gloo_and_a_bad_value_is_refused(tmp_path) -> None:
+    done = _launch(tmp_path, "0")
+    assert done.returncode == 0, done.stderr[-3000:]
+    # two ranks' prints share one pipe: found where they are, not line by line
+    assert sorted(re.findall(r"rank \d: \w+ \[[^\]]*\]", done.stdout)) == [
+        "rank 0: gloo [3.0, 3.0, 3.0]", "rank 1: gloo [3.0, 3.0, 3.0]"], done.stdout
+    refused = _launch(tmp_path, "maybe")
+    assert refused.returncode != 0
+    assert "DSPARK_SHM='maybe': use 1 (the default" in refused.stderr + refused.stdout

@@ -33,6 +33,7 @@ __all__ = [
     "all_gather",
     "all_gather_into_tensor",
     "all_gather_object",
+    "all_gather_parts",
     "all_reduce",
     "barrier",
     "broadcast",
@@ -320,6 +321,47 @@ def _all_gather(kind: str, output: torch.Tensor, shard: torch.Tensor, async_op: 
     return _run(kind, g, _nbytes(shard),
                 lambda: _ALL_GATHER(output.view(-1), shard.reshape(-1), group=g.pg, async_op=True),
                 async_op, label=label)
+
+
+def all_gather_parts(parts: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], *,
+                     async_op: bool = False, group: Group | None = None,
+                     label: str | None = None) -> Handle:
+    """One all-gather of several tensors of one dtype: ``outputs[i]`` (``N * parts[i].numel()``
+    elements, contiguous) gets every rank's ``parts[i]`` in rank order. Through shared memory the
+    parts are read and the outputs written in place; on a process group they travel packed in one
+    buffer and are copied out when the handle is waited on."""
+    g = group or default_group()
+    if not parts or len(parts) != len(outputs):
+        raise ValueError(f"all_gather_parts: {len(parts)} parts for {len(outputs)} outputs")
+    for i, (part, out) in enumerate(zip(parts, outputs, strict=True)):
+        if out.numel() != part.numel() * g.size or out.dtype != parts[0].dtype or part.dtype != parts[0].dtype:
+            raise ValueError(f"all_gather_parts: output {i} has {out.numel()} x {out.dtype}, "
+                             f"expected {g.size} ranks x {part.numel()} x {parts[0].dtype}")
+        if not out.is_contiguous():
+            raise ValueError(f"all_gather_parts: output {i} is not contiguous")
+    nbytes = sum(_nbytes(p) for p in parts)
+    if _is_noop(g):
+        def copy_all() -> None:
+            for part, out in zip(parts, outputs, strict=True):
+                _copy(out, part)
+
+        return _run("all_gather", g, nbytes, copy_all, async_op, label=label)
+    shm = _through_shm(g, *outputs, *(p.reshape(-1) for p in parts))
+    if shm is not None:
+        return _run("all_gather", g, nbytes,
+                    lambda: shm.all_gather_parts(list(parts), list(outputs)), async_op, label=label)
+    send = torch.cat([p.reshape(-1) for p in parts])
+    packed = send.new_empty((g.size, send.numel()))
+
+    def unpack() -> None:
+        at = 0
+        for part, out in zip(parts, outputs, strict=True):
+            out.view(g.size, part.numel()).copy_(packed[:, at:at + part.numel()])
+            at += part.numel()
+
+    return _run("all_gather", g, nbytes,
+                lambda: _ALL_GATHER(packed.view(-1), send, group=g.pg, async_op=True),
+                async_op, unpack, label)
 
 
 def all_gather(shard: torch.Tensor, *, group: Group | None = None,

@@ -105,13 +105,17 @@ def mapping_bytes(world_size: int, region: int) -> int:
     return world_size * (_CTRL_BYTES + region)
 
 
+Finish = Callable[[list[torch.Tensor], "torch.Tensor | None"], None]
+"""Completes a piece from every rank's input (and, for a gather, all of them as one strided view
+when they share an offset)."""
+
+
 class ShmWork:
     """One piece of a collective: its place in the sequence and what completing it does."""
 
     __slots__ = ("_finish", "done", "error", "kind", "nbytes", "seq")
 
-    def __init__(self, seq: int, kind: str, nbytes: int,
-                 finish: Callable[[list[torch.Tensor]], None]) -> None:
+    def __init__(self, seq: int, kind: str, nbytes: int, finish: Finish) -> None:
         self.seq = seq
         self.kind = kind
         self.nbytes = nbytes
@@ -119,8 +123,8 @@ class ShmWork:
         self.done = False
         self.error: CollectiveError | None = None
 
-    def run(self, inputs: list[torch.Tensor]) -> None:
-        self._finish(inputs)
+    def run(self, inputs: list[torch.Tensor], stacked: torch.Tensor | None) -> None:
+        self._finish(inputs, stacked)
         self.done = True
 
 
@@ -188,8 +192,8 @@ class ShmTransport:
     def all_reduce(self, tensor: torch.Tensor, op: str) -> ShmOp:
         flat = tensor.view(-1)
 
-        def piece(a: int, b: int) -> tuple[torch.Tensor, Callable[[list[torch.Tensor]], None]]:
-            return flat[a:b], lambda inputs: _reduce(op, inputs, flat[a:b])
+        def piece(a: int, b: int) -> tuple[torch.Tensor, Finish]:
+            return flat[a:b], lambda inputs, _: _reduce(op, inputs, flat[a:b])
 
         return self._pieces("all_reduce", flat.numel(), flat.element_size(), piece)
 
@@ -197,8 +201,11 @@ class ShmTransport:
         flat = shard.reshape(-1)
         rows = output.view(self.size, flat.numel())
 
-        def piece(a: int, b: int) -> tuple[torch.Tensor, Callable[[list[torch.Tensor]], None]]:
-            def finish(inputs: list[torch.Tensor]) -> None:
+        def piece(a: int, b: int) -> tuple[torch.Tensor, Finish]:
+            def finish(inputs: list[torch.Tensor], stacked: torch.Tensor | None) -> None:
+                if stacked is not None:
+                    rows[:, a:b].copy_(stacked)
+                    return
                 for row, got in zip(rows, inputs, strict=True):
                     row[a:b].copy_(got)
 
@@ -206,13 +213,44 @@ class ShmTransport:
 
         return self._pieces("all_gather", flat.numel(), flat.element_size(), piece)
 
+    def all_gather_parts(self, parts: list[torch.Tensor], outputs: list[torch.Tensor]) -> ShmOp:
+        """Output ``i`` gets every rank's ``parts[i]`` in rank order: one collective for all of
+        them, written from the parts and read into the outputs, with no packed copy between."""
+        flats = [p.reshape(-1) for p in parts]
+        sizes = [f.numel() for f in flats]
+        starts = [0]
+        for k in sizes:
+            starts.append(starts[-1] + k)
+        rows = [o.view(self.size, k) for o, k in zip(outputs, sizes, strict=True)]
+
+        def piece(a: int, b: int) -> tuple[list[torch.Tensor], Finish]:
+            spans = [(i, max(a, s) - s, min(b, s + k) - s)
+                     for i, (s, k) in enumerate(zip(starts, sizes, strict=False)) if s < b and s + k > a]
+
+            def finish(inputs: list[torch.Tensor], stacked: torch.Tensor | None) -> None:
+                if stacked is not None:   # one copy per part, every rank's at once
+                    at = 0
+                    for i, lo, hi in spans:
+                        rows[i][:, lo:hi].copy_(stacked[:, at:at + hi - lo])
+                        at += hi - lo
+                    return
+                for r, got in enumerate(inputs):
+                    at = 0
+                    for i, lo, hi in spans:
+                        rows[i][r, lo:hi].copy_(got[at:at + hi - lo])
+                        at += hi - lo
+
+            return [flats[i][lo:hi] for i, lo, hi in spans], finish
+
+        return self._pieces("all_gather", starts[-1], flats[0].element_size(), piece)
+
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> ShmOp:
         out = output.view(-1)
         chunks = input.reshape(self.size, out.numel())   # rank r gets the sum of every rank's row r
         size, r = self.size, self.rank
 
-        def piece(a: int, b: int) -> tuple[torch.Tensor, Callable[[list[torch.Tensor]], None]]:
-            def finish(inputs: list[torch.Tensor]) -> None:
+        def piece(a: int, b: int) -> tuple[torch.Tensor, Finish]:
+            def finish(inputs: list[torch.Tensor], _: torch.Tensor | None) -> None:
                 _reduce("sum", [t.view(size, b - a)[r] for t in inputs], out[a:b])
 
             return chunks[:, a:b], finish
@@ -220,7 +258,7 @@ class ShmTransport:
         return self._pieces("reduce_scatter", out.numel(), out.element_size() * size, piece)
 
     def _pieces(self, kind: str, numel: int, bytes_per_element: int,
-                piece: Callable[[int, int], tuple[torch.Tensor, Callable[[list[torch.Tensor]], None]]]
+                piece: Callable[[int, int], tuple[torch.Tensor | list[torch.Tensor], Finish]]
                 ) -> ShmOp:
         step = max(1, self.piece_bytes // bytes_per_element)
         works = [self._launch(kind, *piece(a, min(a + step, numel)))
@@ -228,19 +266,27 @@ class ShmTransport:
         return ShmOp(self, works)
 
     # -- launch and completion -------------------------------------------------------------------
-    def _launch(self, kind: str, src: torch.Tensor, finish: Callable[[list[torch.Tensor]], None]
-                ) -> ShmWork:
-        if src.dtype not in DTYPE_CODES:
-            raise CollectiveError(f"rank {self.rank}: {kind} of dtype {src.dtype} is not supported "
+    def _launch(self, kind: str, src: torch.Tensor | list[torch.Tensor],
+                finish: Finish) -> ShmWork:
+        """Put ``src`` (a tensor, or tensors laid end to end) in this rank's region as collective
+        number k and publish it; ``finish`` reads every rank's copy when the collective completes."""
+        srcs = [src] if isinstance(src, torch.Tensor) else src
+        dtype = srcs[0].dtype
+        if dtype not in DTYPE_CODES or any(t.dtype != dtype for t in srcs):
+            raise CollectiveError(f"rank {self.rank}: {kind} of dtype {dtype} is not supported "
                                   f"by the shared-memory transport; set {SHM_ENV}=0 to use gloo")
-        numel = src.numel()
-        nbytes = numel * src.element_size()
+        numel = sum(t.numel() for t in srcs)
+        nbytes = numel * srcs[0].element_size()
         seq = self._seq + 1
         start = self._reserve(seq, nbytes)
-        self._view(self.rank, start, nbytes, src.dtype).view(src.shape).copy_(src)
+        ring = self._view(self.rank, start, nbytes, dtype)
+        at = 0
+        for t in srcs:
+            ring[at:at + t.numel()].view(t.shape).copy_(t)
+            at += t.numel()
         me = self._ctrl[self.rank]
         base = 16 + (seq % _HEADERS) * _HEADER_WORDS
-        me[base:base + _HEADER_WORDS] = (seq, _KINDS[kind], nbytes, start, DTYPE_CODES[src.dtype],
+        me[base:base + _HEADER_WORDS] = (seq, _KINDS[kind], nbytes, start, DTYPE_CODES[dtype],
                                           numel)
         me[_ARRIVED] = seq   # after the data and the header: x86 keeps the order
         self._seq = seq
@@ -257,7 +303,8 @@ class ShmTransport:
                    f"{work.kind} of {work.nbytes} bytes (collective #{work.seq})",
                    lambda: self._late(work, _ARRIVED))
         try:
-            work.run([self._input(r, work) for r in range(self.size)])
+            inputs = [self._input(r, work) for r in range(self.size)]
+            work.run(inputs, self._stacked(work, inputs))
         except CollectiveError as exc:   # kept for the caller's wait(), which may come later
             work.error = exc
         finally:
@@ -278,6 +325,20 @@ class ShmTransport:
                 f"an evaluation or a save on rank 0 alone); every rank must run the same "
                 f"collectives in the same order")
         return self._view(r, start, nbytes, _DTYPES[dtype - 1])
+
+    def _stacked(self, work: ShmWork, inputs: list[torch.Tensor]) -> torch.Tensor | None:
+        """For a gather, every rank's input as one ``(N, numel)`` view when they sit at the same
+        offset of their regions (ranks that ran the same collectives do): one copy reads them all."""
+        starts = {self._header(r, work.seq)[3] for r in range(self.size)}
+        dtype, numel = inputs[0].dtype, inputs[0].numel()
+        size = inputs[0].element_size()
+        if work.kind != "all_gather" or len(starts) != 1 or numel == 0 or self.region % size:
+            return None
+        assert self._mm is not None
+        span = torch.frombuffer(self._mm, dtype=torch.uint8,
+                                count=(self.size - 1) * self.region + numel * size,
+                                offset=self._data0 + starts.pop()).view(dtype)
+        return span.as_strided((self.size, numel), (self.region // size, 1))
 
     def _view(self, r: int, start: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
         """Bytes of rank ``r``'s region as a tensor, made for one piece and dropped with it: the

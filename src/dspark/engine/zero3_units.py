@@ -67,12 +67,10 @@ _DEFERRED_TAG_CHECKS = 256
 
 
 class _Gather:
-    """One all-gather of several same-dtype parameters' shards, packed into one flat buffer.
-
-    Rank ``r``'s segment of the output holds its shard of every parameter in order, then an 8-byte
-    tag saying what it gathers (see [Note: gather tags]), so parameter ``i`` is the strided column
-    ``out[:, off_i:off_i + shard_i]``; copying it out gives the full, padded parameter
-    (``chunk * N`` rows, memory order)."""
+    """One all-gather of several same-dtype parameters' shards and an 8-byte tag saying what it
+    gathers (see [Note: gather tags]): ``comm.all_gather_parts`` lands every rank's shard of
+    parameter ``i`` in its own full, padded storage (``chunk * N`` rows, memory order), which is
+    installed as the parameter, and every rank's tag in ``tags``."""
 
     def __init__(self, slots: list[ParamSlot], label: str, installed: dict[int, ParamSlot],
                  tag: int, check: Callable[[_Gather, torch.Tensor], None]) -> None:
@@ -81,11 +79,13 @@ class _Gather:
         self.tag = tag
         self._check = check
         header = _tag_tensor(tag, slots[0].dtype, slots[0].param.device)
-        send = torch.cat([*(_shard(s) for s in slots), header])
-        self.seg = send.numel() - header.numel()
-        self.out = send.new_empty((slots[0].num_ranks, send.numel()))  # (N, shards + tag)
-        self.handle: comm.Handle | None = comm.all_gather_into_tensor(self.out, send, async_op=True,
-                                                                      label=label)
+        n = slots[0].num_ranks
+        shards = [_shard(s) for s in slots]
+        # each parameter's full, padded storage (chunk * N rows, memory order), and every rank's tag
+        self.fulls: list[torch.Tensor] | None = [t.new_empty(n * t.numel()) for t in shards]
+        self.tags = header.new_empty((n, header.numel()))
+        self.handle: comm.Handle | None = comm.all_gather_parts(
+            [*shards, header], [*self.fulls, self.tags], async_op=True, label=label)
         for slot in slots:
             slot.pending = self
 
@@ -94,23 +94,18 @@ class _Gather:
             return
         self.handle.wait()
         self.handle = None
-        out = self.out
-        del self.out
+        fulls, self.fulls = self.fulls, None
         try:
-            self._check(self, _tags_of(out[:, self.seg:]))
+            self._check(self, _tags_of(self.tags))
         except BaseException:
             for slot in self.slots:  # nothing was installed: later gathers must not wait on this one
                 if slot.pending is self:
                     slot.pending = None
             raise
-        offset = 0
-        for slot in self.slots:
-            column = out[:, offset: offset + slot.shard_numel]
-            offset += slot.shard_numel
+        assert fulls is not None
+        for slot, full in zip(self.slots, fulls, strict=True):
             if slot.pending is self:
-                # a copy, never reshape(): a one-element shard's column (N, 1) reshapes to a strided
-                # view, which set_full's as_strided would read as if it were dense
-                slot.set_full(column.contiguous().view(-1))
+                slot.set_full(full)
                 self.installed[slot.param.untyped_storage().data_ptr()] = slot
 
 
