@@ -276,3 +276,17 @@ def test_dspark_shm_0_puts_the_job_on_gloo_and_a_bad_value_is_refused(tmp_path) 
     refused = _launch(tmp_path, "maybe")
     assert refused.returncode != 0
     assert "DSPARK_SHM='maybe': use 1 (the default" in refused.stderr + refused.stdout
+
+
+def test_a_small_dev_shm_is_left_to_the_data_loaders(monkeypatch) -> None:
+    """A container's 64 MB /dev/shm: the mapping would take more than a quarter, so gloo it is."""
+    from dspark.comm import collectives
+
+    monkeypatch.setattr(shm, "shm_free_bytes", lambda: 64 * 2**20)
+    with pytest.warns(RuntimeWarning, match=r"/dev/shm has 64 MiB free, and DSpark takes at most a "
+                                            r"quarter of it\); they go through gloo"):
+        assert collectives._create_mapping(shm.mapping_bytes(2, 16 * 2**20)) is None
+    monkeypatch.setattr(shm, "shm_free_bytes", lambda: 1 << 40)
+    path = collectives._create_mapping(shm.mapping_bytes(2, 1 << 20))
+    assert path is not None and os.path.getsize(path) == shm.mapping_bytes(2, 1 << 20)
+    os.unlink(path)

@@ -254,9 +254,15 @@ def _start_shm() -> None:
 
 def _create_mapping(nbytes: int) -> str | None:
     """A shared file of ``nbytes`` in /dev/shm with its pages reserved (a write to a page tmpfs
-    cannot give would kill the process with SIGBUS), or None with a warning."""
+    cannot give would kill the process with SIGBUS), or None with a warning. It takes at most a
+    quarter of what /dev/shm has free: DataLoader workers pass their batches through it too (a
+    container's default /dev/shm is 64 MB)."""
     path = _shm_mod.new_path()
     try:
+        free = _shm_mod.shm_free_bytes()
+        if nbytes > free // 4:
+            raise OSError(f"/dev/shm has {free / 2**20:.0f} MiB free, and DSpark takes at most a "
+                          f"quarter of it")
         _shm_mod.create_file(path, nbytes)
     except OSError as exc:
         try:

@@ -85,6 +85,11 @@ def region_bytes() -> int:
     return int(mb * 2**20) // _ALIGN * _ALIGN
 
 
+def shm_free_bytes() -> int:
+    stat = os.statvfs("/dev/shm")
+    return stat.f_bavail * stat.f_frsize
+
+
 def new_path() -> str:
     return f"/dev/shm/dspark-{os.getpid()}-{uuid.uuid4().hex[:12]}"
 
