@@ -26,6 +26,7 @@ from interleaved import interleaved_medians, median_call_ms, median_step_ms
 import dspark
 from dspark import comm
 from dspark.bench.cpu_load import core_for_rank, pin_all_threads
+from dspark.comm import shm_transport
 from dspark.engine import engine as engine_module
 from dspark.models import get_workload
 
@@ -76,6 +77,8 @@ def main() -> None:
     torch.set_num_threads(1)
     pin_all_threads(core_for_rank(int(os.environ.get("LOCAL_RANK", "0")),
                                   int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    # this compares gloo's own paths: DSpark's shared-memory transport would carry them otherwise
+    os.environ[shm_transport.SHM_ENV] = "0"
     world = dspark.init()
     if world.backend != "gloo":
         raise SystemExit(f"this compares gloo's paths; the backend here is {world.backend}")

@@ -204,20 +204,7 @@ class ShmTransport:
         return self._pieces("all_reduce", flat.numel(), flat.element_size(), piece)
 
     def all_gather(self, output: torch.Tensor, shard: torch.Tensor) -> ShmOp:
-        flat = shard.reshape(-1)
-        rows = output.view(self.size, flat.numel())
-
-        def piece(a: int, b: int) -> tuple[torch.Tensor, Finish]:
-            def finish(inputs: list[torch.Tensor], stacked: torch.Tensor | None) -> None:
-                if stacked is not None:
-                    rows[:, a:b].copy_(stacked)
-                    return
-                for row, got in zip(rows, inputs, strict=True):
-                    row[a:b].copy_(got)
-
-            return flat[a:b], finish
-
-        return self._pieces("all_gather", flat.numel(), flat.element_size(), piece)
+        return self.all_gather_parts([shard], [output])
 
     def all_gather_parts(self, parts: list[torch.Tensor], outputs: list[torch.Tensor]) -> ShmOp:
         """Output ``i`` gets every rank's ``parts[i]`` in rank order: one collective for all of
@@ -467,7 +454,7 @@ def _aligned(nbytes: int) -> int:
 
 def _reduce(op: str, inputs: list[torch.Tensor], out: torch.Tensor) -> None:
     """``out`` = the ranks' inputs combined in rank order: the same bits on every rank."""
-    if op in ("sum", "avg"):
+    if op == "sum":   # an average is a sum here: comm.collectives divides once it has landed
         torch.add(inputs[0], inputs[1], out=out)
         for more in inputs[2:]:
             out.add_(more)
