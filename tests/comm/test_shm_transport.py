@@ -95,6 +95,17 @@ def test_all_gather_parts_lands_each_part_in_its_own_output() -> None:
             assert torch.equal(out, torch.cat([parts[0][i], parts[1][i]])), i
 
 
+def test_a_gather_of_nothing_is_one_collective_like_any_other() -> None:
+    def program(t: shm.ShmTransport) -> list[float]:
+        t.all_gather(torch.empty(0), torch.empty(0)).wait()
+        t.all_gather_parts([torch.empty(0), torch.empty(0)], [torch.empty(0), torch.empty(0)]).wait()
+        after = torch.ones(1)
+        t.all_reduce(after, "sum").wait()
+        return after.tolist()
+
+    assert _on_both(_pair(), program) == [[2.0], [2.0]]
+
+
 def test_max_and_min() -> None:
     def program(t: shm.ShmTransport) -> list[list[float]]:
         hi, lo = torch.tensor([1.0, -3.0]) * (t.rank + 1), torch.tensor([1.0, -3.0]) * (t.rank + 1)

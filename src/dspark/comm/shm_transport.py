@@ -233,7 +233,8 @@ class ShmTransport:
                         rows[i][r, lo:hi].copy_(got[at:at + hi - lo])
                         at += hi - lo
 
-            return [flats[i][lo:hi] for i, lo, hi in spans], finish
+            # a gather of nothing (a rank's empty shard) is still one collective: an empty piece
+            return [flats[i][lo:hi] for i, lo, hi in spans] or [flats[0][:0]], finish
 
         return self._pieces("all_gather", starts[-1], flats[0].element_size(), piece)
 
