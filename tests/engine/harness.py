@@ -151,8 +151,9 @@ def train_engine(case_name: str, strategy: str, steps: int, *, evaluate: bool = 
     comm.reset_stats()
     norms = train_steps(engine, case_name, range(steps))
     stats = {k: (v.calls, v.bytes) for k, v in comm.stats().items()}
+    local = _clone_buffers(engine.module)  # before full_state_dict, which gives rank 0's
     out = {"state": engine.full_state_dict(), "memory": engine.memory_report(), "stats": stats,
-           "norms": norms}
+           "norms": norms, "local_buffers": local}
     if evaluate:
         out["eval"] = evaluate_engine(engine, case_name)
     engine.close()
@@ -172,11 +173,17 @@ def train_ddp(case_name: str, steps: int, *, optimizer: str = "sgd") -> dict[str
         opt.zero_grad()
         case.loss(ddp, dspark.distribute_batch(case.batch(step), shard_dim=0)).backward()
         opt.step()
+    local = _clone_buffers(ddp.module)
     with evaluation(ddp.module):  # the module alone: DDP's forward would broadcast rank 0's buffers
         evaluated = case.evaluate(ddp.module, case.batch(EVAL_STEP)).float()
     state = _clone_state(ddp.module)
     del ddp, opt
-    return {"state": state, "eval": evaluated}
+    return {"state": state, "eval": evaluated, "local_buffers": local}
+
+
+def _clone_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """This rank's own buffers as they are: no collective, so ranks may differ."""
+    return {k: v.detach().clone() for k, v in model.named_buffers()}
 
 
 def _clone_state(model: nn.Module) -> dict[str, torch.Tensor]:

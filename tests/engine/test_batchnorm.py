@@ -54,6 +54,23 @@ def test_running_statistics_equal_ddp_on_every_rank(pool, strategy: str, case: s
                      "must not depend on the rank)")
 
 
+@pytest.mark.parametrize("strategy", ["replicate", "zero3"])
+def test_each_ranks_own_running_statistics_follow_rank_0_as_ddps(pool, strategy: str) -> None:
+    """What each rank holds between steps, with no collective to hide it: DDP's rank r has rank 0's
+    buffers of the last forward, updated once by its own batch. BatchNorm's CPU kernel updates its
+    running statistics in place without bumping their version counter, so a sync that watched the
+    counters alone followed only num_batches_tracked and let rank 1 drift on its own batches."""
+    ddp = pool.run(train_ddp, "conv_bn", STEPS + 1, optimizer="sgd")
+    got = pool.run(train_engine, "conv_bn", strategy, STEPS + 1, optimizer="sgd")
+    key = next(k for k in ddp[0]["local_buffers"] if k.endswith("running_mean"))
+    assert not torch.equal(ddp[0]["local_buffers"][key], ddp[1]["local_buffers"][key]), \
+        "the ranks' batches must differ, or this test could not fail"
+    for rank in range(2):
+        assert_close(_buffers(got[rank]["local_buffers"]), _buffers(ddp[rank]["local_buffers"]),
+                     f"rank {rank}: its own BatchNorm buffers under {strategy} against DDP's rank {rank} "
+                     "(rank 0's broadcast before each forward, then this rank's update)")
+
+
 def _save(path: str, strategy: str) -> dict[str, torch.Tensor]:
     engine = build_engine("conv_bn", strategy, optimizer="sgd")
     train_steps(engine, "conv_bn", range(2))

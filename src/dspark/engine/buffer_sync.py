@@ -2,9 +2,12 @@
 default ``broadcast_buffers=True`` does, so BatchNorm running statistics never drift apart.
 
 [Note: which buffers travel] Broadcasting every buffer on every forward wastes bandwidth on constants
-(attention masks, position ids). The first training forward records each buffer's version counter;
-the second sees which ones changed (running statistics do, constants do not), the ranks agree once on
-the union, and from then on only those travel, coalesced into one broadcast per dtype. A constant
+(attention masks, position ids). The first training forward records each buffer's version counter and
+a copy of its values; the second sees which ones changed (running statistics do, constants do not),
+the ranks agree once on the union, and from then on only those travel, coalesced into one broadcast
+per dtype. Both are needed: BatchNorm's CPU kernel writes its running statistics in place without
+bumping their version counter (only ``num_batches_tracked``'s moves), and a buffer assigned anew
+keeps values that may not have changed. The copy is taken once, on the first forward. A constant
 buffer that changes later on one rank only is not followed (the construction broadcast made them
 equal).
 """
@@ -41,6 +44,7 @@ class BufferSync:
         self.module = module
         self.skip = skip or set()
         self._versions: dict[str, int] | None = None
+        self._values: dict[str, torch.Tensor] = {}
         self._dynamic: list[str] | None = None
 
     def _named(self) -> dict[str, torch.Tensor]:
@@ -53,12 +57,22 @@ class BufferSync:
             return
         if self._versions is None:
             self._versions = {name: b._version for name, b in buffers.items()}
+            self._values = {name: b.detach().clone() for name, b in buffers.items()}
             return
         if self._dynamic is None:
-            changed = [name for name, b in buffers.items() if b._version != self._versions.get(name)]
+            versions = self._versions
+            changed = [name for name, b in buffers.items()
+                       if b._version != versions.get(name) or self._values_changed(name, b)]
+            self._values = {}
             union = set().union(*comm.all_gather_object(changed))
             self._dynamic = [name for name in buffers if name in union]
         broadcast_tensors([buffers[name] for name in self._dynamic if name in buffers])
+
+    def _values_changed(self, name: str, buffer: torch.Tensor) -> bool:
+        before = self._values.get(name)
+        if before is None:
+            return True
+        return before.shape != buffer.shape or before.dtype != buffer.dtype or not torch.equal(before, buffer)
 
     def sync_all(self) -> None:
         """Every buffer to rank 0's values now (before a checkpoint or a full state dict)."""
