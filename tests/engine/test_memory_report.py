@@ -7,38 +7,48 @@ import math
 import pytest
 
 from tests.engine import tiny_models as tm
+from tests.engine.cases import get_case
 from tests.engine.harness import engine_state
 
 
-def _by_hand(strategy: str, rank: int, num_ranks: int = 2) -> dict[str, int]:
+def _by_hand(strategy: str, rank: int, case: str = "mlp", num_ranks: int = 2) -> dict[str, int]:
     """The ZeRO formulas written out independently of the engine: every parameter split by rows
-    (0-d = one row) in chunks of ceil(rows / N); AdamW keeps 2 fp32 moments + a 4-byte step."""
-    full = padded = local = tensors_with_rows = 0
-    for p in tm.make("mlp").parameters():
+    (0-d = one row) in chunks of ceil(rows / N); AdamW keeps 2 fp32 moments + a 4-byte step. A frozen
+    parameter is held (sharded by zero3 like the others) and has no gradient nor optimizer state."""
+    sizes = {"full": 0, "padded": 0, "frozen_full": 0, "frozen_padded": 0}
+    local = tensors_with_rows = n_tensors = 0
+    for p in get_case(case).build().parameters():
         rows = p.shape[0] if p.dim() else 1
         row_numel = math.prod(p.shape[1:]) if p.dim() else 1
         chunk = -(-rows // num_ranks)
         mine = max(0, min(rows, (rank + 1) * chunk) - rank * chunk)
-        full += p.numel()
-        padded += chunk * row_numel
-        local += mine * row_numel
-        tensors_with_rows += mine > 0
-    n_tensors = len(list(tm.make("mlp").parameters()))
+        prefix = "" if p.requires_grad else "frozen_"
+        sizes[prefix + "full"] += p.numel()
+        sizes[prefix + "padded"] += chunk * row_numel
+        if p.requires_grad:
+            local += mine * row_numel
+            tensors_with_rows += mine > 0
+            n_tensors += 1
+    full, padded = sizes["full"], sizes["padded"]
+    held_full, held_padded = full + sizes["frozen_full"], padded + sizes["frozen_padded"]
     if strategy == "replicate":
-        return {"params": 4 * full, "grads": 4 * full, "optimizer": 8 * full + 4 * n_tensors}
+        return {"params": 4 * held_full, "grads": 4 * full, "optimizer": 8 * full + 4 * n_tensors}
     optimizer = 8 * local + 4 * tensors_with_rows
     return {
-        "zero1": {"params": 4 * full, "grads": 4 * full, "optimizer": optimizer},
-        "zero2": {"params": 4 * full, "grads": 4 * padded, "optimizer": optimizer},
-        "zero3": {"params": 4 * padded, "grads": 4 * padded, "optimizer": optimizer},
+        "zero1": {"params": 4 * held_full, "grads": 4 * full, "optimizer": optimizer},
+        "zero2": {"params": 4 * held_full, "grads": 4 * padded, "optimizer": optimizer},
+        "zero3": {"params": 4 * held_padded, "grads": 4 * padded, "optimizer": optimizer},
     }[strategy]
 
 
+@pytest.mark.parametrize("case", ["mlp", "frozen"])
 @pytest.mark.parametrize("strategy", ["replicate", "zero1", "zero2", "zero3"])
-def test_memory_report_is_exact_per_rank(pool, strategy: str) -> None:
-    for rank, result in enumerate(pool.run(engine_state, "mlp", strategy, 2)):
+def test_memory_report_is_exact_per_rank(pool, strategy: str, case: str) -> None:
+    """"frozen" (the first layer's parameters frozen, as in fine-tuning) would pass with the frozen
+    ones left out of the count only if they held nothing: the by-hand count keeps them in."""
+    for rank, result in enumerate(pool.run(engine_state, case, strategy, 2)):
         report = result["memory"]
-        want = _by_hand(strategy, rank)
+        want = _by_hand(strategy, rank, case)
         for part in ("params", "grads", "optimizer"):
             assert report[f"{part}_bytes"] == want[part], (rank, part, report)
             assert report[f"{part}_bytes_expected"] == want[part], (rank, part, report)

@@ -23,7 +23,7 @@ import logging
 import math
 import os
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -831,21 +831,35 @@ class Engine:
                                "between steps (after engine.step())")
 
     def memory_report(self) -> dict[str, int | str]:
-        """Bytes this rank holds for parameters, gradients (as held at the end of the last backward)
-        and optimizer state, measured from the tensors, next to what the strategy should hold."""
+        """Bytes this rank holds for parameters (trainable and frozen), gradients (as held at the end
+        of the last backward) and optimizer state, measured from the tensors, next to what the
+        strategy should hold. Frozen parameters count in ``params_bytes`` only: they have no gradient
+        and no optimizer state (zero3 shards them too)."""
         n = self.world.world_size
-        params_actual = storage_bytes(
-            s.padded_shard if s.padded_shard is not None else s.param for s in self.slots)
-        expected = expected_state_bytes(
-            (torch.empty(s.shape, dtype=s.dtype, device="meta") for s in self.slots), self.strategy,
-            rank=self.world.rank, num_ranks=n, optimizer_state=optimizer_state_elements(self.optimizer))
-        exp_params, exp_grads, exp_opt = expected["params"], expected["grads"], expected["optimizer"]
+        # frozen parameters have slots only where zero3 shards them; elsewhere they stay as built
+        frozen: list[tuple[torch.Size, torch.dtype, torch.Tensor]] = (
+            [(s.shape, s.dtype, s.padded_shard if s.padded_shard is not None else s.param)
+             for s in self._frozen_slots] if self._shard_params else
+            [(p.shape, p.dtype, p) for _, p in _unique_params(self.module) if not p.requires_grad])
+        params_actual = storage_bytes([*(s.padded_shard if s.padded_shard is not None else s.param
+                                         for s in self.slots), *(t for _, _, t in frozen)])
+        opt_state = optimizer_state_elements(self.optimizer)
+
+        def expect(shapes: Iterable[tuple[torch.Size, torch.dtype]]) -> dict[str, int]:
+            return expected_state_bytes((torch.empty(shape, dtype=dtype, device="meta") for shape, dtype in shapes),
+                                        self.strategy, rank=self.world.rank, num_ranks=n,
+                                        optimizer_state=opt_state)
+
+        expected = expect((s.shape, s.dtype) for s in self.slots)
+        exp_params = expected["params"] + expect((shape, dtype) for shape, dtype, _ in frozen)["params"]
+        exp_grads, exp_opt = expected["grads"], expected["optimizer"]
         opt_actual = storage_bytes(v for state in self.optimizer.state.values()
                                    for v in state.values() if isinstance(v, torch.Tensor))
         report: dict[str, int | str] = {
             "strategy": self.strategy.name,
             "num_ranks": n,
-            "num_params": sum(s.numel for s in self.slots),
+            "num_params": sum(s.numel for s in self.slots) + sum(math.prod(shape) for shape, _, _ in frozen),
+            "num_trainable_params": sum(s.numel for s in self.slots),
             "params_bytes": params_actual,
             "params_bytes_expected": exp_params,
             "grads_bytes": self._grads_bytes_held,
