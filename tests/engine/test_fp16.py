@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 
 import pytest
 import torch
@@ -48,6 +49,7 @@ def _overflow_on_rank_1(strategy: str) -> dict:
     opt_before = {id(p): {k: v.clone() for k, v in s.items()} for p, s in engine.optimizer.state.items()}
     scale_before = engine.loss_scale
     applied = train_step(poison=True)
+    norm_after_skip = engine.last_grad_norm
     params_after = engine.full_state_dict()
     unchanged = all(torch.equal(params_before[k], params_after[k]) for k in params_before)
     opt_unchanged = all(torch.equal(opt_before[id(p)][k], v)
@@ -55,7 +57,8 @@ def _overflow_on_rank_1(strategy: str) -> dict:
     scale_after_skip = engine.loss_scale
     good = [train_step(poison=False) for _ in range(2)]
     result = {"applied": applied, "unchanged": unchanged, "opt_unchanged": opt_unchanged,
-              "scales": (scale_before, scale_after_skip, engine.loss_scale), "good": good}
+              "scales": (scale_before, scale_after_skip, engine.loss_scale), "good": good,
+              "norm_after_skip": norm_after_skip, "norm_after_good": engine.last_grad_norm}
     engine.close()
     return result
 
@@ -69,3 +72,7 @@ def test_overflow_skips_the_step_on_every_rank(pool, strategy: str) -> None:
         assert after_skip == before / 2
         assert result["good"] == [True, True]
         assert after_growth == before  # grew back after growth_interval good steps
+        # the skipped step's norm, as clip_grad_norm_ after GradScaler's unscale_ reports it, not the
+        # previous step's finite one
+        assert not math.isfinite(result["norm_after_skip"]), result["norm_after_skip"]
+        assert math.isfinite(result["norm_after_good"])

@@ -502,6 +502,7 @@ class Engine:
             return False
         if self.loss_scaler is not None or self.clip_grad_norm is not None:
             norm = self._global_grad_norm()
+            self.last_grad_norm = norm  # inf or nan on an overflow, as clip_grad_norm_ after unscale_
             if self.loss_scaler is not None:
                 overflow = not math.isfinite(norm)
                 self.loss_scaler.update(found_overflow=overflow)
@@ -509,7 +510,6 @@ class Engine:
                     log.warning("rank %d: fp16 gradients overflowed; step skipped, loss scale now %g",
                                 self.world.rank, self.loss_scaler.scale)
                     return False
-            self.last_grad_norm = norm
             if self.clip_grad_norm is not None:
                 self._clip_to(self.clip_grad_norm, norm)
         self.optimizer.step()
