@@ -4,7 +4,10 @@
 module is constructed: children before the parent that holds them. DSpark replays exactly that: it
 walks the modules children-first (post-order, siblings in registration order), gives each module real
 (empty) storage for its own parameters and buffers and calls its ``reset_parameters()``. With the same
-seed the random stream is consumed in the same order, so the values equal the CPU-built model's. Two
+seed the random stream is consumed in the same order, so the values equal the CPU-built model's, as
+long as registration order is construction order: a module constructed before a sibling but assigned
+to its parent after it (``head = nn.Linear(..); self.body = ..; self.head = head``) drew its numbers
+first on the CPU and draws them second here, and nothing left in the module tree says so. Two
 details keep that true:
 
 * a parameter shared by two modules (a tied head) takes the initialisation of the first module that
