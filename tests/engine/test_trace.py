@@ -90,3 +90,31 @@ def test_trace_dir_must_be_a_path(single_process) -> None:
 def test_close_before_the_active_steps_end_writes_what_was_recorded(single_process, tmp_path: Path) -> None:
     _train("mlp", "replicate", 2, trace_dir=tmp_path / "nested", trace_steps=(1, 5))
     assert "dspark.forward" in _names(tmp_path / "nested" / "rank0.json")
+
+
+_SHORT_RUN = """
+import functools, torch, dspark
+dspark.init()
+engine = dspark.Engine(torch.nn.Linear(8, 8), optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+                       trace_dir={trace_dir!r}, trace_steps=(1, 5))
+for step in range(3):
+    engine.backward(engine(torch.randn(4, 8)).square().mean())
+    engine.step()
+{ending}
+"""
+
+
+@pytest.mark.parametrize("ending", ["dspark.shutdown()", ""])
+def test_a_run_shorter_than_the_trace_exits_cleanly_with_what_was_traced(tmp_path: Path, ending: str) -> None:
+    """Training that ends before ``trace_steps`` are done, without ``engine.close()``: at
+    ``dspark.shutdown()`` or the interpreter's exit the still-running profiler crashed the process
+    (SIGSEGV); now the session is closed there, its steps written, and a warning says how many."""
+    import subprocess
+    import sys
+
+    code = _SHORT_RUN.format(trace_dir=str(tmp_path / "t"), ending=ending)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "training stopped after 3 step(s)" in done.stderr and "2 traced step(s)" in done.stderr, done.stderr
+    assert "dspark.forward" in _names(tmp_path / "t" / "rank0.json")

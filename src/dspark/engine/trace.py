@@ -20,14 +20,19 @@ with ``Engine(trace_dir=...)`` (:class:`TraceSession`).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import logging
 import os
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 import torch
+
+from dspark import comm
 
 __all__ = ["COMM_WAIT", "PHASE_RANGES", "Range", "TraceSession", "check_trace_args", "named_ranges",
            "ranges_enabled", "trace_range"]
@@ -38,6 +43,19 @@ COMM_WAIT = "dspark.comm.wait"
 
 _enabled = 0  # how many callers want ranges now (named_ranges() nests; trace sessions overlap)
 _NULL = contextlib.nullcontext()
+log = logging.getLogger(__name__)
+_running: weakref.WeakSet[TraceSession] = weakref.WeakSet()
+
+
+def _close_running() -> None:
+    """Stop every trace still recording: a profiler left running past ``dspark.shutdown()`` or into
+    the interpreter's exit crashes the process (SIGSEGV in the profiler's teardown)."""
+    for session in list(_running):
+        session.close()
+
+
+comm.add_shutdown_hook(_close_running)
+atexit.register(_close_running)
 
 
 def ranges_enabled() -> bool:
@@ -120,7 +138,9 @@ class TraceSession:
 
     The first ``warmup`` steps run untraced (the last of them also warms the profiler up), then
     ``active`` steps are recorded with named ranges on. Call :meth:`after_step` at the end of each
-    step; :meth:`close` stops early (writing what was recorded, if anything).
+    step; :meth:`close` stops early (writing what was recorded, if anything, with a warning that says
+    how many steps it holds). ``engine.close()``, ``dspark.shutdown()`` and the interpreter's exit
+    close a session still running.
     """
 
     def __init__(self, trace_dir: str | os.PathLike[str], *, rank: int, warmup: int, active: int,
@@ -134,10 +154,12 @@ class TraceSession:
             activities.append(ProfilerActivity.CUDA)
         plan = schedule(wait=max(warmup - 1, 0), warmup=min(warmup, 1), active=active, repeat=1)
         self._profiler: Any = profile(activities=activities, schedule=plan, on_trace_ready=self._write)
+        self._warmup, self._active = warmup, active
         self._steps_left = warmup + active
         self._ranges = named_ranges()
         self._ranges.__enter__()
         self._profiler.start()
+        _running.add(self)
 
     def _write(self, profiler: Any) -> None:
         profiler.export_chrome_trace(str(self.path))
@@ -160,7 +182,15 @@ class TraceSession:
         profiler, self._profiler = self._profiler, None
         if profiler is None:
             return
+        _running.discard(self)
+        done = self._warmup + self._active - self._steps_left
         try:
             profiler.stop()
         finally:
             self._ranges.__exit__(None, None, None)
+        if self._steps_left > 0:
+            traced = max(0, done - self._warmup)
+            held = (f"{self.path} holds the {traced} traced step(s)" if traced
+                    else "no trace was written")
+            log.warning("trace_steps=(%d, %d): training stopped after %d step(s), before the trace was "
+                        "complete; %s", self._warmup, self._active, done, held)
