@@ -185,8 +185,9 @@ def launcher_argv(spec: LaunchSpec) -> list[str]:
 
 
 def launcher_command(spec: LaunchSpec) -> list[str]:
-    """The whole command line :func:`launch` runs: this interpreter, torchrun, then its argv; with
-    ``agent=False``, this interpreter running the target itself.
+    """The whole command line :func:`launch` runs: this interpreter, torchrun (through
+    :mod:`dspark.torchrun_entry`, which keeps the script's arguments out of torchrun's parser), then
+    its argv; with ``agent=False``, this interpreter running the target itself.
 
     Example::
 
@@ -194,7 +195,9 @@ def launcher_command(spec: LaunchSpec) -> list[str]:
     """
     if not spec.agent:
         return [sys.executable, *(("-m",) if spec.module else ()), spec.target, *spec.args]
-    return [sys.executable, "-m", "torch.distributed.run", *launcher_argv(spec)]
+    argv = launcher_argv(spec)
+    own = len(argv) - len(spec.args)  # torchrun's options and the target: see dspark.torchrun_entry
+    return [sys.executable, "-m", "dspark.torchrun_entry", str(own), *argv]
 
 
 def _single_node_master(spec: LaunchSpec) -> tuple[str, int]:

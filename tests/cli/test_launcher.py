@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from dspark.launcher import LaunchSpec, launch, launcher_argv, launcher_command, launcher_env
+from dspark.torchrun_entry import split_argv
 
 
 @pytest.fixture
@@ -40,8 +41,19 @@ def test_module_target_runs_with_dash_m() -> None:
     argv = launcher_argv(LaunchSpec(target="dspark.bench.worker", module=True, nproc=2,
                                     args=("--config", "{}")))
     assert argv[-4:] == ["-m", "dspark.bench.worker", "--config", "{}"]
-    assert launcher_command(LaunchSpec(target="a.b", module=True, nproc=1))[1:3] == [
-        "-m", "torch.distributed.run"]
+    command = launcher_command(LaunchSpec(target="a.b", module=True, nproc=1, args=("--nproc", "3")))
+    assert command[1:3] == ["-m", "dspark.torchrun_entry"]
+    launcher, script = split_argv(command[3:])
+    assert launcher[-2:] == ["-m", "a.b"] and script == ["--nproc", "3"]
+
+
+def test_torchrun_entry_parses_only_the_launcher_arguments() -> None:
+    assert split_argv(["3", "--nproc-per-node", "2", "t.py", "--nproc", "5"]) == (
+        ["--nproc-per-node", "2", "t.py"], ["--nproc", "5"])
+    assert split_argv(["1", "t.py"]) == (["t.py"], [])
+    for bad in ([], ["x", "t.py"], ["0", "t.py"], ["3", "t.py"]):
+        with pytest.raises(SystemExit, match=r"usage: python -m dspark\.torchrun_entry"):
+            split_argv(bad)
 
 
 def test_multi_node_passes_master_and_node_rank_through(script: str) -> None:

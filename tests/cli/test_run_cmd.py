@@ -44,8 +44,27 @@ def test_parsing_multi_node_and_module_targets() -> None:
 def test_dry_run_prints_the_torchrun_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["run", "--dry-run", "--nproc", "3", str(EXAMPLE), "--flag"]) == 0
     out = capsys.readouterr().out
-    assert "-m torch.distributed.run" in out and "--nproc-per-node 3" in out
+    assert "-m dspark.torchrun_entry" in out and "--nproc-per-node 3" in out
     assert out.rstrip().endswith(f"{EXAMPLE} --flag")
+
+
+SCRIPT_FLAGS = ["--nproc", "5", "--master", "1", "--nproc=7", "--max", "3", "--log", "x.txt", "--", "-m"]
+"""Flags a training script may well have: exact names and abbreviations of both dspark run's options
+(``--master`` abbreviates ``--master-addr`` and ``--master-port``) and torchrun's (``--nproc``,
+``--max``, ``--log`` abbreviate several of its own), which either parser stopped on as ambiguous."""
+
+
+@pytest.mark.slow
+def test_the_scripts_own_flags_reach_it_untouched_on_two_ranks(tmp_path: Path) -> None:
+    probe = tmp_path / "probe.py"
+    probe.write_text("import json, sys, dspark\nw = dspark.init()\n"
+                     "print('ARGV', w.rank, json.dumps(sys.argv[1:]), flush=True)\ndspark.shutdown()\n")
+    done = subprocess.run([sys.executable, "-m", "dspark.cli.main", "run", "--nproc", "2", str(probe),
+                           *SCRIPT_FLAGS], cwd=tmp_path, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = sorted(line.split(" ", 2)[1:] for line in done.stdout.splitlines() if line.startswith("ARGV "))
+    import json
+    assert [(rank, json.loads(argv)) for rank, argv in seen] == [("0", SCRIPT_FLAGS), ("1", SCRIPT_FLAGS)]
 
 
 SLURM_NODE_1 = {"SLURM_JOB_ID": "77", "SLURM_JOB_NUM_NODES": "2", "SLURM_NODEID": "1",

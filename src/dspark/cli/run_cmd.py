@@ -30,7 +30,9 @@ __all__ = ["add_parser", "launch_plan", "run", "spec_from_args"]
 def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Register ``dspark run``."""
     parser = subparsers.add_parser(
-        "run", help="run a script on N processes (wraps torch.distributed.run)",
+        # allow_abbrev=False: a script flag that abbreviates one of ours (`train.py --master 1`)
+        # belongs to the script; argparse would otherwise stop on it as ambiguous
+        "run", allow_abbrev=False, help="run a script on N processes (wraps torch.distributed.run)",
         description="Start SCRIPT on --nproc processes per node through PyTorch's launcher "
                     "(torch.distributed.run), with OMP_NUM_THREADS=1 per worker unless set and, on "
                     "one node, a rendezvous on 127.0.0.1 at a free port. SIGTERM, SIGINT and SIGHUP "
