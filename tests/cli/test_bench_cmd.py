@@ -96,6 +96,28 @@ def test_list_computes_the_speedup_when_read(tmp_path: Path,
     assert "3.00x" in out and "suspect_baseline" in out  # a rule no row ever stored
 
 
+@pytest.mark.parametrize("action", [["list"], ["compare", "a", "b"], ["export", "--json", "out.json"],
+                                    ["report", "--report", "out"], []])
+def test_a_ledger_path_that_is_no_ledger_is_one_line_and_exit_2(tmp_path: Path, action: list[str],
+                                                              workers: FakeWorkers,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """A file that is not SQLite, a directory, and (for the commands that only read) a missing file:
+    exit 2 with one line naming the path, no traceback, and nothing created."""
+    junk = tmp_path / "notes.txt"
+    junk.write_text("hello")
+    run = ["--workloads", "gpt2-cpu", "--devices", "1", "--rounds", "1", "--no-progress"] if not action else []
+    for db, says in [(junk, "is not a DSpark ledger"), (tmp_path, "is a directory")]:
+        assert main(["bench", *action, *run, "--db", str(db)]) == 2
+        err = capsys.readouterr().err
+        assert says in err and str(db) in err and "Traceback" not in err, err
+    assert not workers.calls, "a bench run must refuse the ledger before it measures"
+    if action:
+        missing = tmp_path / "new" / "ledger.sqlite"
+        assert main(["bench", *action, "--db", str(missing)]) == 2
+        assert "no ledger at" in capsys.readouterr().err
+        assert not missing.parent.exists()
+
+
 def test_bad_counts_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "--rounds", "0", "--no-progress"]) == 2
     assert "'0' must be >= 1" in capsys.readouterr().err

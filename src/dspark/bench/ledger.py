@@ -100,13 +100,32 @@ class Ledger:
             stale = ledger.stale("1e5fe8e", host="box")
     """
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, *, create: bool = True) -> None:
+        """Open the ledger at ``path``; with ``create=False`` (a command that only reads) a missing
+        file is a ``FileNotFoundError`` instead of a new empty ledger. A directory, or a file that is
+        not a DSpark ledger, is a ``ValueError`` naming the path."""
         self.path = Path(path).expanduser()
+        if self.path.is_dir():
+            raise ValueError(f"ledger path {str(self.path)!r} is a directory; give a file path, e.g. "
+                             f"{str(self.path / 'bench.sqlite')!r}")
+        if not create and not self.path.exists():
+            raise FileNotFoundError(f"no ledger at {str(self.path)!r}: `dspark bench` writes one there "
+                                    "(or pass --db with the path of an existing ledger)")
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        # Autocommit mode: every write below opens and closes its own transaction explicitly.
-        self._conn = sqlite3.connect(self.path, timeout=30.0, isolation_level=None)
+        try:
+            # Autocommit mode: every write below opens and closes its own transaction explicitly.
+            self._conn = sqlite3.connect(self.path, timeout=30.0, isolation_level=None)
+        except sqlite3.Error as err:
+            raise ValueError(f"cannot open the ledger {str(self.path)!r}: {err}") from err
         try:
             migrate(self._conn, self.path)
+        except sqlite3.OperationalError:  # locked, read-only, disk full: not the file's kind
+            self._conn.close()
+            raise
+        except sqlite3.DatabaseError as err:
+            self._conn.close()
+            raise ValueError(f"{str(self.path)!r} is not a DSpark ledger (SQLite: {err}); pass --db "
+                             "with a ledger's path, or a new path to start one") from err
         except BaseException:
             self._conn.close()
             raise

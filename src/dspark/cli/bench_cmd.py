@@ -305,7 +305,7 @@ def _list(args: argparse.Namespace) -> int:
     from dspark.bench.formatting import format_speedup
     from dspark.bench.ledger import Ledger
 
-    with Ledger(_db_path(args)) as ledger:
+    with Ledger(_db_path(args), create=False) as ledger:
         results = annotate(ledger.results(), history=ledger)
     table = Table(title=f"{len(results)} results in {_db_path(args)}", title_justify="left")
     for header in ("run", "time (UTC)", "commit", "host", "configuration", "rounds", "step ms",
@@ -327,7 +327,7 @@ def _compare(args: argparse.Namespace) -> int:
     from dspark.bench.noise import NoiseModel
     from dspark.bench.report import render_comparison
 
-    with Ledger(_db_path(args)) as ledger:
+    with Ledger(_db_path(args), create=False) as ledger:
         a, b = ledger.resolve(args.a), ledger.resolve(args.b)
         noise = NoiseModel.from_history(ledger.results())
     render_comparison(compare(a, b, a_label=args.a, b_label=args.b, noise=noise), _console())
@@ -339,7 +339,7 @@ def _report(args: argparse.Namespace) -> int:
     from dspark.bench.ledger import Ledger
     from dspark.bench.report import write_html_report
 
-    with Ledger(_db_path(args)) as ledger:
+    with Ledger(_db_path(args), create=False) as ledger:
         results = annotate(ledger.resolve(args.run), history=ledger)
     _console().print(f"wrote the report of {len(results)} results to "
                     f"{write_html_report(results, args.report)}")
@@ -351,7 +351,7 @@ def _export(args: argparse.Namespace) -> int:
     from dspark.bench.ledger import Ledger
     from dspark.bench.result import BenchResult
 
-    with Ledger(_db_path(args)) as ledger:
+    with Ledger(_db_path(args), create=False) as ledger:
         results = annotate(ledger.resolve(args.run) if args.run else ledger.results(),
                            history=ledger)
     rows = [r.to_dict() for r in results]
