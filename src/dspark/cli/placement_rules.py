@@ -12,14 +12,17 @@ DSP002 (error) ``dspark.distribute_tensor(t)`` without ``shard_dim``: it has no 
     Fix: pass ``shard_dim=0`` or ``shard_dim=dspark.REPLICATE``.
 DSP003 (error) ``shard_dim`` is a float, str, bool or other non-int literal (``0.0``, ``"0"``,
     ``True``). Fix: an int literal such as ``0`` or ``-1``, or ``dspark.REPLICATE``.
-DSP004 (error) ``shard_dim`` is a variable (or parameter default) assigned ``None`` in the same
-    scope, so the call may receive ``None``. Fix: give it an int (or ``dspark.REPLICATE``) on every
-    path; do not use ``None`` to mean "not split".
+DSP004 (error) ``shard_dim`` may be ``None``: a variable (or parameter default) assigned ``None``
+    in the same scope, or a value that is ``None`` on one path: a conditional with a ``None`` branch
+    (``0 if fix else None``), an ``or`` / ``and`` with a ``None`` operand, or ``mapping.get(key)``
+    without a default; directly in the call or assigned to the variable passed. Fix: give it an int
+    (or ``dspark.REPLICATE``) on every path; do not use ``None`` to mean "not split".
 DSP005 (error) PyTorch's ``distribute_tensor(t, mesh)`` without ``placements`` (or
     ``placements=None``): PyTorch then replicates the tensor on every rank without a word. Fix:
     ``placements=[Shard(0)]`` to split, or ``[Replicate()]`` written out when a copy is meant.
 DSP006 (warning) a batch-looking value (a name with batch, input(s), data, or ``x`` as a word;
-    or anything passed to ``distribute_batch``) is replicated (``REPLICATE`` / ``Replicate()``):
+    or anything passed to ``distribute_batch``) is replicated (``REPLICATE`` / ``Replicate()``, also
+    on one path of a conditional, directly or through a variable of the same scope):
     every rank then does all the work and N devices are no faster than one. Fix: ``shard_dim=0``;
     keep the replica only for a deliberate comparison (``# dspark: ignore[DSP006]`` on that line).
 DSP007 (warning) in a file that uses DSpark, a ``torch.utils.data.DataLoader`` built with no
@@ -119,16 +122,15 @@ def _origin(func: ast.expr, imports: dict[str, str]) -> str | None:
 _Scope = ast.Module | ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda | ast.ClassDef
 
 
-def _bindings(scope: _Scope) -> dict[str, list[tuple[bool, int]]]:
-    """Each name bound directly in ``scope`` -> [(bound to the literal None?, line)]."""
-    found: dict[str, list[tuple[bool, int]]] = {}
+def _bindings(scope: _Scope) -> dict[str, list[tuple[ast.expr | None, int]]]:
+    """Each name bound directly in ``scope`` -> [(the value bound, or None when unknown; line)]."""
+    found: dict[str, list[tuple[ast.expr | None, int]]] = {}
 
     def bind(target: ast.expr, value: ast.expr | None, line: int) -> None:
-        is_none = isinstance(value, ast.Constant) and value.value is None
         for name in ast.walk(target):
             if isinstance(name, ast.Name):
-                # only a plain `name = None` is known None; unpacking targets are unknown values
-                found.setdefault(name.id, []).append((is_none and name is target, line))
+                # only a plain `name = value` binds a known value; unpacking targets are unknown
+                found.setdefault(name.id, []).append((value if name is target else None, line))
 
     if isinstance(scope, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
         args = scope.args
@@ -136,8 +138,7 @@ def _bindings(scope: _Scope) -> dict[str, list[tuple[bool, int]]]:
         defaults: list[ast.expr | None] = [None] * (len(positional) - len(args.defaults))
         for arg, default in [*zip(positional, [*defaults, *args.defaults], strict=True),
                              *zip(args.kwonlyargs, args.kw_defaults, strict=True)]:
-            is_none = isinstance(default, ast.Constant) and default.value is None
-            found.setdefault(arg.arg, []).append((is_none, arg.lineno))
+            found.setdefault(arg.arg, []).append((default, arg.lineno))
     body = scope.body if isinstance(scope.body, list) else [scope.body]
     for node in _walk_scope(body):
         if isinstance(node, ast.Assign):
@@ -161,6 +162,24 @@ def _walk_scope(body: list[ast.stmt] | list[ast.expr]) -> Iterator[ast.AST]:
         for child in ast.iter_child_nodes(node):
             if not isinstance(child, _SCOPES):
                 stack.append(child)
+
+
+def _outcomes(node: ast.expr) -> list[ast.expr]:
+    """The expressions ``node`` may evaluate to: both branches of a conditional, every operand of
+    ``or`` / ``and``; any other expression is its own only outcome."""
+    if isinstance(node, ast.IfExp):
+        return [*_outcomes(node.body), *_outcomes(node.orelse)]
+    if isinstance(node, ast.BoolOp):
+        return [leaf for value in node.values for leaf in _outcomes(value)]
+    return [node]
+
+
+def _may_be_none(node: ast.expr) -> bool:
+    """``None`` itself, or ``mapping.get(key)`` without a default."""
+    if isinstance(node, ast.Constant):
+        return node.value is None
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
+            and len(node.args) == 1 and not node.keywords)
 
 
 def _is_replicate(node: ast.expr | None, imports: dict[str, str]) -> bool:
@@ -212,7 +231,7 @@ class _Checker(ast.NodeVisitor):
         self.imports = imports
         self.uses_dspark = _uses_dspark(imports)
         self.findings: list[Finding] = []
-        self.scopes: list[dict[str, list[tuple[bool, int]]]] = []
+        self.scopes: list[dict[str, list[tuple[ast.expr | None, int]]]] = []
 
     def report(self, node: ast.AST, code: str, message: str) -> None:
         self.findings.append(Finding(path=self.path, line=getattr(node, "lineno", 1),
@@ -285,16 +304,25 @@ class _Checker(ast.NodeVisitor):
             elif isinstance(value.value, bool) or not isinstance(value.value, int):
                 self.report(value, "DSP003", f"{func}(shard_dim={value.value!r}) is a "
                             f"{type(value.value).__name__}, not an int: {_FIX}")
-        elif _is_replicate(value, self.imports):
-            if node.args and (func == "distribute_batch" or _looks_like_batch(node.args[0])):
-                self.report(value, "DSP006", f"{func}({ast.unparse(node.args[0])}, shard_dim="
-                            f"{ast.unparse(value)}) replicates a batch: every rank does all the work "
-                            "and N devices are no faster than one; use shard_dim=0")
-        elif isinstance(value, ast.Name) and self.scopes:
-            nones = [line for is_none, line in self.scopes[-1].get(value.id, []) if is_none]
-            if nones:
-                self.report(value, "DSP004", f"{func}(shard_dim={value.id}): {value.id!r} is assigned "
-                            f"None at line {nones[0]} in this scope: {_FIX}")
+            return
+        # what the argument may be: its own outcomes, or those of every value its name is bound to
+        outcomes: list[tuple[ast.expr, str]] = [(leaf, "") for leaf in _outcomes(value)]
+        if isinstance(value, ast.Name) and self.scopes:
+            outcomes += [(leaf, f"{value.id!r} is assigned {ast.unparse(bound)} at line {line} in this "
+                               "scope")
+                        for bound, line in self.scopes[-1].get(value.id, []) if bound is not None
+                        for leaf in _outcomes(bound)]
+        none = next((why for leaf, why in outcomes if _may_be_none(leaf)), None)
+        if none is not None:
+            self.report(value, "DSP004", f"{func}(shard_dim={ast.unparse(value)}) may be None"
+                        f"{': ' + none if none else ''}: {_FIX}")
+        replicated = next((why for leaf, why in outcomes if _is_replicate(leaf, self.imports)), None)
+        if replicated is not None and node.args and (func == "distribute_batch"
+                                                     or _looks_like_batch(node.args[0])):
+            self.report(value, "DSP006", f"{func}({ast.unparse(node.args[0])}, shard_dim="
+                        f"{ast.unparse(value)}) replicates a batch{' (' + replicated + ')' if replicated else ''}"
+                        ": every rank does all the work and N devices are no faster than one; use "
+                        "shard_dim=0")
 
 
 def _silenced(finding: Finding, lines: list[str]) -> bool:
