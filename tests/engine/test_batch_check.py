@@ -120,3 +120,12 @@ def test_a_bad_setting_is_refused(single_process) -> None:
             _engine(batch_check_every=bad)
     assert not _engine(batch_check_every=0).batch_check.enabled
     assert not _engine().batch_check.enabled  # one rank: nothing to compare
+
+
+def test_the_cost_of_some_ranks_alike_is_not_called_all_alike() -> None:
+    from dspark.engine.batch_check import replication_cost
+
+    assert replication_cost([(0, 1)], 2).endswith("2 ranks do the work of one")
+    assert replication_cost([(0, 1), (0, 2), (1, 2)], 3).endswith("3 ranks do the work of one")
+    assert replication_cost([(0, 2)], 3) == "those ranks train on the same samples, so 3 ranks do the work of 2"
+    assert replication_cost([(0, 1), (2, 3)], 4).endswith("4 ranks do the work of 2")

@@ -33,7 +33,7 @@ from dspark.tensor.fingerprint import (
     identical_ranks,
 )
 
-__all__ = ["DEFAULT_BATCH_CHECK_EVERY", "BatchCheck", "InputLeaf"]
+__all__ = ["DEFAULT_BATCH_CHECK_EVERY", "BatchCheck", "InputLeaf", "replication_cost"]
 
 DEFAULT_BATCH_CHECK_EVERY = 1000
 """Steps between two checks. The first step catches a wrong setup (it is wrong from the start); the
@@ -48,6 +48,19 @@ class InputLeaf:
     shape: tuple[int, ...]
     dtype: torch.dtype
     nbytes: int
+
+
+def replication_cost(pairs: list[tuple[int, int]], world_size: int) -> str:
+    """What identical batches on the rank ``pairs`` cost, in words: all ranks alike, or some.
+
+    Example::
+
+        replication_cost([(0, 2)], 3)   # 'those ranks train on the same samples, so 3 ranks do the work of 2'
+    """
+    distinct = world_size - len({b for _, b in pairs})  # ranks that match no lower rank
+    if distinct == 1:
+        return f"every rank trains on the same samples, so {world_size} ranks do the work of one"
+    return f"those ranks train on the same samples, so {world_size} ranks do the work of {distinct}"
 
 
 class BatchCheck:
@@ -115,10 +128,10 @@ class BatchCheck:
         same = ", ".join(f"{a} and {b}" for a, b in pairs[:6]) + (" ..." if len(pairs) > 6 else "")
         shapes = ", ".join(f"{tuple(leaf.shape)} {str(leaf.dtype).removeprefix('torch.')}"
                            for leaf in self.last_inputs[:4])
+        cost = replication_cost(pairs, self._world.world_size)
         return (
             f"rank {self._world.rank}: ranks {same} fed the model identical input batches at step "
-            f"{step} (this rank's inputs: {shapes or 'no tensors'}): every rank trains on the same "
-            f"samples, so {self._world.world_size} ranks do the work of one. Likely causes and fixes:\n"
+            f"{step} (this rank's inputs: {shapes or 'no tensors'}): {cost}. Likely causes and fixes:\n"
             f"  1. a torch.utils.data.DataLoader with no sampler: every rank reads the same batches. "
             f"Use dspark.DataLoader(dataset, global_batch_size=...) (or a DistributedSampler, with "
             f"set_epoch every epoch).\n"

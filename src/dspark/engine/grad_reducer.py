@@ -174,9 +174,11 @@ class GradReducer:
                 "samples along dim 0 of the first input) while every rank's loss counts with the same "
                 "weight, so the update is not the mean over all samples. Pass "
                 "engine.backward(loss, weight=n), n being the samples (or tokens) this rank's loss "
-                "averages over, or give every rank the same number of samples (dspark.DataLoader with "
-                "drop_last=True, or a global batch that divides by the world size). To weight ranks "
-                "equally anyway, pass weight=1.0 on every rank")
+                "averages over (with a dspark.DataLoader: weight=loader.batch_info.local_size), or give "
+                "every rank the same number of samples: a global batch that divides by the world size, "
+                "and drop_last=True (the default; drop_last=False serves the epoch's last, partial "
+                "global batch, whose split may be uneven although the global batch size divides). To "
+                "weight ranks equally anyway, pass weight=1.0 on every rank")
         if weighted_ranks == n:
             if total_weight <= 0:
                 return False
