@@ -12,6 +12,7 @@ from dspark.data.order import (
     epoch_seed,
     global_batch_sizes,
     local_rows,
+    smaller_batch_fix,
 )
 
 
@@ -55,3 +56,9 @@ def test_a_tail_that_leaves_a_rank_empty_is_an_error() -> None:
     check_tail(3, 8, 2)  # 2 + 1
     with pytest.raises(ValueError, match=r"holds 1 of 8 samples.*rank\(s\) 1 would get no rows.*drop_last=True"):
         check_tail(1, 8, 2)
+
+
+def test_the_fix_for_too_little_data_can_be_applied() -> None:
+    assert smaller_batch_fix(7, 2).endswith("at most 7 (a multiple of world size 2: 6)")
+    assert "empty" in smaller_batch_fix(0, 2) and "at most 0" not in smaller_batch_fix(0, 2)
+    assert "cannot give each of the 4 ranks a row" in smaller_batch_fix(3, 4)

@@ -29,6 +29,7 @@ from dspark.data.order import (
     epoch_seed,
     global_batch_sizes,
     local_rows,
+    smaller_batch_fix,
 )
 from dspark.data.sampler import GlobalBatchSampler
 from dspark.data.stream import CollateWithInfo, RankStream
@@ -54,8 +55,9 @@ def _world_place(rank: int | None, world_size: int | None) -> tuple[int, int]:
     if rank is None or world_size is None:
         raise ValueError(f"rank={rank!r} and world_size={world_size!r}: pass both, or neither (then "
                          "they come from dspark.init())")
-    if not (isinstance(world_size, int) and world_size >= 1 and isinstance(rank, int)
-            and 0 <= rank < world_size):
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size={world_size!r} must be an int >= 1 (the number of ranks)")
+    if not (isinstance(rank, int) and not isinstance(rank, bool) and 0 <= rank < world_size):
         raise ValueError(f"rank={rank!r} must be an int in [0, world_size={world_size!r})")
     return rank, world_size
 
@@ -167,12 +169,9 @@ class DataLoader:
                             "(__getitem__ and __len__) nor a torch.utils.data.IterableDataset")
         num_samples = len(dataset)
         if num_samples < self.global_batch_size:
-            n = self.world_size
-            fits = num_samples - num_samples % n
-            hint = f"at most {num_samples}" + (f" (a multiple of world size {n}: {fits})" if fits else "")
             raise ValueError(f"the dataset holds {num_samples} samples, fewer than one global batch of "
-                             f"{self.global_batch_size}: no step could run. Use a global_batch_size of "
-                             f"{hint}")
+                             f"{self.global_batch_size}: no step could run. "
+                             f"{smaller_batch_fix(num_samples, self.world_size)}")
         return num_samples
 
     # -- position ----------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ __all__ = [
     "epoch_seed",
     "global_batch_sizes",
     "local_rows",
+    "smaller_batch_fix",
 ]
 
 _MASK64 = (1 << 64) - 1
@@ -139,6 +140,22 @@ def check_global_batch_size(global_batch_size: int, world_size: int, *, allow_un
             f"global_batch_size={global_batch_size} on world size {world_size}: by the torch.chunk "
             f"rule ({'+'.join(map(str, shard_sizes(global_batch_size, world_size)))}) rank(s) "
             f"{', '.join(map(str, empty))} would get no rows at all. Use a global batch of {valid}")
+
+
+def smaller_batch_fix(num_samples: int, world_size: int) -> str:
+    """The fix for data of ``num_samples`` samples that do not fill one global batch, in words.
+
+    Example::
+
+        smaller_batch_fix(7, 2)   # 'Use a global_batch_size of at most 7 (a multiple of world size 2: 6)'
+    """
+    if num_samples == 0:
+        return "The dataset is empty: check its path or filter"
+    fits = num_samples - num_samples % world_size
+    if not fits:
+        return (f"Its {num_samples} sample(s) cannot give each of the {world_size} ranks a row: use more "
+                "data, or fewer ranks")
+    return f"Use a global_batch_size of at most {num_samples} (a multiple of world size {world_size}: {fits})"
 
 
 def check_tail(tail_size: int, global_batch_size: int, world_size: int) -> None:

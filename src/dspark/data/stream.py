@@ -25,7 +25,7 @@ from typing import Any
 
 from torch.utils.data import IterableDataset, get_worker_info
 
-from dspark.data.order import BatchInfo, check_tail, local_rows
+from dspark.data.order import BatchInfo, check_tail, local_rows, smaller_batch_fix
 
 __all__ = ["CollateWithInfo", "RankStream"]
 
@@ -80,8 +80,8 @@ class RankStream(IterableDataset[tuple[BatchInfo, list[Any]]]):
             if index == 0:
                 raise ValueError(
                     f"the iterable dataset yielded {count} samples in epoch {self.epoch}, fewer than "
-                    f"one global batch of {size}: no step could run. Use a global_batch_size of at "
-                    f"most {count}")
+                    f"one global batch of {size}: no step could run. "
+                    f"{smaller_batch_fix(count, self.world_size)}")
             if count and not self.drop_last and mine:
                 check_tail(count, size, self.world_size)
                 start, stop = local_rows(count, self.world_size, self.rank)
