@@ -135,7 +135,7 @@ def test_different_collectives_are_named_on_both_ranks_and_the_ranks_go_on() -> 
             if t.rank == 0:
                 t.all_reduce(torch.ones(6), "sum").wait()
             else:
-                t.all_gather(torch.empty(6), torch.ones(3)).wait()
+                t.all_gather(torch.empty(6), torch.ones(3), label="dspark.gather.experts.1").wait()
             message = "no error"
         except CollectiveError as exc:
             message = str(exc)
@@ -145,9 +145,9 @@ def test_different_collectives_are_named_on_both_ranks_and_the_ranks_go_on() -> 
 
     (m0, a0), (m1, a1) = _on_both(_pair(), program)
     assert m0.startswith("rank 0: collective #1 is all_reduce of 6 x torch.float32 here and "
-                         "all_gather of 3 x torch.float32 on rank 1"), m0
-    assert m1.startswith("rank 1: collective #1 is all_gather of 3 x torch.float32 here and "
-                         "all_reduce of 6 x torch.float32 on rank 0"), m1
+                         "all_gather of 3 x torch.float32 (dspark.gather.experts.1) on rank 1"), m0
+    assert m1.startswith("rank 1: collective #1 is all_gather of 3 x torch.float32 (dspark.gather.experts.1) "
+                         "here and all_reduce of 6 x torch.float32 on rank 0"), m1
     assert "same collectives in the same order" in m0
     assert a0 == a1 == 2.0
 
@@ -301,3 +301,10 @@ def test_a_small_dev_shm_is_left_to_the_data_loaders(monkeypatch) -> None:
     path = collectives._create_mapping(shm.mapping_bytes(2, 1 << 20))
     assert path is not None and os.path.getsize(path) == shm.mapping_bytes(2, 1 << 20)
     os.unlink(path)
+
+
+def test_a_label_travels_whole_or_cut_at_48_bytes() -> None:
+    """The header's label words: what the peer's error message names."""
+    for label in ["", "dspark.bucket3.all_reduce", "dspark.gather.transformer.h.11.attn", "ü" * 30]:
+        text = shm._label_text(shm._label_words(label))
+        assert text == label.encode()[:48].decode(errors="replace"), (label, text)

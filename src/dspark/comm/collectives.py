@@ -298,7 +298,7 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", *, async_op: bool = False,
     shm = _through_shm(g, tensor)
     if shm is not None:
         return _run("all_reduce", g, _nbytes(tensor),
-                    lambda: shm.all_reduce(tensor, "sum" if op == "avg" else op),
+                    lambda: shm.all_reduce(tensor, "sum" if op == "avg" else op, label=label),
                     async_op, after, label)
     reduce_op = _REDUCE_OPS["sum" if op == "avg" else op]
     return _run("all_reduce", g, _nbytes(tensor),
@@ -322,7 +322,7 @@ def _all_gather(kind: str, output: torch.Tensor, shard: torch.Tensor, async_op: 
         return _run(kind, g, _nbytes(shard), lambda: _copy(output, shard), async_op, label=label)
     shm = _through_shm(g, output, shard)
     if shm is not None and output.dtype == shard.dtype:
-        return _run(kind, g, _nbytes(shard), lambda: shm.all_gather(output, shard), async_op,
+        return _run(kind, g, _nbytes(shard), lambda: shm.all_gather(output, shard, label=label), async_op,
                     label=label)
     return _run(kind, g, _nbytes(shard),
                 lambda: _ALL_GATHER(output.view(-1), shard.reshape(-1), group=g.pg, async_op=True),
@@ -355,7 +355,7 @@ def all_gather_parts(parts: Sequence[torch.Tensor], outputs: Sequence[torch.Tens
     shm = _through_shm(g, *outputs, *(p.reshape(-1) for p in parts))
     if shm is not None:
         return _run("all_gather", g, nbytes,
-                    lambda: shm.all_gather_parts(list(parts), list(outputs)), async_op, label=label)
+                    lambda: shm.all_gather_parts(list(parts), list(outputs), label=label), async_op, label=label)
     send = torch.cat([p.reshape(-1) for p in parts])
     packed = send.new_empty((g.size, send.numel()))
 
@@ -371,11 +371,11 @@ def all_gather_parts(parts: Sequence[torch.Tensor], outputs: Sequence[torch.Tens
 
 
 def all_gather(shard: torch.Tensor, *, group: Group | None = None,
-               _kind: str = "all_gather") -> list[torch.Tensor]:
+               _kind: str = "all_gather", label: str | None = None) -> list[torch.Tensor]:
     """Every rank's ``shard`` (equal shapes), as a list indexed by rank."""
     g = group or default_group()
     flat = torch.empty((g.size, *shard.shape), dtype=shard.dtype, device=shard.device)
-    _all_gather(_kind, flat, shard.contiguous(), False, g)
+    _all_gather(_kind, flat, shard.contiguous(), False, g, label)
     return list(flat.unbind(0))
 
 
@@ -397,7 +397,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: str = "
     shm = _through_shm(g, output, input)
     if shm is not None and output.dtype == input.dtype:
         after = (lambda: output.div_(g.size)) if op == "avg" else None
-        return _run("reduce_scatter", g, _nbytes(input), lambda: shm.reduce_scatter(output, input),
+        return _run("reduce_scatter", g, _nbytes(input), lambda: shm.reduce_scatter(output, input, label=label),
                     async_op, after, label)
     if _reduce_scatter_by_all_to_all(g, input):
         return _reduce_scatter_gloo(output, input, op, g, async_op, label)

@@ -20,7 +20,7 @@ import os
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -34,7 +34,8 @@ SHM_MB_ENV = "DSPARK_SHM_MB"
 _DEFAULT_REGION_MB = 16
 _ALIGN = 64
 _HEADERS = 128           # headers kept per rank: at most this many collectives in flight
-_HEADER_WORDS = 6        # seq, kind, nbytes, offset, dtype, numel
+_LABEL_WORDS = 6         # the caller's label for the collective, 48 bytes of UTF-8 at most
+_HEADER_WORDS = 6 + _LABEL_WORDS   # seq, kind, nbytes, offset, dtype, numel, label
 _CTRL_WORDS = 16 + _HEADERS * _HEADER_WORDS
 _CTRL_BYTES = -(-_CTRL_WORDS * 8 // 4096) * 4096   # each rank's control block on its own pages
 _ARRIVED, _CONSUMED = 0, 8   # words of the control block, on separate cache lines
@@ -44,14 +45,26 @@ _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.in
            torch.int16, torch.int8, torch.uint8, torch.bool]
 DTYPE_CODES = {dtype: code for code, dtype in enumerate(_DTYPES, start=1)}
 
+
+@functools.lru_cache(maxsize=1024)
+def _label_words(label: str) -> tuple[int, ...]:
+    """``label`` as the header's label words: its first 48 bytes of UTF-8, zero-padded."""
+    raw = label.encode()[:8 * _LABEL_WORDS].ljust(8 * _LABEL_WORDS, b"\0")
+    return tuple(int.from_bytes(raw[i:i + 8], "little", signed=True) for i in range(0, len(raw), 8))
+
+
+def _label_text(words: Sequence[int]) -> str:
+    raw = b"".join(int(w).to_bytes(8, "little", signed=True) for w in words)
+    return raw.rstrip(b"\0").decode(errors="replace")
+
 # [Note: the shared-memory transport]
 # One mapping of W control blocks and W data regions of R bytes (``DSPARK_SHM_MB``, 16 by default).
 # Collective number k on rank r: reserve room in r's region (a ring: room is given back once every
 # rank has consumed the collective that used it), copy the input there, write header k (kind, bytes,
-# offset, dtype), then publish arrived[r] = k. That is the launch; it never waits for another rank
-# unless r's region or header ring is full. wait() spins until every rank has arrived at k, checks
-# that their headers describe the same collective (a mismatch is a CollectiveError naming both
-# sides, where gloo would hang or mix the bytes), reads the regions it needs (an all-reduce sums
+# offset, dtype, and the caller's label), then publish arrived[r] = k. That is the launch; it never
+# waits for another rank unless r's region or header ring is full. wait() spins until every rank
+# has arrived at k, checks that their headers describe the same collective (a mismatch is a
+# CollectiveError naming both sides, labels included, where gloo would hang or mix the bytes), reads the regions it needs (an all-reduce sums
 # every rank's input in rank order, so every rank gets the same bits), then publishes
 # consumed[r] = k. Collectives complete in launch order: waiting on k first completes those before
 # it, so "consumed k" means every collective up to k. A rank whose region is full completes its own
@@ -195,18 +208,21 @@ class ShmTransport:
     # -- the three collectives -------------------------------------------------------------------
     # Each runs as pieces of at most a quarter of a region, so a message of any size streams through
     # the ring while up to four pieces are in flight.
-    def all_reduce(self, tensor: torch.Tensor, op: str) -> ShmOp:
+    # ``label`` (the caller's name for the collective, e.g. ``dspark.gather.blocks.0``) travels in the
+    # header, so that ranks that called different collectives are told which ones.
+    def all_reduce(self, tensor: torch.Tensor, op: str, *, label: str | None = None) -> ShmOp:
         flat = tensor.view(-1)
 
         def piece(a: int, b: int) -> tuple[torch.Tensor, Finish]:
             return flat[a:b], lambda inputs, _: _reduce(op, inputs, flat[a:b])
 
-        return self._pieces("all_reduce", flat.numel(), flat.element_size(), piece)
+        return self._pieces("all_reduce", flat.numel(), flat.element_size(), piece, label)
 
-    def all_gather(self, output: torch.Tensor, shard: torch.Tensor) -> ShmOp:
-        return self.all_gather_parts([shard], [output])
+    def all_gather(self, output: torch.Tensor, shard: torch.Tensor, *, label: str | None = None) -> ShmOp:
+        return self.all_gather_parts([shard], [output], label=label)
 
-    def all_gather_parts(self, parts: list[torch.Tensor], outputs: list[torch.Tensor]) -> ShmOp:
+    def all_gather_parts(self, parts: list[torch.Tensor], outputs: list[torch.Tensor], *,
+                         label: str | None = None) -> ShmOp:
         """Output ``i`` gets every rank's ``parts[i]`` in rank order: one collective for all of
         them, written from the parts and read into the outputs, with no packed copy between."""
         flats = [p.reshape(-1) for p in parts]
@@ -236,9 +252,10 @@ class ShmTransport:
             # a gather of nothing (a rank's empty shard) is still one collective: an empty piece
             return [flats[i][lo:hi] for i, lo, hi in spans] or [flats[0][:0]], finish
 
-        return self._pieces("all_gather", starts[-1], flats[0].element_size(), piece)
+        return self._pieces("all_gather", starts[-1], flats[0].element_size(), piece, label)
 
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> ShmOp:
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, *,
+                       label: str | None = None) -> ShmOp:
         out = output.view(-1)
         chunks = input.reshape(self.size, out.numel())   # rank r gets the sum of every rank's row r
         size, r = self.size, self.rank
@@ -249,19 +266,20 @@ class ShmTransport:
 
             return chunks[:, a:b], finish
 
-        return self._pieces("reduce_scatter", out.numel(), out.element_size() * size, piece)
+        return self._pieces("reduce_scatter", out.numel(), out.element_size() * size, piece, label)
 
     def _pieces(self, kind: str, numel: int, bytes_per_element: int,
-                piece: Callable[[int, int], tuple[torch.Tensor | list[torch.Tensor], Finish]]
-                ) -> ShmOp:
+                piece: Callable[[int, int], tuple[torch.Tensor | list[torch.Tensor], Finish]],
+                label: str | None) -> ShmOp:
         step = max(1, self.piece_bytes // bytes_per_element)
-        works = [self._launch(kind, *piece(a, min(a + step, numel)))
+        words = _label_words(label or "")
+        works = [self._launch(kind, *piece(a, min(a + step, numel)), words)
                  for a in range(0, max(numel, 1), step)]
         return ShmOp(self, works)
 
     # -- launch and completion -------------------------------------------------------------------
     def _launch(self, kind: str, src: torch.Tensor | list[torch.Tensor],
-                finish: Finish) -> ShmWork:
+                finish: Finish, label: tuple[int, ...] = (0,) * _LABEL_WORDS) -> ShmWork:
         """Put ``src`` (a tensor, or tensors laid end to end) in this rank's region as collective
         number k and publish it; ``finish`` reads every rank's copy when the collective completes."""
         srcs = [src] if isinstance(src, torch.Tensor) else src
@@ -281,7 +299,7 @@ class ShmTransport:
         me = self._ctrl[self.rank]
         base = 16 + (seq % _HEADERS) * _HEADER_WORDS
         me[base:base + _HEADER_WORDS] = (seq, _KINDS[kind], nbytes, start, DTYPE_CODES[dtype],
-                                          numel)
+                                          numel, *label)
         me[_ARRIVED] = seq   # after the data and the header: x86 keeps the order
         self._seq = seq
         work = ShmWork(seq, kind, nbytes, finish)
@@ -306,15 +324,15 @@ class ShmTransport:
             self._ctrl[self.rank][_CONSUMED] = work.seq   # after every read of the regions
 
     def _input(self, r: int, work: ShmWork) -> torch.Tensor:
-        base = 16 + (work.seq % _HEADERS) * _HEADER_WORDS
-        seq, kind, nbytes, start, dtype, numel = (int(v) for v in self._ctrl[r][base:base + _HEADER_WORDS])
+        theirs = self._header(r, work.seq)
+        seq, kind, nbytes, start, dtype = theirs[:5]
         if seq != work.seq:
             raise AssertionError(f"rank {self.rank}: header {work.seq} of rank {r} holds {seq}")
         mine = self._header(self.rank, work.seq)
         if (kind, nbytes, dtype) != (mine[1], mine[2], mine[4]):
             raise CollectiveError(
                 f"rank {self.rank}: collective #{work.seq} is {self._describe(mine)} here and "
-                f"{self._describe((seq, kind, nbytes, start, dtype, numel))} on rank {r}: the ranks "
+                f"{self._describe(theirs)} on rank {r}: the ranks "
                 f"called different collectives (one rank took a branch the others did not, e.g. "
                 f"an evaluation or a save on rank 0 alone); every rank must run the same "
                 f"collectives in the same order")
@@ -351,7 +369,8 @@ class ShmTransport:
     @staticmethod
     def _describe(header: tuple[int, ...]) -> str:
         dtype = _DTYPES[header[4] - 1] if 0 < header[4] <= len(_DTYPES) else "?"
-        return f"{_KIND_NAMES.get(header[1], '?')} of {header[5]} x {dtype}"
+        label = _label_text(header[6:6 + _LABEL_WORDS])
+        return f"{_KIND_NAMES.get(header[1], '?')} of {header[5]} x {dtype}" + (f" ({label})" if label else "")
 
     # -- room in this rank's region --------------------------------------------------------------
     def _reserve(self, seq: int, nbytes: int) -> int:

@@ -120,7 +120,7 @@ class BatchCheck:
         self._fingerprint = None
         self._next_check = (step // self.every + 1) * self.every
         self.checks += 1
-        pairs = identical_ranks(comm.all_gather(mine))
+        pairs = identical_ranks(comm.all_gather(mine, label="dspark.batch_check.all_gather"))
         if pairs:
             raise PlacementError(self._message(step, pairs))
 
