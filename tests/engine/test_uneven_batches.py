@@ -144,3 +144,36 @@ def test_unequal_batches_without_weight_are_refused_with_the_fix(pool, strategy:
     for rank, message in enumerate(messages):
         assert message != "no error", f"rank {rank}: 4 + 3 rows without weight= trained with equal weights"
         assert "weight=" in message and "4" in message and "3" in message, f"rank {rank}: {message}"
+
+
+def _extra_backward_on_rank_0(strategy: str) -> str:
+    import functools
+
+    import dspark
+    from tests.engine import tiny_models as tm
+
+    engine = dspark.Engine(tm.make("mlp"), optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+                           strategy=strategy, grad_accum_steps=2)
+    rank = dspark.get_world().rank
+    try:
+        for micro in range(2 if rank == 0 else 1):
+            x, y = dspark.distribute_batch(tm.batch("mlp", 8, micro), shard_dim=0)
+            engine.backward(tm.loss_fn("mlp", engine(x), y))
+        engine.step()
+        return "no error"
+    except ValueError as exc:
+        return str(exc)
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("strategy", ["replicate", "zero2"])
+def test_a_different_number_of_backward_calls_is_named_as_such(pool, strategy: str) -> None:
+    """Rank 0 runs two micro-batches, rank 1 one: equal batch sizes per call, but twice the samples on
+    rank 0 in the window; the error says how many backward() calls each rank made, not 'unequal
+    batches' (which would send the user to the loader's batch size)."""
+    messages = run_or_explain_hang(pool, _extra_backward_on_rank_0, strategy, timeout_s=30,
+                                   hang_means="one rank refused and the other went on")
+    for rank, message in enumerate(messages):
+        assert "called engine.backward() a different number of times" in message, (rank, message)
+        assert "rank 0: 2, rank 1: 1" in message, (rank, message)

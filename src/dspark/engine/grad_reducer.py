@@ -149,13 +149,15 @@ class GradReducer:
         if self.observing and self.sharded:
             self._launch_late()
         n = self.num_ranks
-        extras = torch.zeros(2 + n + len(self.slots), dtype=torch.float64, device=self.device)
+        # [weight sum, weighted ranks, batch size + 1 per rank, backward() calls per rank, used flags]
+        extras = torch.zeros(2 + 2 * n + len(self.slots), dtype=torch.float64, device=self.device)
         if weights.weight_sum is not None:
             extras[0] = weights.weight_sum
             extras[1] = 1.0
         if weights.batch_size is not None:
             extras[2 + self.rank] = weights.batch_size + 1
-        extras[2 + n:] = torch.tensor([float(s.used) for s in self._flag_order], dtype=torch.float64)
+        extras[2 + n + self.rank] = weights.micro_steps
+        extras[2 + 2 * n:] = torch.tensor([float(s.used) for s in self._flag_order], dtype=torch.float64)
         comm.all_reduce(extras, label="dspark.step_extras.all_reduce")
         for bucket in self.buckets:  # every rank launched every bucket: waiting cannot hang
             bucket.collect()
@@ -164,7 +166,14 @@ class GradReducer:
         values = extras.tolist()  # the step's one host synchronisation
         total_weight, weighted_ranks = values[0], int(values[1])
         sizes = [int(v) - 1 for v in values[2: 2 + n]]
-        used_anywhere = [v > 0 for v in values[2 + n:]]
+        micro_steps = [int(v) for v in values[2 + n: 2 + 2 * n]]
+        used_anywhere = [v > 0 for v in values[2 + 2 * n:]]
+        if len(set(micro_steps)) > 1:
+            raise ValueError(
+                f"rank {self.rank}: the ranks called engine.backward() a different number of times in "
+                f"this step ({_per_rank(micro_steps)}); every rank must run the same micro-batches "
+                f"(grad_accum_steps={weights.accum_steps}) before engine.step(), or the average mixes "
+                "windows. Give every rank the same number of batches, e.g. with dspark.DataLoader")
         if 0 < weighted_ranks < n:
             raise ValueError(f"rank {self.rank}: engine.backward(loss, weight=...) was given on "
                              f"{weighted_ranks} of {n} ranks; give it on every rank or on none")
