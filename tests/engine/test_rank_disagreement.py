@@ -61,6 +61,38 @@ def _factory_raises_on_rank_1(strategy: str) -> str:
     return _construct_and_train(tm.make("mlp"), strategy, factory)
 
 
+def _setting_differs(setting: str) -> str:
+    """One rank passes another engine argument or optimizer option: fp16 on one rank with fp32 on the
+    other turned rank 0's parameters into NaN without a word, and a learning rate read from a per-rank
+    config let the replicas drift apart."""
+    rank = dspark.get_world().rank
+    kwargs: dict[str, Any] = {"strategy": "replicate", "precision": "fp32"}
+    lr = 0.1
+    if rank == 1:
+        if setting == "lr":
+            lr = 0.5
+        else:
+            kwargs[setting] = {"precision": "fp16", "strategy": "zero3"}[setting]
+    try:
+        engine = dspark.Engine(tm.make("mlp"), optimizer=lambda p: torch.optim.SGD(p, lr=lr), **kwargs)
+        engine.close()
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.parametrize(("setting", "says"), [
+    ("precision", "precision='fp32' on rank 0 but 'fp16' on rank 1"),
+    ("strategy", "strategy='replicate' on rank 0 but 'zero3' on rank 1"),
+    ("lr", "param_groups[0]['lr']=0.1 on rank 0 but 0.5 on rank 1"),
+])
+def test_engine_arguments_and_optimizer_options_that_differ_are_named(pool, setting: str, says: str) -> None:
+    messages = run_or_explain_hang(pool, _setting_differs, setting, timeout_s=TIMEOUT_S,
+                                   hang_means=f"{setting} differing made a rank wait for another")
+    for rank, message in enumerate(messages):
+        assert says in message and message.startswith(f"rank {rank}: "), f"rank {rank}: {message}"
+
+
 def _messages(pool: Any, fn: Any, strategy: str, what: str) -> list[str]:
     messages = run_or_explain_hang(pool, fn, strategy, timeout_s=TIMEOUT_S,
                                    hang_means=f"{what} (under {strategy}) made a rank wait for a peer that "

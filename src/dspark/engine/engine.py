@@ -157,7 +157,14 @@ class Engine:
         self._has_grads = False  # ... and hold something to apply (not every rank gave weight=0)
         n = self.world.world_size
 
-        _check_same_model_on_every_rank(model, self.world.rank)
+        settings = {"strategy": self.strategy.name, "precision": self.precision.name,
+                    "grad_accum_steps": grad_accum_steps,
+                    "clip_grad_norm": self.clip_grad_norm, "bucket_mb": self.bucket_mb,
+                    "reduce_dtype": str(reduce_dtype), "loss_scaler": repr(self.loss_scaler),
+                    "param_groups": param_groups is not None, "zero3_units": zero3_units is not None,
+                    "sync_batchnorm": sync_batchnorm, "broadcast_buffers": broadcast_buffers,
+                    "batch_check_every": batch_check_every}
+        _check_same_model_on_every_rank(model, self.world.rank, settings)
         named = _unique_params(model)
         trainable = [(names[0], p) for names, p in named if p.requires_grad]
         groups = self._agreed("param_groups", lambda: None if param_groups is None else
@@ -191,6 +198,7 @@ class Engine:
                 slot.view_shard_of_full()
         self.optimizer = self._agreed("building the optimizer",
                                       lambda: self._build_optimizer(optimizer, groups))
+        _check_same_optimizer_on_every_rank(self.optimizer, self.world.rank)
         self._reducer: GradReducer | None = None
         if n > 1:
             sharded = self.strategy.shard_grads
@@ -967,13 +975,42 @@ def _unique_params(model: nn.Module) -> list[tuple[list[str], nn.Parameter]]:
     return [(names[k], params[k]) for k in params]
 
 
-def _check_same_model_on_every_rank(model: nn.Module, rank: int) -> None:
-    """Every rank built the same model: parameters (name, shape, dtype, requires_grad) and buffers
-    (name, shape, dtype). A mismatch names the first difference instead of hanging later."""
+def _first_difference(what: str, everyone: list[dict[str, Any]], rank: int, fix: str) -> None:
+    """Raise ``ValueError`` naming the first key whose value differs from rank 0's."""
+    for other, theirs in enumerate(everyone[1:], start=1):
+        for key in dict.fromkeys([*everyone[0], *theirs]):
+            a, b = everyone[0].get(key, "(not set)"), theirs.get(key, "(not set)")
+            if a != b:
+                raise ValueError(f"rank {rank}: {what} differ between ranks: {key}={a!r} on rank 0 but "
+                                 f"{b!r} on rank {other}. {fix}")
+
+
+def _check_same_optimizer_on_every_rank(optimizer: torch.optim.Optimizer, rank: int) -> None:
+    """Every rank's factory built the same optimizer: class, group count and each group's options
+    (a learning rate read from a per-rank config would make replicas drift apart silently)."""
+    mine: dict[str, Any] = {"optimizer": type(optimizer).__name__, "groups": len(optimizer.param_groups)}
+    for i, group in enumerate(optimizer.param_groups):
+        for key, value in group.items():
+            if key != "params":
+                mine[f"param_groups[{i}][{key!r}]"] = (value.tolist() if isinstance(value, torch.Tensor)
+                                                       else value if isinstance(value, (int, float, str, bool,
+                                                                                       type(None), tuple))
+                                                       else repr(value))
+    _first_difference("the optimizers", comm.all_gather_object(mine), rank,
+                      "Build the optimizer with the same options on every rank")
+
+
+def _check_same_model_on_every_rank(model: nn.Module, rank: int, settings: dict[str, Any]) -> None:
+    """Every rank passed the same engine ``settings`` and built the same model: parameters (name,
+    shape, dtype, requires_grad) and buffers (name, shape, dtype). A mismatch names the first
+    difference instead of hanging, or training diverged replicas, later. One collective."""
     mine = [("parameter", name, tuple(p.shape), str(p.dtype), p.requires_grad)
             for name, p in model.named_parameters()]
     mine += [("buffer", name, tuple(b.shape), str(b.dtype), False) for name, b in model.named_buffers()]
-    everyone = comm.all_gather_object(mine)
+    gathered = comm.all_gather_object((settings, mine))
+    _first_difference("the dspark.Engine arguments", [g[0] for g in gathered], rank,
+                      "Pass the same arguments on every rank")
+    everyone = [g[1] for g in gathered]
     reference = everyone[0]
     for other, theirs in enumerate(everyone):
         if theirs == reference:
