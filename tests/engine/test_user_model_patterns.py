@@ -63,3 +63,25 @@ def test_user_model_pattern_trains_like_one_process(pool, strategy: str, case: s
         initial = get_case(case).build().state_dict()
         for key in ("layers.0.weight", "layers.0.bias"):
             assert torch.equal(want["state"][key], initial[key])  # the reference itself froze them
+
+
+def _unfreeze_after_construction(strategy: str) -> str:
+    engine = build_engine("frozen", strategy, optimizer="sgd")
+    train_steps(engine, "frozen", range(1))
+    engine.module.layers[0].requires_grad_(True)  # a fine-tuning loop unfreezing its backbone
+    try:
+        train_steps(engine, "frozen", range(1, 2))
+        return "no error"
+    except RuntimeError as exc:
+        return str(exc)
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("strategy", ["replicate", "zero3"])
+def test_a_parameter_unfrozen_after_construction_is_an_error_not_ignored(pool, strategy: str) -> None:
+    """The engine steps the parameters trainable when it was built; one unfrozen later got a gradient
+    that nothing reduced or applied, and never trained, silently."""
+    for rank, message in enumerate(pool.run(_unfreeze_after_construction, strategy)):
+        assert "layers.0.weight" in message and "frozen (requires_grad=False) when the engine was built" in message, (
+            rank, message)

@@ -179,6 +179,8 @@ class Engine:
         self.slots = [s for s in all_slots if s.requires_grad]
         """The trainable parameters, one slot each (tied parameters share one)."""
         self._frozen_slots = [s for s in all_slots if not s.requires_grad]
+        self._frozen_params = [(names[0], p) for names, p in named if not p.requires_grad]
+        """Frozen at construction: a gradient on one later means it was unfrozen (not followed)."""
         self._batchnorms = convert_batchnorm(model) if sync_batchnorm else []
         self._buffer_sync = None
         if broadcast_buffers and n > 1:
@@ -429,6 +431,17 @@ class Engine:
         weights = StepWeights(micro_steps=self._micro_step, accum_steps=self.grad_accum_steps,
                               weight_sum=self._weight_sum, batch_size=self._batch_size,
                               loss_scale=1.0 if self.loss_scaler is None else self.loss_scaler.scale)
+        unfrozen = [name for name, p in self._frozen_params if p.grad is not None]
+        if unfrozen:
+            for _, p in self._frozen_params:
+                p.grad = None
+            self._end_window()
+            raise RuntimeError(
+                f"rank {self.world.rank}: {', '.join(unfrozen[:4])}{' ...' if len(unfrozen) > 4 else ''} "
+                f"got a gradient but was frozen (requires_grad=False) when the engine was built: the "
+                "engine reduces and steps only the parameters trainable at construction. To unfreeze "
+                "during training, build a new engine after requires_grad_(True), or build it with the "
+                "parameters trainable and param_groups giving them lr=0 until they are to train")
         try:
             if self._reducer is not None:
                 self._has_grads = self._reducer.end_backward(weights)
