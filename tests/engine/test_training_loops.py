@@ -111,6 +111,31 @@ def test_meta_materialisation_equals_the_cpu_build_exactly(pool, strategy: str) 
             assert torch.equal(state[key], cpu[key]), key
 
 
+def _torch_transformer() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True), nn.Linear(16, 2))
+
+
+def _meta_transformer_state(strategy: str) -> dict[str, torch.Tensor]:
+    with torch.device("meta"):
+        model = _torch_transformer()
+    engine = dspark.Engine(model, optimizer=OPTIMIZERS["sgd"], strategy=strategy)
+    state = engine.full_state_dict()
+    engine.close()
+    return state
+
+
+@pytest.mark.parametrize("strategy", ["replicate", "zero3"])
+def test_pytorchs_own_transformer_layer_materialises_from_meta(pool, strategy: str) -> None:
+    """nn.MultiheadAttention initialises itself in a private _reset_parameters() (which its
+    constructor calls), not reset_parameters(): the engine calls that one for PyTorch's own modules."""
+    cpu = _torch_transformer().state_dict()
+    for state in pool.run(_meta_transformer_state, strategy):
+        assert state.keys() == cpu.keys()
+        for key in cpu:
+            assert torch.equal(state[key], cpu[key]), key
+
+
 class _Recorded(nn.Linear):
     """A Linear whose reset_parameters records how many parameter elements hold real storage."""
 

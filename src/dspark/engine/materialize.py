@@ -105,7 +105,7 @@ def materialize(root: nn.Module, device: torch.device,
     final_after: dict[int, int] = {}
     for name, module in order:
         ancestors = _ancestors(root, name)
-        resetting = [position[id(a)] for a in ancestors if callable(getattr(a, "reset_parameters", None))]
+        resetting = [position[id(a)] for a in ancestors if _initialiser(a) is not None]
         for p in module.parameters(recurse=False):
             after = max([position[id(module)], *resetting])
             final_after[id(p)] = max(final_after.get(id(p), after), after)
@@ -127,8 +127,8 @@ def materialize(root: nn.Module, device: torch.device,
                 done.add(id(t))
                 if kind == "_parameters":
                     pending.setdefault(final_after[id(t)], []).append(t)  # type: ignore[arg-type]
-        reset = getattr(module, "reset_parameters", None)
-        if callable(reset):
+        reset = _initialiser(module)
+        if reset is not None:
             with torch.no_grad():
                 reset()
         for (kind, key), t in shared.items():
@@ -141,6 +141,18 @@ def materialize(root: nn.Module, device: torch.device,
             raise ValueError(f"buffer {name!r} (shape {tuple(b.shape)}) was created on the meta device "
                              "and no reset_parameters() initialised it; give its module a "
                              "reset_parameters() that sets it, or build the model on a real device")
+
+
+def _initialiser(module: nn.Module) -> Callable[[], object] | None:
+    """``module.reset_parameters``, or for PyTorch's own modules that name it privately
+    (``nn.MultiheadAttention._reset_parameters``, which its constructor calls) that one."""
+    reset = getattr(module, "reset_parameters", None)
+    if callable(reset):
+        return reset  # type: ignore[no-any-return]
+    private = getattr(module, "_reset_parameters", None)
+    if callable(private) and type(module).__module__.startswith("torch.nn."):
+        return private  # type: ignore[no-any-return]
+    return None
 
 
 def _check_initialised(name: str, p: torch.Tensor, module: nn.Module) -> None:
