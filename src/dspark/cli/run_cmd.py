@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
 import sys
 from collections.abc import Mapping
@@ -104,12 +105,22 @@ def launch_plan(args: argparse.Namespace,
     if filled.nproc is None:
         raise ValueError("--nproc N is required: how many workers to start on this node (under Slurm "
                          "it defaults to SLURM_GPUS_ON_NODE or SLURM_NTASKS_PER_NODE, neither set here)")
-    spec = LaunchSpec(target=command[0], args=tuple(command[1:]), module=args.module,
-                      nproc=filled.nproc, nnodes=filled.nnodes, node_rank=filled.node_rank,
-                      master_addr=filled.master_addr, master_port=args.master_port,
-                      rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
-                      max_restarts=args.max_restarts, grace_period_s=args.grace_period)
+    try:
+        spec = LaunchSpec(target=command[0], args=tuple(command[1:]), module=args.module,
+                          nproc=filled.nproc, nnodes=filled.nnodes, node_rank=filled.node_rank,
+                          master_addr=filled.master_addr, master_port=args.master_port,
+                          rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
+                          max_restarts=args.max_restarts, grace_period_s=args.grace_period)
+    except (ValueError, TypeError) as exc:  # LaunchSpec names its fields; the user typed flags
+        raise type(exc)(_FIELD.sub(lambda m: _FLAGS[m.group(1)] + (" " if m.group(2) else ""),
+                                   str(exc))) from None
     return spec, filled.from_slurm
+
+
+_FLAGS = {"nproc": "--nproc", "nnodes": "--nnodes", "node_rank": "--node-rank", "master_addr": "--master-addr",
+          "master_port": "--master-port", "rdzv_endpoint": "--rdzv-endpoint", "max_restarts": "--max-restarts",
+          "grace_period_s": "--grace-period"}
+_FIELD = re.compile(r"\b(" + "|".join(_FLAGS) + r")\b(=?)")
 
 
 def run(args: argparse.Namespace) -> int:
