@@ -4,7 +4,9 @@ plain JSON, so that a checkpoint never holds a pickle (see [Note: loading runs n
 JSON lacks tuples, non-finite floats and tensors; they are written as one-key objects tagged with
 ``"__tuple__"``, ``"__float__"``, ``"__tensor__"``, ``"__dtype__"`` (and ``"__ref__"`` for a tensor
 kept in DCP's files, see :mod:`dspark.checkpoint.extra_state`), and every dict as
-``{"__dict__": {...}}`` so that a user's dict can never be read back as a tag. Decoding builds only
+``{"__dict__": {...}}`` so that a user's dict can never be read back as a tag; a dict with keys
+other than strings (numbers, None, tuples of them) as ``{"__items__": [[key, value], ...]}``, and a
+``collections.Counter`` (``MultiStepLR``'s milestones) as ``{"__counter__": [...]}``, read back as one. Decoding builds only
 these plain values: JSON text cannot name a function, so reading it runs nothing.
 
 Example::
@@ -16,6 +18,7 @@ Example::
 
 from __future__ import annotations
 
+import collections
 import math
 from typing import Any
 
@@ -48,10 +51,11 @@ def encode(value: Any, where: str = "value") -> Any:
     if isinstance(value, list):
         return [encode(v, f"{where}[{i}]") for i, v in enumerate(value)]
     if isinstance(value, dict):
-        bad = [k for k in value if not isinstance(k, str)]
-        if bad:
-            raise TypeError(f"{where} has non-string key {bad[0]!r}; a checkpoint stores dicts with "
-                            "string keys only")
+        counter = isinstance(value, collections.Counter)
+        if counter or not all(isinstance(k, str) for k in value):
+            # other keys (MultiStepLR's milestones: a Counter of ints) as [key, value] pairs
+            items = [[_encode_key(k, where), encode(v, f"{where}[{k!r}]")] for k, v in value.items()]
+            return {"__counter__" if counter else "__items__": items}
         return {"__dict__": {k: encode(v, f"{where}[{k!r}]") for k, v in value.items()}}
     if isinstance(value, torch.dtype):
         return {"__dtype__": str(value).removeprefix("torch.")}
@@ -78,6 +82,9 @@ def decode(data: Any, where: str = "value") -> Any:
         (tag, body), = data.items()
         if tag == "__dict__" and isinstance(body, dict):
             return {k: decode(v, f"{where}[{k!r}]") for k, v in body.items()}
+        if tag in ("__items__", "__counter__") and isinstance(body, list):
+            pairs = {_decode_key(pair, where): decode(pair[1], f"{where}[{pair[0]!r}]") for pair in body}
+            return collections.Counter(pairs) if tag == "__counter__" else pairs
         if tag == "__tuple__" and isinstance(body, list):
             return tuple(decode(v, f"{where}[{i}]") for i, v in enumerate(body))
         if tag == "__float__" and body in _FLOATS:
@@ -89,6 +96,25 @@ def decode(data: Any, where: str = "value") -> Any:
         if tag == "__tensor__" and isinstance(body, dict):
             return _decode_tensor(body, where)
     raise ValueError(f"{where} = {data!r:.120} is not a value DSpark writes")
+
+
+_KEY_TYPES = (str, int, float, bool, type(None), tuple)
+
+
+def _encode_key(key: object, where: str) -> Any:
+    if not isinstance(key, _KEY_TYPES) or (isinstance(key, tuple) and not all(isinstance(k, _KEY_TYPES) for k in key)):
+        raise TypeError(f"{where} has a key of type {type(key).__name__} ({key!r:.60}); a checkpoint "
+                        "stores dict keys that are strings, numbers, None or tuples of them")
+    return encode(key, f"{where} key")
+
+
+def _decode_key(pair: object, where: str) -> Any:
+    if not (isinstance(pair, list) and len(pair) == 2):
+        raise ValueError(f"{where} = {pair!r:.120} is not a [key, value] pair DSpark writes")
+    key = decode(pair[0], f"{where} key")
+    if not isinstance(key, _KEY_TYPES) or (isinstance(key, tuple) and not all(isinstance(k, _KEY_TYPES) for k in key)):
+        raise ValueError(f"{where} has key {key!r:.60}, which is not a key DSpark writes")
+    return key
 
 
 def _encode_tensor(value: torch.Tensor, where: str) -> dict[str, Any]:
