@@ -75,6 +75,21 @@ def test_a_changed_shape_is_named(single_process, two_rank_checkpoint: Path, mon
     assert "'layers.0.weight' has shape (8, 6) in the model but (7, 6) in the checkpoint" in message
 
 
+def test_another_optimizer_is_refused_before_anything_changes(single_process, copy: Path) -> None:
+    """The checkpoint holds AdamW's state and hyper-parameters (betas, eps); loaded into an SGD engine
+    they replaced its groups and the next step failed on the missing 'momentum'."""
+    import dspark
+    from tests.engine import tiny_models as tm
+
+    engine = dspark.Engine(tm.make("mlp"), optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
+    groups = [dict(g) for g in engine.optimizer.param_groups]
+    with pytest.raises(CheckpointError, match=r"state of optimizer AdamW, this engine's optimizer is SGD") as info:
+        engine.load(copy)
+    assert str(copy) in str(info.value)
+    assert [dict(g) for g in engine.optimizer.param_groups] == groups and engine.step_count == 0
+    train(engine, "mlp", range(1))  # and it still trains
+
+
 def test_no_checkpoint_at_the_path(single_process, tmp_path: Path) -> None:
     engine = make_engine("mlp", "replicate")
     with pytest.raises(CheckpointNotFoundError, match="the path does not exist") as info:

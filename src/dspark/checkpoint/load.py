@@ -122,6 +122,12 @@ def _match_names(template: Mapping[str, Any], entries: dict[str, Any], directory
 
 def _check_param_groups(template: Mapping[str, Any], info: CheckpointInfo, training: TrainingState,
                         directory: Path) -> None:
+    mine = template["engine"].get("optimizer")
+    if mine is not None and info.optimizer != mine:
+        raise CheckpointError(f"checkpoint {str(directory)!r} holds the state of optimizer "
+                              f"{info.optimizer}, this engine's optimizer is {mine}: its state and hyper-parameters "
+                              f"would not fit. Build the engine with the checkpoint's optimizer "
+                              f"({info.optimizer})")
     have = len(template["optimizer"]["param_groups"])
     saved = len(training.param_groups)
     if info.num_param_groups != saved:
