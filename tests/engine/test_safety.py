@@ -317,3 +317,46 @@ def test_zero3_deferred_tag_checks_wait_for_backward_and_name_the_mismatch(pool)
         message = str(result["message"])
         assert "this rank gathered scale for a training forward, rank 1 scale for a forward without " \
                "grad" in message, message
+
+
+class _FactoredSGD(torch.optim.Optimizer):
+    """An optimizer of the user's own whose state is shaped unlike its parameter (a row statistic, as
+    Adafactor keeps): sharded by rows, the statistic would be a shard's, not the parameter's."""
+
+    def __init__(self, params: object, lr: float = 0.1) -> None:
+        super().__init__(params, {"lr": lr})  # type: ignore[arg-type]
+
+    @torch.no_grad()
+    def step(self, closure: object = None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    if p.dim() == 2:
+                        self.state[p]["row"] = p.grad.square().mean(1, keepdim=True)
+                    p.add_(p.grad, alpha=-group["lr"])
+
+
+def _sharded_with(optimizer_name: str, strategy: str) -> str:
+    factory = {"Adafactor": functools.partial(torch.optim.Adafactor, lr=1e-2),
+               "factored": _FactoredSGD}[optimizer_name]
+    try:
+        engine = dspark.Engine(tm.make("mlp"), optimizer=factory, strategy=strategy)
+        x, y = dspark.distribute_batch(tm.batch("mlp", 8, 0), shard_dim=0)
+        engine.backward(tm.loss_fn("mlp", engine(x), y))
+        engine.step()
+        engine.close()
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.parametrize("optimizer_name", ["Adafactor", "factored"])
+def test_an_optimizer_that_is_not_element_wise_is_refused_where_state_is_sharded(pool, optimizer_name: str) -> None:
+    """torch.optim.Adafactor under zero2 on 2 ranks ended 2.6e-3 away from one process (its row and
+    column statistics computed per shard), and a checkpoint resharded its row statistics as if they
+    were parameter rows. Refused at construction when the optimizer is known, after its first step
+    when its state shows it; replicate keeps it."""
+    for rank, message in enumerate(pool.run(_sharded_with, optimizer_name, "zero2")):
+        assert "strategy='zero2' shards the optimizer state by rows" in message, (rank, message)
+        assert "strategy='replicate'" in message
+    assert pool.run(_sharded_with, optimizer_name, "replicate") == ["no error"] * 2

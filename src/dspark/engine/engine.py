@@ -42,7 +42,7 @@ from dspark.engine.grad_reducer import GradReducer, StepWeights
 from dspark.engine.loss_scaler import LossScaler
 from dspark.engine.materialize import has_meta_tensors, materialize
 from dspark.engine.memory import expected_state_bytes, optimizer_state_elements, storage_bytes
-from dspark.engine.optimizer_guard import guard_sharded_optimizer
+from dspark.engine.optimizer_guard import check_elementwise, guard_sharded_optimizer
 from dspark.engine.optimizer_kernel import prefer_fused_kernel
 from dspark.engine.param_groups import ParamGroupsFn, group_by_overrides
 from dspark.engine.param_slot import ParamSlot
@@ -210,6 +210,8 @@ class Engine:
                                         rank=self.world.rank, num_ranks=n, device=self.world.device)
         self._hooks = [s.param.register_post_accumulate_grad_hook(self._grad_ready_hook(s))
                        for s in self.slots]
+        if self.strategy.shard_optimizer and n > 1:
+            check_elementwise(self.optimizer, strategy=self.strategy.name, after_step=False)
         if self.strategy.shard_optimizer and n > 1:  # see [Note: a rank's optimizer state dict]
             self._hooks.extend(guard_sharded_optimizer(self.optimizer, rank=self.world.rank, world_size=n,
                                                        strategy=self.strategy.name))
@@ -534,6 +536,9 @@ class Engine:
             if self.clip_grad_norm is not None:
                 self._clip_to(self.clip_grad_norm, norm)
         self.optimizer.step()
+        if self.step_count == 0 and self.strategy.shard_optimizer and self.world.world_size > 1:
+            self._agreed("checking the optimizer's state after its first step",  # one small gather, once
+                         lambda: check_elementwise(self.optimizer, strategy=self.strategy.name, after_step=True))
         if self.strategy.shard_optimizer and not self._shard_params and self.world.world_size > 1:
             self._gather_updated_rows()
         self.step_count += 1

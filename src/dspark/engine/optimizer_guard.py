@@ -19,7 +19,33 @@ from typing import Any
 
 import torch
 
-__all__ = ["STAMP_KEY", "guard_sharded_optimizer"]
+__all__ = ["NOT_ELEMENTWISE", "STAMP_KEY", "check_elementwise", "guard_sharded_optimizer"]
+
+NOT_ELEMENTWISE = {"Adafactor": "keeps factored row and column statistics of each whole parameter",
+                   "LBFGS": "keeps a history of whole flattened gradients and steps with a closure"}
+"""torch optimizers whose update of an element depends on other elements of the parameter: sharding
+their state by rows (zero1-3) would compute it per shard and change the update."""
+
+
+def check_elementwise(optimizer: torch.optim.Optimizer, *, strategy: str, after_step: bool) -> None:
+    """Raise ``ValueError`` when ``optimizer`` cannot have its state sharded by rows: a known
+    non-element-wise torch optimizer, or (``after_step``, the first step done) one whose state holds
+    a tensor shaped unlike its parameter, which a shard could not be resharded from either."""
+    name = type(optimizer).__name__
+    why = NOT_ELEMENTWISE.get(name)
+    if why is None and after_step:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                for key, value in optimizer.state.get(p, {}).items():
+                    if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != p.shape:
+                        why = (f"keeps state {key!r} of shape {tuple(value.shape)} for a parameter "
+                               f"(shard) of shape {tuple(p.shape)}")
+                        break
+    if why is not None:
+        raise ValueError(f"strategy={strategy!r} shards the optimizer state by rows, and {name} {why}: "
+                         "sharded, it would compute that per shard and change the update (and no "
+                         "checkpoint could reshard it). Use strategy='replicate' with it, or an "
+                         "element-wise optimizer (AdamW, SGD, Adam, ...)")
 
 STAMP_KEY = "dspark_shard"
 """The key :func:`guard_sharded_optimizer` adds to ``optimizer.state_dict()``."""
