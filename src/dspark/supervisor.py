@@ -13,7 +13,10 @@ process below it (pid and start time, from ``/proc``). On SIGTERM, SIGINT or SIG
    :data:`SETTLE_S` seconds after its workers are gone, sends the signal to torchrun too, which
    stops its workers itself;
 3. once the grace period has passed, or at a second signal, kills (SIGKILL) torchrun and every
-   process it has seen below it, orphans included;
+   process it has seen below it, orphans included. A second SIGTERM within :data:`DUPLICATE_S` of
+   the first is the same request delivered twice, not a second one: ``timeout`` (and other
+   wrappers) signal both their child and its process group, so ``dspark run`` gets one stop twice;
+   a second SIGINT (Ctrl-C again) kills at once;
 4. after torchrun has exited, kills whatever of that list is still alive.
 
 The exit code is 0 when torchrun exited 0 (every worker exited 0), else ``128 + signal``
@@ -34,7 +37,7 @@ from types import FrameType
 
 from dspark.process_tree import ProcessInfo, children, descendants, signal_processes
 
-__all__ = ["DEFAULT_GRACE_S", "SETTLE_S", "STOP_SIGNALS", "Supervised", "run_supervised"]
+__all__ = ["DEFAULT_GRACE_S", "DUPLICATE_S", "SETTLE_S", "STOP_SIGNALS", "Supervised", "run_supervised"]
 
 _log = logging.getLogger(__name__)
 
@@ -44,6 +47,8 @@ DEFAULT_GRACE_S = 30.0
 SETTLE_S = 5.0
 """How long torchrun may stay up with no workers after a stop signal before it is told to stop."""
 _POLL_S = 0.1
+DUPLICATE_S = 1.0
+"""A SIGTERM this soon after the first is the same stop delivered twice (see the module note)."""
 _SNAPSHOT_EVERY_S = 0.5
 
 
@@ -103,7 +108,8 @@ class _Supervisor:
         self.child = child
         self.grace_s = grace_s
         self.tree = _Tree(root=child.pid)
-        self.received: list[int] = []  # appended by the signal handler, read by the loop
+        self.received: list[tuple[int, float]] = []  # (signal, when): appended by the handler
+        self.stop_at = 0.0
         self.stop_signal: int | None = None
         self.deadline = 0.0
         self.signalled: set[tuple[int, int]] = set()  # (pid, start) of workers already told
@@ -124,7 +130,7 @@ class _Supervisor:
                 signal.signal(s, handler)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        self.received.append(signum)  # the loop acts on it: a handler must not block
+        self.received.append((signum, time.monotonic()))  # the loop acts on it: a handler must not block
 
     def wait(self, capture: bool) -> tuple[str | None, str | None]:
         out: tuple[str | None, str | None] = (None, None)
@@ -138,7 +144,7 @@ class _Supervisor:
             except subprocess.TimeoutExpired:
                 self._tick()
         if self.stop_signal is None and self.received:  # it came as torchrun exited by itself
-            self.stop_signal = self.received[0]
+            self.stop_signal = self.received[0][0]
         if self.stop_signal is not None:  # orphans of the tree outlive torchrun: end them too
             self.tree.refresh(time.monotonic(), force=True)
             leftover = self.tree.kill_all()
@@ -150,9 +156,13 @@ class _Supervisor:
         now = time.monotonic()
         self.tree.refresh(now, force=self.stop_signal is not None)
         while self.received:
-            signum = self.received.pop(0)
+            signum, at = self.received.pop(0)
             if self.stop_signal is None:
+                self.stop_at = at
                 self._start_stopping(signum, now)
+            elif signum == self.stop_signal == signal.SIGTERM and at - self.stop_at < DUPLICATE_S:
+                _log.info("SIGTERM again %.3f s after the first: the same stop, delivered twice",
+                          at - self.stop_at)
             else:
                 _log.warning("second signal %s: killing the job now", signal.Signals(signum).name)
                 self._kill()
