@@ -64,3 +64,22 @@ def test_an_unknown_format_version_is_refused(tmp_path: Path) -> None:
 def test_a_format_1_checkpoint_is_refused_with_the_reason(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match=r"format_version=1 .* kept some values as pickles"):
         _info(format_version=1)
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("world_size", "two", "world_size='two' must be an int >= 1"),
+    ("step_count", -5, "step_count=-5 must be an int >= 0"),
+    ("num_param_groups", True, "num_param_groups=True must be an int >= 1"),
+    ("optimizer", 3, "optimizer=3 must be a string"),
+    ("params", {"w": [7, "6"]}, "must map names to lists of sizes"),
+])
+def test_fields_of_the_wrong_type_are_refused_naming_the_file(tmp_path: Path, field: str, value: object,
+                                                               message: str) -> None:
+    """A hand-edited or crafted dspark.json: read back as it stood, info and the engine disagreed."""
+    write_info(tmp_path, _info())
+    raw = json.loads((tmp_path / "dspark.json").read_text())
+    raw[field] = value
+    (tmp_path / "dspark.json").write_text(json.dumps(raw))
+    with pytest.raises(CheckpointError, match=message) as info:
+        read_checkpoint_info(tmp_path)
+    assert "dspark.json" in str(info.value)

@@ -343,8 +343,14 @@ def test_a_mismatched_pretrained_state_dict_names_the_keys(single_process) -> No
     assert engine.load_full_state_dict(partial, strict=False) == (["norm.bias"], ["extra.weight"])
     bad = dict(lm.build().state_dict())
     bad["norm.weight"] = torch.zeros(3)
-    with pytest.raises(ValueError, match=r"'norm.weight' has shape \(3,\)"):
+    before = {k: v.clone() for k, v in engine.full_state_dict().items()}
+    bad = {k: (v + 1 if k != "norm.weight" else v) for k, v in bad.items()}  # a wrong tensor last
+    with pytest.raises(ValueError, match=r"'norm.weight' has shape \(3,\).*nothing was loaded"):
         engine.load_full_state_dict(bad)
+    after = engine.full_state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before), "a refused load changed parameters"
+    with pytest.raises(TypeError, match=r"'norm.bias' is a list in the state dict, not a tensor"):
+        engine.load_full_state_dict({**lm.build().state_dict(), "norm.bias": [0.0]})
 
 
 def _train_with_all_reduce(strategy: str) -> dict[str, Any]:

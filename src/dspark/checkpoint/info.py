@@ -59,6 +59,19 @@ class CheckpointInfo:
         if self.format_version != FORMAT_VERSION:
             raise CheckpointError(f"checkpoint format_version={self.format_version!r} is not supported "
                                   f"by this DSpark (valid: {FORMAT_VERSION})")
+        counts = {"step_count": 0, "world_size": 1, "num_param_groups": 1, "num_params": 0}
+        for name, least in counts.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise CheckpointError(f"{name}={value!r} must be an int >= {least}")
+        for name in ("strategy", "precision", "optimizer", "dspark_version", "torch_version", "created_utc"):
+            if not isinstance(getattr(self, name), str):
+                raise CheckpointError(f"{name}={getattr(self, name)!r} must be a string")
+        if not isinstance(self.params, dict) or not all(
+                isinstance(k, str) and isinstance(v, list) and all(isinstance(n, int) and not isinstance(n, bool)
+                                                                    and n >= 0 for n in v)
+                for k, v in self.params.items()):
+            raise CheckpointError(f"params={self.params!r:.120} must map names to lists of sizes")
 
 
 def is_checkpoint(path: str | os.PathLike[str]) -> bool:

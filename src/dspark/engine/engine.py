@@ -748,6 +748,18 @@ class Engine:
                              f"name of the model (first: {unexpected[:3]}; the model's: "
                              f"{list(expected)[:3]}), so nothing would load"
                              f"{_prefix_fix(list(expected), list(state_dict))}")
+        for name, current in expected.items():  # every value checked before any is copied
+            if name not in state_dict:
+                continue
+            value = state_dict[name]
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"load_full_state_dict: {name!r} is a {type(value).__name__} in the state "
+                                "dict, not a tensor; nothing was loaded")
+            slot = slot_of.get(name)
+            shape = tuple(slot.shape) if slot is not None else tuple(current.shape)
+            if tuple(value.shape) != shape:
+                raise ValueError(f"load_full_state_dict: {name!r} has shape {tuple(value.shape)} in "
+                                 f"the state dict but {shape} in the model; nothing was loaded")
         done: set[int] = set()
         with torch.no_grad():
             for name, current in expected.items():
@@ -755,10 +767,6 @@ class Engine:
                     continue
                 value = state_dict[name]
                 slot = slot_of.get(name)
-                shape = tuple(slot.shape) if slot is not None else tuple(current.shape)
-                if tuple(value.shape) != shape:
-                    raise ValueError(f"load_full_state_dict: {name!r} has shape {tuple(value.shape)} in "
-                                     f"the state dict but {shape} in the model")
                 if slot is not None:
                     if id(slot) in done:
                         continue
