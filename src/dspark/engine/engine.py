@@ -201,6 +201,8 @@ class Engine:
         self.optimizer = self._agreed("building the optimizer",
                                       lambda: self._build_optimizer(optimizer, groups))
         _check_same_optimizer_on_every_rank(self.optimizer, self.world.rank)
+        if self.strategy.shard_optimizer and n > 1:
+            check_elementwise(self.optimizer, strategy=self.strategy.name, after_step=False)
         self._reducer: GradReducer | None = None
         if n > 1:
             sharded = self.strategy.shard_grads
@@ -210,8 +212,6 @@ class Engine:
                                         rank=self.world.rank, num_ranks=n, device=self.world.device)
         self._hooks = [s.param.register_post_accumulate_grad_hook(self._grad_ready_hook(s))
                        for s in self.slots]
-        if self.strategy.shard_optimizer and n > 1:
-            check_elementwise(self.optimizer, strategy=self.strategy.name, after_step=False)
         if self.strategy.shard_optimizer and n > 1:  # see [Note: a rank's optimizer state dict]
             self._hooks.extend(guard_sharded_optimizer(self.optimizer, rank=self.world.rank, world_size=n,
                                                        strategy=self.strategy.name))
@@ -1018,10 +1018,11 @@ def _check_same_optimizer_on_every_rank(optimizer: torch.optim.Optimizer, rank: 
     for i, group in enumerate(optimizer.param_groups):
         for key, value in group.items():
             if key != "params":
+                # other objects by type alone: their repr may hold a per-process address
                 mine[f"param_groups[{i}][{key!r}]"] = (value.tolist() if isinstance(value, torch.Tensor)
                                                        else value if isinstance(value, (int, float, str, bool,
                                                                                        type(None), tuple))
-                                                       else repr(value))
+                                                       else f"<{type(value).__name__}>")
     _first_difference("the optimizers", comm.all_gather_object(mine), rank,
                       "Build the optimizer with the same options on every rank")
 
