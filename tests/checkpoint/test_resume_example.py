@@ -23,6 +23,7 @@ from torch import nn
 import dspark
 from dspark.checkpoint import read_checkpoint_info
 from dspark.launcher import LaunchSpec, launch
+from dspark.process_tree import descendants, signal_processes
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "resume_training.py"
 STEPS = 24
@@ -82,11 +83,13 @@ def _lines(stream) -> queue.Queue[str]:  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("deliveries", [1, 2])
+@pytest.mark.parametrize("deliveries", ["once", "twice", "every process"])
 def test_sigterm_saves_at_the_step_it_stopped_and_a_relaunch_ends_where_an_uninterrupted_run_does(
-        tmp_path: Path, uninterrupted, deliveries: int) -> None:
-    """``deliveries=2``: the same SIGTERM twice in a row, as ``timeout`` sends it (to its child, then
-    to the child's process group); it was taken as a second signal and killed the job unsaved."""
+        tmp_path: Path, uninterrupted, deliveries: str) -> None:
+    """"twice": the same SIGTERM twice in a row, as ``timeout`` sends it (to its child, then to the
+    child's process group); it was taken as a second signal and killed the job unsaved. "every
+    process": SIGTERM to dspark run, torchrun and the workers at once, as a scheduler that signals a
+    whole job does; torchrun's own handler made the job exit 143 although the workers saved."""
     ckpt = tmp_path / "ckpt"
     command = [sys.executable, "-m", "dspark.cli.main", "run", "--nproc", "2", str(EXAMPLE),
                "--ckpt", str(ckpt), "--steps", str(STEPS), "--save-every", "8",
@@ -97,8 +100,13 @@ def test_sigterm_saves_at_the_step_it_stopped_and_a_relaunch_ends_where_an_unint
         while not any(line.startswith("attempt 0: step 5 ") for line in seen):
             seen.append(lines.get(timeout=120))
         started = time.monotonic()
-        for _ in range(deliveries):
+        if deliveries == "every process":
+            tree = descendants(job.pid)
             job.send_signal(signal.SIGTERM)
+            signal_processes(tree, signal.SIGTERM)
+        else:
+            for _ in range(2 if deliveries == "twice" else 1):
+                job.send_signal(signal.SIGTERM)
         job.wait(timeout=60)
         elapsed_s = time.monotonic() - started
     finally:
