@@ -412,3 +412,36 @@ def test_a_zero3_forward_keeps_no_freed_unit_alive_for_backward(pool) -> None:
         assert result["gathered"] == 16, result  # 8 weights and 8 biases were gathered
         # only the last unit (weight and bias) stays gathered: backward starts with it
         assert result["alive"] <= 2, result
+
+
+class _TiedLM(nn.Module):
+    """Embedding and head tied nanoGPT's way (the embedding's tensor replaced by the head's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(11, 4)
+        self.head = nn.Linear(4, 11, bias=False)
+        self.wte.weight = self.head.weight
+
+
+class _TiedLMInitialised(_TiedLM):
+    def reset_parameters(self) -> None:  # runs after both holders: it decides the tied value
+        nn.init.normal_(self.head.weight, std=0.02)
+
+
+@pytest.mark.parametrize(("model_class", "warned"), [(_TiedLM, True), (_TiedLMInitialised, False)])
+def test_a_tie_whose_direction_the_module_tree_cannot_tell_is_warned_about(caplog, model_class: type,
+                                                                           warned: bool) -> None:
+    """nanoGPT's tie keeps the head's initialisation on the CPU; the module tree has no trace of the
+    direction, so the embedding's (the first holder's) is used, with a warning naming both and the
+    fix. A parent's reset_parameters(), which runs after both, decides the value: no warning."""
+    from dspark.engine.materialize import materialize
+
+    with torch.device("meta"):
+        model = model_class()
+    materialize(model, torch.device("cpu"), lambda name, p: None)
+    messages = [r.getMessage() for r in caplog.records if "same parameter" in r.getMessage()]
+    assert bool(messages) == warned, messages
+    if warned:
+        assert "wte.weight is the same parameter as head.weight" in messages[0]
+        assert "reset_parameters()" in messages[0]

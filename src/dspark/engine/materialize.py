@@ -11,7 +11,10 @@ first on the CPU and draws them second here, and nothing left in the module tree
 details keep that true:
 
 * a parameter shared by two modules (a tied head) takes the initialisation of the first module that
-  holds it, as construction does when the later module's own tensor is replaced by the shared one;
+  holds it, as construction does when the later module's own tensor is replaced by the shared one
+  (``lm_head.weight = wte.weight``); a tie the other way round (``wte.weight = lm_head.weight``,
+  nanoGPT's) leaves no trace in the module tree, so when no ancestor's ``reset_parameters()``
+  initialises the tied tensor after both, a warning names it and the fix;
   the later module's ``reset_parameters()`` still runs, on a throwaway tensor, so the stream advances
   as it did on the CPU;
 * a parameter is final once every ancestor that defines ``reset_parameters()`` has run (a parent may
@@ -25,10 +28,13 @@ was initialised by nobody, and is an error that names it.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
 from torch import nn
+
+log = logging.getLogger(__name__)
 
 __all__ = ["has_meta_tensors", "materialize"]
 
@@ -110,6 +116,7 @@ def materialize(root: nn.Module, device: torch.device,
             after = max([position[id(module)], *resetting])
             final_after[id(p)] = max(final_after.get(id(p), after), after)
     done: set[int] = set()  # tensors given real storage (the same Python objects: ties stay tied)
+    holder: dict[int, str] = {}  # the name under which each was first given storage
     pending: dict[int, list[nn.Parameter]] = {}
     for index, (_name, module) in enumerate(order):
         shared: dict[tuple[str, str], torch.Tensor] = {}
@@ -119,12 +126,15 @@ def materialize(root: nn.Module, device: torch.device,
                 if t is None or (not t.is_meta and id(t) not in done):
                     continue
                 if id(t) in done:  # shared with a module initialised earlier: it keeps that value
+                    if kind == "_parameters" and _initialiser(module) is not None and final_after[id(t)] == index:
+                        _warn_tie_direction(holder[id(t)], f"{_name}.{key}".lstrip("."))
                     shared[(kind, key)] = t
                     table[key] = _real_like(t, device, kind)  # what this module initialises, then drops
                     continue
                 torch.utils.swap_tensors(t, _real_like(t, device, kind))
                 _poison(t.data)
                 done.add(id(t))
+                holder[id(t)] = f"{_name}.{key}".lstrip(".")
                 if kind == "_parameters":
                     pending.setdefault(final_after[id(t)], []).append(t)  # type: ignore[arg-type]
         reset = _initialiser(module)
@@ -141,6 +151,16 @@ def materialize(root: nn.Module, device: torch.device,
             raise ValueError(f"buffer {name!r} (shape {tuple(b.shape)}) was created on the meta device "
                              "and no reset_parameters() initialised it; give its module a "
                              "reset_parameters() that sets it, or build the model on a real device")
+
+
+def _warn_tie_direction(kept: str, other: str) -> None:
+    module = kept.rpartition(".")[0] or "the root"
+    log.warning(
+        "meta initialisation: %s is the same parameter as %s and takes the initialisation of %s, the "
+        "first module that holds it: what the CPU build gives when the model ties %s = %s (as Hugging "
+        "Face models do). A model that ties the other way round (%s = %s, nanoGPT's) got the other "
+        "module's on the CPU: initialise tied weights in a parent's reset_parameters() (which runs "
+        "after both), or build the model on the CPU", kept, other, module, other, kept, kept, other)
 
 
 def _initialiser(module: nn.Module) -> Callable[[], object] | None:
