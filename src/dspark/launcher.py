@@ -257,7 +257,8 @@ def launch(spec: LaunchSpec, *, env: Mapping[str, str] | None = None,
     workers_env = launcher_env(env)
     if not spec.agent:
         workers_env.update(_one_rank_env(spec))
-    done = run_supervised(command, env=workers_env, capture=capture, grace_s=spec.grace_period_s)
+    done = run_supervised(command, env=workers_env, capture=capture, grace_s=spec.grace_period_s,
+                          child_is_worker=not spec.agent)
     if done.stop_signal is not None and done.returncode != 0:
         # The job was stopped, not finished, and is cleaned up: now the signal reaches this process
         # as it would have without a job (Ctrl-C raises KeyboardInterrupt, SIGTERM terminates), so

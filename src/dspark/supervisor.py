@@ -83,10 +83,12 @@ class _Tree:
 
 
 def run_supervised(command: list[str], *, env: Mapping[str, str], capture: bool,
-                   grace_s: float = DEFAULT_GRACE_S) -> Supervised:
-    """Run ``command`` (torchrun) in a new session and wait for it, stopping its whole tree on
-    SIGTERM / SIGINT / SIGHUP as [Note: stopping a job] says. Signals are handled only when called
-    from the main thread (Python allows handlers nowhere else); elsewhere the child just runs.
+                   grace_s: float = DEFAULT_GRACE_S, child_is_worker: bool = False) -> Supervised:
+    """Run ``command`` (torchrun, or with ``child_is_worker`` the only worker itself) in a new
+    session and wait for it, stopping its whole tree on SIGTERM / SIGINT / SIGHUP as [Note: stopping
+    a job] says. Signals are handled only when called from the main thread (Python allows handlers
+    nowhere else; elsewhere the child just runs), and not those this process ignores (a job started
+    in the background of a script inherits SIGINT ignored: Ctrl-C is not for it).
 
     Example::
 
@@ -96,7 +98,7 @@ def run_supervised(command: list[str], *, env: Mapping[str, str], capture: bool,
     pipe = subprocess.PIPE if capture else None
     child = subprocess.Popen(command, env=dict(env), stdout=pipe, stderr=pipe, text=True,
                              start_new_session=True)
-    supervisor = _Supervisor(child, grace_s)
+    supervisor = _Supervisor(child, grace_s, child_is_worker=child_is_worker)
     with supervisor.handling_signals():
         stdout, stderr = supervisor.wait(capture)
     return Supervised(returncode=supervisor.returncode(), stdout=stdout, stderr=stderr,
@@ -104,8 +106,9 @@ def run_supervised(command: list[str], *, env: Mapping[str, str], capture: bool,
 
 
 class _Supervisor:
-    def __init__(self, child: subprocess.Popen[str], grace_s: float) -> None:
+    def __init__(self, child: subprocess.Popen[str], grace_s: float, *, child_is_worker: bool = False) -> None:
         self.child = child
+        self.child_is_worker = child_is_worker
         self.grace_s = grace_s
         self.tree = _Tree(root=child.pid)
         self.received: list[tuple[int, float]] = []  # (signal, when): appended by the handler
@@ -122,7 +125,8 @@ class _Supervisor:
         if threading.current_thread() is not threading.main_thread():
             yield
             return
-        previous = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS}
+        previous = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS
+                    if signal.getsignal(s) is not signal.SIG_IGN}
         try:
             yield
         finally:
@@ -168,6 +172,12 @@ class _Supervisor:
                 self._kill()
         if self.stop_signal is None or self.killed:
             return
+        if self.child_is_worker:  # no launcher between: the child was told, the deadline applies
+            if now >= self.deadline:
+                _log.warning("the worker did not stop within %.0f s of %s: killing it", self.grace_s,
+                             signal.Signals(self.stop_signal).name)
+                self._kill()
+            return
         if now >= self.deadline:
             _log.warning("the job did not stop within %.0f s of %s: killing it", self.grace_s,
                          signal.Signals(self.stop_signal).name)
@@ -188,6 +198,14 @@ class _Supervisor:
     def _start_stopping(self, signum: int, now: float) -> None:
         self.stop_signal = signum
         self.deadline = now + self.grace_s
+        if self.child_is_worker:
+            _log.warning("got %s: passing it to the worker, %.0f s to stop", signal.Signals(signum).name,
+                         self.grace_s)
+            try:
+                self.child.send_signal(signum)
+            except ProcessLookupError:
+                pass
+            return
         workers = children(self.child.pid)
         _log.warning("got %s: passing it to %d worker(s), %.0f s to stop", signal.Signals(signum).name,
                      len(workers), self.grace_s)

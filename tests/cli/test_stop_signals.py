@@ -97,3 +97,48 @@ def test_a_launcher_that_restarts_killed_workers_is_stopped_too(tmp_path: Path) 
     assert "restarted its workers" in stderr or "no workers right now" in stderr, stderr[-3000:]
     _wait_for(lambda: not any(is_running(p.pid, p.start_ticks) for p in tree), 10,
               "every process of the tree to be gone")
+
+
+_ONE_WORKER_DRIVER = """
+import signal, sys
+from dspark.launcher import LaunchSpec, launch
+if sys.argv[2] == "ignored":
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a script's background job inherits it
+spec = LaunchSpec(target=sys.argv[1], nproc=1, agent=False, grace_period_s=10)
+try:
+    print("rc", launch(spec), flush=True)
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+"""
+
+_SLEEPER = """
+import os, pathlib, sys, time
+pathlib.Path(os.environ["READY"]).touch()
+time.sleep(float(sys.argv[1]) if len(sys.argv) > 1 else 4)
+print("finished", flush=True)
+"""
+
+
+@pytest.mark.parametrize("disposition", ["default", "ignored"])
+def test_ctrl_c_reaches_a_worker_started_without_torchrun(tmp_path: Path, disposition: str) -> None:
+    """The bench's 1-device launches run the worker itself, without torchrun: a SIGINT was passed to
+    '0 worker(s)'. Now the worker is told and the caller gets KeyboardInterrupt. A process that
+    ignores SIGINT (a background job of a script) keeps ignoring it: the worker runs to its end."""
+    worker = tmp_path / "sleeper.py"
+    worker.write_text(_SLEEPER)
+    ready = tmp_path / "ready"
+    job = subprocess.Popen([sys.executable, "-c", _ONE_WORKER_DRIVER, str(worker), disposition],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env={**os.environ, "READY": str(ready)})
+    try:
+        _wait_for(ready.exists, 60, "the worker to start")
+        job.send_signal(signal.SIGINT)
+        stdout, stderr = job.communicate(timeout=30)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    if disposition == "default":
+        assert "interrupted" in stdout and "finished" not in stdout, (stdout, stderr[-2000:])
+        assert "passing it to the worker" in stderr, stderr[-2000:]
+    else:
+        assert "finished" in stdout and "rc 0" in stdout, (stdout, stderr[-2000:])
