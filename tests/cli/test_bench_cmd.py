@@ -118,6 +118,39 @@ def test_a_ledger_path_that_is_no_ledger_is_one_line_and_exit_2(tmp_path: Path, 
         assert not missing.parent.exists()
 
 
+@pytest.mark.parametrize("action", [
+    ["--workloads", "gpt2-cpu", "--devices", "1", "--no-progress", "--json", "{file}/x.json"],
+    ["--workloads", "gpt2-cpu", "--devices", "1", "--no-progress", "--trace", "{file}"],
+    ["--workloads", "gpt2-cpu", "--devices", "1", "--no-progress", "--report", "{file}"],
+    ["export", "--json", "{file}/x.json"],
+    ["report", "--report", "{file}"],
+    ["--workloads", "gpt2-cpu", "--devices", "1", "--no-progress", "--db", "{file}/ledger.sqlite"],
+])
+def test_an_output_path_under_a_file_is_refused_before_measuring(tmp_path: Path, action: list[str],
+                                                                 workers: FakeWorkers,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """--json, --trace, --report and --db at or under an existing file: one line and exit 2 before
+    any launch (a --json checked after the run lost it at the end with a traceback)."""
+    db = _ledger_with(tmp_path, make_measurement(num_devices=1, config_hash="one"))
+    file = tmp_path / "notes.txt"
+    file.write_text("x")
+    argv = [a.replace("{file}", str(file)) for a in action]
+    if "--db" not in argv:
+        argv += ["--db", db]
+    assert main(["bench", *argv]) == 2
+    err = capsys.readouterr().err
+    assert str(file) in err and "Traceback" not in err, err
+    assert not workers.calls
+
+
+def test_a_peer_in_fp16_is_refused_before_launching(workers: FakeWorkers,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--strategies", "torch-ddp", "--precision", "fp16", "--devices", "1",
+                 "--workloads", "gpt2-cpu", "--no-progress"]) == 2
+    assert "--precision fp16 with peer(s) torch-ddp" in capsys.readouterr().err
+    assert not workers.calls
+
+
 def test_bad_counts_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "--rounds", "0", "--no-progress"]) == 2
     assert "'0' must be >= 1" in capsys.readouterr().err

@@ -108,6 +108,9 @@ class Ledger:
         if self.path.is_dir():
             raise ValueError(f"ledger path {str(self.path)!r} is a directory; give a file path, e.g. "
                              f"{str(self.path / 'bench.sqlite')!r}")
+        above = next((p for p in self.path.parents if p.exists()), None)
+        if above is not None and not above.is_dir():
+            raise ValueError(f"ledger path {str(self.path)!r}: {str(above)!r} is a file, not a directory")
         if not create and not self.path.exists():
             raise FileNotFoundError(f"no ledger at {str(self.path)!r}: `dspark bench` writes one there "
                                     "(or pass --db with the path of an existing ledger)")

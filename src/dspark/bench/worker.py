@@ -19,7 +19,8 @@ A launch, in order:
    (what each rank's model received, see :mod:`dspark.bench.batch_probe`), the second one reading
    the model state held between backward and optimizer step (:mod:`dspark.bench.state_bytes`);
    then ``engine.audit()``, whose rows above their share are kept;
-4. the remaining warm-up steps (traced and probe steps count as warm-up);
+4. the remaining warm-up steps (traced and probe steps count as warm-up), at least one after a
+   probe, so that the first timed step's ``data_ms`` (from the previous ``step()``) holds no audit;
 5. the timed steps, with the garbage collector off and the load on each rank's core read over
    exactly this window; each step starts after a barrier; with ``--profile``,
    ``engine.step_stats()`` is read after each one, outside its time;
@@ -304,7 +305,9 @@ def run_config(config: BenchConfig, *, round_index: int = 0, probe: bool = True,
             inspection, mine["held"], mine["expected"] = _probe(trainer, step)
             mine["audit"] = trainer.audit()  # the probe's last batch is the engine's last input
             step += PROBE_STEPS
-        for _ in range(max(0, config.warmup_steps - step)):
+        # at least one untimed step after the probe: the first timed step's data_ms runs from the
+        # previous step(), and the audit between them is no part of loading data
+        for _ in range(max(1 if probe else 0, config.warmup_steps - step)):
             trainer.step(trainer.batch(step))
             step += 1
         if probe:

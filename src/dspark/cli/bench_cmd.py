@@ -184,6 +184,23 @@ def run(args: argparse.Namespace) -> int:
     return handlers[args.action](args)
 
 
+def _check_outputs(args: argparse.Namespace) -> None:
+    """``--json PATH``'s folder, ``--report DIR`` and ``--trace DIR`` must be writable places, not
+    files: ``ValueError`` naming the option and the path."""
+    for option, path, is_dir in (("--json", getattr(args, "json", None), False),
+                                 ("--report", getattr(args, "report", None), True),
+                                 ("--trace", getattr(args, "trace", None), True)):
+        if path is None:
+            continue
+        if is_dir and path.exists() and not path.is_dir():
+            raise ValueError(f"{option} {str(path)!r} is a file; give a directory (it is created if needed)")
+        if not is_dir and path.is_dir():
+            raise ValueError(f"{option} {str(path)!r} is a directory; give a file path")
+        above = next((p for p in path.parents if p.exists()), None)
+        if above is not None and not above.is_dir():
+            raise ValueError(f"{option} {str(path)!r}: {str(above)!r} is a file, not a directory")
+
+
 def _run_and_show(configs: Sequence[Any], args: argparse.Namespace, *, seed_table: bool) -> int:
     from dspark.bench.report import (
         render_breakdown_table,
@@ -195,6 +212,7 @@ def _run_and_show(configs: Sequence[Any], args: argparse.Namespace, *, seed_tabl
 
     out, err = _console(), _console(stderr=True)
     db = _db_path(args)
+    _check_outputs(args)  # before anything is measured: a bad path must not cost the run
     failures: list[RunFailure] = []
     run_id = new_run_id()
     started = time.perf_counter()
@@ -268,7 +286,7 @@ def _rerun(args: argparse.Namespace) -> int:
                          "commit to call results stale against; install it from a clone "
                          "(pip install -e .)")
     host = socket.gethostname()
-    with Ledger(_db_path(args)) as ledger:
+    with Ledger(_db_path(args), create=False) as ledger:
         stale = ledger.stale(commit, host=host, current_dirty=dirty)
         known = ledger.latest_by_key(host=host)
     out = _console()
@@ -339,6 +357,7 @@ def _report(args: argparse.Namespace) -> int:
     from dspark.bench.ledger import Ledger
     from dspark.bench.report import write_html_report
 
+    _check_outputs(args)
     with Ledger(_db_path(args), create=False) as ledger:
         results = annotate(ledger.resolve(args.run), history=ledger)
     _console().print(f"wrote the report of {len(results)} results to "
@@ -351,6 +370,7 @@ def _export(args: argparse.Namespace) -> int:
     from dspark.bench.ledger import Ledger
     from dspark.bench.result import BenchResult
 
+    _check_outputs(args)
     with Ledger(_db_path(args), create=False) as ledger:
         results = annotate(ledger.resolve(args.run) if args.run else ledger.results(),
                            history=ledger)

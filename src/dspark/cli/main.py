@@ -97,7 +97,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args))
     except SystemExit as exc:  # --help and --version exit through argparse
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else EXIT_USAGE)
-    except (ValueError, TypeError, FileNotFoundError) as exc:
+    except (ValueError, TypeError, FileNotFoundError, FileExistsError, NotADirectoryError,
+            IsADirectoryError, PermissionError) as exc:  # bad input, including paths
         message = str(exc) if isinstance(exc, UsageError) else f"{command}: error: {exc}"
         _log.debug("bad input", exc_info=True)  # the traceback, for `dspark -vv ...`
         print(message.replace("\n", " "), file=sys.stderr)
