@@ -53,8 +53,8 @@ def test_seed_table_reproduces_the_article_and_its_verdicts() -> None:
     assert "2 devices, bug (batch replicated)" in text
     rows = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:-1]]
             for line in text.splitlines() if line.startswith("│")}
-    assert rows["resnet50"] == ["245", "280", "130", "1.88x (1.88-1.88)"]
-    assert rows["gpt2-124m"] == ["520", "610", "270", "1.93x (1.93-1.93)"]
+    assert rows["resnet50"] == ["245", "280 (0.88x)", "130", "1.88x (1.88-1.88)"]
+    assert rows["gpt2-124m"] == ["520", "610 (0.85x)", "270", "1.93x (1.93-1.93)"]
     assert re.search(r"resnet50, 2 devices, replicated batch: FLAGGED \(negative_scaling, "
                      r"replicated_batch\)", text)
     assert "resnet50, 2 devices, sharded: healthy (1.88x (1.88-1.88), efficiency 94%)" in text

@@ -23,6 +23,7 @@ from dspark.bench.formatting import (
     anomaly_kinds,
     breakdown_rows,
     format_number,
+    format_ratio,
     format_speedup,
     result_cells,
 )
@@ -109,10 +110,12 @@ def _verdict_line(label: str, result: BenchResult | None) -> Text:
     return Text.assemble((f"{label}: ", "bold"), ("healthy", "bold green"), scaling)
 
 
-def render_seed_table(results: Sequence[BenchResult], console: Console | None = None) -> None:
+def render_seed_table(results: Sequence[BenchResult], console: Console | None = None, *,
+                      messages: bool = True) -> None:
     """The seed article's table: per workload, step ms on 1 device, on N with the batch
-    replicated (the bug) and sharded (the fix), and the fixed speedup (the median of the rounds'
-    ratios, with their min-max); then each N-device run's anomaly verdict with the messages.
+    replicated (the bug, with its below-1x "speedup") and sharded (the fix), and the fixed speedup
+    (the median of the rounds' ratios, with their min-max); then each N-device run's anomaly
+    verdict, with the messages unless ``messages=False`` (printed already, with the results table).
 
     Example::
 
@@ -146,6 +149,8 @@ def render_seed_table(results: Sequence[BenchResult], console: Console | None = 
         varying = [w for i, w in enumerate(words[groups.index(group)]) if i not in shared]
         name = group[0] + (f" ({', '.join(varying)})" if varying else "")
         cells = [format_number(r.step_ms) if r else "-" for r in (one, bug, fixed)]
+        if bug is not None and bug.speedup is not None:  # the bug's "speedup": below 1x
+            cells[1] += f" ({format_ratio(bug.speedup)})"
         ratio = format_speedup(fixed) if fixed else "-"
         table.add_row(name, *([str(num_devices)] if show_devices else []), *cells, ratio)
         prefix = f"{name}, {num_devices} devices"
@@ -155,7 +160,7 @@ def render_seed_table(results: Sequence[BenchResult], console: Console | None = 
     for line in verdicts:
         console.print(line)
     flagged = [r for r in results if r.num_devices > 1 and r.anomalies]
-    if flagged:
+    if flagged and messages:
         _print_messages(console, flagged)
 
 

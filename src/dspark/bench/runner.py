@@ -58,7 +58,7 @@ of the per-round speedups is not one ratio)."""
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RunFailure:
-    """A configuration whose workers failed: nothing was recorded for it."""
+    """A round of a configuration whose workers failed: nothing was recorded for that round."""
 
     config: BenchConfig
     exit_code: int

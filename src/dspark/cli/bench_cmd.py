@@ -224,7 +224,7 @@ def _run_and_show(configs: Sequence[Any], args: argparse.Namespace, *, seed_tabl
         render_results_table(results, out)
         render_breakdown_table(results, out)
         if seed_table:
-            render_seed_table(results, out)
+            render_seed_table(results, out, messages=False)  # the results table gave them
     if args.trace is not None:
         _print_traces(results, args.trace, out)
     if args.json is not None:
@@ -236,8 +236,8 @@ def _run_and_show(configs: Sequence[Any], args: argparse.Namespace, *, seed_tabl
               f"in {wall_s:.0f} s, recorded in {db}")
     # Each failure's error output was logged when it happened; this is the summary.
     for failure in failures:
-        err.print(f"[bold red]FAILED[/] {_describe(failure.config)} (exit code "
-                  f"{failure.exit_code}); nothing was recorded for it", highlight=False)
+        err.print(f"[bold red]FAILED[/] {_describe(failure.config)} (exit code {failure.exit_code}): "
+                  "the failed round recorded nothing", highlight=False)
     return EXIT_FAILED if failures else 0
 
 
