@@ -194,9 +194,9 @@ def main() -> None:
     text = sample(engine, vocab, "def ", args.sample_chars, args.seq_len) if args.sample_chars else ""
     checksum = sum(float(t.double().sum()) for t in engine.full_state_dict().values())  # collective
     if world.is_main:
-        val = curves.series.get("validation loss", [(0, float("nan"))])[-1][1]
-        print(f"{text}\nchar_gpt: {world.world_size} rank(s), step {engine.step_count}, validation loss "
-              f"{val:.4f}, training time {curves.train_s:.1f} s, weights checksum {checksum:.8f}, "
+        evaluated = curves.series.get("validation loss")
+        val = f"validation loss {evaluated[-1][1]:.4f}" if evaluated else "not evaluated yet"
+        print(f"{text}\nchar_gpt: {world.world_size} rank(s), step {engine.step_count}, {val}, training time {curves.train_s:.1f} s, weights checksum {checksum:.8f}, "
               f"curves in {args.out / 'char_gpt.png'}", flush=True)
         if engine.step_count < args.steps:
             print(f"char_gpt: stopped at step {engine.step_count} of {args.steps}; run it again without "
