@@ -196,7 +196,8 @@ def main() -> None:
     if world.is_main:
         evaluated = curves.series.get("validation loss")
         val = f"validation loss {evaluated[-1][1]:.4f}" if evaluated else "not evaluated yet"
-        print(f"{text}\nchar_gpt: {world.world_size} rank(s), step {engine.step_count}, {val}, training time {curves.train_s:.1f} s, weights checksum {checksum:.8f}, "
+        print(f"{text}\nchar_gpt: {world.world_size} rank(s), step {engine.step_count}, {val}, "
+              f"training time {curves.train_s:.1f} s, weights checksum {checksum:.8f}, "
               f"curves in {args.out / 'char_gpt.png'}", flush=True)
         if engine.step_count < args.steps:
             print(f"char_gpt: stopped at step {engine.step_count} of {args.steps}; run it again without "
