@@ -55,7 +55,7 @@ def _on_both(ranks: list[shm.ShmTransport], program: Callable[[shm.ShmTransport]
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64])
 @pytest.mark.parametrize("numel", [1, 7, 70_001])   # 70_001 x 4 bytes: pieces of 256 KiB
-def test_three_collectives_match_their_definition(dtype: torch.dtype, numel: int) -> None:
+def test_the_collectives_match_their_definition(dtype: torch.dtype, numel: int) -> None:
     inputs = [(torch.randn(2 * numel, generator=torch.Generator().manual_seed(r)) * 8).to(dtype)
               for r in range(2)]
 
@@ -64,11 +64,12 @@ def test_three_collectives_match_their_definition(dtype: torch.dtype, numel: int
         total = mine.clone()
         gathered = torch.empty(4 * numel, dtype=dtype)
         scattered = torch.empty(numel, dtype=dtype)
+        from_1 = mine.clone()
         ops = [t.all_reduce(total, "sum"), t.all_gather(gathered, mine),
-               t.reduce_scatter(scattered, mine)]
+               t.reduce_scatter(scattered, mine), t.broadcast(from_1, 1)]
         for op in reversed(ops):  # waited out of order: completed in order all the same
             op.wait()
-        return {"sum": total, "gathered": gathered, "scattered": scattered}
+        return {"sum": total, "gathered": gathered, "scattered": scattered, "from_1": from_1}
 
     got = _on_both(_pair(), program)
     expected_sum = inputs[0] + inputs[1]
@@ -76,6 +77,7 @@ def test_three_collectives_match_their_definition(dtype: torch.dtype, numel: int
         assert torch.equal(got[r]["sum"], expected_sum)   # every rank the same bits
         assert torch.equal(got[r]["gathered"], torch.cat(inputs))
         assert torch.equal(got[r]["scattered"], expected_sum[r * numel:(r + 1) * numel])
+        assert torch.equal(got[r]["from_1"], inputs[1])   # bit for bit: a copy, not a sum
 
 
 def test_all_gather_parts_lands_each_part_in_its_own_output() -> None:
@@ -223,6 +225,10 @@ def _shm_against_gloo() -> dict[str, object]:
         via = [[torch.empty(2 * p.numel()) for p in parts] for _ in range(2)]
         comm.all_gather_parts(parts, via[0])
         comm.all_gather_parts(parts, via[1], group=gloo)
+        b_shm = x[:5000].clone() if world.rank == 0 else torch.zeros(5000)
+        b_gloo = b_shm.clone()
+        comm.broadcast(b_shm, src=0)
+        comm.broadcast(b_gloo, src=0, group=gloo)
         strided = torch.ones(4, 6)[:, ::2]   # not contiguous: gloo's way, the same on every rank
         comm.all_reduce(strided.contiguous())
         shared = dspark.comm.collectives._shm
@@ -230,7 +236,8 @@ def _shm_against_gloo() -> dict[str, object]:
                 "file_left": shared is not None and os.path.exists(shared.path),
                 "sum": torch.equal(via_shm, via_gloo), "gather": torch.equal(g_shm, g_gloo),
                 "rs": torch.allclose(rs_shm, rs_gloo, rtol=0, atol=1e-6),
-                "parts": all(torch.equal(a, b) for a, b in zip(*via, strict=True))}
+                "parts": all(torch.equal(a, b) for a, b in zip(*via, strict=True)),
+                "broadcast": torch.equal(b_shm, b_gloo)}
     finally:
         comm.destroy_group(gloo)
 
@@ -238,7 +245,7 @@ def _shm_against_gloo() -> dict[str, object]:
 def test_the_pool_runs_through_shared_memory_with_gloos_results(pool) -> None:
     for got in pool.run(_shm_against_gloo):
         assert got == {"transport": "shm", "file_left": False, "sum": True, "gather": True,
-                       "rs": True, "parts": True}
+                       "rs": True, "parts": True, "broadcast": True}
 
 
 def test_a_rank_that_exited_stops_the_wait_at_once() -> None:

@@ -446,6 +446,10 @@ def broadcast(tensor: torch.Tensor, src: int = 0, *, async_op: bool = False,
         raise ValueError(f"broadcast src={src} is outside [0, {g.size})")
     if _is_noop(g):
         return _run("broadcast", g, _nbytes(tensor), lambda: None, async_op, label=label)
+    shm = _through_shm(g, tensor)
+    if shm is not None:
+        return _run("broadcast", g, _nbytes(tensor), lambda: shm.broadcast(tensor, src, label=label),
+                    async_op, label=label)
     global_src = src if g.pg is None else dist.get_global_rank(g.pg, src)
     return _run("broadcast", g, _nbytes(tensor),
                 lambda: dist.broadcast(tensor, src=global_src, group=g.pg, async_op=True),

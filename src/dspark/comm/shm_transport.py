@@ -39,7 +39,7 @@ _HEADER_WORDS = 6 + _LABEL_WORDS   # seq, kind, nbytes, offset, dtype, numel, la
 _CTRL_WORDS = 16 + _HEADERS * _HEADER_WORDS
 _CTRL_BYTES = -(-_CTRL_WORDS * 8 // 4096) * 4096   # each rank's control block on its own pages
 _ARRIVED, _CONSUMED = 0, 8   # words of the control block, on separate cache lines
-_KINDS = {"all_reduce": 1, "all_gather": 2, "reduce_scatter": 3}
+_KINDS = {"all_reduce": 1, "all_gather": 2, "reduce_scatter": 3, "broadcast": 4}
 _KIND_NAMES = {code: name for name, code in _KINDS.items()}
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
            torch.int16, torch.int8, torch.uint8, torch.bool]
@@ -205,7 +205,7 @@ class ShmTransport:
     def sees(self, token: int) -> bool:
         return int(self._ctrl[0][_TOKEN]) == token
 
-    # -- the three collectives -------------------------------------------------------------------
+    # -- the collectives ------------------------------------------------------------------------
     # Each runs as pieces of at most a quarter of a region, so a message of any size streams through
     # the ring while up to four pieces are in flight.
     # ``label`` (the caller's name for the collective, e.g. ``dspark.gather.blocks.0``) travels in the
@@ -217,6 +217,21 @@ class ShmTransport:
             return flat[a:b], lambda inputs, _: _reduce(op, inputs, flat[a:b])
 
         return self._pieces("all_reduce", flat.numel(), flat.element_size(), piece, label)
+
+    def broadcast(self, tensor: torch.Tensor, src: int, *, label: str | None = None) -> ShmOp:
+        """Rank ``src``'s ``tensor`` into every rank's, in place. Every rank publishes its own (so
+        the headers compare as for any collective) and reads only ``src``'s."""
+        flat = tensor.view(-1)
+        mine = self.rank == src
+
+        def piece(a: int, b: int) -> tuple[torch.Tensor, Finish]:
+            def finish(inputs: list[torch.Tensor], _: torch.Tensor | None) -> None:
+                if not mine:
+                    flat[a:b].copy_(inputs[src])
+
+            return flat[a:b], finish
+
+        return self._pieces("broadcast", flat.numel(), flat.element_size(), piece, label)
 
     def all_gather(self, output: torch.Tensor, shard: torch.Tensor, *, label: str | None = None) -> ShmOp:
         return self.all_gather_parts([shard], [output], label=label)

@@ -31,10 +31,10 @@ def broadcast_tensors(tensors: list[torch.Tensor], src: int = 0) -> None:
     for same in by_dtype.values():
         flat = torch.cat([t.reshape(-1) for t in same]) if len(same) > 1 else same[0].reshape(-1).clone()
         comm.broadcast(flat, src=src)
-        offset = 0
-        for t in same:
-            t.copy_(flat[offset: offset + t.numel()].view_as(t))
-            offset += t.numel()
+        # one C++ call each way: a ResNet-50 has 159 buffers, copied one by one in Python they cost
+        # more than the broadcast itself
+        torch._foreach_copy_(same, [v.view_as(t) for v, t in zip(torch.split(flat, [t.numel() for t in same]),
+                                                                    same, strict=True)])
 
 
 class BufferSync:
