@@ -3,10 +3,12 @@ process), picks the backend and the device, and ``shutdown`` tears it down witho
 
 from __future__ import annotations
 
+import atexit
 import datetime as _dt
 import gc
 import os
 import socket
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -166,6 +168,10 @@ def init(backend: str = "auto", *, timeout: float | _dt.timedelta = 300.0) -> Wo
                    timeout_s=timeout_s)
     from dspark.comm import collectives
 
+    global _exit_hook_registered
+    if not _exit_hook_registered:
+        atexit.register(_shutdown_at_exit)
+        _exit_hook_registered = True
     try:
         collectives._start_shm()  # every rank on this machine: tensors travel through shared memory
     except BaseException:
@@ -189,6 +195,20 @@ def get_world() -> World:
 
 
 _shutdown_hooks: list[Callable[[], None]] = []
+_exit_hook_registered = False
+
+
+def _shutdown_at_exit() -> None:
+    """:func:`shutdown` for a script that ends without calling it. Left to the interpreter's own
+    teardown, the process group and the shared-memory transport go in whatever order finalisation
+    picks, and gloo then aborts the process now and then ("terminate called without an active
+    exception", exit code -6) after a run that succeeded."""
+    if _world is None:
+        return
+    try:
+        shutdown()
+    except Exception as exc:  # the interpreter is leaving anyway: say why the exit was not clean
+        print(f"dspark: shutdown at exit failed: {type(exc).__name__}: {exc}", file=sys.stderr)
 
 
 def add_shutdown_hook(hook: Callable[[], None]) -> None:
