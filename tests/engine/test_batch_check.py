@@ -129,3 +129,39 @@ def test_the_cost_of_some_ranks_alike_is_not_called_all_alike() -> None:
     assert replication_cost([(0, 1), (0, 2), (1, 2)], 3).endswith("3 ranks do the work of one")
     assert replication_cost([(0, 2)], 3) == "those ranks train on the same samples, so 3 ranks do the work of 2"
     assert replication_cost([(0, 1), (2, 3)], 4).endswith("4 ranks do the work of 2")
+
+
+class _Holder:
+    """A batch in a container the check cannot look into (not a tuple, list, dict or dataclass)."""
+
+    def __init__(self, x: torch.Tensor) -> None:
+        self.x = x
+
+
+class _HolderModel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(6, 1)
+
+    def forward(self, batch: _Holder) -> torch.Tensor:
+        return self.lin(batch.x)
+
+
+def _blind_batch() -> list[str]:
+    import warnings
+
+    torch.manual_seed(0)
+    engine = dspark.Engine(_HolderModel(), optimizer=functools.partial(torch.optim.SGD, lr=0.05))
+    x = torch.ones(4, 6)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            engine.backward(engine(_Holder(x)).sum())
+            engine.step()
+    return [str(w.message) for w in caught if "replicated-batch check" in str(w.message)]
+
+
+def test_inputs_it_cannot_see_into_are_warned_about_once(pool) -> None:
+    for messages in pool.run(_blind_batch):
+        assert len(messages) == 1, messages
+        assert "_Holder" in messages[0] and "batch_check_every=None" in messages[0]

@@ -6,9 +6,11 @@ size run on the world-size-1 stand-in.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict, defaultdict
 from typing import Any, NamedTuple
 
+import numpy as np
 import pytest
 import torch
 
@@ -78,7 +80,57 @@ def _uneven_batches() -> dict[str, Any]:
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class Sample:
+    x: torch.Tensor
+    labels: np.ndarray
+    note: str = "kept"
+
+
+def _per_sample_values() -> dict[str, Any]:
+    """What sits beside the tensors with one value per sample: numpy labels, raw texts, ids."""
+    x, _ = _global_batch()
+    texts = [f"text {i}" for i in range(8)]
+    got = dspark.distribute_batch({"x": x, "labels": np.arange(8), "texts": texts,
+                                   "ids": tuple(range(100, 108)), "classes": ["cat", "dog"]},
+                                  shard_dim=0)
+    numpy_only = dspark.distribute_batch((np.arange(8.0), np.arange(16).reshape(8, 2)), shard_dim=0)
+    in_dataclass = dspark.distribute_batch([Sample(x, np.arange(8))], shard_dim=0)[0]
+    return {
+        "x": _rows(got["x"]), "labels": got["labels"].tolist(), "texts": got["texts"],
+        "ids": got["ids"], "classes": got["classes"],
+        "numpy": (numpy_only[0].tolist(), numpy_only[1].tolist()),
+        "dataclass": (type(in_dataclass).__name__, _rows(in_dataclass.x),
+                      in_dataclass.labels.tolist(), in_dataclass.note),
+        "mismatch": _error_text(lambda: dspark.distribute_batch((x, np.arange(6)), shard_dim=0)),
+    }
+
+
+def _error_text(fn: Any) -> str:
+    try:
+        fn()
+    except PlacementError as exc:
+        return str(exc)
+    return "no error"
+
+
 # -- tests on the pool -------------------------------------------------------------------------
+def test_per_sample_values_beside_the_tensors_are_split_with_them(pool) -> None:
+    """numpy arrays and lists as long as the batch hold one value per sample: a rank that kept all
+    of them would pair its rows with other rows' labels (a silent copy, what placements refuse)."""
+    x, _ = _global_batch()
+    for rank, got in enumerate(pool.run(_per_sample_values)):
+        rows = range(4 * rank, 4 * rank + 4)
+        assert got["x"] == x[4 * rank:4 * rank + 4].tolist()
+        assert got["labels"] == list(rows)
+        assert got["texts"] == [f"text {i}" for i in rows]
+        assert got["ids"] == tuple(100 + i for i in rows)
+        assert got["classes"] == ["cat", "dog"], "a list of another length passes through"
+        assert got["numpy"] == ([float(i) for i in rows], [[2 * i, 2 * i + 1] for i in rows])
+        assert got["dataclass"] == ("Sample", x[4 * rank:4 * rank + 4].tolist(), list(rows), "kept")
+        assert "has 6 rows along dim 0" in got["mismatch"], got["mismatch"]
+
+
 def test_each_rank_keeps_its_rows_of_every_container(pool) -> None:
     x, y = _global_batch()
     for rank, got in enumerate(pool.run(_batch_structures)):

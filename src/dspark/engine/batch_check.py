@@ -17,6 +17,7 @@ for the engine's audit (metadata only; kept on every forward, which costs a walk
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -87,6 +88,7 @@ class BatchCheck:
         """Shapes, dtypes and bytes of the tensors of the last input batch (with autograd on)."""
         self.checks = 0
         """How many comparisons ran."""
+        self._warned_blind = False
         self._handle = None
         if self.every and self._world.world_size > 1:
             self._handle = module.register_forward_pre_hook(self._record, with_kwargs=True)
@@ -106,6 +108,14 @@ class BatchCheck:
                             for t in leaves]
         if self._due():  # the last forward before the step's first backward is the one compared
             self._fingerprint = batch_fingerprint(leaves, device=self._world.device)
+            if not leaves and (args or kwargs) and not self._warned_blind:
+                self._warned_blind = True
+                kinds = ", ".join(sorted({type(v).__name__ for v in (*args, *kwargs.values())}))
+                warnings.warn(
+                    f"dspark.Engine: the replicated-batch check finds no tensor in the model's inputs "
+                    f"({kinds}), so it cannot tell whether every rank got the same batch. Pass the "
+                    f"tensors in tuples, lists, dicts or dataclasses, or batch_check_every=None to "
+                    f"turn the check off knowingly", stacklevel=2)
 
     def before_backward(self) -> None:
         """Compare the recorded fingerprints across ranks if this step is checked. Every rank calls it

@@ -15,6 +15,7 @@ Empty batches (a rank with no samples) have no fingerprint worth comparing and n
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -28,8 +29,8 @@ _SAMPLE_POSITIONS = 4096
 
 
 def batch_leaves(batch: Any) -> list[torch.Tensor]:
-    """Every tensor in ``batch`` (a tensor, or nested tuples/lists/dicts; other values are skipped),
-    in a stable order.
+    """Every tensor in ``batch`` (a tensor, or nested tuples/lists/dicts/dataclasses; other values
+    are skipped), in a stable order.
 
     Example::
 
@@ -41,6 +42,9 @@ def batch_leaves(batch: Any) -> list[torch.Tensor]:
         return [leaf for key in batch for leaf in batch_leaves(batch[key])]
     if isinstance(batch, (tuple, list)):
         return [leaf for item in batch for leaf in batch_leaves(item)]
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        return [leaf for field in dataclasses.fields(batch)
+                for leaf in batch_leaves(getattr(batch, field.name))]
     return []
 
 
@@ -61,13 +65,21 @@ def _leaf_stats(t: torch.Tensor, *, whole: bool) -> torch.Tensor:
         t = torch.view_as_real(t)  # a view: real and imaginary parts as the last dimension
     if t.dtype == torch.bool:
         t = t.to(torch.uint8)
-    sample = _sample(t)
+    sample = torch.nan_to_num(_sample(t))
     if not whole:
         total, squares = sample.sum(), sample.square().sum()
     else:
         total = t.sum(dtype=torch.float64)
         if t.is_floating_point():  # accumulated in float64 by the kernel, no float64 copy
             squares = torch.linalg.vector_norm(t, dtype=torch.float64).square()
+            if not bool(torch.isfinite(total) & torch.isfinite(squares)):
+                # A NaN or an infinity in the data (a missing value) would make every statistic NaN:
+                # equal to nothing, not even itself, and the same for any two such batches. The
+                # statistics of the data with those values replaced (a copy, only in this case) still
+                # tell batches apart.
+                finite = torch.nan_to_num(t)
+                total = finite.sum(dtype=torch.float64)
+                squares = torch.linalg.vector_norm(finite, dtype=torch.float64).square()
         else:  # integer data (token ids): the sample's squares
             squares = sample.square().sum()
     weights = torch.arange(1, sample.numel() + 1, dtype=torch.float64, device=sample.device)
@@ -108,10 +120,13 @@ def identical_ranks(fingerprints: Sequence[torch.Tensor]) -> list[tuple[int, int
 
         identical_ranks([fp0, fp0.clone(), fp2])   # [(0, 1)]
     """
-    rows = [tuple(float(v) for v in fp.tolist()) for fp in fingerprints]
+    # Compared bit for bit: the same arithmetic on the same values gives the same bits, NaN included
+    # (NaN == NaN is False, so a comparison of values would call two copies of a batch different).
+    rows = [fp.detach().cpu().double().numpy().tobytes() for fp in fingerprints]
+    counts = [float(fp[1]) for fp in fingerprints]
     pairs = []
     for a in range(len(rows)):
-        if rows[a][1] == 0:  # no elements: nothing was received, nothing to compare
+        if counts[a] == 0:  # no elements: nothing was received, nothing to compare
             continue
         for b in range(a + 1, len(rows)):
             if rows[a] == rows[b]:
