@@ -145,11 +145,15 @@ class Engine:
         self.clip_grad_norm = None if clip_grad_norm is None else float(clip_grad_norm)
         self.bucket_mb = float(bucket_mb)
         self.reduce_dtype = reduce_dtype
+        if loss_scaler is not None and not self.precision.loss_scaling:
+            raise ValueError(f"loss_scaler={loss_scaler!r} with precision={self.precision.name!r}: only "
+                             "fp16 scales its loss; pass precision='fp16', or leave loss_scaler out")
         self.loss_scaler = (loss_scaler or LossScaler()) if self.precision.loss_scaling else None
         self.last_grad_norm: float | None = None
         self.step_count = 0
         self._micro_step = 0
         self._weight_sum: float | None = None
+        self._weight_unit: float | None = None   # fp16: see [Note: fp16 share of the batch]
         self._batch_size: int | None = None
         self._grads_bytes_held = 0
         self._in_backward = False
@@ -384,7 +388,7 @@ class Engine:
             scale = w
             self._weight_sum = (self._weight_sum or 0.0) + w
         if self.loss_scaler is not None:
-            scale *= self.loss_scaler.scale
+            scale *= self.loss_scaler.scale * self._fp16_unit(w)
         if self._reducer is not None:
             self._reducer.begin_backward(sync=sync)
         else:
@@ -415,6 +419,26 @@ class Engine:
         if sync:
             self._sync_grads()
 
+    def _fp16_unit(self, weight: float | None) -> float:
+        """[Note: fp16 share of the batch] One process on the whole batch backpropagates its mean loss
+        times the loss scale: each sample's gradient carries ``scale / B``. A rank's loss is the mean
+        over its own ``B / N`` samples, so scaled alone it would carry ``N`` times that, and fp16
+        would overflow ``N`` times sooner than in one process (and with ``weight=n``, a loss times a
+        token count would overflow at once). Under fp16 each backward is therefore scaled by this
+        rank's share of the global batch: ``1 / N`` without weights; with weights, ``weight / S``,
+        ``S`` being the sum over ranks of the window's first weights that are not all zero (one
+        all-reduce of one number per window). The unit is the same on every rank, so the reduction
+        stays a plain average, and the optimizer sees the gradient divided by it again."""
+        if weight is None:
+            self._weight_unit = 1.0 / self.world.world_size
+        elif self._weight_unit is None:
+            total = torch.tensor([weight], dtype=torch.float64, device=self.world.device)
+            comm.all_reduce(total, label="dspark.fp16_weight.all_reduce")
+            first = float(total.item())
+            if first > 0:
+                self._weight_unit = 1.0 / first
+        return 1.0 if self._weight_unit is None else self._weight_unit
+
     def _zero_weight_backward(self, loss: torch.Tensor) -> None:
         """zero3 gathers each unit's parameters inside backward, in the order autograd reaches the
         units, so a rank with ``weight=0`` cannot skip backward: its peers would wait in those
@@ -432,7 +456,8 @@ class Engine:
         """The window's gradients, averaged over ranks, where the optimizer reads them."""
         weights = StepWeights(micro_steps=self._micro_step, accum_steps=self.grad_accum_steps,
                               weight_sum=self._weight_sum, batch_size=self._batch_size,
-                              loss_scale=1.0 if self.loss_scaler is None else self.loss_scaler.scale)
+                              loss_scale=1.0 if self.loss_scaler is None
+                              else self.loss_scaler.scale * (self._weight_unit or 1.0))
         unfrozen = [name for name, p in self._frozen_params if p.grad is not None]
         if unfrozen:
             for _, p in self._frozen_params:
@@ -491,6 +516,7 @@ class Engine:
         starts clean."""
         self._micro_step = 0
         self._weight_sum = None
+        self._weight_unit = None
         self._batch_size = None
         self._synced = False
         if self._reducer is not None:

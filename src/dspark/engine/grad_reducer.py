@@ -52,7 +52,8 @@ class StepWeights:
     batch_size: int | None
     """Samples this rank's forwards received in the window (dim 0 of the first input), if known."""
     loss_scale: float
-    """The fp16 loss scale the losses were multiplied by (1.0 otherwise)."""
+    """What fp16 multiplied the losses by beyond their weights: the loss scale times the rank's
+    share of the batch (see the engine's [Note: fp16 share of the batch]); 1.0 otherwise."""
 
 
 class GradReducer:
