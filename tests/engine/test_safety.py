@@ -360,3 +360,40 @@ def test_an_optimizer_that_is_not_element_wise_is_refused_where_state_is_sharded
         assert "strategy='zero2' shards the optimizer state by rows" in message, (rank, message)
         assert "strategy='replicate'" in message
     assert pool.run(_sharded_with, optimizer_name, "replicate") == ["no error"] * 2
+
+
+def _factory_over_model_parameters(strategy: str) -> str:
+    torch.manual_seed(0)
+    model = tm.TinyMLP()
+    try:
+        engine = dspark.Engine(model, optimizer=lambda params: torch.optim.SGD(model.parameters(), lr=0.1),
+                               strategy=strategy)
+    except ValueError as exc:
+        return str(exc)
+    engine.close()
+    return "no error"
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
+def test_an_optimizer_factory_over_model_parameters_is_refused_where_rows_are_sharded(pool, strategy: str) -> None:
+    """Such a factory ignored the engine's shards: zero2 and zero3 trained nothing and said nothing."""
+    for message in pool.run(_factory_over_model_parameters, strategy):
+        assert "it was not given" in message and "model.parameters()" in message, message
+
+
+def test_an_optimizer_factory_over_the_same_parameters_is_fine_under_replicate(pool) -> None:
+    assert pool.run(_factory_over_model_parameters, "replicate") == ["no error"] * 2
+
+
+def test_sync_batchnorm_on_cpu_is_refused_with_the_engines_option(single_process) -> None:
+    model = nn.SyncBatchNorm.convert_sync_batchnorm(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)))
+    with pytest.raises(ValueError, match=r"module '1' is an nn.SyncBatchNorm.*sync_batchnorm=True"):
+        dspark.Engine(model, optimizer=ADAMW)
+
+
+def test_a_second_backward_through_one_graph_names_the_fix(single_process) -> None:
+    engine = dspark.Engine(tm.TinyMLP(), optimizer=ADAMW, grad_accum_steps=2)
+    out = engine(torch.randn(4, 6))
+    engine.backward(out.square().mean())
+    with pytest.raises(RuntimeError, match=r"engine.backward\(loss_a \+ loss_b\)"):
+        engine.backward(out.abs().mean())

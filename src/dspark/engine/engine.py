@@ -67,6 +67,7 @@ OptimizerFactory = Callable[..., torch.optim.Optimizer]
 # autograd's complaint when an op saw a freed (empty) zero3 parameter and its gradient has the full
 # shape: "Function PowBackward0 returned an invalid gradient at index 0 - got [0] but expected
 # shape compatible with [2]"
+_SECOND_BACKWARD = re.compile(r"backward through the graph a second time")
 _EMPTY_PARAMETER_GRADIENT = re.compile(r"invalid gradient at index \d+ - got \[0\]")
 
 # How zero2/zero3 reduce gradient shards, per backend: a reduce-scatter where the backend has a good
@@ -185,6 +186,13 @@ class Engine:
         self._frozen_slots = [s for s in all_slots if not s.requires_grad]
         self._frozen_params = [(names[0], p) for names, p in named if not p.requires_grad]
         """Frozen at construction: a gradient on one later means it was unfrozen (not followed)."""
+        if self.world.device.type == "cpu" and any(isinstance(m, nn.SyncBatchNorm) for m in model.modules()):
+            first = next(name for name, m in model.named_modules() if isinstance(m, nn.SyncBatchNorm))
+            raise ValueError(
+                f"{'module ' + repr(first) if first else 'the model'} is an nn.SyncBatchNorm, which trains on GPUs only (its forward "
+                "refuses CPU tensors): on CPU ranks keep the model's plain BatchNorm layers (leave out "
+                "nn.SyncBatchNorm.convert_sync_batchnorm) and pass sync_batchnorm=True to dspark.Engine "
+                "for statistics over the global batch")
         self._batchnorms = convert_batchnorm(model) if sync_batchnorm else []
         self._buffer_sync = None
         if broadcast_buffers and n > 1:
@@ -292,6 +300,18 @@ class Engine:
         if not isinstance(built, torch.optim.Optimizer):
             raise TypeError(f"the optimizer factory returned {type(built).__name__}, not a "
                             "torch.optim.Optimizer")
+        given = {id(opt_param(s)) for s in self.slots}
+        foreign = [p for group in built.param_groups for p in group["params"] if id(p) not in given]
+        if foreign:
+            names = {id(p): name for name, p in self.module.named_parameters()}
+            shown = ", ".join(names.get(id(p), f"a tensor of shape {tuple(p.shape)}") for p in foreign[:3])
+            raise ValueError(
+                f"the optimizer factory built an optimizer over {len(foreign)} tensor(s) it was not "
+                f"given ({shown}{' ...' if len(foreign) > 3 else ''}): it must optimise the parameters "
+                f"it is called with, which are the tensors the engine updates (under "
+                f"{self.strategy.name!r}, this rank's rows of each parameter). Pass "
+                f"functools.partial(torch.optim.AdamW, lr=...), or lambda params: "
+                f"torch.optim.AdamW(params, ...), not one that reads model.parameters()")
         if prefer_fused_kernel(built):
             log.debug("rank %d: %s steps with its fused kernel", self.world.rank, type(built).__name__)
         return built
@@ -402,6 +422,12 @@ class Engine:
                 self._zero_weight_backward(loss)
         except BaseException as exc:
             self._end_window()
+            if _SECOND_BACKWARD.search(str(exc)):
+                raise RuntimeError(
+                    f"{exc}\n[DSpark] engine.backward() ran through a graph an earlier backward had "
+                    "already freed (retain_graph is not an engine option: each engine.backward() is a "
+                    "micro-batch of the accumulation window). For several losses of one forward, "
+                    "backpropagate their sum once: engine.backward(loss_a + loss_b)") from exc
             if self._zero3 is not None and _EMPTY_PARAMETER_GRADIENT.search(str(exc)):
                 raise RuntimeError(
                     f"{exc}\n[DSpark zero3] the loss used a parameter outside the forward of the "
