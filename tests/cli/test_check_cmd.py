@@ -87,6 +87,49 @@ def test_rule_details(source: str, codes: list[str]) -> None:
     assert [f.code for f in check_source("import dspark\n" + source)] == codes
 
 
+@pytest.mark.parametrize(("source", "codes"), [
+    # what reaches the call, not every value the name ever holds (these were false errors)
+    ("def f(t, dim=None):\n    if dim is None:\n        dim = 0\n    return dspark.distribute_tensor(t, dim)\n", []),
+    ("def f(t, dim=None):\n    if dim is None:\n        raise ValueError\n    return dspark.distribute_tensor(t, dim)\n", []),
+    ("def f(t, dim=None):\n    if dim is not None:\n        return dspark.distribute_tensor(t, dim)\n", []),
+    ("def f(t, dim=None):\n    dim = dim or 0\n    return dspark.distribute_tensor(t, dim)\n", []),
+    ("def f(t, flag):\n    dim = None\n    if flag:\n        dim = 0\n    else:\n        dim = 1\n"
+     "    return dspark.distribute_tensor(t, dim)\n", []),
+    ("dim = None\ndim = 0\ndspark.distribute_tensor(t, dim)\n", []),
+    ("def other():\n    dim = None\ndim = 0\ndspark.distribute_tensor(t, dim)\n", []),   # another scope's
+    # ... and None where it does reach
+    ("def f(t, flag, dim=None):\n    if flag:\n        dim = 0\n    return dspark.distribute_tensor(t, dim)\n",
+     ["DSP004"]),
+    ("dim = 0\nfor step in steps:\n    dspark.distribute_tensor(t, dim)\n    dim = None\n", ["DSP004"]),
+    ("dim = None\ntry:\n    dim = int(s)\nexcept ValueError:\n    pass\ndspark.distribute_tensor(t, dim)\n",
+     ["DSP004"]),
+    ("dim = 0\ndim = None\ndspark.distribute_tensor(t, dim)\n", ["DSP004"]),
+    ("dim = None\nif dim:\n    dspark.distribute_tensor(t, dim)\ndspark.distribute_tensor(t, dim)\n", ["DSP004"]),
+])
+def test_values_are_followed_to_the_call(source: str, codes: list[str]) -> None:
+    assert [f.code for f in check_source("import dspark\n" + source)] == codes
+
+
+@pytest.mark.parametrize(("source", "codes"), [
+    ("cfg = {'shard_dim': None}\ndspark.distribute_batch(t, **cfg)\n", ["DSP001"]),
+    ("dspark.distribute_batch(t, **dict(shard_dim=None))\n", ["DSP001"]),
+    ("dspark.distribute_batch(t, **{'allow_uneven': True})\n", []),
+    ("dspark.distribute_tensor(t, **{'allow_uneven': True})\n", ["DSP002"]),
+    ("dspark.distribute_tensor(t, **opts)\n", []),                          # unknown: not guessed
+    ("import functools\nsplit = functools.partial(dspark.distribute_batch, shard_dim=None)\n", ["DSP001"]),
+    ("from functools import partial\npartial(dspark.distribute_tensor, shard_dim=dspark.REPLICATE)\n", []),
+    ("import functools\nfunctools.partial(dspark.distribute_batch, shard_dim=dspark.REPLICATE)\n", ["DSP006"]),
+])
+def test_keywords_through_literal_mappings_and_partial(source: str, codes: list[str]) -> None:
+    assert [f.code for f in check_source("import dspark\n" + source)] == codes
+
+
+def test_a_finding_names_the_assignment_that_reaches_the_call() -> None:
+    source = "import dspark\n\ndef g():\n    dim = None\n\ndim = None\nx = dspark.distribute_tensor(t, shard_dim=dim)\n"
+    (finding,) = check_source(source)
+    assert "'dim' is None here (assigned at line 6)" in finding.message, finding.message
+
+
 def test_cli_exit_codes_and_output(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     clean = tmp_path / "clean.py"
     clean.write_text(CLEAN)

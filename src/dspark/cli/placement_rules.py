@@ -12,10 +12,12 @@ DSP002 (error) ``dspark.distribute_tensor(t)`` without ``shard_dim``: it has no 
     Fix: pass ``shard_dim=0`` or ``shard_dim=dspark.REPLICATE``.
 DSP003 (error) ``shard_dim`` is a float, str, bool or other non-int literal (``0.0``, ``"0"``,
     ``True``). Fix: an int literal such as ``0`` or ``-1``, or ``dspark.REPLICATE``.
-DSP004 (error) ``shard_dim`` may be ``None``: a variable (or parameter default) assigned ``None``
-    in the same scope, or a value that is ``None`` on one path: a conditional with a ``None`` branch
-    (``0 if fix else None``), an ``or`` / ``and`` with a ``None`` operand, or ``mapping.get(key)``
-    without a default; directly in the call or assigned to the variable passed. Fix: give it an int
+DSP004 (error) ``shard_dim`` may be ``None``: a variable (or parameter default) that may still hold
+    ``None`` where the call runs (a guard ``if dim is None: dim = 0`` or a later ``dim = 0`` is
+    followed: :mod:`dspark.cli.reaching_values`), or a value that is ``None`` on one path: a
+    conditional with a ``None`` branch (``0 if fix else None``), an ``or`` ending in ``None``, an
+    ``and`` with a ``None`` operand, or ``mapping.get(key)`` without a default; directly in the call
+    or through the variable passed. Fix: give it an int
     (or ``dspark.REPLICATE``) on every path; do not use ``None`` to mean "not split".
 DSP005 (error) PyTorch's ``distribute_tensor(t, mesh)`` without ``placements`` (or
     ``placements=None``): PyTorch then replicates the tensor on every rank without a word. Fix:
@@ -41,9 +43,11 @@ from __future__ import annotations
 
 import ast
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from dspark.cli.reaching_values import Values, reaching_values
 
 __all__ = ["CODES", "Finding", "check_paths", "check_source", "python_files"]
 
@@ -122,55 +126,15 @@ def _origin(func: ast.expr, imports: dict[str, str]) -> str | None:
 _Scope = ast.Module | ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda | ast.ClassDef
 
 
-def _bindings(scope: _Scope) -> dict[str, list[tuple[ast.expr | None, int]]]:
-    """Each name bound directly in ``scope`` -> [(the value bound, or None when unknown; line)]."""
-    found: dict[str, list[tuple[ast.expr | None, int]]] = {}
-
-    def bind(target: ast.expr, value: ast.expr | None, line: int) -> None:
-        for name in ast.walk(target):
-            if isinstance(name, ast.Name):
-                # only a plain `name = value` binds a known value; unpacking targets are unknown
-                found.setdefault(name.id, []).append((value if name is target else None, line))
-
-    if isinstance(scope, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
-        args = scope.args
-        positional = [*args.posonlyargs, *args.args]
-        defaults: list[ast.expr | None] = [None] * (len(positional) - len(args.defaults))
-        for arg, default in [*zip(positional, [*defaults, *args.defaults], strict=True),
-                             *zip(args.kwonlyargs, args.kw_defaults, strict=True)]:
-            found.setdefault(arg.arg, []).append((default, arg.lineno))
-    body = scope.body if isinstance(scope.body, list) else [scope.body]
-    for node in _walk_scope(body):
-        if isinstance(node, ast.Assign):
-            for target in node.targets:
-                bind(target, node.value, node.lineno)
-        elif isinstance(node, (ast.AnnAssign, ast.AugAssign, ast.NamedExpr)) and node.value is not None:
-            bind(node.target, node.value if not isinstance(node, ast.AugAssign) else None, node.lineno)
-        elif isinstance(node, (ast.For, ast.AsyncFor)):
-            bind(node.target, None, node.lineno)
-        elif isinstance(node, ast.withitem) and node.optional_vars is not None:
-            bind(node.optional_vars, None, node.context_expr.lineno)
-    return found
-
-
-def _walk_scope(body: list[ast.stmt] | list[ast.expr]) -> Iterator[ast.AST]:
-    """Every node of a scope's body, not descending into nested functions, lambdas or classes."""
-    stack: list[ast.AST] = list(reversed(body))
-    while stack:
-        node = stack.pop()
-        yield node
-        for child in ast.iter_child_nodes(node):
-            if not isinstance(child, _SCOPES):
-                stack.append(child)
-
-
-def _outcomes(node: ast.expr) -> list[ast.expr]:
+def _outcomes(node: ast.expr, *, as_none: bool = False) -> list[ast.expr]:
     """The expressions ``node`` may evaluate to: both branches of a conditional, every operand of
-    ``or`` / ``and``; any other expression is its own only outcome."""
+    ``or`` / ``and``; any other expression is its own only outcome. ``as_none``: only those that can
+    give ``None``: ``a or b`` gives ``a`` only when it is truthy, so only its last operand counts."""
     if isinstance(node, ast.IfExp):
-        return [*_outcomes(node.body), *_outcomes(node.orelse)]
+        return [*_outcomes(node.body, as_none=as_none), *_outcomes(node.orelse, as_none=as_none)]
     if isinstance(node, ast.BoolOp):
-        return [leaf for value in node.values for leaf in _outcomes(value)]
+        values = node.values[-1:] if as_none and isinstance(node.op, ast.Or) else node.values
+        return [leaf for value in values for leaf in _outcomes(value, as_none=as_none)]
     return [node]
 
 
@@ -207,13 +171,31 @@ def _looks_like_batch(node: ast.expr) -> bool:
     return any(w == "x" or _BATCH_WORDS.search(w) for w in _words(node))
 
 
-def _arg(call: ast.Call, position: int, keyword: str) -> tuple[bool, ast.expr | None]:
-    """(was it passed?, its expression). A ``*args`` / ``**kwargs`` call counts as passed: unknown."""
+def _literal_keywords(node: ast.expr) -> dict[str, ast.expr] | None:
+    """The entries of ``{"k": v}`` or ``dict(k=v)`` with only named keys, else None (unknown)."""
+    if isinstance(node, ast.Dict) and all(isinstance(k, ast.Constant) and isinstance(k.value, str)
+                                          for k in node.keys):
+        return {k.value: v for k, v in zip(node.keys, node.values, strict=True)}  # type: ignore[union-attr]
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "dict"
+            and not node.args and all(kw.arg is not None for kw in node.keywords)):
+        return {kw.arg: kw.value for kw in node.keywords if kw.arg is not None}
+    return None
+
+
+def _arg(call: ast.Call, position: int, keyword: str,
+         resolve: Callable[[ast.expr], ast.expr] | None = None) -> tuple[bool, ast.expr | None]:
+    """(was it passed?, its expression). A ``*args`` / ``**kwargs`` call counts as passed: unknown,
+    unless the mapping is a literal (``**{"shard_dim": None}``, ``**dict(...)``, or a name that holds
+    one where the call runs, through ``resolve``)."""
     for kw in call.keywords:
         if kw.arg == keyword:
             return True, kw.value
         if kw.arg is None:
-            return True, None
+            entries = _literal_keywords(resolve(kw.value) if resolve else kw.value)
+            if entries is None:
+                return True, None
+            if keyword in entries:
+                return True, entries[keyword]
     if any(isinstance(a, ast.Starred) for a in call.args[: position + 1]):
         return True, None
     if len(call.args) > position:
@@ -231,22 +213,49 @@ class _Checker(ast.NodeVisitor):
         self.imports = imports
         self.uses_dspark = _uses_dspark(imports)
         self.findings: list[Finding] = []
-        self.scopes: list[dict[str, list[tuple[ast.expr | None, int]]]] = []
+        self.flows: list[dict[int, Values]] = []   # per enclosing scope: reaching values at its calls
+        self._alias_calls: dict[int, ast.Call] = {}   # a partial's stand-in call -> the partial's call
+
+    def _resolver(self, call: ast.Call) -> Callable[[ast.expr], ast.expr]:
+        """A name's one known value where ``call`` runs (the expression itself otherwise)."""
+        def resolve(expr: ast.expr) -> ast.expr:
+            if isinstance(expr, ast.Name):
+                values = self._reaching(call, expr.id)
+                if len(values) == 1:
+                    return values[0][0]
+            return expr
+        return resolve
+
+    def _reaching(self, call: ast.Call, name: str) -> list[tuple[ast.expr, int]]:
+        """The known values ``name`` may hold where ``call`` runs, in the innermost scope that ran it."""
+        call = self._alias_calls.get(id(call), call)
+        for flow in reversed(self.flows):
+            if id(call) in flow:
+                return [(expr, line) for expr, line in flow[id(call)].get(name, []) if expr is not None]
+        return []
 
     def report(self, node: ast.AST, code: str, message: str) -> None:
         self.findings.append(Finding(path=self.path, line=getattr(node, "lineno", 1),
                                      col=getattr(node, "col_offset", 0) + 1, code=code, message=message))
 
     def visit_scope(self, node: _Scope) -> None:
-        self.scopes.append(_bindings(node))
+        self.flows.append(reaching_values(node))
         self.generic_visit(node)
-        self.scopes.pop()
+        self.flows.pop()
 
     visit_Module = visit_FunctionDef = visit_AsyncFunctionDef = visit_Lambda = visit_ClassDef = visit_scope
 
     def visit_Call(self, node: ast.Call) -> None:
         origin = _origin(node.func, self.imports) or ""
         name = origin.split(".")[-1]
+        if name == "partial" and node.args:   # functools.partial(dspark.distribute_batch, shard_dim=...)
+            target = (_origin(node.args[0], self.imports) or "").split(".")[-1]
+            if target in ("distribute_tensor", "distribute_batch") and any(
+                    kw.arg == "shard_dim" or kw.arg is None for kw in node.keywords):
+                bound = ast.copy_location(ast.Call(func=node.args[0], args=node.args[1:],
+                                                   keywords=node.keywords), node)
+                self._alias_calls[id(bound)] = node
+                self.check_shard_dim(bound, target, required=False)
         if name == "distribute_tensor":
             self.check_distribute_tensor(node, origin)
         elif name == "distribute_batch":
@@ -291,35 +300,44 @@ class _Checker(ast.NodeVisitor):
                     "every global batch) or pass sampler=DistributedSampler(...)")
 
     def check_shard_dim(self, node: ast.Call, func: str, *, required: bool) -> None:
-        passed, value = _arg(node, 1, "shard_dim")
+        passed, value = _arg(node, 1, "shard_dim", self._resolver(node))
         if not passed:
             if required:
                 self.report(node, "DSP002", f"{func}() without shard_dim (it has no default): {_FIX}")
             return
         if value is None:  # hidden behind *args / **kwargs
             return
+        # reported where the call is when the value sits elsewhere (a dict passed as **cfg)
+        inside = node.lineno <= value.lineno <= (node.end_lineno or node.lineno)
+        where: ast.AST = value if inside else node
         if isinstance(value, ast.Constant):
             if value.value is None:
-                self.report(value, "DSP001", f"{func}(shard_dim=None) is not a placement: {_FIX}")
+                self.report(where, "DSP001", f"{func}(shard_dim=None) is not a placement: {_FIX}")
             elif isinstance(value.value, bool) or not isinstance(value.value, int):
-                self.report(value, "DSP003", f"{func}(shard_dim={value.value!r}) is a "
+                self.report(where, "DSP003", f"{func}(shard_dim={value.value!r}) is a "
                             f"{type(value.value).__name__}, not an int: {_FIX}")
             return
-        # what the argument may be: its own outcomes, or those of every value its name is bound to
-        outcomes: list[tuple[ast.expr, str]] = [(leaf, "") for leaf in _outcomes(value)]
-        if isinstance(value, ast.Name) and self.scopes:
-            outcomes += [(leaf, f"{value.id!r} is assigned {ast.unparse(bound)} at line {line} in this "
-                               "scope")
-                        for bound, line in self.scopes[-1].get(value.id, []) if bound is not None
-                        for leaf in _outcomes(bound)]
-        none = next((why for leaf, why in outcomes if _may_be_none(leaf)), None)
+        # what the argument may be: its own outcomes, or those of every value that reaches the call
+        # through its name (see dspark.cli.reaching_values)
+        bound = self._reaching(node, value.id) if isinstance(value, ast.Name) else []
+
+        def because(expr: ast.expr, line: int) -> str:
+            return f"{value.id!r} is {ast.unparse(expr)} here (assigned at line {line})"  # type: ignore[attr-defined]
+
+        none = next((reason for leaf, reason in [
+            *((leaf, "") for leaf in _outcomes(value, as_none=True)),
+            *((leaf, because(expr, line)) for expr, line in bound for leaf in _outcomes(expr, as_none=True)),
+        ] if _may_be_none(leaf)), None)
         if none is not None:
-            self.report(value, "DSP004", f"{func}(shard_dim={ast.unparse(value)}) may be None"
+            self.report(where, "DSP004", f"{func}(shard_dim={ast.unparse(value)}) may be None"
                         f"{': ' + none if none else ''}: {_FIX}")
+        outcomes = [*((leaf, "") for leaf in _outcomes(value)),
+                    *((leaf, because(expr, line)) for expr, line in bound for leaf in _outcomes(expr))]
         replicated = next((why for leaf, why in outcomes if _is_replicate(leaf, self.imports)), None)
-        if replicated is not None and node.args and (func == "distribute_batch"
-                                                     or _looks_like_batch(node.args[0])):
-            self.report(value, "DSP006", f"{func}({ast.unparse(node.args[0])}, shard_dim="
+        if replicated is not None and (func == "distribute_batch"
+                                       or (node.args and _looks_like_batch(node.args[0]))):
+            batch = ast.unparse(node.args[0]) if node.args else "..."
+            self.report(where, "DSP006", f"{func}({batch}, shard_dim="
                         f"{ast.unparse(value)}) replicates a batch{' (' + replicated + ')' if replicated else ''}"
                         ": every rank does all the work and N devices are no faster than one; use "
                         "shard_dim=0")
