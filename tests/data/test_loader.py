@@ -235,3 +235,25 @@ def test_workers_serve_the_same_batches_in_the_same_order(iterable: bool) -> Non
     with_workers = _loaders(2, num_workers=2, **kwargs)
     assert _epoch(with_workers) == _epoch(in_process)
     assert _epoch(with_workers) == _epoch(in_process)  # the second epoch too
+
+
+class _SplitsByWorker(IterableDataset):
+    """PyTorch's docstring pattern: each worker reads only its part of ``range(n)``."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        info = torch.utils.data.get_worker_info()
+        start, step = (0, 1) if info is None else (info.id, info.num_workers)
+        for i in range(start, self.n, step):
+            yield torch.tensor(i), torch.tensor(10 * i)
+
+
+def test_a_dataset_that_splits_itself_by_worker_loses_nothing() -> None:
+    """Each worker keeps every W-th global batch of the stream it reads: a dataset that also split
+    itself by worker served half of the data with 2 workers, and said nothing."""
+    kwargs = dict(dataset=_SplitsByWorker(NUM_SAMPLES), global_batch_size=4, shuffle=False)
+    with_workers = _epoch(_loaders(2, num_workers=2, **kwargs))
+    assert with_workers == _epoch(_loaders(2, **kwargs))
+    assert sorted(_concat(with_workers)) == list(range(NUM_SAMPLES - NUM_SAMPLES % 4))

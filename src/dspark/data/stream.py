@@ -9,8 +9,10 @@ same uneven split rule as for map-style datasets, and worker ``w`` of ``W`` asse
 of each rank reads (and decodes) the whole stream, keeping only its rows; a stream that is expensive
 to read is better served as a map-style dataset. Requirements on the dataset: the same stream on
 every rank and in every worker for a given epoch (a dataset with ``set_epoch(epoch)`` is told the
-epoch before each pass, so it can reshuffle itself as a function of it). Resuming at global batch
-``k`` reads and skips the first ``k*G`` samples.
+epoch before each pass, so it can reshuffle itself as a function of it). Inside a worker, the
+dataset's ``torch.utils.data.get_worker_info()`` returns None: one that splits itself by worker
+(PyTorch's docstring pattern) reads the whole stream too instead of losing the other workers'
+parts. Resuming at global batch ``k`` reads and skips the first ``k*G`` samples.
 
 A last, partial global batch (``drop_last=False``) is split by the torch.chunk rule of its own size,
 which is known only when the stream ends; so with ``drop_last=False`` a worker holds the raw samples
@@ -54,6 +56,13 @@ class RankStream(IterableDataset[tuple[BatchInfo, list[Any]]]):
     def __iter__(self) -> Iterator[tuple[BatchInfo, list[Any]]]:
         worker = get_worker_info()
         worker_id, num_workers = (worker.id, worker.num_workers) if worker is not None else (0, 1)
+        hidden = _hide_worker_info()
+        try:
+            yield from self._batches(worker_id, num_workers)
+        finally:
+            _restore_worker_info(hidden)
+
+    def _batches(self, worker_id: int, num_workers: int) -> Iterator[tuple[BatchInfo, list[Any]]]:
         set_epoch = getattr(self.dataset, "set_epoch", None)
         if callable(set_epoch):
             set_epoch(self.epoch)
@@ -88,6 +97,36 @@ class RankStream(IterableDataset[tuple[BatchInfo, list[Any]]]):
                 yield BatchInfo(epoch=self.epoch, index=index, global_size=count,
                                 local_size=stop - start, local_start=start), kept[start:stop]
             return
+
+
+def _hide_worker_info() -> Any:
+    """Make ``torch.utils.data.get_worker_info()`` return None while the user's dataset is read, and
+    return what it returned. A dataset that splits itself by worker (the pattern of PyTorch's
+    ``IterableDataset`` docstring) would otherwise give each worker a part of the stream, of which
+    this worker keeps every ``W``-th batch: most of the data would be lost, silently. Hidden, it
+    reads the whole stream in every worker, which is what this policy needs (see [Note: iterable
+    datasets]). The value lives in ``torch.utils.data._utils.worker``; where a PyTorch keeps it
+    elsewhere, nothing is hidden."""
+    module = _torch_worker_module()
+    if module is None or not hasattr(module, "_worker_info"):
+        return None
+    info = module._worker_info
+    module._worker_info = None
+    return info
+
+
+def _restore_worker_info(info: Any) -> None:
+    module = _torch_worker_module()
+    if info is not None and module is not None:
+        module._worker_info = info
+
+
+def _torch_worker_module() -> Any:
+    try:
+        from torch.utils.data._utils import worker
+    except ImportError:  # pragma: no cover - another PyTorch layout
+        return None
+    return worker
 
 
 class CollateWithInfo:
