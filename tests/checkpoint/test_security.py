@@ -8,10 +8,12 @@ live (plain ``pickle`` / ``torch.load(weights_only=False)`` does create the mark
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import pickle
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -38,9 +40,12 @@ def _pickle_payload(marker: Path) -> bytes:
     return blob
 
 
-def _torch_payload(marker: Path) -> bytes:
+def _torch_payload(marker: Path, pad_bytes: int = 0) -> bytes:
+    """A torch.save file whose unpickling runs the payload; ``pad_bytes`` of tensor data beside it
+    make it as long as the records it stands in for (shorter ones are refused from the index)."""
     out = io.BytesIO()
-    torch.save(_Payload(marker), out)
+    torch.save((torch.zeros(pad_bytes, dtype=torch.uint8), _Payload(marker)) if pad_bytes else _Payload(marker),
+               out)
     torch.load(io.BytesIO(out.getvalue()), weights_only=False)  # the control
     assert marker.exists(), "the payload is not live: the test could not fail"
     marker.unlink()
@@ -71,9 +76,10 @@ def test_a_crafted_record_in_a_shard_file_is_refused_and_never_runs(pool, copy: 
     # with only DCP's own classes, so it passes the metadata check) points every record of that
     # file at it. Loading reaches torch.load of the payload, where weights_only refuses it.
     marker = tmp_path / "ran"
-    blob = _torch_payload(marker)
-    (copy / file_name).write_bytes(blob)
     metadata = storage.read_metadata(copy)
+    longest = max(r.length for r in metadata.storage_data.values() if r.relative_path == file_name)
+    blob = _torch_payload(marker, pad_bytes=longest)
+    (copy / file_name).write_bytes(blob)
     for record in metadata.storage_data.values():
         if record.relative_path == file_name:
             record.offset, record.length = 0, len(blob)
@@ -109,3 +115,57 @@ def test_an_index_pointing_outside_the_checkpoint_is_refused(single_process, cop
     (copy / ".metadata").write_bytes(pickle.dumps(metadata))
     with pytest.raises(CheckpointError, match=r"points to '\.\./\.\./etc/passwd', outside the checkpoint"):
         storage.read_metadata(copy)
+
+
+def _sharded_model_entry(metadata: Any) -> str:
+    """A model tensor both ranks wrote rows of (a 1-row one has an empty chunk from rank 1)."""
+    return next(k for k, v in metadata.state_dict_metadata.items()
+                if k.startswith("model/") and len(v.chunks) == 2 and all(min(c.sizes) > 0 for c in v.chunks))
+
+
+@pytest.mark.parametrize("damage", ["a chunk missing", "no chunk", "a chunk twice"])
+def test_chunks_that_do_not_tile_a_tensor_are_refused(pool, copy: Path, damage: str) -> None:
+    """A part of a tensor no chunk covers kept whatever memory its destination held before: the
+    load succeeded with heap contents in the weights."""
+    metadata = storage.read_metadata(copy)
+    key = _sharded_model_entry(metadata)
+    chunks = metadata.state_dict_metadata[key].chunks
+    damaged = {"a chunk missing": chunks[:-1], "no chunk": [], "a chunk twice": [*chunks, chunks[0]]}
+    metadata.state_dict_metadata[key] = dataclasses.replace(metadata.state_dict_metadata[key],
+                                                            chunks=damaged[damage])
+    (copy / ".metadata").write_bytes(pickle.dumps(metadata))
+    for kind, message, unchanged in pool.run(load_error_keeping_state, str(copy), "mlp", "zero3"):
+        assert kind == "CheckpointError" and unchanged, (kind, message)
+        assert ".metadata" in message and "do not tile" in message, message
+
+
+def test_a_size_its_records_cannot_hold_is_refused(pool, copy: Path) -> None:
+    metadata = storage.read_metadata(copy)
+    entry = metadata.state_dict_metadata["rng/rank0/torch"]
+    huge = torch.Size([2**45])
+    metadata.state_dict_metadata["rng/rank0/torch"] = dataclasses.replace(
+        entry, size=huge, chunks=[dataclasses.replace(entry.chunks[0], sizes=huge)])
+    (copy / ".metadata").write_bytes(pickle.dumps(metadata))
+    for kind, message, unchanged in pool.run(load_error_keeping_state, str(copy), "mlp", "zero3"):
+        assert kind == "CheckpointError" and unchanged, (kind, message)
+        assert "its storage records hold" in message, message
+
+
+@pytest.mark.parametrize("file_name", ["training_state.json", "dspark.json", ".metadata", "__1_0.distcp"])
+def test_a_symbolic_link_in_the_checkpoint_is_refused(pool, copy: Path, tmp_path: Path, file_name: str) -> None:
+    """A link could read any file the process can (another user's, into the weights)."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (copy / file_name).rename(outside / file_name)
+    (copy / file_name).symlink_to(outside / file_name)
+    for kind, message, unchanged in pool.run(load_error_keeping_state, str(copy), "mlp", "zero3"):
+        assert kind == "CheckpointError" and unchanged, (kind, message)
+        assert file_name in message and "symbolic link" in message, message
+
+
+def test_a_fifo_in_place_of_the_training_state_is_refused_at_once(pool, copy: Path) -> None:
+    (copy / "training_state.json").unlink()
+    os.mkfifo(copy / "training_state.json")   # reading it would block forever
+    for kind, message, unchanged in pool.run(load_error_keeping_state, str(copy), "mlp", "zero3"):
+        assert kind == "CheckpointError" and unchanged, (kind, message)
+        assert "not a regular file" in message, message

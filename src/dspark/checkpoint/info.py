@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from dspark.checkpoint.errors import CheckpointError, CheckpointNotFoundError
+from dspark.checkpoint.plain_files import read_plain_file
 from dspark.checkpoint.training_state import write_json
 
 __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "INFO_FILE", "CheckpointInfo", "is_checkpoint",
@@ -118,12 +119,12 @@ def read_checkpoint_info(path: str | os.PathLike[str]) -> CheckpointInfo:
         raise CheckpointNotFoundError(f"no checkpoint at {str(path)!r}: it is a file, a checkpoint "
                                       "is a directory")
     info_path = directory / INFO_FILE
-    if not info_path.is_file():
+    if not info_path.is_file() and not info_path.is_symlink():
         raise CheckpointNotFoundError(
             f"no checkpoint at {str(path)!r}: the directory has no {INFO_FILE} (a DSpark checkpoint "
             f"is written by engine.save(path); it holds {_listing(directory)})")
     try:
-        raw: Any = json.loads(info_path.read_bytes().decode("utf-8"))
+        raw: Any = json.loads(read_plain_file(info_path).decode("utf-8"))
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise CheckpointError(f"{str(info_path)!r} is damaged ({type(exc).__name__}: {exc})") from exc
     if not isinstance(raw, dict) or raw.pop("format", None) != FORMAT_NAME:

@@ -27,8 +27,11 @@ from torch.distributed.checkpoint import filesystem as dcp_filesystem
 from torch.distributed.checkpoint import metadata as dcp_metadata
 
 from dspark.checkpoint.errors import CheckpointError, first_line
+from dspark.checkpoint.plain_files import read_plain_file
 
 __all__ = ["load_metadata", "validate_metadata"]
+
+_MAX_METADATA_BYTES = 2**30   # DCP's index of a model of billions of parameters is a few MB
 
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 _FILESYSTEM_MODULE = "torch.distributed.checkpoint.filesystem"
@@ -97,7 +100,7 @@ def load_metadata(path: Path) -> dcp_metadata.Metadata:
         load_metadata(Path("ckpt/.metadata")).state_dict_metadata["model/w"].size   # torch.Size([7, 6])
     """
     try:
-        raw = path.read_bytes()
+        raw = read_plain_file(path, limit=_MAX_METADATA_BYTES)
     except OSError as exc:
         raise CheckpointError(f"{str(path)!r} cannot be read ({type(exc).__name__}: {exc})") from exc
     try:
@@ -139,6 +142,15 @@ def validate_metadata(metadata: object, path: Path) -> None:
     records = metadata.storage_data
     if not isinstance(records, dict):
         raise refuse("its storage_data is not a dict")
+    stored: dict[str, int] = {}
+    for index, record in records.items():
+        fqn = getattr(index, "fqn", None)
+        if isinstance(fqn, str) and isinstance(getattr(record, "length", None), int):
+            stored[fqn] = stored.get(fqn, 0) + record.length
+    for key, entry in entries.items():
+        why = _tensor_entry_problem(entry, stored.get(key, 0))
+        if why is not None:
+            raise refuse(f"entry {key!r} {why}")
     for index, record in records.items():
         if type(record) is not dcp_filesystem._StorageInfo:
             raise refuse(f"the storage record of {getattr(index, 'fqn', index)!r} is a "
@@ -152,6 +164,61 @@ def validate_metadata(metadata: object, path: Path) -> None:
         if record.transform_descriptors:
             raise refuse(f"a storage record of {name!r} asks for stream transforms "
                          f"{record.transform_descriptors!r}, which DSpark never writes")
+
+
+def _tensor_entry_problem(entry: dcp_metadata.TensorStorageMetadata, stored_bytes: int) -> str | None:
+    """Why a tensor entry cannot be loaded as it stands, or None. Its chunks must tile the tensor
+    exactly (a part no chunk covers would keep whatever memory the destination held before, a
+    part two chunks cover is ambiguous), and its storage records must hold at least its bytes (a
+    declared size its files cannot hold would only make the load allocate it)."""
+    size = entry.size
+    dtype = getattr(entry.properties, "dtype", None)
+    if not isinstance(dtype, torch.dtype):
+        return f"has dtype {dtype!r}, not a torch dtype"
+    if not all(isinstance(d, int) and d >= 0 for d in size):
+        return f"has size {tuple(size)!r}"
+    numel = 1
+    for d in size:
+        numel *= d
+    nbytes = numel * dtype.itemsize
+    if stored_bytes < nbytes:
+        return (f"declares {tuple(size)} {dtype} ({nbytes} bytes), but its storage records hold "
+                f"{stored_bytes} bytes")
+    boxes = []
+    for chunk in entry.chunks:
+        offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
+        if len(offsets) != len(size) or len(sizes) != len(size) or not all(
+                isinstance(o, int) and isinstance(n, int) and o >= 0 and n >= 0 and o + n <= d
+                for o, n, d in zip(offsets, sizes, size, strict=True)):
+            return f"has a chunk at {offsets} of {sizes}, outside its size {tuple(size)}"
+        boxes.append((offsets, sizes))
+    covered = 0
+    for _, sizes in boxes:
+        volume = 1
+        for n in sizes:
+            volume *= n
+        covered += volume
+    if covered != numel or _overlap(boxes):
+        return (f"has chunks that do not tile its size {tuple(size)} ({covered} of {numel} elements"
+                f"{', some twice' if covered >= numel else ''}): part of it would be loaded from "
+                "nowhere")
+    return None
+
+
+def _overlap(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> bool:
+    """Whether two of the boxes share an element. Sorted by their first offset, a box can only
+    meet the ones that start before it ends along dim 0 (DSpark's shards are rows: one each)."""
+    if len(boxes) < 2 or not boxes[0][0]:
+        return len(boxes) > 1   # 0-d: one chunk only
+    ordered = sorted((b for b in boxes if all(n > 0 for n in b[1])), key=lambda b: b[0][0])
+    for i, (offsets, sizes) in enumerate(ordered):
+        for other_offsets, other_sizes in ordered[i + 1:]:
+            if other_offsets[0] >= offsets[0] + sizes[0]:
+                break
+            if all(o2 < o1 + n1 and o1 < o2 + n2 for o1, n1, o2, n2
+                   in zip(offsets, sizes, other_offsets, other_sizes, strict=True)):
+                return True
+    return False
 
 
 def _is_plain_file_name(name: str) -> bool:

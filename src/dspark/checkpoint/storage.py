@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
 from dspark.checkpoint.errors import CheckpointError, CheckpointSaveError, first_line
+from dspark.checkpoint.plain_files import check_plain_file
 from dspark.checkpoint.safe_metadata import load_metadata
 
 __all__ = ["METADATA_FILE", "Metadata", "check_files", "read_metadata", "read_state", "stage_on_cpu",
@@ -125,6 +126,8 @@ def read_metadata(directory: Path) -> Metadata:
         sorted(read_metadata(Path("/tmp/ck")).state_dict_metadata)   # ['model/w', ...]
     """
     path = directory / METADATA_FILE
+    if path.is_symlink():
+        check_plain_file(path)   # refused, naming the link
     if not path.is_file():
         raise CheckpointError(f"{str(directory)!r} has no {METADATA_FILE} file: it is not a complete "
                               "checkpoint (a save that did not finish, or files removed)")
@@ -145,10 +148,10 @@ def check_files(directory: Path, metadata: Metadata) -> None:
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
     for relative, end_bytes in sorted(needed.items()):
         path = directory / relative
-        if not path.is_file():
+        if not path.is_file() and not path.is_symlink():
             raise CheckpointError(f"{str(directory)!r} is a partial checkpoint: shard file {relative!r} "
                                   f"is missing ({len(needed)} file(s) expected)")
-        size_bytes = path.stat().st_size
+        size_bytes = check_plain_file(path).st_size
         if size_bytes < end_bytes:
             raise CheckpointError(f"{str(directory)!r} is damaged: shard file {relative!r} has "
                                   f"{size_bytes} bytes, its index needs {end_bytes}")

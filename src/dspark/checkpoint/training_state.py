@@ -13,6 +13,7 @@ from typing import Any
 
 from dspark.checkpoint import json_values
 from dspark.checkpoint.errors import CheckpointError
+from dspark.checkpoint.plain_files import read_plain_file
 
 __all__ = ["STATE_FILE", "TrainingState", "read_training_state", "write_json", "write_training_state"]
 
@@ -84,7 +85,7 @@ def read_training_state(directory: Path) -> TrainingState:
     """
     path = directory / STATE_FILE
     try:
-        raw = json.loads(path.read_bytes().decode("utf-8"))
+        raw = json.loads(read_plain_file(path).decode("utf-8"))
     except FileNotFoundError as exc:
         raise CheckpointError(f"{str(directory)!r} has no {STATE_FILE}: it is not a complete "
                               "checkpoint of this DSpark version") from exc
