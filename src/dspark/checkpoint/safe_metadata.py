@@ -148,6 +148,7 @@ def validate_metadata(metadata: object, path: Path) -> None:
         if isinstance(fqn, str) and isinstance(getattr(record, "length", None), int):
             stored[fqn] = stored.get(fqn, 0) + record.length
     for key, entry in entries.items():
+        assert isinstance(entry, dcp_metadata.TensorStorageMetadata)  # checked above
         why = _tensor_entry_problem(entry, stored.get(key, 0))
         if why is not None:
             raise refuse(f"entry {key!r} {why}")
