@@ -13,6 +13,10 @@ Example::
     dspark.shutdown()
 """
 
+# checkpoint and comm: subpackages a user reaches as attributes after `import dspark`
+# (dspark.checkpoint.is_checkpoint, dspark.comm.transport); not names of the API itself.
+from dspark import checkpoint as checkpoint
+from dspark import comm as comm
 from dspark._version import __version__
 from dspark.comm import World, get_world, init, shutdown
 from dspark.data import DataLoader

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import json
 import os
 import pickle
 from pathlib import Path
@@ -18,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 
+import dspark
 from dspark.checkpoint import CheckpointError, storage
 from tests.checkpoint.ranks import load_error_keeping_state
 
@@ -169,3 +171,52 @@ def test_a_fifo_in_place_of_the_training_state_is_refused_at_once(pool, copy: Pa
     for kind, message, unchanged in pool.run(load_error_keeping_state, str(copy), "mlp", "zero3"):
         assert kind == "CheckpointError" and unchanged, (kind, message)
         assert "not a regular file" in message, message
+
+
+def test_one_ranks_damaged_random_state_fails_every_rank_before_anything_changes(pool, copy: Path) -> None:
+    """Rank 1's own entries were read after the ranks agreed: rank 1 raised half-way (weights
+    already loaded), rank 0 returned normally, and the job parted."""
+    state = json.loads((copy / "training_state.json").read_text())
+    rank1 = state["rng"]["1"]["__dict__"]   # JSON-encoded dict (see checkpoint.json_values)
+    rank1["python"][1] = rank1["python"][1][:10]   # the wrong length
+    (copy / "training_state.json").write_text(json.dumps(state))
+    for kind, message, unchanged in pool.run(load_error_keeping_state, str(copy), "mlp", "zero3"):
+        assert kind == "CheckpointError" and unchanged, (kind, message)
+        assert "rank(s) [1]" in message or "rank 1's saved Python/NumPy random state" in message, message
+
+
+def _load_with_another_loader(path: str) -> tuple[str, bool, dict[str, Any]]:
+    """A resumed run that builds its loader with another global batch size than the saved one."""
+    from tests.checkpoint.ranks import _snapshot, make_engine
+
+    engine = make_engine("mlp", "zero3")
+    loader = dspark.DataLoader(torch.utils.data.TensorDataset(torch.arange(64.0)), global_batch_size=8)
+    saved = {"loader": loader}
+    engine.save(path, extra=saved)
+    next(iter(loader))
+    before_loader = loader.state_dict()
+    other = dspark.DataLoader(torch.utils.data.TensorDataset(torch.arange(64.0)), global_batch_size=4)
+    sched_model = torch.nn.Linear(1, 1)
+    sched = torch.optim.lr_scheduler.StepLR(torch.optim.SGD(sched_model.parameters(), lr=1.0), 1)
+    engine.save(path, extra={"loader": loader, "sched": sched})
+    sched.step()
+    sched_before = sched.state_dict()
+    before = _snapshot(engine)
+    try:
+        engine.load(path, extra={"sched": sched, "loader": other})
+    except Exception as exc:
+        after = _snapshot(engine)
+        same = all(torch.equal(before[k], after[k]) for k in before)
+        return f"{type(exc).__name__}: {exc}", same, {"sched": sched.state_dict() == sched_before,
+                                                       "loader": loader.state_dict() == before_loader}
+    finally:
+        engine.close()
+    return "no error", False, {}
+
+
+def test_an_extra_that_refuses_its_state_leaves_the_engine_and_the_others_as_they_were(pool, tmp_path: Path) -> None:
+    """The engine's weights and step count were replaced before the loader refused its state."""
+    for message, unchanged, extras in pool.run(_load_with_another_loader, str(tmp_path / "ck")):
+        assert message.startswith("CheckpointError") and "extra['loader']" in message, message
+        assert unchanged, "the engine changed"
+        assert extras == {"sched": True, "loader": True}, extras

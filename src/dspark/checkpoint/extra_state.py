@@ -120,6 +120,32 @@ def python_rng_state() -> dict[str, Any]:
     return out
 
 
+def check_rng_state(rank: int, state: Mapping[str, Any], entries: Mapping[str, Any]) -> None:
+    """Raise ``ValueError`` unless ``rank``'s saved generator states would be accepted: Python's
+    and NumPy's (``state``, from the JSON) tried on throwaway generators, the torch state's entry
+    in DCP's metadata (``entries``) the size of this process's. Run before anything is loaded, so a
+    damaged state fails every rank at once instead of one rank half-way."""
+    try:
+        if "python" in state:
+            version, internal, gauss = state["python"]
+            random.Random().setstate((int(version), tuple(int(v) for v in internal), gauss))
+        if "numpy" in state:
+            import numpy as np
+
+            name, keys, pos, has_gauss, cached = state["numpy"]
+            np.random.RandomState().set_state((str(name), np.asarray(keys, dtype=np.uint32), int(pos),
+                                               int(has_gauss), float(cached)))
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ValueError(f"rank {rank}'s saved Python/NumPy random state is refused "
+                         f"({type(exc).__name__}: {exc})") from exc
+    entry = entries.get(f"rng/rank{rank}/torch")
+    if entry is not None:
+        want = tuple(torch.get_rng_state().shape)
+        if tuple(entry.size) != want or entry.properties.dtype != torch.uint8:
+            raise ValueError(f"rank {rank}'s saved torch random state is {tuple(entry.size)} "
+                             f"{entry.properties.dtype}, a generator state is {want} torch.uint8")
+
+
 def restore_python_rng(state: Mapping[str, Any]) -> None:
     if "python" in state:
         version, internal, gauss = state["python"]

@@ -125,6 +125,8 @@ def read_checkpoint_info(path: str | os.PathLike[str]) -> CheckpointInfo:
             f"is written by engine.save(path); it holds {_listing(directory)})")
     try:
         raw: Any = json.loads(read_plain_file(info_path).decode("utf-8"))
+    except CheckpointError:
+        raise
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise CheckpointError(f"{str(info_path)!r} is damaged ({type(exc).__name__}: {exc})") from exc
     if not isinstance(raw, dict) or raw.pop("format", None) != FORMAT_NAME:

@@ -15,6 +15,7 @@ code] in :mod:`dspark.checkpoint.safe_metadata`).
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 from collections.abc import Mapping
@@ -26,10 +27,10 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from dspark import comm
 from dspark.checkpoint import background, extra_state, layout, storage
-from dspark.checkpoint.errors import CheckpointError
+from dspark.checkpoint.errors import CheckpointError, first_line
 from dspark.checkpoint.info import CheckpointInfo, read_checkpoint_info
 from dspark.checkpoint.target import Checkpointable
-from dspark.checkpoint.training_state import TrainingState, read_training_state
+from dspark.checkpoint.training_state import STATE_FILE, TrainingState, read_training_state
 from dspark.tensor import DistTensor, Shard
 from dspark.tensor.shard_math import shard_range
 
@@ -72,6 +73,12 @@ def load_checkpoint(target: Checkpointable, path: str | os.PathLike[str], *,
         names = _match_names(template, metadata.state_dict_metadata, directory)
         _check_param_groups(template, info, training, directory)
         _check_extra(extra, training, directory)
+        try:
+            extra_state.check_rng_state(world.rank, training.rng.get(str(world.rank), {}),
+                                        metadata.state_dict_metadata)
+        except ValueError as exc:
+            raise CheckpointError(f"checkpoint {str(directory)!r}: {exc}; the checkpoint is damaged "
+                                  "or was crafted") from exc
     except Exception as exc:
         failure = exc
     # Ranks could see the directory differently (a file system not shared by all): agree first, so
@@ -86,8 +93,22 @@ def load_checkpoint(target: Checkpointable, path: str | os.PathLike[str], *,
 
     state = _destination(target, template, metadata.state_dict_metadata, names, training, extra)
     storage.read_state(state, directory, metadata, distributed=world.is_distributed)
-    target.load_sharded_state_dict(_as_sharded_state_dict(template, state, names, training))
-    _restore_extra(extra, training, state)
+    # The extra objects first, each undone if one refuses its state (a loader built with another
+    # batch size): every rank agrees before the engine itself changes.
+    undo, failure = _restore_extra(extra, training, state, directory)
+    reports = comm.all_gather_object(None if failure is None else repr(failure))
+    if failure is not None or any(report is not None for report in reports):
+        _undo_extra(undo)
+        if failure is not None:
+            raise failure
+        bad = {r: text for r, text in enumerate(reports) if text is not None}
+        raise CheckpointError(f"rank {world.rank}: checkpoint {str(path)!r} cannot be loaded on "
+                              f"rank(s) {sorted(bad)}: {bad}")
+    try:
+        target.load_sharded_state_dict(_as_sharded_state_dict(template, state, names, training))
+    except Exception:
+        _undo_extra(undo)
+        raise
     extra_state.set_rng_tensors(world.rank, state)
     extra_state.restore_python_rng(training.rng.get(str(world.rank), {}))
     log.info("rank %d: loaded checkpoint %s (step %d, written by %s on %d rank(s))", world.rank,
@@ -137,6 +158,23 @@ def _check_param_groups(template: Mapping[str, Any], info: CheckpointInfo, train
         raise CheckpointError(f"checkpoint {str(directory)!r} has {saved} optimizer "
                               f"param group(s), this engine's optimizer {have}: build the optimizer "
                               "with the same groups (the same param_groups function)")
+    where = f"checkpoint {str(directory)!r}: {STATE_FILE}"
+    for index, (group, current) in enumerate(zip(training.param_groups, template["optimizer"]["param_groups"],
+                                                 strict=True)):
+        for key, value in group.items():
+            if _is_number(current.get(key)) and not _is_number(value):
+                raise CheckpointError(f"{where} gives param group {index} {key}={value!r}, where this "
+                                      f"optimizer has a number ({current[key]!r}); the checkpoint is "
+                                      "damaged or was crafted")
+    for name, values in training.optimizer_values.items():
+        for key, value in values.items():
+            if not (value is None or isinstance(value, (bool, int, float, torch.Tensor))):
+                raise CheckpointError(f"{where} gives {name!r}'s optimizer state {key}={value!r}: "
+                                      "DSpark saves numbers there; the checkpoint is damaged or was crafted")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _check_extra(extra: Mapping[str, Any] | None, training: TrainingState, directory: Path) -> None:
@@ -210,12 +248,45 @@ def _as_sharded_state_dict(template: Mapping[str, Any], loaded: Mapping[str, Any
                        "loss_scale_good_steps": training.loss_scale_good_steps}}
 
 
-def _restore_extra(extra: Mapping[str, Any] | None, training: TrainingState, loaded: Mapping[str, Any]) -> None:
+_Undo = list[tuple[Any, Any]]
+"""(object, the state it held before the load), in the order the objects were restored."""
+
+
+def _restore_extra(extra: Mapping[str, Any] | None, training: TrainingState, loaded: Mapping[str, Any],
+                   directory: Path) -> tuple[_Undo, CheckpointError | None]:
+    """Give each extra object its saved state; on the first refusal, undo those already given and
+    return the error (naming the object and the file) instead of raising, so that every rank can
+    agree first. Returns what undoes the restores."""
     tensors = {key: value for key, value in loaded.items() if key.startswith("extra/")}
+    undo: _Undo = []
     for name, obj in (extra or {}).items():
-        value = extra_state.restore_tensors(training.extra[name], tensors)
-        if callable(getattr(obj, "load_state_dict", None)):
-            obj.load_state_dict(value)
-        else:
-            obj.clear()
-            obj.update(value)
+        try:
+            value = extra_state.restore_tensors(training.extra[name], tensors)
+            before = (copy.deepcopy(obj.state_dict()) if callable(getattr(obj, "load_state_dict", None))
+                      else dict(obj))
+            undo.append((obj, before))
+            _give(obj, value)
+        except Exception as exc:
+            _undo_extra(undo)
+            return [], CheckpointError(
+                f"checkpoint {str(directory)!r}: extra[{name!r}] refused its saved state from "
+                f"{STATE_FILE} ({type(exc).__name__}: {first_line(exc)}); nothing was loaded. Build it "
+                "as in the run that saved (a dspark.DataLoader with the same global_batch_size, seed "
+                "and dataset)")
+    return undo, None
+
+
+def _give(obj: Any, value: Any) -> None:
+    if callable(getattr(obj, "load_state_dict", None)):
+        obj.load_state_dict(value)
+    else:
+        obj.clear()
+        obj.update(value)
+
+
+def _undo_extra(undo: _Undo) -> None:
+    for obj, before in reversed(undo):
+        try:
+            _give(obj, before)
+        except Exception:  # pragma: no cover - an object that refuses its own state
+            log.warning("could not restore the state of %r after a failed load", obj)

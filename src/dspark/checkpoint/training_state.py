@@ -86,6 +86,8 @@ def read_training_state(directory: Path) -> TrainingState:
     path = directory / STATE_FILE
     try:
         raw = json.loads(read_plain_file(path).decode("utf-8"))
+    except CheckpointError:
+        raise
     except FileNotFoundError as exc:
         raise CheckpointError(f"{str(directory)!r} has no {STATE_FILE}: it is not a complete "
                               "checkpoint of this DSpark version") from exc
