@@ -4,6 +4,7 @@ another model, a partial or damaged directory; on every rank, before anything is
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -117,3 +118,52 @@ def test_partial_or_damaged_checkpoints_are_named(single_process, copy: Path, da
     assert message in str(info.value)
     after = engine.module.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)  # nothing was changed
+
+
+class _SavesOverOnFirstLoad:
+    """An extra object whose first load_state_dict publishes another checkpoint at the same path,
+    as a training job saving to ckpt/latest while an evaluator loads it."""
+
+    def __init__(self, writer: Any, path: str) -> None:
+        self.writer, self.path, self.loads, self.value = writer, path, 0, 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.loads += 1
+        self.value = state["value"]
+        if self.loads == 1:
+            self.writer.save(self.path, extra={"probe": _Value(2)})
+
+
+class _Value:
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def state_dict(self) -> dict[str, int]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.value = state["value"]
+
+
+def test_a_checkpoint_replaced_while_it_is_loaded_is_loaded_again_whole(single_process, tmp_path: Path) -> None:
+    """Files read before and after a publish came from two checkpoints: the step count of one and
+    the weights of the next, without an error."""
+    from tests.checkpoint.ranks import make_engine, train
+
+    path = str(tmp_path / "latest")
+    first = make_engine("mlp", "replicate")
+    first.save(path, extra={"probe": _Value(1)})
+    second = make_engine("mlp", "replicate", seed=1)
+    train(second, "mlp", range(2))
+    reader = make_engine("mlp", "replicate", seed=2)
+    probe = _SavesOverOnFirstLoad(second, path)
+    info = reader.load(path, extra={"probe": probe})
+    assert probe.loads == 2 and probe.value == 2, "the load did not start again from the new checkpoint"
+    assert info.step_count == second.step_count == reader.step_count
+    want, got = second.full_state_dict(), reader.full_state_dict()
+    assert all(torch.equal(want[k], got[k]) for k in want)
+    for engine in (first, second, reader):
+        engine.close()

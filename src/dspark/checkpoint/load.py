@@ -60,6 +60,47 @@ def load_checkpoint(target: Checkpointable, path: str | os.PathLike[str], *,
     """
     background.wait_for_pending_save()
     world = target.world
+    for attempt in range(1, _ATTEMPTS + 1):
+        before = _identity(path)
+        error: Exception | None = None
+        info: CheckpointInfo | None = None
+        try:
+            info = _load_once(target, path, extra=extra)
+        except Exception as exc:  # raised below, once every rank knows whether to load again
+            error = exc
+        # A save to the same path published a new checkpoint while this one was read (an evaluator
+        # loading ckpt/latest while training saves there): the files read may come from both, so
+        # every rank loads again, from the new one. Every load replaces all the state it loads.
+        replaced = comm.all_gather_object(_identity(path) != before)
+        if not any(replaced):
+            if error is not None:
+                raise error
+            assert info is not None
+            return info
+        log.warning("rank %d: checkpoint %s was replaced by a new save while it was loaded "
+                    "(attempt %d of %d); loading again", world.rank, path, attempt, _ATTEMPTS)
+    raise CheckpointError(f"checkpoint {str(path)!r} was replaced by a new save during each of "
+                          f"{_ATTEMPTS} loads: save to a new path each time (ckpt/step-N), or load "
+                          "when no save is running")
+
+
+_ATTEMPTS = 3
+
+
+def _identity(path: str | os.PathLike[str]) -> tuple[int, int, int] | None:
+    """What tells one published checkpoint at ``path`` from the next: a save publishes a new
+    directory there (a rename), with its own inode."""
+    try:
+        status = os.stat(path)
+        info = os.stat(Path(path) / "dspark.json")
+    except (OSError, TypeError, ValueError):
+        return None
+    return status.st_ino, status.st_dev, info.st_ino
+
+
+def _load_once(target: Checkpointable, path: str | os.PathLike[str], *,
+               extra: Mapping[str, Any] | None) -> CheckpointInfo:
+    world = target.world
     failure: Exception | None = None
     try:
         directory = Path(path) if isinstance(path, (str, os.PathLike)) else None
