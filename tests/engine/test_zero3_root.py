@@ -74,6 +74,17 @@ def test_the_root_is_freed_after_forward_and_trains_as_in_one_process(pool, opti
     for rank, got in enumerate(pool.run(_train, optimizer)):
         assert got["whole"] == [], f"rank {rank}: whole between forward and backward: {got['whole']}"
         assert got["in_flight"] == 0, f"rank {rank}: gathers in flight between forward and backward"
-        # AdamW turns the attention key bias's rounding-noise gradient into full-size updates
-        assert_close(got["state"], want, f"rank {rank}, zero3, {optimizer}",
+        # AdamW turns the attention key bias's rounding-noise gradient into updates of up to lr per
+        # step (its gradient is zero in exact arithmetic): that slice is held to the norm floor AdamW
+        # allows, lr per step, every other tensor and slice to the usual tolerance
+        got_state, want_state = dict(got["state"]), dict(want)
+        if optimizer == "adamw":
+            for name in [k for k in want_state if k.endswith("attn.qkv.bias")]:
+                key_rows = slice(CONFIG.width, 2 * CONFIG.width)
+                drift = torch.linalg.vector_norm(got_state[name][key_rows] - want_state[name][key_rows])
+                floor = 1e-2 * STEPS * CONFIG.width ** 0.5   # lr per step, every element
+                assert drift <= floor, f"rank {rank}: {name}'s key bias moved {drift:.2e} > {floor:.2e}"
+                for state in (got_state, want_state):
+                    state[name] = torch.cat([state[name][:CONFIG.width], state[name][2 * CONFIG.width:]])
+        assert_close(got_state, want_state, f"rank {rank}, zero3, {optimizer}",
                      atol=ATOL if optimizer == "sgd" else ATOL_ADAMW)
