@@ -124,27 +124,18 @@ def _load_once(target: Checkpointable, path: str | os.PathLike[str], *,
         failure = exc
     # Ranks could see the directory differently (a file system not shared by all): agree first, so
     # that no rank enters DCP's collectives while another has raised.
-    reports = comm.all_gather_object(None if failure is None else repr(failure))
-    if failure is not None:
-        raise failure
-    if any(report is not None for report in reports):
-        bad = {r: text for r, text in enumerate(reports) if text is not None}
-        raise CheckpointError(f"rank {world.rank}: checkpoint {str(path)!r} cannot be loaded on "
-                              f"rank(s) {sorted(bad)}: {bad}")
+    _agree(failure, path, world.rank)
 
     state = _destination(target, template, metadata.state_dict_metadata, names, training, extra)
     storage.read_state(state, directory, metadata, distributed=world.is_distributed)
     # The extra objects first, each undone if one refuses its state (a loader built with another
     # batch size): every rank agrees before the engine itself changes.
-    undo, failure = _restore_extra(extra, training, state, directory)
-    reports = comm.all_gather_object(None if failure is None else repr(failure))
-    if failure is not None or any(report is not None for report in reports):
+    undo, refused = _restore_extra(extra, training, state, directory)
+    try:
+        _agree(refused, path, world.rank)
+    except Exception:
         _undo_extra(undo)
-        if failure is not None:
-            raise failure
-        bad = {r: text for r, text in enumerate(reports) if text is not None}
-        raise CheckpointError(f"rank {world.rank}: checkpoint {str(path)!r} cannot be loaded on "
-                              f"rank(s) {sorted(bad)}: {bad}")
+        raise
     try:
         target.load_sharded_state_dict(_as_sharded_state_dict(template, state, names, training))
     except Exception:
@@ -155,6 +146,18 @@ def _load_once(target: Checkpointable, path: str | os.PathLike[str], *,
     log.info("rank %d: loaded checkpoint %s (step %d, written by %s on %d rank(s))", world.rank,
              directory, info.step_count, info.strategy, info.world_size)
     return info
+
+
+def _agree(failure: Exception | None, path: str | os.PathLike[str], rank: int) -> None:
+    """Raise on every rank if any rank failed: ``failure`` itself where it happened, elsewhere a
+    :class:`CheckpointError` naming the ranks and their errors. Collective."""
+    reports = comm.all_gather_object(None if failure is None else repr(failure))
+    if failure is not None:
+        raise failure
+    if any(report is not None for report in reports):
+        bad = {r: text for r, text in enumerate(reports) if text is not None}
+        raise CheckpointError(f"rank {rank}: checkpoint {str(path)!r} cannot be loaded on "
+                              f"rank(s) {sorted(bad)}: {bad}")
 
 
 def _global_shape(value: Any) -> tuple[int, ...]:

@@ -42,17 +42,29 @@ def check_plain_file(path: Path) -> os.stat_result:
 
 
 def read_plain_file(path: Path, *, limit: int = MAX_JSON_BYTES) -> bytes:
-    """The bytes of ``path`` after :func:`check_plain_file`, refused above ``limit`` bytes.
+    """The bytes of ``path`` if it is a regular file, not a link, of at most ``limit`` bytes;
+    :class:`CheckpointError` naming it otherwise. It is opened without following a link and without
+    blocking, then checked: a file swapped after a check could not slip past it.
 
     Example::
 
         json.loads(read_plain_file(Path("ckpt/dspark.json")))
     """
-    size = check_plain_file(path).st_size
-    if size > limit:
-        raise CheckpointError(f"{str(path)!r} has {size} bytes, more than the {limit} a checkpoint's "
-                              "JSON file may have: the checkpoint is damaged or was crafted")
-    with open(path, "rb") as handle:
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    except OSError:
+        if os.path.islink(path):
+            check_plain_file(path)   # raises, naming the link and its target
+        raise
+    with os.fdopen(fd, "rb") as handle:
+        status = os.fstat(handle.fileno())
+        if not stat.S_ISREG(status.st_mode):
+            raise CheckpointError(f"{str(path)!r} is not a regular file (a FIFO, a device or a "
+                                  "directory): the checkpoint is damaged or was crafted")
+        if status.st_size > limit:
+            raise CheckpointError(f"{str(path)!r} has {status.st_size} bytes, more than the {limit} a "
+                                  "checkpoint's JSON file may have: the checkpoint is damaged or was "
+                                  "crafted")
         data = handle.read(limit + 1)
     if len(data) > limit:
         raise CheckpointError(f"{str(path)!r} grew past {limit} bytes while it was read")

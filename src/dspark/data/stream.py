@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from torch.utils.data import IterableDataset, get_worker_info
+from torch.utils.data._utils import worker as _torch_worker
 
 from dspark.data.order import BatchInfo, check_tail, local_rows, smaller_batch_fix
 
@@ -107,26 +108,16 @@ def _hide_worker_info() -> Any:
     reads the whole stream in every worker, which is what this policy needs (see [Note: iterable
     datasets]). The value lives in ``torch.utils.data._utils.worker``; where a PyTorch keeps it
     elsewhere, nothing is hidden."""
-    module = _torch_worker_module()
-    if module is None or not hasattr(module, "_worker_info"):
+    if not hasattr(_torch_worker, "_worker_info"):
         return None
-    info = module._worker_info
-    module._worker_info = None
+    info = _torch_worker._worker_info
+    _torch_worker._worker_info = None
     return info
 
 
 def _restore_worker_info(info: Any) -> None:
-    module = _torch_worker_module()
-    if info is not None and module is not None:
-        module._worker_info = info
-
-
-def _torch_worker_module() -> Any:
-    try:
-        from torch.utils.data._utils import worker
-    except ImportError:  # pragma: no cover - another PyTorch layout
-        return None
-    return worker
+    if info is not None:
+        _torch_worker._worker_info = info
 
 
 class CollateWithInfo:

@@ -72,16 +72,13 @@ def _leaf_stats(t: torch.Tensor, *, whole: bool) -> torch.Tensor:
         total = t.sum(dtype=torch.float64)
         if t.is_floating_point():  # accumulated in float64 by the kernel, no float64 copy
             squares = torch.linalg.vector_norm(t, dtype=torch.float64).square()
-            if not bool(torch.isfinite(total) & torch.isfinite(squares)):
-                # A NaN or an infinity in the data (a missing value) would make every statistic NaN:
-                # equal to nothing, not even itself, and the same for any two such batches. The
-                # statistics of the data with those values replaced (a copy, only in this case) still
-                # tell batches apart.
-                finite = torch.nan_to_num(t)
-                total = finite.sum(dtype=torch.float64)
-                squares = torch.linalg.vector_norm(finite, dtype=torch.float64).square()
         else:  # integer data (token ids): the sample's squares
             squares = sample.square().sum()
+        # A NaN or an infinity in the data (a missing value) makes the sums NaN or infinite, alike for
+        # any two such batches: they read 0 then (no copy, no host sync), and the sample's
+        # statistics, taken with those values replaced, still tell the batches apart.
+        total, squares = torch.nan_to_num(total, posinf=0.0, neginf=0.0), torch.nan_to_num(
+            squares, posinf=0.0, neginf=0.0)
     weights = torch.arange(1, sample.numel() + 1, dtype=torch.float64, device=sample.device)
     return torch.stack([total, squares, (sample * weights.reciprocal().sqrt()).sum(),
                         sample.abs().max() if sample.numel() else total])
@@ -122,11 +119,11 @@ def identical_ranks(fingerprints: Sequence[torch.Tensor]) -> list[tuple[int, int
     """
     # Compared bit for bit: the same arithmetic on the same values gives the same bits, NaN included
     # (NaN == NaN is False, so a comparison of values would call two copies of a batch different).
-    rows = [fp.detach().cpu().double().numpy().tobytes() for fp in fingerprints]
-    counts = [float(fp[1]) for fp in fingerprints]
+    values = [fp.detach().cpu().double() for fp in fingerprints]
+    rows = [v.numpy().tobytes() for v in values]
     pairs = []
     for a in range(len(rows)):
-        if counts[a] == 0:  # no elements: nothing was received, nothing to compare
+        if values[a][1] == 0:  # no elements: nothing was received, nothing to compare
             continue
         for b in range(a + 1, len(rows)):
             if rows[a] == rows[b]:
