@@ -118,3 +118,30 @@ def test_a_run_shorter_than_the_trace_exits_cleanly_with_what_was_traced(tmp_pat
     assert done.returncode == 0, done.stderr[-2000:]
     assert "training stopped after 3 step(s)" in done.stderr and "2 traced step(s)" in done.stderr, done.stderr
     assert "dspark.forward" in _names(tmp_path / "t" / "rank0.json")
+
+
+def test_the_trace_export_is_not_the_next_steps_data_time(single_process, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Writing the trace happens inside step(); it used to land in the next step's data_ms."""
+    import time
+
+    from dspark.engine.trace import TraceSession
+
+    real_close = TraceSession.close
+
+    def slow_close(self: TraceSession) -> None:
+        real_close(self)
+        time.sleep(0.3)  # a large trace's export
+
+    monkeypatch.setattr(TraceSession, "close", slow_close)
+    engine = dspark.Engine(tm.make("mlp"), optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+                           trace_dir=tmp_path, trace_steps=(0, 1))
+    data_ms = []
+    for step in range(3):
+        x, y = tm.batch("mlp", 8, step)
+        engine.backward(tm.loss_fn("mlp", engine(x), y))
+        engine.step()
+        data_ms.append(engine.step_stats()["data_ms"])
+    engine.close()
+    assert (tmp_path / "rank0.json").exists()
+    assert max(data_ms) < 100, data_ms

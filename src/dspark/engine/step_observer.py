@@ -65,6 +65,7 @@ class _Window:
     waits: list[tuple[int, Any, Any]] = field(default_factory=list)  # (phase, start, end)
     marks: list[Any] = field(default_factory=list)  # every mark taken for this window, once
     end: Any = None
+    resumed: Any = None  # where the next window's data time starts: the end, or after the trace's export
     stats: dict[str, float] | None = None
 
 
@@ -92,7 +93,7 @@ class StepObserver:
             return
         mark = self._clock.stamp()
         if self._window is None:
-            self._window = _Window(start=mark, data_from=self._done[-1].end if self._done else None)
+            self._window = _Window(start=mark, data_from=self._done[-1].resumed if self._done else None)
         self._window.marks.append(mark)
         self._phase, self._phase_start = phase, mark
         self._saved = comm.set_observer(self)
@@ -121,13 +122,16 @@ class StepObserver:
         window.marks.append(mark)
         window.phases.append((phase, self._phase_start, mark))
         if ends_step:
-            window.end = mark
+            window.end = window.resumed = mark
             self._window = None
             self._done.append(window)
             if len(self._done) > 2:
                 self._clock.release(self._done.popleft().marks)
-            if self.trace is not None:
-                self.trace.after_step()
+            if self.trace is not None and self.trace.after_step():
+                # The profiler stepped or wrote its file: engine time, neither this step's nor
+                # loading the next batch's.
+                window.resumed = self._clock.stamp()
+                window.marks.append(window.resumed)
 
     # -- the comm layer's observer -----------------------------------------------------------------
     def launch(self, kind: str, label: str | None, start: Callable[[], T]) -> T:

@@ -168,14 +168,16 @@ class TraceSession:
     def running(self) -> bool:
         return self._profiler is not None
 
-    def after_step(self) -> None:
-        """One engine step ended: advance the profiler's schedule; stop once the trace is written."""
+    def after_step(self) -> bool:
+        """One engine step ended: advance the profiler's schedule; stop once the trace is written.
+        Returns whether the profiler was running (and so took time of its own)."""
         if self._profiler is None:
-            return
+            return False
         self._profiler.step()
         self._steps_left -= 1
         if self._steps_left <= 0:
             self.close()
+        return True
 
     def close(self) -> None:
         """Stop the profiler (idempotent) and turn this session's named ranges off."""
