@@ -14,6 +14,7 @@ from dspark.bench.anomalies import (
     is_batch_replicated,
     memory_above_expected,
     negative_scaling,
+    reduction_scratch_bytes,
     regression,
     replicated_batch,
 )
@@ -156,6 +157,32 @@ def test_activations_above_a_sharded_share() -> None:
     # The replicated batch has its own rule; memory is not flagged twice for it.
     _, bug, _ = seed_results()
     assert memory_above_expected(bug, one) == []
+
+
+def test_a_sample_per_rank_may_peak_with_the_reduction_scratch() -> None:
+    """gpt2-cpu in fp32 at global batch 2 on 2 ranks, as measured (see [Note: activation bytes]):
+    12.2 MB beside 59.5 MB of model state (14.9 MB of it gradients), against 8.7 MB on 1 device.
+    Flagged before; a rank holding the whole batch of 8 (79.6 MB) is still flagged."""
+    parts = {"params": [14_900_000] * 2, "grads": [14_900_000] * 2,
+             "optimizer": [29_700_000] * 2}
+    state = 59_500_000
+
+    def run(devices: int, activations: float, strategy: str = "replicate") -> BenchResult:
+        return make_result(num_devices=devices, strategy=strategy, model_state_parts=parts,
+                           model_state_bytes_per_rank=state,
+                           model_state_bytes_expected_per_rank=state,
+                           peak_bytes_per_rank=state + int(activations * MB))
+
+    assert memory_above_expected(run(2, 12.2), run(1, 8.7)) == []
+    assert reduction_scratch_bytes(run(2, 12.2)) == 14_900_000
+    assert reduction_scratch_bytes(run(1, 8.7)) == 0
+    (found,) = memory_above_expected(run(2, 79.6), run(1, 79.6))
+    assert found["memory"] == "activations"
+    assert memory_above_expected(run(2, 39.4), run(1, 79.6)) == []
+    # zero2 keeps half the gradients between steps, but reduces all of them.
+    half = {**parts, "grads": [7_450_000] * 2}
+    assert reduction_scratch_bytes(make_result(num_devices=2, strategy="zero2",
+                                               model_state_parts=half)) == 14_900_000
 
 
 def test_sharded_parts_held_whole_during_a_step_are_not_activations() -> None:

@@ -3,6 +3,8 @@ foreign hosts, analysis computed when read, argument checks."""
 
 from __future__ import annotations
 
+import errno
+import json
 import socket
 from pathlib import Path
 
@@ -60,7 +62,9 @@ def test_rerun_never_replays_another_hosts_rows(workers: FakeWorkers,
     db = _ledger_with(tmp_path, make_measurement(num_devices=8, host="gpu-box", git_commit="0" * 40,
                                                  config_hash="eight"))
     assert main(["bench", "rerun", "--stale", "--db", db, "--no-progress"]) == 0
-    assert "nothing is stale" in capsys.readouterr().out and workers.calls == []
+    printed = capsys.readouterr().out
+    assert "nothing to rerun: the ledger holds results of gpu-box only" in printed, printed
+    assert "nothing is stale" not in printed and workers.calls == []
 
 
 def test_rerun_measures_the_baseline_beside_a_stale_n_device_result(
@@ -181,3 +185,42 @@ def test_help_names_profile_and_trace(capsys: pytest.CaptureFixture[str]) -> Non
     text = " ".join(capsys.readouterr().out.split())
     assert "--profile" in text and "straggler" in text
     assert "--trace DIR" in text and "DIR/<configuration>/rank<R>.json" in text
+
+
+def test_json_into_a_missing_folder_creates_it(workers: FakeWorkers, tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: the folder was not created, and the write failed after the whole measurement."""
+    db = str(tmp_path / "ledger.sqlite")
+    out = tmp_path / "new" / "deeper" / "run.json"
+    assert main(["bench", "--workloads", "gpt2-cpu", "--devices", "1", "--rounds", "1",
+                 "--no-progress", "--db", db, "--json", str(out)]) == 0
+    assert len(json.loads(out.read_text())) == 1
+    assert main(["bench", "export", "--db", db, "--csv", str(tmp_path / "a" / "b.csv")]) == 0
+    assert (tmp_path / "a" / "b.csv").read_text().count("\n") == 2
+    capsys.readouterr()
+
+
+def test_a_write_failing_after_the_run_is_one_line_and_keeps_the_results(
+        workers: FakeWorkers, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A full disk at the end of a run: the table and the ledger stay, one line says how to write
+    the file again, and the exit code says something failed. Also for export, outside a run."""
+    db = str(tmp_path / "ledger.sqlite")
+    real_write = Path.write_text
+
+    def full_disk(self: Path, *args: object, **kwargs: object) -> int:
+        if self.suffix == ".json":
+            raise OSError(errno.ENOSPC, "No space left on device", str(self))
+        return real_write(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Path, "write_text", full_disk)
+    assert main(["bench", "--workloads", "gpt2-cpu", "--devices", "1", "--rounds", "1",
+                 "--no-progress", "--db", db, "--json", str(tmp_path / "run.json")]) == 1
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err and "No space left on device" in captured.err
+    assert "dspark bench export --run" in captured.err and "recorded in" in captured.out
+    with Ledger(Path(db), create=False) as ledger:
+        assert len(ledger.results()) == 1
+    assert main(["bench", "export", "--db", db, "--json", str(tmp_path / "again.json")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("dspark bench: error: [Errno 28]") and "Traceback" not in err, err

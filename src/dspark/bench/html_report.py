@@ -11,6 +11,7 @@ import html
 from collections.abc import Sequence
 from pathlib import Path
 
+from dspark.bench.anomalies import devices
 from dspark.bench.formatting import (
     BREAKDOWN_COLUMNS,
     BREAKDOWN_NOTE,
@@ -64,7 +65,7 @@ def _breakdown_section(results: Sequence[BenchResult]) -> str:
 
 def _anomaly_list(results: Sequence[BenchResult]) -> str:
     items = [f'<li class="anomaly"><span class="kind">{html.escape(str(a.get("kind")))}</span> '
-             f"[{html.escape(f'{r.workload}, {r.num_devices} devices, {r.strategy}, {r.precision}, batch {r.batch_placement}')}]"
+             f"[{html.escape(f'{r.workload}, {devices(r.num_devices)}, {r.strategy}, {r.precision}, batch {r.batch_placement}')}]"
              f" {html.escape(str(a.get('message', '')))}</li>"
              for r in results for a in r.anomalies]
     return f"<ul>{''.join(items)}</ul>" if items else "<p>No anomalies.</p>"

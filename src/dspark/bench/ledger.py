@@ -172,7 +172,7 @@ class Ledger:
         for index, m in enumerate(items):
             if not isinstance(m, Measurement):
                 raise TypeError(f"measurements[{index}] is a {type(m).__name__}, not a Measurement")
-            what = f"measurements[{index}] ({m.workload}, {m.num_devices} devices)"
+            what = f"measurements[{index}] ({m.workload}, {m.num_devices} device(s))"
             if not m.run_id or not m.config_hash:
                 raise ValueError(f"{what}: run_id={m.run_id!r} and config_hash={m.config_hash!r} "
                                  "must be set; the runner names the invocation and configuration")

@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from dspark.bench.anomalies import devices
 from dspark.bench.compare import Comparison
 from dspark.bench.formatting import (
     BREAKDOWN_COLUMNS,
@@ -128,7 +129,7 @@ def render_seed_table(results: Sequence[BenchResult], console: Console | None = 
         {r.num_devices for r in results
          if (r.workload, r.strategy, r.precision, r.global_batch) == group and r.num_devices > 1})]
     sizes = sorted({n for _, n in rows})
-    n_label = f"{sizes[0]} devices" if len(sizes) == 1 else "N devices"
+    n_label = devices(sizes[0]) if len(sizes) == 1 else "N devices"
     show_devices = len(sizes) != 1  # one N: it is in the headers already
     # What all rows share goes in the title; what differs qualifies each row's name.
     words = [(f"{group[1]} strategy", group[2], f"global batch {group[3]}") for group in groups]
@@ -153,7 +154,7 @@ def render_seed_table(results: Sequence[BenchResult], console: Console | None = 
             cells[1] += f" ({format_ratio(bug.speedup)})"
         ratio = format_speedup(fixed) if fixed else "-"
         table.add_row(name, *([str(num_devices)] if show_devices else []), *cells, ratio)
-        prefix = f"{name}, {num_devices} devices"
+        prefix = f"{name}, {devices(num_devices)}"
         verdicts += [_verdict_line(f"{prefix}, replicated batch", bug),
                      _verdict_line(f"{prefix}, sharded", fixed)]
     console.print(table)

@@ -16,8 +16,9 @@ import argparse
 import csv
 import dataclasses
 import json
+import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +73,8 @@ _non_negative = _at_least(0)
 
 def _add_db(parser: argparse.ArgumentParser, *, default: Any) -> None:
     parser.add_argument("--db", type=Path, default=default, metavar="PATH",
-                        help="the ledger (SQLite); default: $DSPARK_LEDGER or "
+                        help="the ledger (SQLite); default: $DSPARK_LEDGER, else "
+                             "$XDG_DATA_HOME/dspark/ledger.sqlite, else "
                              "~/.local/share/dspark/ledger.sqlite")
 
 
@@ -127,7 +129,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
                              "torch-fsdp2, or the DeepSpeed peers deepspeed-zero1, "
                              "deepspeed-zero2, deepspeed-zero3 (make peers)")
     parser.add_argument("--precision", help="fp32, fp16 or bf16 (default: the workload's)")
-    parser.add_argument("--global-batch", type=_non_negative, metavar="N",
+    parser.add_argument("--global-batch", type=_at_least(1), metavar="N",
                         help="samples per step across all devices")
     parser.add_argument("--warmup", type=_non_negative, metavar="N", help="warm-up steps (discarded)")
     parser.add_argument("--steps", type=_at_least(1), metavar="N", help="timed steps per round")
@@ -196,9 +198,34 @@ def _check_outputs(args: argparse.Namespace) -> None:
             raise ValueError(f"{option} {str(path)!r} is a file; give a directory (it is created if needed)")
         if not is_dir and path.is_dir():
             raise ValueError(f"{option} {str(path)!r} is a directory; give a file path")
-        above = next((p for p in path.parents if p.exists()), None)
+        above = next((p for p in (path if is_dir else path.parent, *path.parents)
+                      if p.exists()), None)
         if above is not None and not above.is_dir():
             raise ValueError(f"{option} {str(path)!r}: {str(above)!r} is a file, not a directory")
+        if above is not None and not os.access(above, os.W_OK | os.X_OK):
+            raise PermissionError(f"{option} {str(path)!r}: {str(above)!r} is not writable")
+
+
+def _write_json(path: Path, rows: object) -> None:
+    """Write ``rows`` as JSON to ``path``, creating its folder as ``--report`` and ``--trace`` do."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(rows, indent=2))
+
+
+def _write_after_run(what: str, write: Callable[[], str], out: Console, err: Console,
+                     run_id: str) -> bool:
+    """Run one of a finished run's writes and print what it wrote. An OS error (a full disk, a
+    folder taken away during the run) is one line naming the path and how to write it again from
+    the ledger, not a traceback under the table printed above it. Returns whether it was written."""
+    try:
+        out.print(write(), highlight=False)
+    except OSError as exc:
+        again = {"--json": f"dspark bench export --run {run_id} --json PATH",
+                 "--report": f"dspark bench report --run {run_id} --report DIR"}[what]
+        err.print(f"[bold red]error[/]: {what}: {exc}; the results are in the ledger, write them "
+                  f"again with `{again}`", highlight=False)
+        return False
+    return True
 
 
 def _run_and_show(configs: Sequence[Any], args: argparse.Namespace, *, seed_table: bool) -> int:
@@ -227,18 +254,23 @@ def _run_and_show(configs: Sequence[Any], args: argparse.Namespace, *, seed_tabl
             render_seed_table(results, out, messages=False)  # the results table gave them
     if args.trace is not None:
         _print_traces(results, args.trace, out)
+    written = True
     if args.json is not None:
-        args.json.write_text(json.dumps([r.to_dict() for r in results], indent=2))
-        out.print(f"wrote {len(results)} results to {args.json}")
+        def json_out() -> str:
+            _write_json(args.json, [r.to_dict() for r in results])
+            return f"wrote {len(results)} results to {args.json}"
+        written &= _write_after_run("--json", json_out, out, err, run_id)
     if args.report is not None and results:
-        out.print(f"wrote the report to {write_html_report(results, args.report)}")
+        written &= _write_after_run(
+            "--report", lambda: f"wrote the report to {write_html_report(results, args.report)}",
+            out, err, run_id)
     out.print(f"run {run_id}: {len(results)} configurations measured in {args.rounds} round(s) "
               f"in {wall_s:.0f} s, recorded in {db}")
     # Each failure's error output was logged when it happened; this is the summary.
     for failure in failures:
         err.print(f"[bold red]FAILED[/] {_describe(failure.config)} (exit code {failure.exit_code}): "
                   "the failed round recorded nothing", highlight=False)
-    return EXIT_FAILED if failures else 0
+    return EXIT_FAILED if failures or not written else 0
 
 
 def _print_traces(results: Sequence[Any], trace_root: Path, out: Console) -> None:
@@ -289,8 +321,16 @@ def _rerun(args: argparse.Namespace) -> int:
     with Ledger(_db_path(args), create=False) as ledger:
         stale = ledger.stale(commit, host=host, current_dirty=dirty)
         known = ledger.latest_by_key(host=host)
+        others = sorted({r.host for r in ledger.latest_by_key().values()} - {host})
     out = _console()
     code = f"{commit[:12]}{' with uncommitted changes' if dirty else ''}"
+    if not known:
+        # "Nothing is stale" would read as "everything is current" for a ledger of other machines.
+        held = f"results of {', '.join(others)} only" if others else "no results"
+        out.print(f"nothing to rerun: the ledger holds {held}, none measured on {host}; rerun "
+                  "replays this machine's own configurations (run a suite first: dspark bench)",
+                  highlight=False)
+        return 0
     if not stale:
         out.print(f"nothing is stale: every configuration {host} measured has its latest result "
                   f"at {code}", highlight=False)
@@ -376,10 +416,11 @@ def _export(args: argparse.Namespace) -> int:
                            history=ledger)
     rows = [r.to_dict() for r in results]
     if args.json is not None:
-        args.json.write_text(json.dumps(rows, indent=2))
+        _write_json(args.json, rows)
         path = args.json
     else:
         names = list(BenchResult.__dataclass_fields__)
+        args.csv.parent.mkdir(parents=True, exist_ok=True)
         with open(args.csv, "w", newline="") as handle:
             writer = csv.DictWriter(handle, fieldnames=names)
             writer.writeheader()

@@ -12,7 +12,9 @@ The CLI is thin: it parses, then calls the library. Each subcommand lives in its
 ``args.func(args)``. Bad input is reported here, once, for every subcommand: a handler (or the
 library below it) raises ``ValueError`` / ``TypeError`` / ``FileNotFoundError`` (DSpark's own
 errors subclass these), and the user sees one line on stderr and exit code 2, no traceback.
-Usage errors from argparse get the same treatment. Anything else is a bug and keeps its traceback.
+Usage errors from argparse get the same treatment. Any other ``OSError`` (a full disk, an I/O
+error) is one line and exit code 1. Anything else is a bug and keeps its traceback (``-vv`` logs
+the traceback of the others too).
 
 Exit codes: 0 success, 1 the command ran and found a failure (``check`` findings, a failed
 job), 2 bad input, 130 interrupted; ``run`` returns the launcher's own code.
@@ -46,6 +48,7 @@ COMMAND_MODULES = (
 
 _log = logging.getLogger(__name__)
 
+EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 
@@ -103,6 +106,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         _log.debug("bad input", exc_info=True)  # the traceback, for `dspark -vv ...`
         print(message.replace("\n", " "), file=sys.stderr)
         return EXIT_USAGE
+    except OSError as exc:  # the system refused (a full disk, an I/O error): not a DSpark bug
+        _log.debug("system error", exc_info=True)
+        print(f"{command}: error: {exc}".replace("\n", " "), file=sys.stderr)
+        return EXIT_FAILED
     except KeyboardInterrupt:
         print("dspark: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
