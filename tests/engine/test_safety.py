@@ -139,6 +139,48 @@ def test_zero3_explains_a_parameter_used_outside_its_block(pool) -> None:
         assert "blocks.0.weight" in message and "strategy='zero2'" in message
 
 
+class _HeadOnTheRoot(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(4, 4), nn.ReLU()) for _ in range(2)])
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _direct_calls() -> dict[str, str]:
+    """After a step, the user's code calls submodules itself (an eval helper, a probe): a unit
+    gathers its parameters; a module inside a unit, or the root's own, refuses by name."""
+    engine = dspark.Engine(_HeadOnTheRoot(), optimizer=ADAMW, strategy="zero3")
+    engine.backward(engine(torch.randn(2, 4)).square().mean())
+    engine.step()
+    found = {"unit": str(tuple(engine.module.blocks[0](torch.randn(2, 4)).shape))}
+    for what, call in (("head", lambda: engine.module.head(torch.randn(2, 4))),
+                       ("inside", lambda: engine.module.blocks[1][0](torch.randn(2, 4)))):
+        try:
+            call()
+            found[what] = "no error"
+        except RuntimeError as exc:
+            found[what] = str(exc)
+    found["again"] = str(tuple(engine(torch.randn(2, 4)).shape))  # the engine still runs
+    engine.close()
+    return found
+
+
+def test_zero3_names_a_submodule_called_with_its_parameters_freed(pool) -> None:
+    for found in pool.run(_direct_calls):
+        assert found["unit"] == "(2, 4)" and found["again"] == "(2, 3)", found
+        assert found["head"].startswith("zero3: engine.module.head was called while its "
+                                        "parameters are freed (head.weight"), found["head"]
+        assert "the root unit, whole only while engine(...) runs" in found["head"]
+        assert "strategy='zero2'" in found["head"] and "mat2" not in found["head"]
+        assert found["inside"].startswith("zero3: engine.module.blocks.1.0 was called"), found
+        assert "the unit engine.module.blocks.1, whole only while its forward runs" in found["inside"]
+
+
 def _regulariser_over_all_parameters() -> dict[str, object]:
     """A loss term over every parameter, computed after the forward returned: under zero3 the
     parameters are empty there. Then a plain step, to see the engine recover."""

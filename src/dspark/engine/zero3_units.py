@@ -203,6 +203,25 @@ def unit_modules(root: nn.Module, policy: UnitPolicy = None, *,
     return unique
 
 
+def _refuse_freed_call(name: str, slots: list[ParamSlot], unit: _Unit) -> Callable[..., None]:
+    """A forward pre-hook for a module that is not a unit but holds parameters: called while its
+    unit is not running (``engine.module.head(h)`` in the user's code, outside ``engine(x)``), its
+    parameters are freed, and PyTorch's error would be a bare shape mismatch."""
+    def hook(module: nn.Module, args: Any) -> None:
+        for slot in slots:
+            if not slot.gathered:
+                owner = (f"the unit engine.module.{unit.name}, whole only while its forward runs"
+                         if unit.name else "the root unit, whole only while engine(...) runs")
+                raise RuntimeError(
+                    f"zero3: engine.module.{name} was called while its parameters are freed "
+                    f"({slot.name} holds this rank's rows only); they belong to {owner}. Call it "
+                    f"from the model's forward, through engine(...); or make it a unit of its own "
+                    f"(zero3_units=, e.g. a predicate that also returns True for {name!r}), so that "
+                    "calling it gathers its parameters, a collective every rank must join; for its "
+                    "weights, engine.full_state_dict(); or train with strategy='zero2'")
+    return hook
+
+
 class _AfterUnitBackward(torch.autograd.Function):
     """Identity on a unit's inputs whose backward runs once the unit's backward is done."""
 
@@ -246,6 +265,17 @@ class Zero3Scheduler:
             self._handles.append(unit.module.register_forward_pre_hook(
                 self._pre_forward_hook(unit), with_kwargs=True))
             self._handles.append(unit.module.register_forward_hook(self._post_forward_hook(unit)))
+        owner = {}
+        for unit in self.units:
+            for slot in unit.slots:
+                owner.setdefault(id(slot), unit)
+        for name, module in root.named_modules():
+            if id(module) in unit_ids:
+                continue  # a unit gathers its own parameters when it is called
+            own = [by_param[id(p)] for p in module.parameters(recurse=False) if id(p) in by_param]
+            if own:
+                self._handles.append(module.register_forward_pre_hook(
+                    _refuse_freed_call(name, own, owner[id(own[0])])))
 
     @staticmethod
     def _owned_params(module: nn.Module, unit_ids: set[int]) -> list[nn.Parameter]:
