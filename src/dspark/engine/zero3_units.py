@@ -265,7 +265,7 @@ class Zero3Scheduler:
             self._handles.append(unit.module.register_forward_pre_hook(
                 self._pre_forward_hook(unit), with_kwargs=True))
             self._handles.append(unit.module.register_forward_hook(self._post_forward_hook(unit)))
-        owner = {}
+        owner: dict[int, _Unit] = {}
         for unit in self.units:
             for slot in unit.slots:
                 owner.setdefault(id(slot), unit)
