@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 
 from dspark.bench import runner
 from dspark.bench.ledger import Ledger
@@ -64,11 +65,15 @@ def test_a_crash_mid_suite_keeps_the_finished_measurements(monkeypatch: pytest.M
     # Before: results were written only after the whole suite, so this lost everything.
     workers = FakeWorkers(crash_at=3)
     monkeypatch.setattr(runner, "run_in_workers", workers)
+    console = Console(record=True, width=200)
     with pytest.raises(KeyboardInterrupt):
-        run_suite([ONE, TWO], db=tmp_path / "l.sqlite", rounds=3, progress=False, run_id="r1")
+        run_suite([ONE, TWO], db=tmp_path / "l.sqlite", rounds=3, progress=False, run_id="r1",
+                  console=console)
     with Ledger(tmp_path / "l.sqlite") as ledger:
         kept = ledger.measurements()
     assert [(m.num_devices, m.round_index) for m in kept] == [(1, 0), (2, 0), (2, 1)]
+    # and the user is told the run is cut short, not left to read it as a whole one later
+    assert "interrupted: run r1 recorded 3 of its 6 planned launches" in console.export_text()
 
 
 def test_a_failure_is_reported_not_relaunched_and_the_rest_is_recorded(

@@ -221,26 +221,37 @@ def run_suite(configs: Sequence[BenchConfig], *, db: Ledger | str | Path,
     probed: set[BenchConfig] = set()
     with _open_ledger(db) as ledger, _progress_bar(progress, console) as bar:
         task = bar.add_task("starting", total=len(plan), left="")
-        for index, (round_index, config) in enumerate(plan):
-            label = f"{describe_config(config)}, round {round_index + 1}/{rounds}"
-            bar.update(task, description=f"[bold]{label}[/bold]", left=f"{len(plan) - index - 1} left")
-            if config in failed:
+        try:
+            for index, (round_index, config) in enumerate(plan):
+                label = f"{describe_config(config)}, round {round_index + 1}/{rounds}"
+                bar.update(task, description=f"[bold]{label}[/bold]",
+                           left=f"{len(plan) - index - 1} left")
+                if config in failed:
+                    bar.advance(task)
+                    continue
+                _log.info("run %s: measuring %s", run_id, label)
+                first = config not in probed
+                outcome = run_in_workers(
+                    config, round_index=round_index, probe=first, profile=profile,
+                    trace_dir=trace_dir_of(config, trace_root) if first and trace_root is not None
+                    else None)
+                if isinstance(outcome, RunFailure):
+                    _log.error("%s failed (exit code %d); the end of its error output:\n%s",
+                               label, outcome.exit_code, outcome.stderr_tail)
+                    failed[config] = outcome
+                else:
+                    ledger.append(dataclasses.replace(outcome, run_id=run_id))
+                    probed.add(config)
                 bar.advance(task)
-                continue
-            _log.info("run %s: measuring %s", run_id, label)
-            first = config not in probed
-            outcome = run_in_workers(
-                config, round_index=round_index, probe=first, profile=profile,
-                trace_dir=trace_dir_of(config, trace_root) if first and trace_root is not None
-                else None)
-            if isinstance(outcome, RunFailure):
-                _log.error("%s failed (exit code %d); the end of its error output:\n%s",
-                           label, outcome.exit_code, outcome.stderr_tail)
-                failed[config] = outcome
-            else:
-                ledger.append(dataclasses.replace(outcome, run_id=run_id))
-                probed.add(config)
-            bar.advance(task)
+        except KeyboardInterrupt:
+            # What was measured is in the ledger already; say how much, so that a cut-short run
+            # is not later read as a whole one.
+            bar.stop()
+            (console or Console(stderr=True)).print(
+                f"interrupted: run {run_id} recorded {len(ledger.measurements(run_id=run_id))} of "
+                f"its {len(plan)} planned launches in {db}; a result's rounds column counts the "
+                "rounds it holds (dspark bench list)", highlight=False)
+            raise
         bar.update(task, description=f"done: {len(probed)} measured, {len(failed)} failed", left="")
         results = annotate(ledger.results(run_id=run_id), history=ledger)
     if failures is not None:
