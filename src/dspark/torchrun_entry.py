@@ -16,6 +16,13 @@ the signal to its workers, waits for them, and exits with the signal, so the job
 when every worker saved its checkpoint and exited 0 (what ``dspark run`` promises for a handled
 SIGTERM). This module keeps the workers' exit codes as torchrun closes them and, after a SIGTERM,
 exits 0 when all of them did; any other outcome is torchrun's own.
+
+[Note: a failed worker] When a worker fails (after any restarts), torchrun raises
+``ChildFailedError`` out of ``run``: its traceback (torchrun's own frames) and a block without the
+worker's error came last on the screen, under the worker's own traceback, and the job exited 1
+whatever the worker's exit code was. This module prints one line instead, naming the rank, its
+exit code or signal and the ranks that failed with it, and exits with the first failed worker's
+code (128 + N for a worker killed by signal N, as a shell reports it).
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ import signal
 import sys
 from typing import Any
 
-__all__ = ["main", "split_argv"]
+__all__ = ["describe_failure", "main", "split_argv"]
 
 _log = logging.getLogger(__name__)
 _closed_exit_codes: dict[int, int | None] = {}
@@ -70,6 +77,32 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
     return argv[1:1 + count], argv[1 + count:]
 
 
+def describe_failure(exc: Any) -> tuple[str, int]:
+    """``(one line for the user, exit code)`` of torchrun's ``ChildFailedError`` (see [Note: a
+    failed worker]).
+
+    Example::
+
+        describe_failure(exc)
+        # ("dspark run: train.py failed: rank 1 (local rank 1, pid 6251) exited with code 1; ...", 1)
+    """
+    def how(exitcode: int) -> str:
+        if exitcode >= 0:
+            return f"exited with code {exitcode}"
+        try:
+            return f"was killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"was killed by signal {-exitcode}"
+
+    rank, first = exc.get_first_failure()
+    code = 128 - first.exitcode if first.exitcode < 0 else first.exitcode or 1
+    others = "".join(f"; rank {r} {how(f.exitcode)}" for r, f in sorted(exc.failures.items())
+                     if r != rank)
+    return (f"dspark run: {exc.name} failed: rank {rank} (local rank {first.local_rank}, pid "
+            f"{first.pid}) {how(first.exitcode)}, the first to fail{others}; its error output is "
+            "above", code)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run torchrun on ``argv`` (see :func:`split_argv`), as ``python -m torch.distributed.run``."""
     from torch.distributed.elastic.multiprocessing.errors import record
@@ -82,10 +115,15 @@ def main(argv: list[str] | None = None) -> None:
                          f"{args.training_script_args} after it")
     args.training_script_args = script_args
     from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     watching = _remember_exit_codes()
     try:
         record(run)(args)
+    except ChildFailedError as exc:
+        line, code = describe_failure(exc)
+        print(line, file=sys.stderr, flush=True)
+        sys.exit(code)
     except SignalException as exc:
         codes = list(_closed_exit_codes.values())
         if watching and exc.sigval == signal.SIGTERM and codes and all(c == 0 for c in codes):

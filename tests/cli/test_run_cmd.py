@@ -142,7 +142,35 @@ def test_launch_runs_a_module_target_with_its_arguments_and_omp_threads(tmp_path
     done = launch(spec, env=env, capture=True)
     assert done.returncode == 0, done.stderr[-3000:]
     assert sorted(done.stdout.split("\n")[:2]) == ["0 2 1 --strategy zero2 -m", "1 2 1 --strategy zero2 -m"]
-    # a failing worker: the launcher's nonzero exit code comes back, and this process survives it
-    assert launch(LaunchSpec(target="probe_pkg.probe", module=True, nproc=1),
-                  env={**env, "PROBE_EXIT": "3"}, capture=True).returncode != 0
+    # a failing worker: its exit code comes back, with one line naming it, and this process
+    # survives it (before: exit code 1 and torchrun's own traceback last on the screen)
+    failed = launch(LaunchSpec(target="probe_pkg.probe", module=True, nproc=1),
+                    env={**env, "PROBE_EXIT": "3"}, capture=True)
+    assert failed.returncode == 3, failed.stderr[-3000:]
+    assert ("dspark run: probe_pkg.probe failed: rank 0 (local rank 0, pid "
+            in failed.stderr), failed.stderr[-3000:]
+    assert ") exited with code 3, the first to fail; its error output is above" in failed.stderr
+    assert "Traceback" not in failed.stderr and "ChildFailedError" not in failed.stderr
     assert dspark.__version__  # still here
+
+
+@pytest.mark.slow
+def test_a_worker_killed_or_raising_on_one_rank_is_named(tmp_path: Path) -> None:
+    script = tmp_path / "one_rank.py"
+    script.write_text("import os, signal, sys\n"
+                      "rank = int(os.environ['RANK'])\n"
+                      "if rank == 1 and sys.argv[1] == 'raise':\n"
+                      "    raise ValueError('bad thing on rank 1')\n"
+                      "if rank == 0 and sys.argv[1] == 'kill':\n"
+                      "    os.kill(os.getpid(), signal.SIGKILL)\n"
+                      "import time; time.sleep(0 if sys.argv[1] == 'raise' else 30)\n")
+    raised = launch(LaunchSpec(target=str(script), nproc=2, args=("raise",)), capture=True)
+    assert raised.returncode == 1, raised.stderr[-3000:]
+    assert "ValueError: bad thing on rank 1" in raised.stderr
+    last = raised.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"dspark run: {script} failed: rank 1 (local rank 1"), last
+    killed = launch(LaunchSpec(target=str(script), nproc=2, args=("kill",)), capture=True)
+    assert killed.returncode == 128 + 9, killed.stderr[-3000:]
+    last = killed.stderr.strip().splitlines()[-1]
+    assert "rank 0 (local rank 0" in last and "was killed by SIGKILL, the first to fail" in last
+    assert "; rank 1 was killed by SIGTERM" in last, last  # stopped by the launcher

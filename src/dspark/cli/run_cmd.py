@@ -38,9 +38,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
                     "(torch.distributed.run), with OMP_NUM_THREADS=1 per worker unless set and, on "
                     "one node, a rendezvous on 127.0.0.1 at a free port. SIGTERM, SIGINT and SIGHUP "
                     "are passed on to the workers; after --grace-period the whole process tree is "
-                    "killed. Returns the launcher's exit code: 0 when every worker exited 0, "
-                    "also after a SIGTERM they handled; otherwise the signal ends dspark run too "
-                    "(130 after Ctrl-C).")
+                    "killed. Exit code: 0 when every worker exited 0, also after a SIGTERM they "
+                    "handled; a failed worker's own (128 + N if signal N killed it), with one line "
+                    "naming the rank; otherwise the signal ends dspark run too (130 after Ctrl-C).")
     parser.add_argument("--nproc", "--nproc-per-node", dest="nproc", type=int, default=None,
                         help="worker processes on this node (one device each: a GPU or a CPU core); "
                              "required outside Slurm, else SLURM_GPUS_ON_NODE or SLURM_NTASKS_PER_NODE")
