@@ -77,3 +77,38 @@ def test_the_engine_steps_adamw_fused_and_matches_the_loop(single_process) -> No
     for (name, got), want in zip(engine.module.state_dict().items(), reference.state_dict().values(), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7, msg=name)
     engine.close()
+
+
+class _LateBranch(nn.Module):
+    """``b`` gets its first gradient at step 1: a branch skipped at first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, step: int) -> torch.Tensor:
+        return self.b(self.a(x)) if step > 0 else self.a(x)
+
+
+def test_sgd_with_momentum_keeps_the_loop_for_momentum_that_starts_late(single_process) -> None:
+    """Before: the fused SGD kernel failed at step 1 with a bare TypeError from torch."""
+    assert prefer_fused_kernel(torch.optim.SGD(_params(), lr=0.1))  # without momentum: fused
+    assert not prefer_fused_kernel(torch.optim.SGD(_params(), lr=0.1, momentum=0.9))
+    torch.manual_seed(0)
+    model = _LateBranch()
+    reference = _LateBranch()
+    reference.load_state_dict(model.state_dict())
+    sgd = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9, weight_decay=0.01)
+    engine = dspark.Engine(model, optimizer=sgd)
+    ref_opt = sgd(reference.parameters())
+    for step in range(4):
+        x = torch.randn(6, 4, generator=torch.Generator().manual_seed(step))
+        engine.backward(engine(x, step).square().mean())
+        engine.step()
+        ref_opt.zero_grad()
+        reference(x, step).square().mean().backward()
+        ref_opt.step()
+    for (name, got), want in zip(engine.module.state_dict().items(), reference.state_dict().values(),
+                                 strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7, msg=name)
+    engine.close()

@@ -10,6 +10,11 @@ the fused kernel always applies. It is turned on only where every parameter grou
 ``fused`` and ``foreach`` unset (``None``): ``optimizer=functools.partial(torch.optim.AdamW,
 fused=False)`` (or ``foreach=...``) keeps the user's choice. Results differ from the loop by rounding
 only (the parity tests compare against the loop at 1e-5).
+
+SGD with momentum keeps the loop: PyTorch's fused SGD fails (``TypeError: expected Tensor as
+element 1 in argument 2, but got NoneType``, torch 2.13) when some parameters have a momentum
+buffer and others not yet, i.e. whenever a parameter gets its first gradient after the first
+step (a branch skipped at first, a head trained later); the loop and ``foreach`` handle it.
 """
 
 from __future__ import annotations
@@ -29,8 +34,9 @@ _FUSED_DTYPES = (torch.float32,)
 
 def prefer_fused_kernel(optimizer: torch.optim.Optimizer) -> bool:
     """Turn on ``fused=True`` in every parameter group of ``optimizer`` when it is exactly one of
-    Adam, AdamW or SGD, no group chose ``fused`` or ``foreach``, none is ``differentiable``, and every
-    parameter is a dense fp32 tensor on a device with fused kernels. Returns whether it did."""
+    Adam, AdamW or SGD (without momentum), no group chose ``fused`` or ``foreach``, none is
+    ``differentiable``, and every parameter is a dense fp32 tensor on a device with fused kernels.
+    Returns whether it did."""
     if type(optimizer) not in _FUSED_CAPABLE:
         return False
     supported = set(_get_fused_kernels_supported_devices())
@@ -39,6 +45,8 @@ def prefer_fused_kernel(optimizer: torch.optim.Optimizer) -> bool:
             return False
         if group.get("differentiable", False):
             return False
+        if isinstance(optimizer, torch.optim.SGD) and group.get("momentum", 0):
+            return False  # see the module note: momentum buffers that start late
         for param in group["params"]:
             if (param.is_sparse or param.dtype not in _FUSED_DTYPES
                     or param.device.type not in supported):
