@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any
 
 import pytest
@@ -112,3 +113,20 @@ def test_sgd_with_momentum_keeps_the_loop_for_momentum_that_starts_late(single_p
                                  strict=True):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7, msg=name)
     engine.close()
+
+
+def test_a_param_groups_option_the_optimizer_lacks_is_named(single_process) -> None:
+    """{"lrr": 0.1} was kept in its group and read by nobody, without a word; known options and
+    the user's own keys on groups are still accepted (a warning, not an error)."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    adamw = functools.partial(torch.optim.AdamW, lr=1e-2)
+    with pytest.warns(UserWarning, match=r"param_groups gave 'lrr' to 0\.bias, 1\.bias, which "
+                                         r"AdamW has no option for \(its options: .*weight_decay"):
+        engine = dspark.Engine(model, optimizer=adamw,
+                               param_groups=lambda n, p: {"lrr": 0.1} if p.ndim < 2 else None)
+    assert [g.get("lrr") for g in engine.optimizer.param_groups] == [None, 0.1]
+    engine.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dspark.Engine(nn.Linear(4, 2), optimizer=adamw,
+                      param_groups=lambda n, p: {"weight_decay": 0.0} if p.ndim < 2 else {}).close()

@@ -23,6 +23,7 @@ import logging
 import math
 import os
 import re
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -312,6 +313,8 @@ class Engine:
                 f"{self.strategy.name!r}, this rank's rows of each parameter). Pass "
                 f"functools.partial(torch.optim.AdamW, lr=...), or lambda params: "
                 f"torch.optim.AdamW(params, ...), not one that reads model.parameters()")
+        if groups is not None and self.world.rank == 0:
+            _warn_unknown_group_options(built, groups, self.slots)
         if prefer_fused_kernel(built):
             log.debug("rank %d: %s steps with its fused kernel", self.world.rank, type(built).__name__)
         return built
@@ -1061,6 +1064,24 @@ def _first_difference(what: str, everyone: list[dict[str, Any]], rank: int, fix:
             if a != b:
                 raise ValueError(f"rank {rank}: {what} differ between ranks: {key}={a!r} on rank 0 but "
                                  f"{b!r} on rank {other}. {fix}")
+
+
+def _warn_unknown_group_options(optimizer: torch.optim.Optimizer,
+                                groups: list[tuple[dict[str, Any], list[int]]],
+                                slots: list[ParamSlot]) -> None:
+    """A ``param_groups`` override the optimizer has no option for (``{"lrr": 0.1}``) is kept in
+    its group and read by nobody, as PyTorch does; a typo there silently trains with the default,
+    so it is named once (a key of the user's own, read by their scheduler, is still allowed)."""
+    known = set(optimizer.defaults)
+    for overrides, indices in groups:
+        unknown = sorted(k for k in overrides if k not in known)
+        if unknown:
+            names = [slots[i].name for i in indices[:3]]
+            warnings.warn(
+                f"param_groups gave {', '.join(map(repr, unknown))} to {', '.join(names)}"
+                f"{' ...' if len(indices) > 3 else ''}, which {type(optimizer).__name__} has no "
+                f"option for (its options: {', '.join(sorted(known))}); the value is kept in the "
+                "group but the optimizer does not read it. A typo?", stacklevel=4)
 
 
 def _check_same_optimizer_on_every_rank(optimizer: torch.optim.Optimizer, rank: int) -> None:
