@@ -375,10 +375,14 @@ class Zero3Scheduler:
             f"rank {me}: under zero3 the ranks gathered different parameters in one all-gather: this "
             f"rank gathered {self._describe(mine)}, rank {other} {self._describe(tags[other])}. Each "
             "zero3 forward and backward gathers parameters together with every rank, so every rank "
-            "must run the same forwards in the same order: evaluate on every rank (each on its own "
-            "share of the data), not on rank 0 alone; generate the same number of tokens on every "
-            "rank; for an evaluation on one rank, load engine.full_state_dict() into a plain copy of "
-            "the model, or train with strategy='zero2'.")
+            "must run the same units in the same order. In training, a unit that runs on some ranks "
+            "only (an early exit, LayerDrop, expert routing that skips a block on one rank): make "
+            "the choice the same on every rank (seed it alike), or run the skipped unit with a zero "
+            "contribution (e.g. on an empty batch, or multiplied by 0). In evaluation: evaluate on "
+            "every rank (each on its own share of the data), not on rank 0 alone; generate the same "
+            "number of tokens on every rank; for an evaluation on one rank, load "
+            "engine.full_state_dict() into a plain copy of the model. Or train with "
+            "strategy='zero2', which runs such models as one process does.")
 
     def _describe(self, tag: int) -> str:
         phase, first, last = tag >> 48, (tag >> 24) & 0xFFFFFF, tag & 0xFFFFFF
