@@ -10,7 +10,7 @@ What DSpark adds is the defaults a small job wants, and a clean stop:
   N workers each spawning N OpenMP threads would oversubscribe the machine;
 * a module target (``module=True``) runs ``python -m NAME`` in every worker, which is how the
   benchmark runner starts ``dspark.bench.worker``;
-* SIGTERM, SIGINT and SIGHUP are passed on to the workers, which get ``grace_period_s`` to save and
+* SIGTERM, SIGINT and SIGHUP reach the workers as SIGTERM, and they get ``grace_period_s`` to save and
   exit (see :func:`dspark.preemption_requested`), then the whole process tree is killed; nothing
   is left running ([Note: stopping a job] in :mod:`dspark.supervisor`). Workers that exit 0 make
   the job succeed; otherwise the signal then reaches the caller too.

@@ -5,10 +5,12 @@ torchrun's process group never reaches the workers, and a torchrun that dies lea
 ``dspark run`` therefore starts torchrun in a new session and, while it runs, keeps a list of every
 process below it (pid and start time, from ``/proc``). On SIGTERM, SIGINT or SIGHUP it:
 
-1. sends the same signal to each worker (torchrun's children, not their process groups: a worker's
-   DataLoader processes are its own business), so a loop polling
-   :func:`dspark.preemption_requested` saves and exits 0; torchrun then sees its workers succeed
-   and exits 0, and so does ``dspark run``;
+1. sends SIGTERM to each worker (torchrun's children, not their process groups: a worker's
+   DataLoader processes are its own business), whichever of the three it got: each is a request
+   to stop, and :func:`dspark.preemption_requested` watches SIGTERM, so a loop polling it saves
+   and exits 0 after Ctrl-C or a hang-up too (a SIGINT passed on as it came raised
+   KeyboardInterrupt inside the step, a SIGHUP killed the worker, both unsaved); torchrun then sees
+   its workers succeed and exits 0, and so does ``dspark run``;
 2. if torchrun starts new workers (a restart after a worker died of the signal), or stays up
    :data:`SETTLE_S` seconds after its workers are gone, sends the signal to torchrun too, which
    stops its workers itself;
@@ -42,6 +44,8 @@ __all__ = ["DEFAULT_GRACE_S", "DUPLICATE_S", "SETTLE_S", "STOP_SIGNALS", "Superv
 _log = logging.getLogger(__name__)
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+_PASSED_ON = signal.SIGTERM
+"""What the job's processes get for any of :data:`STOP_SIGNALS` (see [Note: stopping a job])."""
 DEFAULT_GRACE_S = 30.0
 """How long workers get to save and exit after a stop signal: what Slurm and Kubernetes give."""
 SETTLE_S = 5.0
@@ -186,7 +190,7 @@ class _Supervisor:
         workers = children(self.child.pid)
         restarted = [w for w in workers if (w.pid, w.start_ticks) not in self.signalled]
         if restarted:  # torchrun replaced workers that died: it must stop, not carry on
-            self._tell_workers(restarted, self.stop_signal)
+            self._tell_workers(restarted, _PASSED_ON)
             self._tell_launcher("it restarted its workers")
         if workers:
             self.idle_since = None
@@ -202,7 +206,7 @@ class _Supervisor:
             _log.warning("got %s: passing it to the worker, %.0f s to stop", signal.Signals(signum).name,
                          self.grace_s)
             try:
-                self.child.send_signal(signum)
+                self.child.send_signal(_PASSED_ON)
             except ProcessLookupError:
                 pass
             return
@@ -210,7 +214,7 @@ class _Supervisor:
         _log.warning("got %s: passing it to %d worker(s), %.0f s to stop", signal.Signals(signum).name,
                      len(workers), self.grace_s)
         if workers:
-            self._tell_workers(workers, signum)
+            self._tell_workers(workers, _PASSED_ON)
         else:  # torchrun is starting (or restarting) them: it stops whatever it has
             self._tell_launcher("it has no workers right now")
 
@@ -224,7 +228,7 @@ class _Supervisor:
         self.launcher_told = True
         _log.warning("stopping the launcher: %s", why)
         try:
-            self.child.send_signal(self.stop_signal)
+            self.child.send_signal(_PASSED_ON)
         except ProcessLookupError:
             pass
 

@@ -83,13 +83,15 @@ def _lines(stream) -> queue.Queue[str]:  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("deliveries", ["once", "twice", "every process"])
+@pytest.mark.parametrize("deliveries", ["once", "twice", "every process", "ctrl-c", "hang-up"])
 def test_sigterm_saves_at_the_step_it_stopped_and_a_relaunch_ends_where_an_uninterrupted_run_does(
         tmp_path: Path, uninterrupted, deliveries: str) -> None:
     """"twice": the same SIGTERM twice in a row, as ``timeout`` sends it (to its child, then to the
     child's process group); it was taken as a second signal and killed the job unsaved. "every
     process": SIGTERM to dspark run, torchrun and the workers at once, as a scheduler that signals a
-    whole job does; torchrun's own handler made the job exit 143 although the workers saved."""
+    whole job does; torchrun's own handler made the job exit 143 although the workers saved.
+    "ctrl-c" and "hang-up": SIGINT and SIGHUP to dspark run, passed on as they came, killed the
+    workers unsaved (KeyboardInterrupt inside the step; SIGHUP's default action)."""
     ckpt = tmp_path / "ckpt"
     command = [sys.executable, "-m", "dspark.cli.main", "run", "--nproc", "2", str(EXAMPLE),
                "--ckpt", str(ckpt), "--steps", str(STEPS), "--save-every", "8",
@@ -104,6 +106,8 @@ def test_sigterm_saves_at_the_step_it_stopped_and_a_relaunch_ends_where_an_unint
             tree = descendants(job.pid)
             job.send_signal(signal.SIGTERM)
             signal_processes(tree, signal.SIGTERM)
+        elif deliveries in ("ctrl-c", "hang-up"):
+            job.send_signal(signal.SIGINT if deliveries == "ctrl-c" else signal.SIGHUP)
         else:
             for _ in range(2 if deliveries == "twice" else 1):
                 job.send_signal(signal.SIGTERM)

@@ -37,7 +37,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
         description="Start SCRIPT on --nproc processes per node through PyTorch's launcher "
                     "(torch.distributed.run), with OMP_NUM_THREADS=1 per worker unless set and, on "
                     "one node, a rendezvous on 127.0.0.1 at a free port. SIGTERM, SIGINT and SIGHUP "
-                    "are passed on to the workers; after --grace-period the whole process tree is "
+                    "reach the workers as SIGTERM; after --grace-period the whole process tree is "
                     "killed. Exit code: 0 when every worker exited 0, also after a SIGTERM they "
                     "handled; a failed worker's own (128 + N if signal N killed it), with one line "
                     "naming the rank; otherwise the signal ends dspark run too (130 after Ctrl-C).")
