@@ -21,18 +21,24 @@ process below it (pid and start time, from ``/proc``). On SIGTERM, SIGINT or SIG
    a second SIGINT (Ctrl-C again) kills at once;
 4. after torchrun has exited, kills whatever of that list is still alive.
 
+If ``dspark run`` itself is killed with SIGKILL, none of this runs; on Linux the kernel then sends
+torchrun SIGTERM (``PR_SET_PDEATHSIG``), and torchrun stops its workers.
+
 The exit code is 0 when torchrun exited 0 (every worker exited 0), else ``128 + signal``
 (:func:`dspark.launcher.launch` then raises the signal in its own process as well).
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import os
 import signal
 import subprocess
+import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import FrameType
@@ -101,12 +107,37 @@ def run_supervised(command: list[str], *, env: Mapping[str, str], capture: bool,
     """
     pipe = subprocess.PIPE if capture else None
     child = subprocess.Popen(command, env=dict(env), stdout=pipe, stderr=pipe, text=True,
-                             start_new_session=True)
+                             start_new_session=True, preexec_fn=_stop_with_parent(os.getpid()))
     supervisor = _Supervisor(child, grace_s, child_is_worker=child_is_worker)
     with supervisor.handling_signals():
         stdout, stderr = supervisor.wait(capture)
     return Supervised(returncode=supervisor.returncode(), stdout=stdout, stderr=stderr,
                       stop_signal=supervisor.stop_signal)
+
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _stop_with_parent(parent: int) -> Callable[[], None] | None:
+    """For the launcher's child, between fork and exec: the kernel sends it SIGTERM if this
+    process dies first. ``dspark run`` killed by SIGKILL (the OOM killer, ``kill -9``) runs no
+    handler and could not stop its tree: torchrun and the workers, each in a session of its own,
+    kept running, holding their port and devices. With SIGTERM, torchrun stops its workers as on
+    any stop, and a loop polling :func:`dspark.preemption_requested` still saves. Linux only
+    (``prctl``); None elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        prctl = libc.prctl
+    except (OSError, AttributeError):
+        return None
+
+    def arm() -> None:
+        prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before the call: nothing would come
+            os.kill(os.getpid(), signal.SIGTERM)
+    return arm
 
 
 class _Supervisor:

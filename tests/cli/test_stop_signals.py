@@ -142,3 +142,33 @@ def test_ctrl_c_reaches_a_worker_started_without_torchrun(tmp_path: Path, dispos
         assert "passing it to the worker" in stderr, stderr[-2000:]
     else:
         assert "finished" in stdout and "rc 0" in stdout, (stdout, stderr[-2000:])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_launcher_killed_by_sigkill_takes_its_job_with_it(tmp_path: Path) -> None:
+    """kill -9 (or the OOM killer) of dspark run runs no handler: torchrun and both workers, in
+    sessions of their own, used to keep running, holding their port."""
+    script = tmp_path / "sleeper.py"
+    script.write_text("import os, sys, time\n"
+                      "open(os.path.join(sys.argv[1], os.environ['RANK']), 'w').close()\n"
+                      "time.sleep(300)\n")
+    ready = tmp_path / "ready"
+    ready.mkdir()
+    job = subprocess.Popen([sys.executable, "-m", "dspark.cli.main", "run", "--nproc", "2",
+                            str(script), str(ready)],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    tree = []
+    try:
+        _wait_for(lambda: len(list(ready.iterdir())) == 2, 120, "both workers to start")
+        tree = descendants(job.pid)
+        assert len(tree) >= 3  # torchrun and 2 workers
+        job.kill()
+        job.wait(timeout=10)
+        _wait_for(lambda: not any(is_running(p.pid, p.start_ticks) for p in tree), 60,
+                  "torchrun and the workers to stop")
+    finally:
+        job.kill()
+        for p in tree:  # orphans are no longer below this process: end them by the list
+            if is_running(p.pid, p.start_ticks):
+                os.kill(p.pid, signal.SIGKILL)
