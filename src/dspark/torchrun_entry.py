@@ -15,7 +15,9 @@ only to ``dspark run``) reaches torchrun too, whose handler raises ``SignalExcep
 the signal to its workers, waits for them, and exits with the signal, so the job reported 143 even
 when every worker saved its checkpoint and exited 0 (what ``dspark run`` promises for a handled
 SIGTERM). This module keeps the workers' exit codes as torchrun closes them and, after a SIGTERM,
-exits 0 when all of them did; any other outcome is torchrun's own.
+exits 0 when all of them did; any other outcome is torchrun's own. Once ``run`` has returned (every
+worker exited 0) the stop signals are ignored: torchrun's handler is gone by then, and ``dspark
+run``'s SIGTERM to a torchrun still tearing down would otherwise end a clean stop with 143.
 
 [Note: a failed worker] When a worker fails (after any restarts), torchrun raises
 ``ChildFailedError`` out of ``run``: its traceback (torchrun's own frames) and a block without the
@@ -120,6 +122,11 @@ def main(argv: list[str] | None = None) -> None:
     watching = _remember_exit_codes()
     try:
         record(run)(args)
+        # Every worker exited 0. A stop signal from here on (dspark run's, once the workers are
+        # gone and this process is still tearing down: 2 s and more on a busy node) finds
+        # torchrun's handler gone and would kill this process with 143 after a clean stop.
+        for stop in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(stop, signal.SIG_IGN)
     except ChildFailedError as exc:
         line, code = describe_failure(exc)
         print(line, file=sys.stderr, flush=True)

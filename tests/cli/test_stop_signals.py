@@ -172,3 +172,30 @@ def test_a_launcher_killed_by_sigkill_takes_its_job_with_it(tmp_path: Path) -> N
         for p in tree:  # orphans are no longer below this process: end them by the list
             if is_running(p.pid, p.start_ticks):
                 os.kill(p.pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_sigterm_to_torchrun_after_its_workers_exited_0_is_still_exit_0(tmp_path: Path) -> None:
+    """dspark run signals a torchrun still up after its workers are gone; during its teardown,
+    with torchrun's handler gone, that SIGTERM made a clean preemption exit 143."""
+    script = tmp_path / "done.py"
+    script.write_text("import os, sys\nopen(os.path.join(sys.argv[1], os.environ['RANK']), 'w').close()\n")
+    ready = tmp_path / "ready"
+    ready.mkdir()
+    launcher = ["--nnodes", "1", "--nproc-per-node", "2", "--max-restarts", "0",
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", str(script)]
+    job = subprocess.Popen([sys.executable, "-m", "dspark.torchrun_entry", str(len(launcher)),
+                            *launcher, str(ready)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True)
+    try:
+        _wait_for(lambda: len(list(ready.iterdir())) == 2, 120, "both workers to run")
+        _wait_for(lambda: job.poll() is not None or not descendants(job.pid), 60,
+                  "both workers to exit")
+        time.sleep(0.5)  # into torchrun's teardown, where its own handler is gone
+        if job.poll() is None:
+            job.send_signal(signal.SIGTERM)
+        _, stderr = job.communicate(timeout=60)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 0, stderr[-3000:]
