@@ -116,6 +116,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"dspark.torchrun_entry: the launcher arguments end with the target; found "
                          f"{args.training_script_args} after it")
     args.training_script_args = script_args
+    from torch.distributed import DistNetworkError
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
@@ -131,6 +132,15 @@ def main(argv: list[str] | None = None) -> None:
         line, code = describe_failure(exc)
         print(line, file=sys.stderr, flush=True)
         sys.exit(code)
+    except DistNetworkError as exc:  # the rendezvous: a port in use, a master that cannot be reached
+        _log.debug("rendezvous failed", exc_info=True)
+        in_use = "EADDRINUSE" in str(exc)
+        print(f"dspark run: the rendezvous failed before any worker started: {exc}"
+              + ("; choose another --master-port (on one node, leave it out and a free one is "
+                 "picked)" if in_use else "; check --master-addr / --master-port (or "
+                 "--rdzv-endpoint) and that node 0 is up and reachable"),
+              file=sys.stderr, flush=True)
+        sys.exit(1)
     except SignalException as exc:
         codes = list(_closed_exit_codes.values())
         if watching and exc.sigval == signal.SIGTERM and codes and all(c == 0 for c in codes):

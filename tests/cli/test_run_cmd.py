@@ -174,3 +174,36 @@ def test_a_worker_killed_or_raising_on_one_rank_is_named(tmp_path: Path) -> None
     last = killed.stderr.strip().splitlines()[-1]
     assert "rank 0 (local rank 0" in last and "was killed by SIGKILL, the first to fail" in last
     assert "; rank 1 was killed by SIGTERM" in last, last  # stopped by the launcher
+
+
+@pytest.mark.slow
+def test_a_master_port_in_use_is_one_line(tmp_path: Path) -> None:
+    import socket
+
+    script = tmp_path / "noop.py"
+    script.write_text("")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "dspark.cli.main", "run", "--nproc", "2",
+                               "--master-port", str(port), str(script)],
+                              capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert "dspark run: the rendezvous failed before any worker started" in done.stderr
+    assert "EADDRINUSE" in done.stderr and "choose another --master-port" in done.stderr
+
+
+def test_more_workers_than_cores_is_warned(capsys: pytest.CaptureFixture[str],
+                                           monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from dspark.cli import run_cmd
+
+    script = tmp_path / "noop.py"
+    script.write_text("")
+    monkeypatch.setattr(run_cmd, "launch", lambda spec: 0)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    assert main(["run", "--nproc", "6", str(script)]) == 0
+    assert "--nproc 6 starts 6 workers on the 2 CPU core(s)" in capsys.readouterr().err
+    assert main(["run", "--nproc", "2", str(script)]) == 0
+    assert "warning" not in capsys.readouterr().err

@@ -131,4 +131,12 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         sys.stdout.write(shlex.join(launcher_command(spec)) + "\n")
         return 0
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if cores and spec.nproc > cores:
+        # Allowed (a test of 4 ranks on 2 cores), but a typo (--nproc 800) forks hundreds of
+        # processes, and time-shared workers give step times that mislead.
+        sys.stderr.write(f"dspark run: warning: --nproc {spec.nproc} starts {spec.nproc} workers on "
+                         f"the {cores} CPU core(s) this process may use; each worker expects a core "
+                         "of its own (OMP_NUM_THREADS=1), so they will time-share and run slower "
+                         "than fewer would\n")
     return launch(spec)
