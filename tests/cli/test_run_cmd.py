@@ -207,3 +207,21 @@ def test_more_workers_than_cores_is_warned(capsys: pytest.CaptureFixture[str],
     assert "--nproc 6 starts 6 workers on the 2 CPU core(s)" in capsys.readouterr().err
     assert main(["run", "--nproc", "2", str(script)]) == 0
     assert "warning" not in capsys.readouterr().err
+
+
+def test_command_line_messages_speak_in_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """-m with a path said 'pass module=False'; --rdzv-id without --rdzv-endpoint was dropped
+    without a word; SLURM_GPUS_ON_NODE=0 was called unset."""
+    script = tmp_path / "train.py"
+    script.write_text("")
+    with pytest.raises(ValueError, match="drop -m to run a script path"):
+        _spec("--nproc", "2", "-m", "foo/bar.py")
+    with pytest.raises(ValueError, match="--rdzv-id myjob names a c10d rendezvous"):
+        _spec("--nproc", "2", "--rdzv-id", "myjob", str(script))
+    assert _spec("--nproc", "2", "--rdzv-id", "myjob", "--rdzv-endpoint", "h:29400",
+                 str(script)).rdzv_id == "myjob"
+    assert _spec("--nproc", "2", str(script)).rdzv_id == "dspark"
+    slurm = {"SLURM_JOB_NUM_NODES": "2", "SLURM_NODEID": "1", "SLURM_JOB_NODELIST": "a[1-2]",
+             "SLURM_GPUS_ON_NODE": "0"}
+    with pytest.raises(ValueError, match=r"which give no count here: SLURM_GPUS_ON_NODE='0'"):
+        spec_from_args(build_parser().parse_args(["run", str(script)]), slurm)

@@ -55,7 +55,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
                         help="port on node 0 (default: a free port on one node, 29500 on several)")
     parser.add_argument("--rdzv-endpoint", default=None,
                         help="host:port of a c10d rendezvous (instead of --master-addr/--master-port)")
-    parser.add_argument("--rdzv-id", default="dspark", help="job id for the c10d rendezvous")
+    parser.add_argument("--rdzv-id", default=None,
+                        help="job id for the c10d rendezvous of --rdzv-endpoint (default dspark)")
     parser.add_argument("--max-restarts", type=int, default=0,
                         help="restart the worker group this many times after a failure (default 0)")
     parser.add_argument("--grace-period", type=float, default=DEFAULT_GRACE_S, metavar="SECONDS",
@@ -103,17 +104,27 @@ def launch_plan(args: argparse.Namespace,
                              master_addr=args.master_addr, rdzv_endpoint=args.rdzv_endpoint,
                              environ=os.environ if environ is None else environ)
     if filled.nproc is None:
+        env = os.environ if environ is None else environ
+        seen = [f"{v}={env[v]!r}" for v in ("SLURM_GPUS_ON_NODE", "SLURM_NTASKS_PER_NODE") if v in env]
         raise ValueError("--nproc N is required: how many workers to start on this node (under Slurm "
-                         "it defaults to SLURM_GPUS_ON_NODE or SLURM_NTASKS_PER_NODE, neither set here)")
+                         "it defaults to SLURM_GPUS_ON_NODE or SLURM_NTASKS_PER_NODE, "
+                         + (f"which give no count here: {', '.join(seen)})" if seen
+                            else "neither set here)"))
+    if args.rdzv_id is not None and args.rdzv_endpoint is None:
+        raise ValueError(f"--rdzv-id {args.rdzv_id} names a c10d rendezvous, which only "
+                         "--rdzv-endpoint HOST:PORT starts; give both, or use --master-addr / "
+                         "--master-port without an id")
     try:
         spec = LaunchSpec(target=command[0], args=tuple(command[1:]), module=args.module,
                           nproc=filled.nproc, nnodes=filled.nnodes, node_rank=filled.node_rank,
                           master_addr=filled.master_addr, master_port=args.master_port,
-                          rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
+                          rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id or "dspark",
                           max_restarts=args.max_restarts, grace_period_s=args.grace_period)
     except (ValueError, TypeError) as exc:  # LaunchSpec names its fields; the user typed flags
+        message = str(exc).replace("pass module=False for a script path",
+                                   "drop -m to run a script path")
         raise type(exc)(_FIELD.sub(lambda m: _FLAGS[m.group(1)] + (" " if m.group(2) else ""),
-                                   str(exc))) from None
+                                   message)) from None
     return spec, filled.from_slurm
 
 
