@@ -86,7 +86,7 @@ def describe_failure(exc: Any) -> tuple[str, int]:
     Example::
 
         describe_failure(exc)
-        # ("dspark run: train.py failed: rank 1 (local rank 1, pid 6251) exited with code 1; ...", 1)
+        # ("dspark run: train.py failed: rank 1 (local rank 1, pid 6251) exited with code 1, ...", 1)
     """
     def how(exitcode: int) -> str:
         if exitcode >= 0:
@@ -98,11 +98,16 @@ def describe_failure(exc: Any) -> tuple[str, int]:
 
     rank, first = exc.get_first_failure()
     code = 128 - first.exitcode if first.exitcode < 0 else first.exitcode or 1
-    others = "".join(f"; rank {r} {how(f.exitcode)}" for r, f in sorted(exc.failures.items())
+    def other(exitcode: int) -> str:
+        # torchrun stops the ranks still running when one fails: SIGTERM is its, not a failure
+        return ("was stopped by the launcher (SIGTERM)" if exitcode == -signal.SIGTERM
+                else how(exitcode))
+
+    others = "".join(f"; rank {r} {other(f.exitcode)}" for r, f in sorted(exc.failures.items())
                      if r != rank)
     return (f"dspark run: {exc.name} failed: rank {rank} (local rank {first.local_rank}, pid "
-            f"{first.pid}) {how(first.exitcode)}, the first to fail{others}; its error output is "
-            "above", code)
+            f"{first.pid}) {how(first.exitcode)}, the first to fail on this node{others}; its "
+            "error output, if it wrote any, is above", code)
 
 
 def main(argv: list[str] | None = None) -> None:
