@@ -129,6 +129,8 @@ def test_a_ledger_path_that_is_no_ledger_is_one_line_and_exit_2(tmp_path: Path, 
     ["export", "--json", "{file}/x.json"],
     ["report", "--report", "{file}"],
     ["--workloads", "gpt2-cpu", "--devices", "1", "--no-progress", "--db", "{file}/ledger.sqlite"],
+    ["--workloads", "gpt2-cpu", "--devices", "1", "--no-progress", "--json", "/proc/{file}/x.json"],
+    ["--workloads", "gpt2-cpu", "--devices", "1", "--no-progress", "--report", "/proc/{file}"],
 ])
 def test_an_output_path_under_a_file_is_refused_before_measuring(tmp_path: Path, action: list[str],
                                                                  workers: FakeWorkers,

@@ -130,3 +130,18 @@ def test_a_param_groups_option_the_optimizer_lacks_is_named(single_process) -> N
         warnings.simplefilter("error")
         dspark.Engine(nn.Linear(4, 2), optimizer=adamw,
                       param_groups=lambda n, p: {"weight_decay": 0.0} if p.ndim < 2 else {}).close()
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_bf16_on_a_cpu_without_native_bf16_is_warned(single_process, native: bool,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """An AVX2-only CPU emulates bf16 (a matmul 43x slower than fp32 on one here): a step looked hung."""
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: native)
+    sgd = functools.partial(torch.optim.SGD, lr=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dspark.Engine(nn.Linear(4, 2), optimizer=sgd, precision="bf16").close()
+        dspark.Engine(nn.Linear(4, 2), optimizer=sgd, precision="fp32").close()
+    said = [str(w.message) for w in caught if "without native bf16" in str(w.message)]
+    assert len(said) == (0 if native else 1), said
+    assert native or "Pass precision='fp32' on this machine" in said[0]

@@ -204,6 +204,10 @@ def _check_outputs(args: argparse.Namespace) -> None:
             raise ValueError(f"{option} {str(path)!r}: {str(above)!r} is a file, not a directory")
         if above is not None and not os.access(above, os.W_OK | os.X_OK):
             raise PermissionError(f"{option} {str(path)!r}: {str(above)!r} is not writable")
+        try:  # the folder now, as the write would later: a place no one can write fails here
+            (path if is_dir else path.parent).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ValueError(f"{option} {str(path)!r}: cannot create its folder: {exc}") from None
 
 
 def _write_json(path: Path, rows: object) -> None:

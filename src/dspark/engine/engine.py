@@ -143,6 +143,8 @@ class Engine:
         self.world = comm.get_world()
         if self.world.device.type == "cpu":
             cpu_malloc.tune_for_training()  # before the first step allocates: see dspark.cpu_malloc
+            if self.precision.compute_dtype == torch.bfloat16 and self.world.rank == 0:
+                _warn_emulated_bf16()
         self.grad_accum_steps = grad_accum_steps
         self.clip_grad_norm = None if clip_grad_norm is None else float(clip_grad_norm)
         self.bucket_mb = float(bucket_mb)
@@ -1064,6 +1066,22 @@ def _first_difference(what: str, everyone: list[dict[str, Any]], rank: int, fix:
             if a != b:
                 raise ValueError(f"rank {rank}: {what} differ between ranks: {key}={a!r} on rank 0 but "
                                  f"{b!r} on rank {other}. {fix}")
+
+
+def _warn_emulated_bf16() -> None:
+    """bf16 on a CPU without native bf16 instructions (AVX2 only: no AVX512-BF16, no AMX) runs
+    emulated: a 2-core AMD EPYC VM with AVX2 times a bf16 matmul at 404 ms against 9.4 ms in fp32
+    (``dspark.bench.cpu_precision.cpu_matmul_ms``), so a step looks hung. Said once, on rank 0."""
+    try:
+        native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return  # this PyTorch cannot tell: say nothing rather than guess
+    if not native:
+        warnings.warn(
+            f"precision='bf16' on a CPU without native bf16 instructions (capability "
+            f"{torch.backends.cpu.get_cpu_capability()}, no AVX512-BF16 or AMX): PyTorch emulates "
+            "it, and its matmuls can run 10-40x slower than fp32. Pass precision='fp32' on this "
+            "machine (dspark bench does so for its CPU presets).", stacklevel=3)
 
 
 def _warn_unknown_group_options(optimizer: torch.optim.Optimizer,
