@@ -68,17 +68,23 @@ def test_no_process_of_the_job_survives(tmp_path: Path, signum: int) -> None:
     assert os.getpid() not in {p.pid for p in tree}
 
 
-@pytest.mark.slow
-def test_a_launcher_that_restarts_killed_workers_is_stopped_too(tmp_path: Path) -> None:
-    # Workers that die of SIGTERM look like a failure to torchrun, which restarts them (here up to
-    # 3 times). dspark run sees workers it never signalled and stops torchrun: the job ends long
-    # before the grace period, not when it runs out.
+def _sleeper(tmp_path: Path) -> tuple[Path, Path]:
+    """A worker script that marks itself ready in the folder it is given, then sleeps."""
     script = tmp_path / "sleeper.py"
     script.write_text("import os, sys, time\n"
                       "open(os.path.join(sys.argv[1], os.environ['RANK']), 'w').close()\n"
                       "time.sleep(300)\n")
     ready = tmp_path / "ready"
     ready.mkdir()
+    return script, ready
+
+
+@pytest.mark.slow
+def test_a_launcher_that_restarts_killed_workers_is_stopped_too(tmp_path: Path) -> None:
+    # Workers that die of SIGTERM look like a failure to torchrun, which restarts them (here up to
+    # 3 times). dspark run sees workers it never signalled and stops torchrun: the job ends long
+    # before the grace period, not when it runs out.
+    script, ready = _sleeper(tmp_path)
     job = subprocess.Popen([sys.executable, "-m", "dspark.cli.main", "run", "--nproc", "2",
                             "--max-restarts", "3", "--grace-period", "90", str(script), str(ready)],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -149,12 +155,7 @@ def test_ctrl_c_reaches_a_worker_started_without_torchrun(tmp_path: Path, dispos
 def test_a_launcher_killed_by_sigkill_takes_its_job_with_it(tmp_path: Path) -> None:
     """kill -9 (or the OOM killer) of dspark run runs no handler: torchrun and both workers, in
     sessions of their own, used to keep running, holding their port."""
-    script = tmp_path / "sleeper.py"
-    script.write_text("import os, sys, time\n"
-                      "open(os.path.join(sys.argv[1], os.environ['RANK']), 'w').close()\n"
-                      "time.sleep(300)\n")
-    ready = tmp_path / "ready"
-    ready.mkdir()
+    script, ready = _sleeper(tmp_path)
     job = subprocess.Popen([sys.executable, "-m", "dspark.cli.main", "run", "--nproc", "2",
                             str(script), str(ready)],
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
