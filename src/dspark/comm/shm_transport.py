@@ -252,11 +252,9 @@ class ShmTransport:
                      for i, (s, k) in enumerate(zip(starts, sizes, strict=False)) if s < b and s + k > a]
 
             def finish(inputs: list[torch.Tensor], stacked: torch.Tensor | None) -> None:
-                if stacked is not None:   # one copy per part, every rank's at once
-                    at = 0
-                    for i, lo, hi in spans:
-                        rows[i][:, lo:hi].copy_(stacked[:, at:at + hi - lo])
-                        at += hi - lo
+                if stacked is not None:   # every part of every rank in one copy (one dispatch)
+                    torch.split_with_sizes_copy(stacked, [hi - lo for _, lo, hi in spans], dim=1,
+                                                out=[rows[i][:, lo:hi] for i, lo, hi in spans])
                     return
                 for r, got in enumerate(inputs):
                     at = 0
@@ -307,10 +305,10 @@ class ShmTransport:
         seq = self._seq + 1
         start = self._reserve(seq, nbytes)
         ring = self._view(self.rank, start, nbytes, dtype)
-        at = 0
-        for t in srcs:
-            ring[at:at + t.numel()].view(t.shape).copy_(t)
-            at += t.numel()
+        if len(srcs) == 1:
+            ring.view(srcs[0].shape).copy_(srcs[0])
+        elif numel:   # a gather's parts, laid end to end in one copy (one dispatch, not one each)
+            torch.cat([t.reshape(-1) for t in srcs], out=ring)
         me = self._ctrl[self.rank]
         base = 16 + (seq % _HEADERS) * _HEADER_WORDS
         me[base:base + _HEADER_WORDS] = (seq, _KINDS[kind], nbytes, start, DTYPE_CODES[dtype],
