@@ -87,6 +87,26 @@ def test_trace_dir_must_be_a_path(single_process) -> None:
         dspark.Engine(tm.make("mlp"), optimizer=functools.partial(torch.optim.SGD, lr=0.1), trace_dir=3)
 
 
+def test_trace_dir_inside_the_users_profiler_is_refused_and_the_model_left_alone(single_process,
+                                                                                 tmp_path: Path) -> None:
+    """One PyTorch profiler per process: the engine's own trace inside the user's would break both.
+    Refused before any hook is on the model, which then trains as usual in the user's profiler."""
+    model = tm.make("mlp")
+    with torch.profiler.profile() as prof:
+        with pytest.raises(RuntimeError, match=r"already recording.*named_ranges\(\)"):
+            dspark.Engine(model, optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+                          trace_dir=tmp_path)
+        assert not model._forward_pre_hooks and all(not p._post_accumulate_grad_hooks
+                                                    for p in model.parameters())
+        engine = dspark.Engine(model, optimizer=functools.partial(torch.optim.SGD, lr=0.1))
+        with named_ranges():
+            engine.backward(engine(torch.randn(4, 6)).sum())
+            engine.step()
+        engine.close()
+    assert "dspark.forward" in {e.key for e in prof.key_averages()}
+    assert not list(tmp_path.iterdir())
+
+
 def test_close_before_the_active_steps_end_writes_what_was_recorded(single_process, tmp_path: Path) -> None:
     _train("mlp", "replicate", 2, trace_dir=tmp_path / "nested", trace_steps=(1, 5))
     assert "dspark.forward" in _names(tmp_path / "nested" / "rank0.json")

@@ -121,7 +121,8 @@ def trace_range(name: str) -> contextlib.AbstractContextManager[Any]:
 
 
 def check_trace_args(trace_dir: Any, trace_steps: Any) -> None:
-    """Raise ``TypeError``/``ValueError`` naming the value when the engine's trace options are wrong."""
+    """Raise ``TypeError``/``ValueError`` naming the value when the engine's trace options are wrong,
+    and ``RuntimeError`` when ``trace_dir`` is given while a PyTorch profiler is already recording."""
     if trace_dir is not None and not isinstance(trace_dir, (str, os.PathLike)):
         raise TypeError(f"trace_dir={trace_dir!r} must be None or a directory path (str or PathLike)")
     ok = (isinstance(trace_steps, tuple) and len(trace_steps) == 2
@@ -130,6 +131,14 @@ def check_trace_args(trace_dir: Any, trace_steps: Any) -> None:
     if not ok:
         raise ValueError(f"trace_steps={trace_steps!r} must be (warmup, active): ints, warmup >= 0 "
                          "untraced steps first, then active >= 1 traced steps, e.g. (1, 2)")
+    if trace_dir is not None and torch.autograd.profiler._is_profiler_enabled:
+        raise RuntimeError(
+            f"Engine(trace_dir={str(trace_dir)!r}) while a PyTorch profiler is already recording "
+            "(torch.profiler.profile() around this code): PyTorch runs one profiler per process, and "
+            "a second one started inside it loses the outer trace or crashes at exit. Keep your "
+            "profiler and leave trace_dir out, turning DSpark's named ranges on inside it "
+            "(with torch.profiler.profile() as prof, dspark.engine.named_ranges(): ...); or build "
+            "the engine with trace_dir outside your profiler")
 
 
 class TraceSession:
