@@ -189,6 +189,14 @@ def test_user_errors_name_the_numbers_and_the_fix() -> None:
         dspark.DataLoader(_dataset(), global_batch_size=8, rank=0)
 
 
+@pytest.mark.parametrize("size", [0, -4, 2.5, "8", True])
+def test_a_wrong_global_batch_size_is_named_before_dspark_is_initialised(size: object) -> None:
+    """No world here (no dspark.init(), no rank=/world_size=): the value itself is the error."""
+    assert not dspark.comm.is_initialized()
+    with pytest.raises(ValueError, match=rf"global_batch_size={size!r} must be an int >= 1"):
+        dspark.DataLoader(_dataset(), global_batch_size=size)  # type: ignore[arg-type]
+
+
 class _Stream(IterableDataset):
     """A stream of ``(i, 10*i)`` samples whose order depends on the epoch it is told."""
 

@@ -24,6 +24,7 @@ from torch.utils.data._utils.collate import default_collate
 
 from dspark.data.order import (
     BatchInfo,
+    check_batch_size_value,
     check_global_batch_size,
     check_tail,
     epoch_seed,
@@ -118,10 +119,11 @@ class DataLoader:
         if global_batch_size is None:  # a keyword default only so that the message can say this
             raise TypeError("dspark.DataLoader needs global_batch_size= (samples per step summed over "
                             "all ranks; each rank gets its share)")
-        self.rank, self.world_size = _world_place(rank, world_size)
-        check_global_batch_size(global_batch_size, self.world_size, allow_uneven=allow_uneven)
+        check_batch_size_value(global_batch_size)  # a wrong value is named before the world is asked for
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"seed={seed!r} must be an int")
+        self.rank, self.world_size = _world_place(rank, world_size)
+        check_global_batch_size(global_batch_size, self.world_size, allow_uneven=allow_uneven)
         self.dataset = dataset
         self.global_batch_size = global_batch_size
         self.shuffle = bool(shuffle)

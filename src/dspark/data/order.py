@@ -20,6 +20,7 @@ from dspark.tensor.shard_math import shard_range, shard_sizes
 
 __all__ = [
     "BatchInfo",
+    "check_batch_size_value",
     "check_global_batch_size",
     "check_tail",
     "epoch_order",
@@ -115,6 +116,14 @@ def _nearest_multiples(size: int, world_size: int) -> str:
     return f"{lower} or {lower + world_size}" if lower else f"{world_size}"
 
 
+def check_batch_size_value(global_batch_size: object) -> None:
+    """Raise ``ValueError`` unless ``global_batch_size`` is an int >= 1: the part of
+    :func:`check_global_batch_size` that needs no world size (so it holds before ``dspark.init()``)."""
+    if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
+        raise ValueError(f"global_batch_size={global_batch_size!r} must be an int >= 1 (samples per "
+                         "optimizer step, summed over all ranks)")
+
+
 def check_global_batch_size(global_batch_size: int, world_size: int, *, allow_uneven: bool) -> None:
     """Raise ``ValueError`` unless every rank gets the same number of rows of a full global batch
     (or, with ``allow_uneven``, at least one row by the uneven split rule).
@@ -124,9 +133,7 @@ def check_global_batch_size(global_batch_size: int, world_size: int, *, allow_un
         check_global_batch_size(10, 4, allow_uneven=False)
         # ValueError: global_batch_size=10 does not divide by world size 4 ... 8 or 12 ...
     """
-    if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
-        raise ValueError(f"global_batch_size={global_batch_size!r} must be an int >= 1 (samples per "
-                         "optimizer step, summed over all ranks)")
+    check_batch_size_value(global_batch_size)
     valid = _nearest_multiples(global_batch_size, world_size)
     if global_batch_size % world_size and not allow_uneven:
         raise ValueError(
