@@ -193,3 +193,17 @@ def test_step_stats_before_a_step_names_the_rank(single_process) -> None:
     with pytest.raises(RuntimeError):
         engine.step_stats()
     engine.close()
+
+
+def test_a_refused_extra_backward_leaves_the_window_and_its_breakdown(single_process) -> None:
+    """backward() once too often is refused with nothing changed: step() then applies the window's
+    one backward, and the breakdown still holds that window's forward and backward."""
+    engine = dspark.Engine(_model(), optimizer=functools.partial(torch.optim.SGD, lr=0.1))
+    engine.backward(engine(torch.randn(2, 32)).sum())
+    with pytest.raises(RuntimeError, match="backward\\(\\) called 2 times with grad_accum_steps=1"):
+        engine.backward(engine(torch.randn(2, 32)).sum())
+    engine.step()
+    stats = engine.step_stats()
+    assert stats["forward_ms"] > 0 and stats["backward_ms"] > 0, stats
+    assert stats["compute_ms"] <= stats["step_ms"] + 1e-6, stats
+    engine.close()

@@ -380,7 +380,6 @@ class Engine:
                 self._zero3.on_grad_accumulated(slot)
         return hook
 
-    @observed("backward")
     def backward(self, loss: torch.Tensor, *, weight: float | int | torch.Tensor | None = None) -> None:
         """Backpropagate ``loss`` (the mean loss of this rank's micro-batch). The update averages the
         window's ``grad_accum_steps`` micro-batches over all ranks with equal weights; with
@@ -404,6 +403,11 @@ class Engine:
         if self._micro_step > 0 and (w is None) != (self._weight_sum is None):
             raise ValueError(f"rank {self.world.rank}: weight= must be given on every backward() of an "
                              "accumulation window or on none")
+        # Refused above with nothing changed: the window goes on, and so does its step breakdown.
+        self._backward(loss, w)
+
+    @observed("backward")
+    def _backward(self, loss: torch.Tensor, w: float | None) -> None:
         self.batch_check.before_backward()  # raises on every rank, before any state changes
         self._micro_step += 1
         sync = self._micro_step == self.grad_accum_steps
