@@ -152,7 +152,14 @@ def main(argv: list[str] | None = None) -> None:
             _log.warning("torchrun got SIGTERM itself; all %d worker(s) exited 0 after it: exit 0",
                          len(codes))
             sys.exit(0)
-        raise
+        # The stop came from outside (dspark run passing on its own SIGTERM or SIGINT, a scheduler):
+        # torchrun has stopped the workers it had; its traceback would only say where it waited.
+        _log.debug("torchrun stopped by a signal", exc_info=True)
+        name = signal.Signals(exc.sigval).name
+        print(f"dspark run: the launcher stopped on {name} and stopped the workers it had (a stop "
+              f"asked of dspark run, or of the launcher by the job's scheduler); exit code "
+              f"{128 + int(exc.sigval)}", file=sys.stderr, flush=True)
+        sys.exit(128 + int(exc.sigval))
 
 
 if __name__ == "__main__":

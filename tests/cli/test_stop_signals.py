@@ -101,6 +101,9 @@ def test_a_launcher_that_restarts_killed_workers_is_stopped_too(tmp_path: Path) 
     assert job.returncode == -signal.SIGTERM, stderr[-3000:]
     assert elapsed_s < 45, (elapsed_s, stderr[-3000:])
     assert "restarted its workers" in stderr or "no workers right now" in stderr, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]  # torchrun's SignalException, as one line
+    if "restarted its workers" in stderr:
+        assert "the launcher stopped on SIGTERM" in stderr, stderr[-3000:]
     _wait_for(lambda: not any(is_running(p.pid, p.start_ticks) for p in tree), 10,
               "every process of the tree to be gone")
 
