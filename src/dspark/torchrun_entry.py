@@ -105,9 +105,13 @@ def describe_failure(exc: Any) -> tuple[str, int]:
 
     others = "".join(f"; rank {r} {other(f.exitcode)}" for r, f in sorted(exc.failures.items())
                      if r != rank)
+    hint = ("; a worker that SIGTERM kills was stopped from outside (dspark run passing on its own "
+            "stop, the launcher, a scheduler's preemption) and did not handle it: to save and exit 0, "
+            "check dspark.preemption_requested() between steps" if first.exitcode == -signal.SIGTERM
+            else "")
     return (f"dspark run: {exc.name} failed: rank {rank} (local rank {first.local_rank}, pid "
             f"{first.pid}) {how(first.exitcode)}, the first to fail on this node{others}; its "
-            "error output, if it wrote any, is above", code)
+            f"error output, if it wrote any, is above{hint}", code)
 
 
 def main(argv: list[str] | None = None) -> None:

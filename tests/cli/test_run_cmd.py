@@ -226,3 +226,24 @@ def test_command_line_messages_speak_in_flags(tmp_path: Path, monkeypatch: pytes
              "SLURM_GPUS_ON_NODE": "0"}
     with pytest.raises(ValueError, match=r"which give no count here: SLURM_GPUS_ON_NODE='0'"):
         spec_from_args(build_parser().parse_args(["run", str(script)]), slurm)
+
+
+def _failures(**exitcodes: int) -> object:
+    """A stand-in for torchrun's ChildFailedError: ``rank<N>=exitcode``, the first one first."""
+    from types import SimpleNamespace
+    failures = {int(k[4:]): SimpleNamespace(local_rank=int(k[4:]), pid=100 + int(k[4:]), exitcode=code)
+                for k, code in exitcodes.items()}
+    first = min(failures)
+    return SimpleNamespace(name="train.py", failures=failures,
+                           get_first_failure=lambda: (first, failures[first]))
+
+
+def test_a_worker_killed_by_sigterm_is_told_how_to_stop_cleanly() -> None:
+    from dspark.torchrun_entry import describe_failure
+    line, code = describe_failure(_failures(rank0=-15, rank1=-15))
+    assert code == 143
+    assert "rank 0 (local rank 0, pid 100) was killed by SIGTERM" in line
+    assert "rank 1 was stopped by the launcher (SIGTERM)" in line
+    assert "dspark.preemption_requested()" in line
+    line, code = describe_failure(_failures(rank0=3))
+    assert code == 3 and "exited with code 3" in line and "preemption_requested" not in line
