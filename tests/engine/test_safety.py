@@ -154,7 +154,6 @@ class _HeadOnTheRoot(nn.Module):
 def _direct_calls() -> dict[str, str]:
     """After a step, the user's code calls submodules itself (an eval helper, a probe): a unit
     gathers its parameters; a module inside a unit, or the root's own, refuses by name."""
-    torch.manual_seed(dspark.get_world().rank)  # each rank its own batch, whatever ran before here
     engine = dspark.Engine(_HeadOnTheRoot(), optimizer=ADAMW, strategy="zero3")
     engine.backward(engine(torch.randn(2, 4)).square().mean())
     engine.step()
