@@ -6,14 +6,15 @@
 #   OUT=/tmp/gpu bash benchmarks/gpu_session.sh          # from the repository root
 #
 # On the lent machine DSpark is not installed: it runs from src/ (PYTHONPATH), on the python3 that
-# holds that machine's CUDA PyTorch. GPT-2 124M runs at global batch 32, not the article's 256: at
-# 1024 tokens a sequence's fp16 activations and logits take about 1 GB, so 256 of them do not fit
-# one GPU, and the lab has no micro-batching yet (README, "Figures").
+# holds that machine's CUDA PyTorch. At 1024 tokens a GPT-2 sequence's fp16 activations and logits
+# take about 1 GB, so 256 of them do not fit one GPU in one pass: the lab (which runs a step's batch
+# in one pass) measures it at 32, and benchmarks/one_device_vs_pytorch.py at 256 as 8 x 32.
+# Worst case 140 + 2 x 110 + 200 s = 9 min 20 s; about 4 minutes expected. 8 files come back.
 set -u
 OUT=${OUT:-gpu-session}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
-export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 COLUMNS=220
 
 {
   date -u +"%Y-%m-%dT%H:%M:%SZ"
@@ -23,20 +24,30 @@ export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 torch.cuda.is_available() and torch.cuda.get_device_name(0))'
 } > "$OUT/machine.txt" 2>&1
 
-# 1. the tests marked gpu: the engine on one GPU against the CPU reference (fp32, bf16, fp16 with
-#    loss scaling), the NCCL backend choice and the allocator-based peak memory
-timeout 240 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_gpu.py \
+# 1. the tests marked gpu: the engine on one GPU against the CPU reference, every strategy in fp32,
+#    bf16 and fp16 (loss scaling), on the single-process stand-in and on a real one-rank NCCL group;
+#    the NCCL backend choice, the step breakdown's CUDA events, the allocator-based peak memory
+timeout 140 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_gpu.py \
   tests/engine/test_observe_gpu.py > "$OUT/cuda_tests.txt" 2>&1
 echo "exit $?" >> "$OUT/cuda_tests.txt"
 
-# 2. the seed's workloads at real size on one GPU: ResNet-50 at the article's batch 256, GPT-2 124M
-#    at 32 (see above); one round each, 3 warm-up and 10 timed steps
+# 2. the lab at real size on one GPU, fp16, with the step breakdown: ResNet-50 at the article's
+#    batch 256, GPT-2 124M at 32 (the lab runs a step's batch in one pass; see 3 for 256)
 bench() {
   local name=$1 batch=$2
-  timeout 270 "$PY" -m dspark.cli.main bench --workloads "$name" --devices 1 --strategies replicate \
-    --precision fp16 --global-batch "$batch" --rounds 1 --warmup 3 --steps 10 \
-    --db "$OUT/ledger.sqlite" --json "$OUT/$name.json" --no-progress > "$OUT/$name.txt" 2>&1
+  timeout 110 "$PY" -m dspark.cli.main bench --workloads "$name" --devices 1 --strategies replicate \
+    --precision fp16 --global-batch "$batch" --rounds 1 --warmup 3 --steps 10 --profile \
+    --db "${TMPDIR:-/tmp}/dspark-gpu-ledger.sqlite" --json "$OUT/$name.json" --no-progress \
+    > "$OUT/$name.txt" 2>&1
   echo "exit $?" >> "$OUT/$name.txt"
 }
 bench resnet50 256
 bench gpt2-124m 32
+
+# 3. the seed's configuration on one GPU, side by side with plain PyTorch (autocast + GradScaler,
+#    AdamW default and fused) in interleaved rounds: global batch 256, fp16; GPT-2 124M as 8
+#    micro-batches of 32 (grad_accum_steps=8 / loss / 8 per micro-batch)
+timeout 200 "$PY" benchmarks/one_device_vs_pytorch.py --workloads resnet50,gpt2-124m \
+  --global-batch 256 --micro-batch resnet50=256,gpt2-124m=32 --precision fp16 --rounds 3 \
+  --steps 4 --warmup 2 --json "$OUT/side_by_side.json" > "$OUT/side_by_side.txt" 2>&1
+echo "exit $?" >> "$OUT/side_by_side.txt"
