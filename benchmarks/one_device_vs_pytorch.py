@@ -89,9 +89,10 @@ def _torch_step(workload: Any, precision: str, micro: list[tuple[torch.Tensor, t
 
 
 def measure(name: str, *, global_batch: int, micro_batch: int, precision: str, rounds: int,
-            steps: int, warmup: int, device: torch.device) -> dict[str, Any]:
+            steps: int, warmup: int, device: torch.device, profile: bool = False) -> dict[str, Any]:
     """Interleaved rounds of the three choices on workload ``name``; a dict of their step times
-    (ms, every timed step by round) and peak allocated bytes."""
+    (ms, every timed step by round) and peak allocated bytes; with ``profile``, each choice's
+    profile of two more steps (:func:`_profile`)."""
     if global_batch % micro_batch:
         raise SystemExit(f"--global-batch {global_batch} is not a multiple of --micro-batch {micro_batch}")
     workload = get_workload(name)
@@ -127,6 +128,7 @@ def measure(name: str, *, global_batch: int, micro_batch: int, precision: str, r
             times[choice].append(round_ms)
             print(f"{name} round {round_index} {choice:<11} median step "
                   f"{statistics.median(round_ms):8.1f} ms", flush=True)
+    profiles = {choice: _profile(step, device) for choice, (step, _) in built.items()} if profile else {}
     for _, close in built.values():
         close()
     built.clear()
@@ -134,7 +136,32 @@ def measure(name: str, *, global_batch: int, micro_batch: int, precision: str, r
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return {"workload": name, "global_batch": global_batch, "micro_batch": micro_batch,
-            "precision": precision, "times_ms": times, "peak_allocated_bytes": peaks}
+            "precision": precision, "times_ms": times, "peak_allocated_bytes": peaks,
+            "profiles": profiles}
+
+
+_SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
+                "aten::_local_scalar_dense", "aten::item")
+
+
+def _profile(step: Callable[[], None], device: torch.device) -> dict[str, Any]:
+    """Two steps under ``torch.profiler``: the top operators by self CPU time, each choice's host
+    synchronisations, kernel launches and their device time, as text and counts."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    step()  # outside the profile: the first step under a profiler also pays its set-up
+    _sync(device)
+    with profile(activities=activities) as prof:
+        for _ in range(2):
+            step()
+        _sync(device)
+    events = prof.key_averages()
+    counts = {e.key: e.count // 2 for e in events if e.key in _SYNC_EVENTS}
+    launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel",
+                                                        "cudaLaunchKernelExC")) // 2
+    table = events.table(sort_by="self_cpu_time_total", row_limit=22, max_name_column_width=48)
+    return {"syncs_per_step": counts, "kernel_launches_per_step": launches, "table": table}
 
 
 def summarise(result: dict[str, Any]) -> list[str]:
@@ -169,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=4, help="timed steps per choice per round")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per choice, first round")
     parser.add_argument("--json", default=None, help="also write every timing to this file")
+    parser.add_argument("--profile", action="store_true",
+                        help="after the rounds, profile two steps of each choice: host "
+                             "synchronisations and kernel launches per step, top operators")
     args = parser.parse_args(argv)
     if "=" in args.micro_batch:
         micro = {k: int(v) for k, v in (item.split("=") for item in args.micro_batch.split(","))}
@@ -187,10 +217,13 @@ def main(argv: list[str] | None = None) -> int:
         mb = micro.get(name, args.global_batch) if micro else int(args.micro_batch)
         result = measure(name, global_batch=args.global_batch, micro_batch=mb,
                          precision=args.precision, rounds=args.rounds, steps=args.steps,
-                         warmup=args.warmup, device=device)
+                         warmup=args.warmup, device=device, profile=args.profile)
         print(f"{name}: global batch {args.global_batch} as {args.global_batch // mb} x {mb}, "
               f"{args.precision}, AdamW")
         print("\n".join(summarise(result)), flush=True)
+        for choice, prof in result["profiles"].items():
+            print(f"{name} {choice}: per step {prof['kernel_launches_per_step']} kernel launches, "
+                  f"host syncs {prof['syncs_per_step']}\n{prof['table']}", flush=True)
         results.append(result)
     if args.json:
         with open(args.json, "w") as f:

@@ -533,10 +533,14 @@ class Engine:
         else:
             post = weights.accum_steps / weights.micro_steps
         post /= weights.loss_scale
+        if post != 1.0:
+            # one multi-tensor kernel per dtype instead of one launch per parameter: on a GPU, fp16's
+            # unscale of ResNet-50's 161 gradients was 160 extra launches a step
+            grads = [slot.param.grad for slot in self.slots if slot.param.grad is not None]
+            if grads:
+                torch._foreach_mul_(grads, post)
         for slot in self.slots:
             grad = slot.param.grad
-            if grad is not None and post != 1.0:
-                grad.mul_(post)
             if self.strategy.shard_grads:
                 slot.shard_grad = None if grad is None else _memory_order(slot, grad)
                 slot.param.grad = None
