@@ -9,7 +9,7 @@
 # holds that machine's CUDA PyTorch. At 1024 tokens a GPT-2 sequence's fp16 activations and logits
 # take about 1 GB, so 256 of them do not fit one GPU in one pass: the lab (which runs a step's batch
 # in one pass) measures it at 32, and benchmarks/one_device_vs_pytorch.py at 256 as 8 x 32.
-# Worst case 140 + 2 x 110 + 200 s = 9 min 20 s; about 4 minutes expected. 8 files come back.
+# Worst case 90 + 2 x 80 + 150 + 2 x 50 s = 8 min 20 s; about 4 minutes expected. 8 files come back.
 set -u
 OUT=${OUT:-gpu-session}
 PY=${PYTHON:-python3}
@@ -26,8 +26,9 @@ torch.cuda.is_available() and torch.cuda.get_device_name(0))'
 
 # 1. the tests marked gpu: the engine on one GPU against the CPU reference, every strategy in fp32,
 #    bf16 and fp16 (loss scaling), on the single-process stand-in and on a real one-rank NCCL group;
-#    the NCCL backend choice, the step breakdown's CUDA events, the allocator-based peak memory
-timeout 140 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_gpu.py \
+#    clipping and an fp16 overflow in the GPU's order of work (the norm read after the optimizer is
+#    queued); the NCCL backend choice, the step breakdown's CUDA events, the allocator's peak memory
+timeout 90 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_gpu.py \
   tests/engine/test_observe_gpu.py > "$OUT/cuda_tests.txt" 2>&1
 echo "exit $?" >> "$OUT/cuda_tests.txt"
 
@@ -35,7 +36,7 @@ echo "exit $?" >> "$OUT/cuda_tests.txt"
 #    batch 256, GPT-2 124M at 32 (the lab runs a step's batch in one pass; see 3 for 256)
 bench() {
   local name=$1 batch=$2
-  timeout 110 "$PY" -m dspark.cli.main bench --workloads "$name" --devices 1 --strategies replicate \
+  timeout 80 "$PY" -m dspark.cli.main bench --workloads "$name" --devices 1 --strategies replicate \
     --precision fp16 --global-batch "$batch" --rounds 1 --warmup 3 --steps 10 --profile \
     --db "${TMPDIR:-/tmp}/dspark-gpu-ledger.sqlite" --json "$OUT/$name.json" --no-progress \
     > "$OUT/$name.txt" 2>&1
@@ -44,10 +45,20 @@ bench() {
 bench resnet50 256
 bench gpt2-124m 32
 
-# 3. the seed's configuration on one GPU, side by side with plain PyTorch (autocast + GradScaler,
-#    AdamW default and fused) in interleaved rounds: global batch 256, fp16; GPT-2 124M as 8
-#    micro-batches of 32 (grad_accum_steps=8 / loss / 8 per micro-batch)
-timeout 200 "$PY" benchmarks/one_device_vs_pytorch.py --workloads resnet50,gpt2-124m \
-  --global-batch 256 --micro-batch resnet50=256,gpt2-124m=32 --precision fp16 --rounds 3 \
-  --steps 4 --warmup 2 --json "$OUT/side_by_side.json" > "$OUT/side_by_side.txt" 2>&1
-echo "exit $?" >> "$OUT/side_by_side.txt"
+# 3. side by side with plain PyTorch (autocast + GradScaler, AdamW default and fused) in interleaved
+#    rounds, all in side_by_side.txt: (a) the seed's configuration, global batch 256, fp16, GPT-2
+#    124M as 8 micro-batches of 32; (b) ResNet-50 again under the profiler (host syncs, kernel
+#    launches per step); (c) GPT-2 124M in bf16 with clipping at 1.0, as nanoGPT trains
+SBS=benchmarks/one_device_vs_pytorch.py
+{
+  timeout 150 "$PY" $SBS --workloads resnet50,gpt2-124m --global-batch 256 \
+    --micro-batch resnet50=256,gpt2-124m=32 --precision fp16 --rounds 3 --steps 4 --warmup 2 \
+    --json "$OUT/side_by_side.json"
+  echo "exit $?"
+  timeout 50 "$PY" $SBS --workloads resnet50 --global-batch 256 --micro-batch 256 \
+    --precision fp16 --rounds 3 --steps 6 --profile
+  echo "exit $?"
+  timeout 50 "$PY" $SBS --workloads gpt2-124m --global-batch 32 --micro-batch 32 \
+    --precision bf16 --clip 1.0 --rounds 3 --steps 6
+  echo "exit $?"
+} > "$OUT/side_by_side.txt" 2>&1

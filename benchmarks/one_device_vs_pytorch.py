@@ -14,7 +14,8 @@ favours none):
   ``engine.backward`` / ``engine.step`` (DSpark turns on the fused AdamW kernel where the device
   has one);
 * ``torch``: the loop PyTorch's AMP recipe writes: ``torch.autocast`` + ``torch.amp.GradScaler``
-  (fp16), ``loss / K`` per micro-batch, ``AdamW`` with PyTorch's default kernel;
+  (fp16), ``loss / K`` per micro-batch, with ``--clip`` ``scaler.unscale_`` +
+  ``clip_grad_norm_``, ``AdamW`` with PyTorch's default kernel;
 * ``torch-fused``: the same with ``AdamW(fused=True)``: the fastest plain-PyTorch optimizer step.
 
 A step is the whole global batch: K forward/backward passes of ``global_batch / K`` samples and one
@@ -52,10 +53,12 @@ def _sync(device: torch.device) -> None:
 
 
 def _dspark_step(workload: Any, precision: str, micro: list[tuple[torch.Tensor, torch.Tensor]],
-                 device: torch.device) -> tuple[Callable[[], None], Callable[[], None]]:
+                 device: torch.device, *, clip: float | None
+                 ) -> tuple[Callable[[], None], Callable[[], None]]:
     model = workload.build_model(seed=_SEED, device=device)
     engine = dspark.Engine(model, optimizer=functools.partial(torch.optim.AdamW, lr=_LR),
-                           strategy="replicate", precision=precision, grad_accum_steps=len(micro))
+                           strategy="replicate", precision=precision, grad_accum_steps=len(micro),
+                           clip_grad_norm=clip)
 
     def step() -> None:
         for x, y in micro:
@@ -66,7 +69,8 @@ def _dspark_step(workload: Any, precision: str, micro: list[tuple[torch.Tensor, 
 
 
 def _torch_step(workload: Any, precision: str, micro: list[tuple[torch.Tensor, torch.Tensor]],
-                device: torch.device, *, fused: bool) -> tuple[Callable[[], None], Callable[[], None]]:
+                device: torch.device, *, fused: bool, clip: float | None
+                ) -> tuple[Callable[[], None], Callable[[], None]]:
     model = workload.build_model(seed=_SEED, device=device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=_LR, **({"fused": True} if fused else {}))
     dtype = _AUTOCAST[precision]
@@ -78,6 +82,9 @@ def _torch_step(workload: Any, precision: str, micro: list[tuple[torch.Tensor, t
             with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
                 loss = workload.loss(model(x), y)
             scaler.scale(loss / k).backward()
+        if clip is not None:
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
@@ -89,7 +96,8 @@ def _torch_step(workload: Any, precision: str, micro: list[tuple[torch.Tensor, t
 
 
 def measure(name: str, *, global_batch: int, micro_batch: int, precision: str, rounds: int,
-            steps: int, warmup: int, device: torch.device, profile: bool = False) -> dict[str, Any]:
+            steps: int, warmup: int, device: torch.device, profile: bool = False,
+            clip: float | None = None) -> dict[str, Any]:
     """Interleaved rounds of the three choices on workload ``name``; a dict of their step times
     (ms, every timed step by round) and peak allocated bytes; with ``profile``, each choice's
     profile of two more steps (:func:`_profile`)."""
@@ -99,9 +107,9 @@ def measure(name: str, *, global_batch: int, micro_batch: int, precision: str, r
     inputs, targets = workload.make_batch(global_batch, seed=_SEED, device=device)
     micro = list(zip(inputs.split(micro_batch), targets.split(micro_batch), strict=True))
     builders: dict[str, Callable[[], tuple[Callable[[], None], Callable[[], None]]]] = {
-        "dspark": lambda: _dspark_step(workload, precision, micro, device),
-        "torch": lambda: _torch_step(workload, precision, micro, device, fused=False),
-        "torch-fused": lambda: _torch_step(workload, precision, micro, device, fused=True),
+        "dspark": lambda: _dspark_step(workload, precision, micro, device, clip=clip),
+        "torch": lambda: _torch_step(workload, precision, micro, device, fused=False, clip=clip),
+        "torch-fused": lambda: _torch_step(workload, precision, micro, device, fused=True, clip=clip),
     }
     built = {choice: build() for choice, build in builders.items()}
     times: dict[str, list[list[float]]] = {choice: [] for choice in built}
@@ -136,7 +144,7 @@ def measure(name: str, *, global_batch: int, micro_batch: int, precision: str, r
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return {"workload": name, "global_batch": global_batch, "micro_batch": micro_batch,
-            "precision": precision, "times_ms": times, "peak_allocated_bytes": peaks,
+            "precision": precision, "clip": clip, "times_ms": times, "peak_allocated_bytes": peaks,
             "profiles": profiles}
 
 
@@ -196,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=4, help="timed steps per choice per round")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per choice, first round")
     parser.add_argument("--json", default=None, help="also write every timing to this file")
+    parser.add_argument("--clip", type=float, default=None, metavar="MAX_NORM",
+                        help="clip the global gradient norm: clip_grad_norm= for DSpark, "
+                             "unscale_ + clip_grad_norm_ for PyTorch")
     parser.add_argument("--profile", action="store_true",
                         help="after the rounds, profile two steps of each choice: host "
                              "synchronisations and kernel launches per step, top operators")
@@ -217,9 +228,9 @@ def main(argv: list[str] | None = None) -> int:
         mb = micro.get(name, args.global_batch) if micro else int(args.micro_batch)
         result = measure(name, global_batch=args.global_batch, micro_batch=mb,
                          precision=args.precision, rounds=args.rounds, steps=args.steps,
-                         warmup=args.warmup, device=device, profile=args.profile)
+                         warmup=args.warmup, device=device, profile=args.profile, clip=args.clip)
         print(f"{name}: global batch {args.global_batch} as {args.global_batch // mb} x {mb}, "
-              f"{args.precision}, AdamW")
+              f"{args.precision}, AdamW" + (f", clip {args.clip:g}" if args.clip else ""))
         print("\n".join(summarise(result)), flush=True)
         for choice, prof in result["profiles"].items():
             print(f"{name} {choice}: per step {prof['kernel_launches_per_step']} kernel launches, "

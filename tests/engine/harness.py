@@ -258,3 +258,18 @@ def run_or_explain_hang(pool: Any, fn: Any, *args: Any, timeout_s: float, hang_m
         if "did not finish" not in str(exc):
             raise
         raise AssertionError(f"{exc}: {hang_means}") from None
+
+
+def with_deferred_host_reads(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Run rank function ``fn`` with ``engine.step()`` in a GPU's order of work on these CPU ranks
+    (the gradient norm read after the optimizer's kernels are queued, the clip coefficient on the
+    device, an fp16 overflow skipped by the fused kernel's ``found_inf``): see
+    :func:`dspark.engine.engine.defers_host_reads`."""
+    from dspark.engine import engine as engine_module
+
+    original = engine_module.defers_host_reads
+    engine_module.defers_host_reads = lambda device: True
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        engine_module.defers_host_reads = original

@@ -11,6 +11,7 @@ import torch
 import dspark
 from dspark.engine import LossScaler
 from tests.engine import tiny_models as tm
+from tests.engine.harness import with_deferred_host_reads
 
 
 def test_loss_scaler_backs_off_and_grows() -> None:
@@ -63,9 +64,14 @@ def _overflow_on_rank_1(strategy: str) -> dict:
     return result
 
 
-@pytest.mark.parametrize("strategy", ["replicate", "zero2", "zero3"])
-def test_overflow_skips_the_step_on_every_rank(pool, strategy: str) -> None:
-    for result in pool.run(_overflow_on_rank_1, strategy):
+@pytest.mark.parametrize("order", ["host_decides", "device_skips"])
+@pytest.mark.parametrize("strategy", ["replicate", "zero1", "zero2", "zero3"])
+def test_overflow_skips_the_step_on_every_rank(pool, strategy: str, order: str) -> None:
+    # device_skips: a GPU's order (the fused AdamW's found_inf skips the update, the host reads the
+    # norm afterwards), run on these CPU ranks
+    task = (_overflow_on_rank_1 if order == "host_decides"
+            else functools.partial(with_deferred_host_reads, _overflow_on_rank_1))
+    for result in pool.run(task, strategy):
         assert result["applied"] is False
         assert result["unchanged"] and result["opt_unchanged"]
         before, after_skip, after_growth = result["scales"]

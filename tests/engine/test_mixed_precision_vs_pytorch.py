@@ -17,7 +17,13 @@ from __future__ import annotations
 
 import pytest
 
-from tests.engine.harness import ATOL, assert_close, train_engine, train_reference
+from tests.engine.harness import (
+    ATOL,
+    assert_close,
+    train_engine,
+    train_reference,
+    with_deferred_host_reads,
+)
 
 STRATEGIES = ["replicate", "zero1", "zero2", "zero3"]
 STEPS = 3
@@ -44,3 +50,22 @@ def test_mixed_precision_matches_autocast_pytorch(pool, strategy: str, precision
             assert result["norms"] == pytest.approx(want["norms"], rel=rtol), (
                 f"rank {rank}: engine.last_grad_norm {result['norms']} != clip_grad_norm_ of the unscaled "
                 f"gradients in one process {want['norms']} ({strategy}, {precision})")
+
+
+@pytest.mark.parametrize("clip", [NEVER_CLIPS, 0.05])
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_the_gpus_order_of_work_matches_autocast_pytorch(pool, strategy: str, precision: str,
+                                                        clip: float) -> None:
+    """A GPU's step (clip coefficient on the device, fp16's overflow check handed to the fused
+    kernel, the norm read last) on these CPU ranks, against one process; SGD, so that a wrong factor
+    shows, clipping (0.05 is below every norm here) or only measuring."""
+    rtol = TOLERANCE[(precision, "sgd")]
+    want = train_reference("tied", STEPS, optimizer="sgd", clip=clip, precision=precision)
+    got = pool.run(with_deferred_host_reads, train_engine, "tied", strategy, STEPS, optimizer="sgd",
+                   clip=clip, precision=precision, bucket_mb=25.0)
+    for rank, result in enumerate(got):
+        assert_close(result["state"], want["state"], f"rank {rank}: {strategy} {precision}, clip "
+                     f"{clip:g}, the GPU's order of work, against torch.autocast in one process",
+                     rtol=rtol, atol=ATOL)
+        assert result["norms"] == pytest.approx(want["norms"], rel=rtol)

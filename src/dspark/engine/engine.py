@@ -40,11 +40,12 @@ from dspark.engine.compile_boundary import outside_compile
 from dspark.engine.global_batchnorm import convert_batchnorm, restore_batchnorm
 from dspark.engine.grad_bucket import BufferPool, GradBucket
 from dspark.engine.grad_reducer import GradReducer, StepWeights
+from dspark.engine.host_read import DeferredRead
 from dspark.engine.loss_scaler import LossScaler
 from dspark.engine.materialize import has_meta_tensors, materialize
 from dspark.engine.memory import expected_state_bytes, optimizer_state_elements, storage_bytes
 from dspark.engine.optimizer_guard import check_elementwise, guard_sharded_optimizer
-from dspark.engine.optimizer_kernel import prefer_fused_kernel
+from dspark.engine.optimizer_kernel import prefer_fused_kernel, skips_on_found_inf
 from dspark.engine.param_groups import ParamGroupsFn, group_by_overrides
 from dspark.engine.param_slot import ParamSlot
 from dspark.engine.policy import precision_policy, sharding_policy
@@ -154,6 +155,7 @@ class Engine:
                              "fp16 scales its loss; pass precision='fp16', or leave loss_scaler out")
         self.loss_scaler = (loss_scaler or LossScaler()) if self.precision.loss_scaling else None
         self.last_grad_norm: float | None = None
+        self._defer_host_reads = defers_host_reads(self.world.device)
         self.step_count = 0
         self._micro_step = 0
         self._weight_sum: float | None = None
@@ -588,25 +590,67 @@ class Engine:
             log.warning("rank %d: every rank gave weight=0: nothing to average, step skipped",
                         self.world.rank)
             return False
-        if self.loss_scaler is not None or self.clip_grad_norm is not None:
-            norm = self._global_grad_norm()
-            self.last_grad_norm = norm  # inf or nan on an overflow, as clip_grad_norm_ after unscale_
-            if self.loss_scaler is not None:
-                overflow = not math.isfinite(norm)
-                self.loss_scaler.update(found_overflow=overflow)
-                if overflow:
-                    log.warning("rank %d: fp16 gradients overflowed; step skipped, loss scale now %g",
-                                self.world.rank, self.loss_scaler.scale)
-                    return False
-            if self.clip_grad_norm is not None:
-                self._clip_to(self.clip_grad_norm, norm)
+        if self.loss_scaler is None and self.clip_grad_norm is None:
+            self.optimizer.step()
+            return self._after_optimizer_step()
+        if self._defer_host_reads and (self.loss_scaler is None or skips_on_found_inf(self.optimizer)):
+            return self._update_reading_the_norm_after()
+        norm = self._global_grad_norm()
+        self.last_grad_norm = norm  # inf or nan on an overflow, as clip_grad_norm_ after unscale_
+        if self.loss_scaler is not None and self._fp16_overflowed(norm):
+            return False
+        if self.clip_grad_norm is not None:
+            self._clip_to(self.clip_grad_norm, norm)
         self.optimizer.step()
+        return self._after_optimizer_step()
+
+    def _update_reading_the_norm_after(self) -> bool:
+        """The step with its one host read after the optimizer's kernels are queued (see [Note: the
+        step's one host read] in :mod:`dspark.engine.host_read`): the clip coefficient stays on the
+        device, an fp16 overflow skips the fused kernel's update on the device, and the host waits
+        only for the norm."""
+        total = self._grad_norm_squared()
+        read = DeferredRead(total)
+        if self.clip_grad_norm is not None:
+            coef = (self.clip_grad_norm / (total.sqrt() + 1e-6)).clamp_(max=1.0).float().reshape(())
+            grads = [g for g in self._owned_grads() if g is not None]
+            if grads:
+                torch._foreach_mul_(grads, coef)
+        found_inf = None if self.loss_scaler is None else (~torch.isfinite(total)).float().reshape(())
+        self.optimizer.found_inf = found_inf  # type: ignore[attr-defined]
+        self.optimizer.grad_scale = None  # type: ignore[attr-defined]  # unscaled already
+        try:
+            self.optimizer.step()
+        finally:
+            del self.optimizer.found_inf, self.optimizer.grad_scale  # type: ignore[attr-defined]
+        # zero1/zero2 gather their rows whatever the device decided: after an overflow the rows are
+        # the ones every rank already holds, and the ranks stay in step with each other
+        applied = self._after_optimizer_step(count=False)
+        norm = math.sqrt(read.value())
+        self.last_grad_norm = norm
+        if self.loss_scaler is not None and self._fp16_overflowed(norm):
+            return False
+        self.step_count += 1
+        return applied
+
+    def _fp16_overflowed(self, norm: float) -> bool:
+        """Update the loss scale from this step's norm; True (with a warning) on an overflow."""
+        assert self.loss_scaler is not None
+        overflow = not math.isfinite(norm)
+        self.loss_scaler.update(found_overflow=overflow)
+        if overflow:
+            log.warning("rank %d: fp16 gradients overflowed; step skipped, loss scale now %g",
+                        self.world.rank, self.loss_scaler.scale)
+        return overflow
+
+    def _after_optimizer_step(self, *, count: bool = True) -> bool:
         if self.step_count == 0 and self.strategy.shard_optimizer and self.world.world_size > 1:
             self._agreed("checking the optimizer's state after its first step",  # one small gather, once
                          lambda: check_elementwise(self.optimizer, strategy=self.strategy.name, after_step=True))
         if self.strategy.shard_optimizer and not self._shard_params and self.world.world_size > 1:
             self._gather_updated_rows()
-        self.step_count += 1
+        if count:
+            self.step_count += 1
         return True
 
     def clip_grad_norm_(self, max_norm: float) -> float:
@@ -655,16 +699,20 @@ class Engine:
 
     def _global_grad_norm(self) -> float:
         """The L2 norm of the whole gradient, as ``torch.nn.utils.clip_grad_norm_`` computes it in one
-        process; inf or nan when any rank's gradient holds one. Shards (zero2/3) sum their squares
-        across ranks (padding rows are zero); whole gradients are equal everywhere and need no
-        collective. One host synchronisation."""
+        process; inf or nan when any rank's gradient holds one. One host synchronisation."""
+        return math.sqrt(float(self._grad_norm_squared().item()))
+
+    def _grad_norm_squared(self) -> torch.Tensor:
+        """The squared L2 norm of the whole gradient, a float64 tensor of one element on the device.
+        Shards (zero2/3) sum their squares across ranks (padding rows are zero); whole gradients are
+        equal everywhere and need no collective."""
         local = [g for g in self._owned_grads() if g is not None]
         total = torch.zeros(1, dtype=torch.float64, device=self.world.device)
         if local:  # one fused norm per tensor, as clip_grad_norm_ does; no float64 copies of gradients
             total += torch.stack(torch._foreach_norm(local)).double().pow(2).sum()
         if self.strategy.shard_grads and self.world.world_size > 1:
             comm.all_reduce(total)
-        return math.sqrt(float(total.item()))
+        return total
 
     def _gather_updated_rows(self) -> None:
         """zero1/zero2: every rank updated its rows; all-gather them into the full parameters, one
@@ -1045,6 +1093,14 @@ def _prefix_fix(expected: list[str], given: list[Any]) -> str:
             return (f". Every name of the model starts with {prefix!r} (the engine wraps a wrapper, e.g. "
                     f"torch.compile's '_orig_mod.'): add it, {{{prefix!r} + k: v for k, v in sd.items()}}")
     return ""
+
+
+def defers_host_reads(device: torch.device) -> bool:
+    """Whether the step reads the gradient norm only after queueing the optimizer (see [Note: the
+    step's one host read] in :mod:`dspark.engine.host_read`): on a GPU. A CPU has no queue to keep
+    full, and there the clip's skip when the norm is below ``max_norm`` saves a pass over the
+    gradients. (The tests switch it on for CPU ranks, to run the GPU's order of work there.)"""
+    return device.type == "cuda"
 
 
 def _memory_order(slot: ParamSlot, grad: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import _default_to_fused_or_foreach, _get_fused_kernels_supported_devices
 
-__all__ = ["kernel_name", "prefer_fused_kernel"]
+__all__ = ["kernel_name", "prefer_fused_kernel", "skips_on_found_inf"]
 
 _FUSED_CAPABLE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 # fp32 only: the engine's master weights are fp32 under bf16/fp16 compute; a model that keeps bf16
@@ -54,6 +54,20 @@ def prefer_fused_kernel(optimizer: torch.optim.Optimizer) -> bool:
     for group in optimizer.param_groups:
         group["fused"] = True  # not the defaults: a group added later is checked by nobody
     return True
+
+
+def skips_on_found_inf(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step()`` runs PyTorch's fused kernel in every group, which reads the
+    optimizer's ``found_inf`` attribute (a device tensor; 1 skips the update and undoes the step
+    count, on the device: ``torch.amp.GradScaler``'s protocol with fused optimizers). Only exactly
+    Adam, AdamW and SGD: their other kernels refuse ``found_inf``, a subclass may step otherwise.
+
+    Example::
+
+        skips_on_found_inf(torch.optim.AdamW(params, fused=True))   # True
+    """
+    return (type(optimizer) in _FUSED_CAPABLE
+            and all(group.get("fused") for group in optimizer.param_groups))
 
 
 def _group_kernel(group: dict[str, Any]) -> str:
