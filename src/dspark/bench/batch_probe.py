@@ -7,7 +7,8 @@ pre-hook on every module of the model (the root first), fingerprints the tensors
 (:func:`dspark.tensor.fingerprint.batch_fingerprint`: a few numbers, no copy of the data; the
 root's inputs read whole, a submodule's sampled), and all ranks exchange their fingerprints. Three facts come out:
 
-* ``samples_by_rank``: how many samples (rows of the first input) each rank's model received;
+* ``samples_by_rank``: how many samples (rows of the first input) each rank's model received in
+  the step, over every pass (a step in micro-batches calls the model once per micro-batch);
 * ``identical_input_ranks``: ranks whose models received the very same batch;
 * ``replicated_modules``: modules inside the model that received the same *batch-derived* input
   on two ranks although the model's own inputs differed: a replication in the model's code (a
@@ -43,7 +44,8 @@ class BatchInspection:
     """What the ranks' models received, measured (see [Note: batch probe])."""
 
     samples_by_rank: list[int]
-    """Rows of the first tensor each rank's root module received (per step)."""
+    """Rows of the first tensor each rank's root module received per step, over all its calls
+    (a step run in micro-batches calls the root once per micro-batch)."""
     identical_input_ranks: list[list[int]] = field(default_factory=list)
     """``[a, b]`` pairs of ranks whose root module received the same batch."""
     replicated_modules: list[str] = field(default_factory=list)
@@ -84,9 +86,9 @@ class BatchProbe:
                 # tells a replicated input from a different one without a pass over each activation
                 # (read whole, they cost more than the step itself on an image model)
                 self._prints[(name, index)] = tuple(batch_fingerprint(leaves, whole=not name).tolist())
-            if name == "" and index == 0:
+            if name == "":  # every pass of the step: micro-batches add up to the rank's share
                 first = leaves[0]
-                self._samples = int(first.shape[0]) if first.dim() else 1
+                self._samples = (self._samples or 0) + (int(first.shape[0]) if first.dim() else 1)
         return record
 
     def take(self) -> tuple[int, StepPrints]:

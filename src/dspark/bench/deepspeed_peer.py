@@ -160,7 +160,7 @@ def peer_precision(name: str, precision: str, *, known: Collection[str],
 
 
 def deepspeed_config(name: str, *, global_batch: int, world_size: int, precision: str,
-                     bucket_mb: float) -> dict[str, Any]:
+                     bucket_mb: float, grad_accum_steps: int = 1) -> dict[str, Any]:
     """The DeepSpeed configuration of peer ``name`` (see [Note: a DeepSpeed peer's configuration]).
 
     Example::
@@ -171,6 +171,9 @@ def deepspeed_config(name: str, *, global_batch: int, world_size: int, precision
     policy = peer_precision(name, precision, known=_STAGE, scaler="DeepSpeed's loss scaler")
     if global_batch < 1 or global_batch % world_size:
         raise ValueError(f"global_batch={global_batch} does not split evenly over {world_size} ranks")
+    if grad_accum_steps < 1 or (global_batch // world_size) % grad_accum_steps:
+        raise ValueError(f"grad_accum_steps={grad_accum_steps} does not split a rank's "
+                         f"{global_batch // world_size} samples evenly")
     stage = _STAGE[name]
     bucket_elements = int(bucket_mb * 2**20) // 4  # fp32 gradients: DeepSpeed counts elements
     zero: dict[str, Any] = {"stage": stage, "reduce_bucket_size": bucket_elements,
@@ -180,8 +183,8 @@ def deepspeed_config(name: str, *, global_batch: int, world_size: int, precision
         zero["compute_grad_norm"] = False
     config: dict[str, Any] = {
         "train_batch_size": global_batch,
-        "train_micro_batch_size_per_gpu": global_batch // world_size,
-        "gradient_accumulation_steps": 1,
+        "train_micro_batch_size_per_gpu": global_batch // world_size // grad_accum_steps,
+        "gradient_accumulation_steps": grad_accum_steps,
         "gradient_clipping": 0.0,
         "zero_optimization": zero,
         "steps_per_print": 2**31 - 1,  # no progress lines inside timed steps
@@ -214,12 +217,16 @@ class DeepSpeedPeer:
 
     def __init__(self, name: str, model: nn.Module, world: World, *, lr: float, precision: str,
                  global_batch: int,
-                 optimizer: Callable[..., torch.optim.Optimizer] | None = None) -> None:
+                 optimizer: Callable[..., torch.optim.Optimizer] | None = None,
+                 grad_accum_steps: int = 1) -> None:
         import torch.distributed as dist
 
         self.config = deepspeed_config(name, global_batch=global_batch,
                                        world_size=world.world_size, precision=precision,
-                                       bucket_mb=dspark_bucket_mb())
+                                       bucket_mb=dspark_bucket_mb(),
+                                       grad_accum_steps=grad_accum_steps)
+        self.grad_accum_steps = grad_accum_steps
+        self._micro_step = 0
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(f"peer {name!r} runs on the process group dspark.init() creates; "
                                "launch it with `dspark run` (or dspark.init(backend='gloo'))")
@@ -257,10 +264,16 @@ class DeepSpeedPeer:
         return self._engine(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
+        # DeepSpeed divides the loss by gradient_accumulation_steps itself, and wants its step()
+        # after every micro-batch: it applies the optimizer only at the window's boundary
         self._engine.backward(loss)
+        self._micro_step += 1
+        if self._micro_step < self.grad_accum_steps:
+            self._engine.step()
 
     def step(self) -> bool:
         self._engine.step()  # zeroes the gradients too
+        self._micro_step = 0
         return True
 
     def estimated_traffic_per_step(self) -> tuple[int, int]:

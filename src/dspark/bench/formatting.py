@@ -9,7 +9,8 @@ from __future__ import annotations
 from dspark.bench.result import BenchResult
 
 __all__ = ["BREAKDOWN_COLUMNS", "BREAKDOWN_NOTE", "BYTES_PER_MB", "MEMORY_COLUMNS_NOTE",
-           "RESULT_COLUMNS", "TEXT_COLUMNS", "anomaly_kinds", "breakdown_rows", "config_label",
+           "RESULT_COLUMNS", "TEXT_COLUMNS", "anomaly_kinds", "batch_label", "breakdown_rows",
+           "config_label",
            "format_mb", "format_ms", "format_number", "format_ratio", "format_speedup",
            "result_cells"]
 
@@ -98,8 +99,7 @@ def result_cells(result: BenchResult) -> list[str]:
         dict(zip(RESULT_COLUMNS, result_cells(result)))["step ms (p10-p90)"]  # "280 (274-286)"
     """
     r = result
-    return [r.workload, str(r.num_devices), r.strategy, r.precision,
-            f"{r.batch_placement} {r.global_batch}", str(r.rounds),
+    return [r.workload, str(r.num_devices), r.strategy, r.precision, batch_label(r), str(r.rounds),
             f"{format_number(r.step_ms)} ({format_number(r.step_ms_p10)}-"
             f"{format_number(r.step_ms_p90)})",
             format_number(r.samples_per_s),
@@ -125,6 +125,22 @@ BREAKDOWN_NOTE = (
 """What the breakdown columns cover, printed under every breakdown table."""
 
 
+def batch_label(result: BenchResult) -> str:
+    """How a result's batch was placed and run: ``"shard 256"``, or with micro-batches
+    ``"shard 256 (8 x 32)"``: each rank's share in 8 passes of 32 samples.
+
+    Example::
+
+        batch_label(result)   # "shard 32"
+    """
+    label = f"{result.batch_placement} {result.global_batch}"
+    if result.micro_batches > 1:
+        share = (result.global_batch if result.batch_placement == "replicate"
+                 else result.global_batch // result.num_devices)
+        label += f" ({result.micro_batches} x {share // result.micro_batches})"
+    return label
+
+
 def config_label(result: BenchResult) -> str:
     """One line naming a result's configuration.
 
@@ -133,7 +149,7 @@ def config_label(result: BenchResult) -> str:
         config_label(result)   # "gpt2-cpu, 2 dev, replicate, bf16, batch shard 32"
     """
     return (f"{result.workload}, {result.num_devices} dev, {result.strategy}, {result.precision}, "
-            f"batch {result.batch_placement} {result.global_batch}")
+            f"batch {batch_label(result)}")
 
 
 def breakdown_rows(result: BenchResult) -> list[list[str]]:

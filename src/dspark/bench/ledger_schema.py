@@ -17,9 +17,9 @@ Schema history:
    and recomputed), and the old table stays as it was, now refusing ``INSERT OR REPLACE`` too.
 
 Within schema 2, a measurement's JSON gains keys without a layout change: ``hosts_by_rank``,
-``profiled``, ``phase_ms_by_rank`` (``dspark bench --profile``), ``audit_by_rank`` and
-``optimizer_kernel``. A row written before them reads back without them (empty breakdown, no
-audit, no kernel); an older DSpark reading a newer row drops the keys it does not know. No version bump, so neither side refuses the other's
+``profiled``, ``phase_ms_by_rank`` (``dspark bench --profile``), ``audit_by_rank``,
+``optimizer_kernel`` and ``micro_batches``. A row written before them reads back without them (empty
+breakdown, no audit, no kernel, one pass a step); an older DSpark reading a newer row drops the keys it does not know. No version bump, so neither side refuses the other's
 file: the raw figures of a launch belong in its one ``measurement_json``, and a column or side
 table for them would only repeat it.
 """

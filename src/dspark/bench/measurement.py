@@ -100,6 +100,9 @@ class Measurement(Recorded):
     optimizer_kernel: str = ""
     """The kernel the optimizer stepped with (``fused``, ``foreach``, ``for-loop``); "" in a row
     written before it was recorded."""
+    micro_batches: int = 1
+    """Forward/backward passes a rank ran per step (its share in micro-batches of at most the
+    workload's ``max_micro_batch``; 1 in a row written before it was recorded)."""
     cpu_malloc: str = ""
     """How the workers' C library malloc was set (:mod:`dspark.cpu_malloc`): ``dspark`` or
     ``default (<why>)``; "" on a GPU device or in a row written before it was recorded."""
@@ -263,6 +266,7 @@ def _summarise(rounds: list[Measurement]) -> BenchResult:
         estimated_comm_wire_bytes_per_step=first.estimated_comm_wire_bytes_per_step,
         bus_bytes_per_s=statistics.median(m.bus_bytes_per_s for m in rounds),
         engine_options=dict(first.engine_options), optimizer_kernel=first.optimizer_kernel,
+        micro_batches=first.micro_batches,
         cpu_malloc=first.cpu_malloc,
         hosts_by_rank=list(first.hosts_by_rank),
         audit_by_rank=list(probed.audit_by_rank) if probed else [],

@@ -126,8 +126,12 @@ class PeerEngine:
     """
 
     def __init__(self, name: str, model: nn.Module, world: World, *, lr: float, precision: str,
-                 broadcast_buffers: bool | None = None) -> None:
+                 broadcast_buffers: bool | None = None, grad_accum_steps: int = 1) -> None:
         policy = peer_precision(name, precision, known=TORCH_PEERS, scaler="PyTorch's GradScaler")
+        if isinstance(grad_accum_steps, bool) or grad_accum_steps < 1:
+            raise ValueError(f"grad_accum_steps={grad_accum_steps!r} must be an int >= 1")
+        self.grad_accum_steps = grad_accum_steps
+        self._micro_step = 0
         self.name = name
         self.world = world
         self._compute_dtype = policy.compute_dtype
@@ -153,24 +157,43 @@ class PeerEngine:
             fully_shard(model, mesh=mesh)
             self.module = model
         self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=lr)
-        self.options: dict[str, Any] = {}
-        """What the worker records as ``engine_options`` (a PyTorch peer takes none)."""
+        self.options: dict[str, Any] = ({"grad_accum_steps": grad_accum_steps}
+                                        if grad_accum_steps > 1 else {})
+        """What the worker records as ``engine_options`` (a PyTorch peer takes none but the
+        accumulation)."""
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         if self._compute_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.world.device.type, dtype=self._compute_dtype)
 
+    def _sync_context(self) -> contextlib.AbstractContextManager[Any]:
+        """Gradient accumulation as each wrapper's users write it: the window's last micro-batch
+        synchronises; before it, DDP's forward runs under ``no_sync()`` (DDP decides in forward)
+        and FSDP2 is told ``set_requires_gradient_sync(False)``."""
+        last = self._micro_step == self.grad_accum_steps - 1
+        if self.grad_accum_steps == 1:
+            return contextlib.nullcontext()
+        if self.name == "torch-ddp":
+            return contextlib.nullcontext() if last else self.module.no_sync()  # type: ignore[operator]
+        self.module.set_requires_gradient_sync(last)  # type: ignore[operator]
+        return contextlib.nullcontext()
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with self._autocast():
+        with self._sync_context(), self._autocast():
             return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
+        if self._micro_step >= self.grad_accum_steps:
+            raise RuntimeError(f"peer {self.name!r}: more than grad_accum_steps="
+                               f"{self.grad_accum_steps} backward() calls before step()")
+        (loss / self.grad_accum_steps if self.grad_accum_steps > 1 else loss).backward()
+        self._micro_step += 1
 
     def step(self) -> bool:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self._micro_step = 0
         return True
 
     def estimated_traffic_per_step(self) -> tuple[int, int]:
@@ -200,12 +223,14 @@ class PeerEngine:
 
 
 def make_engine(strategy: str, model: nn.Module, world: World, *, lr: float, precision: str,
-                options: dict[str, Any] | None = None, global_batch: int | None = None) -> Any:
+                options: dict[str, Any] | None = None, global_batch: int | None = None,
+                grad_accum_steps: int = 1) -> Any:
     """DSpark's engine for a DSpark strategy (with ``options``, see :func:`dspark_engine_options`),
     a :class:`PeerEngine` for a PyTorch peer, a
     :class:`~dspark.bench.deepspeed_peer.DeepSpeedPeer` for a DeepSpeed one (which needs the
     ``global_batch`` for its configuration). DSpark's engine and DeepSpeed get the same optimizer
-    factory.
+    factory. ``grad_accum_steps``: backward calls per step, each on a micro-batch (every engine
+    averages them); for DSpark's engine it goes in ``options``.
 
     Example::
 
@@ -213,13 +238,19 @@ def make_engine(strategy: str, model: nn.Module, world: World, *, lr: float, pre
     """
     factory: Callable[..., torch.optim.Optimizer] = functools.partial(torch.optim.AdamW, lr=lr)
     if strategy in TORCH_PEERS:
-        return PeerEngine(strategy, model, world, lr=lr, precision=precision)
+        return PeerEngine(strategy, model, world, lr=lr, precision=precision,
+                          grad_accum_steps=grad_accum_steps)
     if strategy in DEEPSPEED_PEERS:
         if global_batch is None:
             raise ValueError(f"peer {strategy!r} needs global_batch for its DeepSpeed configuration")
         return DeepSpeedPeer(strategy, model, world, lr=lr, precision=precision,
-                             global_batch=global_batch, optimizer=factory)
+                             global_batch=global_batch, optimizer=factory,
+                             grad_accum_steps=grad_accum_steps)
     import dspark
 
+    options = dict(options or {})
+    if options.setdefault("grad_accum_steps", grad_accum_steps) != grad_accum_steps:
+        raise ValueError(f"options grad_accum_steps={options['grad_accum_steps']!r} differs from "
+                         f"grad_accum_steps={grad_accum_steps!r}")
     return dspark.Engine(model, optimizer=factory, strategy=strategy, precision=precision,
-                         **(options or {}))
+                         **options)

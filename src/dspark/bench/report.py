@@ -23,6 +23,7 @@ from dspark.bench.formatting import (
     TEXT_COLUMNS,
     anomaly_kinds,
     breakdown_rows,
+    config_label,
     format_number,
     format_ratio,
     format_speedup,
@@ -41,8 +42,7 @@ _VERDICT_STYLE = {"faster": "green", "slower": "bold red", "within noise": "dim"
 def _print_messages(console: Console, results: Sequence[BenchResult]) -> None:
     for result in results:
         for anomaly in result.anomalies:
-            label = (f"{result.workload}, {result.num_devices} dev, {result.strategy}, "
-                     f"{result.precision}, batch {result.batch_placement} {result.global_batch}")
+            label = config_label(result)
             console.print(Text.assemble(("! ", "bold red"), (f"{anomaly.get('kind')} ", "bold"),
                                         (f"[{label}] ", "dim"), str(anomaly.get("message", ""))))
 

@@ -137,7 +137,8 @@ class BenchResult(Recorded):
     """Parameters + gradients + optimizer state the heaviest rank held, found by walking what the
     module and the optimizer reference (see :mod:`dspark.bench.state_bytes`)."""
     local_batch: int
-    """The most samples any rank's model received per step (measured by the batch probe)."""
+    """The most samples any rank's model received per step (measured by the batch probe, over
+    every pass of the step)."""
     result_id: str = ""
     """``<run id>/<config hash>``: what an N-device result names as its baseline."""
     rounds: int = 1
@@ -198,6 +199,9 @@ class BenchResult(Recorded):
     optimizer_kernel: str = ""
     """The kernel the optimizer stepped with: ``fused``, ``foreach`` or ``for-loop`` (DSpark's
     engine turns on the fused one; see dspark.engine.optimizer_kernel); "" when not recorded."""
+    micro_batches: int = 1
+    """Forward/backward passes per rank per step: the local batch in equal micro-batches of at
+    most the workload's ``max_micro_batch`` (gradients accumulated, one optimizer step)."""
     cpu_malloc: str = ""
     """How the workers' malloc was set on a CPU device (:mod:`dspark.cpu_malloc`): ``dspark``, or
     ``default (<why>)`` (PyTorch's peers run with glibc's own, as their users do); "" when not

@@ -142,15 +142,22 @@ class _Trainer:
         _slow_down(model, world.rank)
         self.specs = param_specs(model)  # before the engine shards the parameters in place
         self.is_dspark = config.strategy not in PEERS
+        # a rank's share of the step in passes the device holds (the workload's max_micro_batch)
+        local = (config.global_batch if config.batch_placement == "replicate"
+                 else -(-config.global_batch // world.world_size))
+        self.passes = self.workload.passes(local)
         self.options = (dspark_engine_options(batch_placement=config.batch_placement)
                         if self.is_dspark else {})
+        if self.passes > 1 and self.is_dspark:
+            self.options["grad_accum_steps"] = self.passes
         # Not recorded in engine_options: where a trace goes does not change what is measured.
         tracing = ({"trace_dir": trace_dir, "trace_steps": TRACE_STEPS}
                    if trace_dir is not None and self.is_dspark else {})
         self.engine: Any = make_engine(config.strategy, model, world, lr=_LEARNING_RATE,
                                        precision=config.precision,
                                        options={**self.options, **tracing},
-                                       global_batch=config.global_batch)
+                                       global_batch=config.global_batch,
+                                       grad_accum_steps=self.passes)
         if not self.is_dspark:  # a DeepSpeed peer records its configuration here
             self.options = dict(self.engine.options)
         self.optimizer_kernel = kernel_name(self.engine.optimizer)
@@ -168,9 +175,15 @@ class _Trainer:
         return self.engine
 
     def forward_backward(self, batch: Batch) -> None:
+        """Forward, loss and backward of this rank's share, in :attr:`passes` equal micro-batches
+        (gradients accumulate; the engines average them over the window)."""
         inputs, targets = batch
         engine = self._live()
-        engine.backward(self.workload.loss(engine(inputs), targets))
+        if self.passes == 1:
+            engine.backward(self.workload.loss(engine(inputs), targets))
+            return
+        for x, y in zip(inputs.chunk(self.passes), targets.chunk(self.passes), strict=True):
+            engine.backward(self.workload.loss(engine(x), y))
 
     def optimizer_step(self) -> None:
         self._live().step()
@@ -329,6 +342,7 @@ def run_config(config: BenchConfig, *, round_index: int = 0, probe: bool = True,
         estimated = estimate() if estimate is not None else None
         options = dict(trainer.options)
         optimizer_kernel = trainer.optimizer_kernel
+        passes = trainer.passes
         is_dspark = trainer.is_dspark
     finally:
         trainer.close()
@@ -358,7 +372,7 @@ def run_config(config: BenchConfig, *, round_index: int = 0, probe: bool = True,
         estimated_comm_bytes_per_step=estimated[0] if estimated else None,
         estimated_comm_wire_bytes_per_step=estimated[1] if estimated else None,
         bus_bytes_per_s=bus_rate, buffer_sync=buffer_sync(config.strategy),
-        engine_options=options, optimizer_kernel=optimizer_kernel,
+        engine_options=options, optimizer_kernel=optimizer_kernel, micro_batches=passes,
         cpu_malloc=malloc.describe() if (malloc := cpu_malloc.current()) is not None else "",
         hosts_by_rank=[e["host"] for e in everyone], profiled=profile,
         phase_ms_by_rank=([e["phases"] for e in everyone]

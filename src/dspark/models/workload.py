@@ -65,13 +65,39 @@ class Workload:
     """Samples per optimizer step across all ranks (divisible by 2 and 4)."""
     default_precision: str
     """``"fp32"``, ``"fp16"`` or ``"bf16"``: the precision this workload is benchmarked in."""
+    max_micro_batch: int | None = None
+    """The most samples one rank runs in one forward/backward pass; a larger local batch runs as
+    equal micro-batches whose gradients accumulate into one optimizer step (:meth:`passes`).
+    ``None``: the local batch in one pass. Set where a step's batch does not fit one GPU at once."""
 
     def __post_init__(self) -> None:
         if self.default_precision not in PRECISIONS:
             raise ValueError(f"default_precision={self.default_precision!r} is not one of {PRECISIONS}")
+        if self.max_micro_batch is not None and (isinstance(self.max_micro_batch, bool)
+                                                 or self.max_micro_batch < 1):
+            raise ValueError(f"max_micro_batch={self.max_micro_batch!r} must be None or an int >= 1")
         if self.default_global_batch < 1 or self.default_global_batch % 4:
             raise ValueError(f"default_global_batch={self.default_global_batch!r} must be a "
                              "positive multiple of 4 (so it splits over 1, 2 and 4 ranks)")
+
+    def passes(self, local_batch: int) -> int:
+        """Forward/backward passes per optimizer step for a rank holding ``local_batch`` samples:
+        the fewest equal micro-batches of at most :attr:`max_micro_batch` samples (1 without a
+        limit). Equal, so that each pass's mean loss weighs the same.
+
+        Example::
+
+            get_workload("gpt2-124m").passes(256)   # 8: micro-batches of 32
+            get_workload("gpt2-124m").passes(48)    # 2: micro-batches of 24
+        """
+        if isinstance(local_batch, bool) or not isinstance(local_batch, int) or local_batch < 1:
+            raise ValueError(f"local_batch={local_batch!r} must be an int >= 1")
+        if self.max_micro_batch is None or local_batch <= self.max_micro_batch:
+            return 1
+        count = -(-local_batch // self.max_micro_batch)
+        while local_batch % count:
+            count += 1
+        return count
 
     def build_model(self, *, seed: int = 0, device: torch.device | str = "cpu") -> nn.Module:
         """A freshly initialised model, identical for the same seed (``device="meta"``: shapes only)."""
@@ -114,6 +140,25 @@ class ImageClassification(Workload):
         if self.image_size < 1:
             raise ValueError(f"image_size={self.image_size!r} must be >= 1")
 
+    def passes(self, local_batch: int) -> int:
+        """Forward/backward passes per optimizer step for a rank holding ``local_batch`` samples:
+        the fewest equal micro-batches of at most :attr:`max_micro_batch` samples (1 without a
+        limit). Equal, so that each pass's mean loss weighs the same.
+
+        Example::
+
+            get_workload("gpt2-124m").passes(256)   # 8: micro-batches of 32
+            get_workload("gpt2-124m").passes(48)    # 2: micro-batches of 24
+        """
+        if isinstance(local_batch, bool) or not isinstance(local_batch, int) or local_batch < 1:
+            raise ValueError(f"local_batch={local_batch!r} must be an int >= 1")
+        if self.max_micro_batch is None or local_batch <= self.max_micro_batch:
+            return 1
+        count = -(-local_batch // self.max_micro_batch)
+        while local_batch % count:
+            count += 1
+        return count
+
     def build_model(self, *, seed: int = 0, device: torch.device | str = "cpu") -> nn.Module:
         return _build(ResNet, self.model, seed=seed, device=device)
 
@@ -152,6 +197,25 @@ class LanguageModeling(Workload):
         if not 1 <= self.seq_len <= self.model.context_len:
             raise ValueError(f"seq_len={self.seq_len!r} must be in [1, context_len="
                              f"{self.model.context_len}]")
+
+    def passes(self, local_batch: int) -> int:
+        """Forward/backward passes per optimizer step for a rank holding ``local_batch`` samples:
+        the fewest equal micro-batches of at most :attr:`max_micro_batch` samples (1 without a
+        limit). Equal, so that each pass's mean loss weighs the same.
+
+        Example::
+
+            get_workload("gpt2-124m").passes(256)   # 8: micro-batches of 32
+            get_workload("gpt2-124m").passes(48)    # 2: micro-batches of 24
+        """
+        if isinstance(local_batch, bool) or not isinstance(local_batch, int) or local_batch < 1:
+            raise ValueError(f"local_batch={local_batch!r} must be an int >= 1")
+        if self.max_micro_batch is None or local_batch <= self.max_micro_batch:
+            return 1
+        count = -(-local_batch // self.max_micro_batch)
+        while local_batch % count:
+            count += 1
+        return count
 
     def build_model(self, *, seed: int = 0, device: torch.device | str = "cpu") -> nn.Module:
         return _build(GPT, self.model, seed=seed, device=device)
