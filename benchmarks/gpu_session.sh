@@ -7,9 +7,9 @@
 #
 # On the lent machine DSpark is not installed: it runs from src/ (PYTHONPATH), on the python3 that
 # holds that machine's CUDA PyTorch. At 1024 tokens a GPT-2 sequence's fp16 activations and logits
-# take about 1 GB, so 256 of them do not fit one GPU in one pass: the lab (which runs a step's batch
-# in one pass) measures it at 32, and benchmarks/one_device_vs_pytorch.py at 256 as 8 x 32.
-# Worst case 90 + 2 x 80 + 150 + 2 x 50 s = 8 min 20 s; about 4 minutes expected. 8 files come back.
+# take about 1 GB, so 256 of them do not fit one GPU in one pass: the lab and
+# benchmarks/one_device_vs_pytorch.py both run GPT-2 124M's 256 as 8 micro-batches of 32.
+# Worst case 90 + 2 x 100 + 150 + 2 x 50 s = 9 min; about 4 minutes expected. 8 files come back.
 set -u
 OUT=${OUT:-gpu-session}
 PY=${PYTHON:-python3}
@@ -32,18 +32,18 @@ timeout 90 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_gpu.p
   tests/engine/test_observe_gpu.py > "$OUT/cuda_tests.txt" 2>&1
 echo "exit $?" >> "$OUT/cuda_tests.txt"
 
-# 2. the lab at real size on one GPU, fp16, with the step breakdown: ResNet-50 at the article's
-#    batch 256, GPT-2 124M at 32 (the lab runs a step's batch in one pass; see 3 for 256)
+# 2. the lab at real size on one GPU, fp16, with the step breakdown, the article's batch 256:
+#    ResNet-50 in one pass, GPT-2 124M in 8 micro-batches of 32 (its max_micro_batch)
 bench() {
   local name=$1 batch=$2
-  timeout 80 "$PY" -m dspark.cli.main bench --workloads "$name" --devices 1 --strategies replicate \
+  timeout 100 "$PY" -m dspark.cli.main bench --workloads "$name" --devices 1 --strategies replicate \
     --precision fp16 --global-batch "$batch" --rounds 1 --warmup 3 --steps 10 --profile \
     --db "${TMPDIR:-/tmp}/dspark-gpu-ledger.sqlite" --json "$OUT/$name.json" --no-progress \
     > "$OUT/$name.txt" 2>&1
   echo "exit $?" >> "$OUT/$name.txt"
 }
 bench resnet50 256
-bench gpt2-124m 32
+bench gpt2-124m 256
 
 # 3. side by side with plain PyTorch (autocast + GradScaler, AdamW default and fused) in interleaved
 #    rounds, all in side_by_side.txt: (a) the seed's configuration, global batch 256, fp16, GPT-2
