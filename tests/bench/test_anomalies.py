@@ -159,6 +159,28 @@ def test_activations_above_a_sharded_share() -> None:
     assert memory_above_expected(bug, one) == []
 
 
+def test_micro_batches_hold_one_pass_of_activations() -> None:
+    """GPT-2 124M's 256 as 8 x 32 on 1 device and 4 x 32 per rank on 2: the same activations per
+    rank, as measured on one H200 (30.4 GiB at 32 in one pass, 30.9 GiB at 256 as 8 x 32); a rank
+    holding twice a pass's is still flagged."""
+    one = make_result(workload="gpt2-124m", micro_batches=8)  # 2000 MB of activations
+    same = make_result(workload="gpt2-124m", num_devices=2, micro_batches=4,
+                       peak_bytes_per_rank=MODEL_STATE_BYTES + 2000 * MB)
+    assert memory_above_expected(same, one) == []
+    double = make_result(workload="gpt2-124m", num_devices=2, micro_batches=4,
+                         peak_bytes_per_rank=MODEL_STATE_BYTES + 4000 * MB)
+    (found,) = memory_above_expected(double, one)
+    assert found["ratio"] == pytest.approx(2.0)
+    # 8 GPUs: a rank's 32 in one pass, the same pass as the 1-device run's
+    eight = make_result(workload="gpt2-124m", num_devices=8, micro_batches=1,
+                        peak_bytes_per_rank=MODEL_STATE_BYTES + 2000 * MB)
+    assert memory_above_expected(eight, one) == []
+    # without micro-batches the rule is what it was: a 1/N share of the 1-device activations
+    assert memory_above_expected(make_result(num_devices=2,
+                                             peak_bytes_per_rank=MODEL_STATE_BYTES + 2000 * MB),
+                                 make_result())
+
+
 def test_a_sample_per_rank_may_peak_with_the_reduction_scratch() -> None:
     """gpt2-cpu in fp32 at global batch 2 on 2 ranks, as measured (see [Note: activation bytes]):
     12.2 MB beside 59.5 MB of model state (14.9 MB of it gradients), against 8.7 MB on 1 device.

@@ -180,9 +180,19 @@ def reduction_scratch_bytes(result: BenchResult) -> int:
 
 
 def _expected_activation_bytes(result: BenchResult, baseline: BenchResult | None) -> float | None:
+    """The activations a rank of ``result`` needs with its batch sharded: the baseline's, scaled by
+    the samples one pass runs (a step in micro-batches holds one micro-batch's activations at a
+    time: GPT-2 124M's 256 as 8 x 32 on one device and 4 x 32 per rank on two hold the same), plus
+    what zero3 keeps gathered."""
     if baseline is None or activation_bytes_per_rank(baseline) <= 0:
         return None
-    return activation_bytes_per_rank(baseline) / result.num_devices + gathered_bytes(result)
+    baseline_pass = baseline.global_batch / max(baseline.micro_batches, 1)
+    share = result.global_batch / result.num_devices
+    # a replicated batch's own passes say nothing of a sharded one's: at most the baseline's pass
+    sharded_pass = (share / max(result.micro_batches, 1) if result.batch_placement == "shard"
+                    else min(share, baseline_pass))
+    return (activation_bytes_per_rank(baseline) * sharded_pass / baseline_pass
+            + gathered_bytes(result))
 
 
 def _model_state_excess(result: BenchResult) -> bool:
