@@ -148,18 +148,63 @@ def test_deepspeed_accumulates_in_its_own_configuration() -> None:
                          bucket_mb=25.0, grad_accum_steps=3)
 
 
-def test_a_launch_in_micro_batches_records_them(single_process, monkeypatch) -> None:
-    # gpt2-cpu with a limit of 2 samples a pass: the lab's own worker, one rank, in this process
-    import dspark.models
-
-    small = dataclasses.replace(get_workload("gpt2-cpu"), max_micro_batch=2)
-    monkeypatch.setattr(dspark.models, "get_workload", lambda name: small)
+def test_a_launch_in_micro_batches_records_them(single_process) -> None:
+    # gpt2-cpu with --micro-batch 2: the lab's own worker, one rank, in this process
     config = BenchConfig(workload="gpt2-cpu", num_devices=1, precision="fp32", global_batch=8,
-                         warmup_steps=0, measure_steps=1)
+                         warmup_steps=0, measure_steps=1, max_micro_batch=2)
     m = run_config(config)
-    assert m.micro_batches == 4
+    assert m.micro_batches == 4 and m.max_micro_batch == 2
     assert m.engine_options["grad_accum_steps"] == 4
     assert m.batch is not None and m.batch["samples_by_rank"] == [8]  # every pass counted
+    assert m.config == config  # a rerun measures the same thing
+
+
+def test_a_workloads_own_limit_applies_without_the_option(single_process, monkeypatch) -> None:
+    import dspark.models
+
+    small = dataclasses.replace(get_workload("gpt2-cpu"), max_micro_batch=4)
+    monkeypatch.setattr(dspark.models, "get_workload", lambda name: small)
+    m = run_config(BenchConfig(workload="gpt2-cpu", num_devices=1, precision="fp32",
+                               global_batch=8, warmup_steps=0, measure_steps=1))
+    assert m.micro_batches == 2 and m.max_micro_batch is None
+    assert m.engine_options["grad_accum_steps"] == 2
+
+
+def test_the_option_reaches_every_configuration_of_a_suite() -> None:
+    from dspark.bench.suites import Machine, SuiteOverrides, build_suite
+
+    configs = build_suite("quick", SuiteOverrides(max_micro_batch=8, precision="fp32"),
+                          machine=Machine(num_gpus=0, num_cpu_cores=2))
+    assert configs and {c.max_micro_batch for c in configs} == {8}
+
+
+def test_the_cli_refuses_a_micro_batch_below_one(capsys) -> None:
+    from dspark.cli.main import main
+
+    assert main(["bench", "--micro-batch", "0"]) == 2
+    assert "--micro-batch" in capsys.readouterr().err
+
+
+def test_a_configuration_without_the_option_keeps_its_earlier_hash() -> None:
+    import hashlib
+    import json
+
+    config = BenchConfig(workload="gpt2-cpu", num_devices=2, global_batch=32)
+    earlier = {k: v for k, v in dataclasses.asdict(config).items() if k != "max_micro_batch"}
+    assert config.config_hash() == hashlib.sha256(
+        json.dumps(earlier, sort_keys=True).encode()).hexdigest()[:16]
+    assert dataclasses.replace(config, max_micro_batch=4).config_hash() != config.config_hash()
+
+
+def test_an_out_of_memory_step_names_the_option() -> None:
+    from dspark.bench.worker import out_of_memory_hint
+
+    config = BenchConfig(workload="gpt2-124m", num_devices=2, global_batch=256)
+    hint = out_of_memory_hint(torch.cuda.OutOfMemoryError("CUDA out of memory"), config)
+    assert "at most 32 samples a pass now" in hint and "--micro-batch N" in hint
+    resnet = BenchConfig(workload="resnet50", num_devices=1, global_batch=256, max_micro_batch=64)
+    assert "at most 64 samples" in out_of_memory_hint(torch.cuda.OutOfMemoryError("x"), resnet)
+    assert out_of_memory_hint(ValueError("x"), config) == ""
 
 
 def test_the_batch_column_shows_the_micro_batches() -> None:

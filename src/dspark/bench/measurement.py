@@ -67,6 +67,8 @@ class Measurement(Recorded):
     global_batch: int
     warmup_steps: int
     measure_steps: int
+    max_micro_batch: int | None = None
+    """``dspark bench --micro-batch``; None: the workload's own limit."""
     run_id: str = ""
     round_index: int = 0
     # time
@@ -123,7 +125,8 @@ class Measurement(Recorded):
         return BenchConfig(workload=self.workload, num_devices=self.num_devices,
                            strategy=self.strategy, precision=self.precision,
                            batch_placement=self.batch_placement, global_batch=self.global_batch,
-                           warmup_steps=self.warmup_steps, measure_steps=self.measure_steps)
+                           warmup_steps=self.warmup_steps, measure_steps=self.measure_steps,
+                           max_micro_batch=self.max_micro_batch)
 
     @property
     def key(self) -> ConfigKey:
@@ -239,7 +242,8 @@ def _summarise(rounds: list[Measurement]) -> BenchResult:
                                           "warmup_steps", "measure_steps", "git_commit",
                                           "git_dirty", "dspark_version", "torch_version",
                                           "python_version", "host", "device_model", "backend",
-                                          "config_hash", "timestamp", "buffer_sync")},
+                                          "config_hash", "timestamp", "buffer_sync",
+                                          "max_micro_batch")},
         result_id=first.result_id, rounds=len(rounds),
         round_indices=[m.round_index for m in rounds],
         step_ms_by_round=[list(s) for s in by_round if s],

@@ -43,6 +43,9 @@ class BenchConfig:
     """Steps run and discarded before timing."""
     measure_steps: int = 5
     """Timed steps; the median and p10/p90 come from these."""
+    max_micro_batch: int | None = None
+    """Samples one rank runs in one forward/backward pass at most (``dspark bench --micro-batch``);
+    ``None``: the workload's own limit (:attr:`dspark.models.Workload.max_micro_batch`)."""
 
     def __post_init__(self) -> None:
         if self.num_devices < 1:
@@ -54,6 +57,9 @@ class BenchConfig:
         if self.warmup_steps < 0 or self.measure_steps < 1:
             raise ValueError(f"warmup_steps={self.warmup_steps} must be >= 0 and "
                              f"measure_steps={self.measure_steps} >= 1")
+        if self.max_micro_batch is not None and (isinstance(self.max_micro_batch, bool)
+                                                 or self.max_micro_batch < 1):
+            raise ValueError(f"max_micro_batch={self.max_micro_batch!r} must be None or >= 1")
 
     @property
     def key(self) -> ConfigKey:
@@ -78,7 +84,10 @@ class BenchConfig:
                 f"{self.batch_placement}{self.global_batch}")
 
     def config_hash(self) -> str:
-        payload = json.dumps(asdict(self), sort_keys=True)
+        fields_ = asdict(self)
+        if fields_["max_micro_batch"] is None:  # left out: a configuration keeps its earlier hash
+            del fields_["max_micro_batch"]
+        payload = json.dumps(fields_, sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
@@ -202,6 +211,8 @@ class BenchResult(Recorded):
     micro_batches: int = 1
     """Forward/backward passes per rank per step: the local batch in equal micro-batches of at
     most the workload's ``max_micro_batch`` (gradients accumulated, one optimizer step)."""
+    max_micro_batch: int | None = None
+    """The limit asked with ``dspark bench --micro-batch``; None: the workload's own."""
     cpu_malloc: str = ""
     """How the workers' malloc was set on a CPU device (:mod:`dspark.cpu_malloc`): ``dspark``, or
     ``default (<why>)`` (PyTorch's peers run with glibc's own, as their users do); "" when not
@@ -252,7 +263,7 @@ class BenchResult(Recorded):
         return BenchConfig(workload=self.workload, num_devices=self.num_devices,
                            strategy=self.strategy, precision=self.precision,
                            batch_placement=self.batch_placement, global_batch=self.global_batch,
-                           **steps)
+                           max_micro_batch=self.max_micro_batch, **steps)
 
 
 def _key(item: BenchConfig | BenchResult) -> ConfigKey:

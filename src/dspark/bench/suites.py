@@ -115,6 +115,8 @@ class SuiteOverrides:
     """fp32, fp16 or bf16 for every configuration (default: each workload's own)."""
     global_batch: int | None = None
     """Samples per step across all devices (default: each workload's own)."""
+    max_micro_batch: int | None = None
+    """Samples per forward/backward pass on a rank at most (default: each workload's own limit)."""
     warmup_steps: int | None = None
     measure_steps: int | None = None
 
@@ -250,7 +252,8 @@ def build_suite(name: str = "quick", overrides: SuiteOverrides | None = None, *,
                          "evenly", name, ", ".join(map(str, uneven)), workload_name, global_batch)
         for strategy in strategies:
             common: dict[str, Any] = {"workload": workload_name, "strategy": strategy, "precision": precision,
-                      "global_batch": global_batch, **steps}
+                      "global_batch": global_batch, "max_micro_batch": overrides.max_micro_batch,
+                      **steps}
             for num_devices in (n for n in devices if n not in uneven):
                 if name == "seed" and num_devices > 1:
                     configs.append(BenchConfig(num_devices=num_devices, batch_placement="replicate",

@@ -36,6 +36,7 @@ timed region, as they are outside the peak memory region.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import logging
@@ -71,7 +72,7 @@ from dspark.bench.state_bytes import expected_model_state, held_model_state, par
 from dspark.engine.optimizer_kernel import kernel_name
 
 __all__ = ["PROBE_STEPS", "SLOW_RANK_ENV", "TRACE_STEPS", "bus_bytes_per_s", "error_path", "main",
-           "run_config"]
+           "out_of_memory_hint", "run_config"]
 
 _log = logging.getLogger(__name__)
 
@@ -138,6 +139,8 @@ class _Trainer:
         self.config = config
         self.world = world
         self.workload = get_workload(config.workload)
+        if config.max_micro_batch is not None:  # dspark bench --micro-batch
+            self.workload = dataclasses.replace(self.workload, max_micro_batch=config.max_micro_batch)
         model = self.workload.build_model(seed=_MODEL_SEED, device=world.device)
         _slow_down(model, world.rank)
         self.specs = param_specs(model)  # before the engine shards the parameters in place
@@ -382,6 +385,27 @@ def run_config(config: BenchConfig, *, round_index: int = 0, probe: bool = True,
         config_hash=config.config_hash(), **asdict(provenance))
 
 
+def out_of_memory_hint(exc: BaseException, config: BenchConfig) -> str:
+    """The fix for a step that did not fit the GPU, as a line to follow its traceback ("" for
+    any other failure).
+
+    Example::
+
+        out_of_memory_hint(torch.cuda.OutOfMemoryError("..."), config)
+        # "\nThe step did not fit the GPU: --micro-batch N runs each rank's share ..."
+    """
+    if not isinstance(exc, torch.cuda.OutOfMemoryError):
+        return ""
+    from dspark.models import get_workload
+
+    limit = config.max_micro_batch or get_workload(config.workload).max_micro_batch
+    now = f"at most {limit} samples a pass now" if limit else "its share in one pass now"
+    return (f"\nThe step did not fit the GPU ({config.workload}, global batch "
+            f"{config.global_batch} on {config.num_devices} device(s), {now}): `dspark bench "
+            "--micro-batch N` runs each rank's share in passes of at most N samples, gradients "
+            "accumulated into one step; or lower --global-batch\n")
+
+
 def error_path(out: Path, rank: int) -> Path:
     """Where rank ``rank`` writes its traceback when it fails (beside the result file).
 
@@ -444,10 +468,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  profile=args.profile, trace_dir=args.trace)
         if world.is_main:
             args.out.write_text(json.dumps(measurement.to_dict(), indent=2))
-    except BaseException:
+    except BaseException as exc:
         # The launcher's own failure summary buries the traceback in stderr; the runner reads
-        # this file instead to report what went wrong.
-        error_path(args.out, world.rank).write_text(f"rank {world.rank}: {traceback.format_exc()}")
+        # this file instead to report what went wrong (its end: the hint goes last).
+        error_path(args.out, world.rank).write_text(
+            f"rank {world.rank}: {traceback.format_exc()}{out_of_memory_hint(exc, config)}")
         raise
     finally:
         gc.collect()  # no model may hold the process group when it is destroyed

@@ -131,6 +131,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     parser.add_argument("--precision", help="fp32, fp16 or bf16 (default: the workload's)")
     parser.add_argument("--global-batch", type=_at_least(1), metavar="N",
                         help="samples per step across all devices")
+    parser.add_argument("--micro-batch", type=_at_least(1), metavar="N",
+                        help="run each rank's share of a step in passes of at most N samples, "
+                             "gradients accumulated into one step (default: the workload's "
+                             "limit, 32 for gpt2-124m; lower it when a pass does not fit a GPU)")
     parser.add_argument("--warmup", type=_non_negative, metavar="N", help="warm-up steps (discarded)")
     parser.add_argument("--steps", type=_at_least(1), metavar="N", help="timed steps per round")
     _add_db(parser, default=None)
@@ -304,7 +308,8 @@ def _run_suite(args: argparse.Namespace) -> int:
     overrides = SuiteOverrides(
         workloads=args.workloads or (), devices=args.devices or (),
         strategies=args.strategies or (), precision=args.precision,
-        global_batch=args.global_batch, warmup_steps=args.warmup, measure_steps=args.steps)
+        global_batch=args.global_batch, max_micro_batch=args.micro_batch,
+        warmup_steps=args.warmup, measure_steps=args.steps)
     configs = build_suite(args.suite, overrides)
     return _run_and_show(configs, args, seed_table=args.suite == "seed")
 
