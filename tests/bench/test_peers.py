@@ -134,6 +134,41 @@ def test_peers_suite_pairs_each_strategy_with_its_pytorch_tool(monkeypatch) -> N
     assert set(PEERS) == {"torch-ddp", "torch-fsdp2", *DEEPSPEED_PEERS}
 
 
-def test_fp16_peer_is_refused_with_the_reason(single_process) -> None:
-    with pytest.raises(ValueError, match="GradScaler"):
-        PeerEngine("torch-ddp", torch.nn.Linear(2, 2), single_process, lr=0.1, precision="fp16")
+def test_fp16_fsdp2_is_refused_with_the_reason(single_process) -> None:
+    with pytest.raises(ValueError, match="GradScaler checks this rank's shards only"):
+        PeerEngine("torch-fsdp2", torch.nn.Linear(2, 2), single_process, lr=0.1, precision="fp16")
+
+
+def _replicate_vs_ddp_in_fp16(poison_step: int | None) -> dict[str, Any]:
+    """DSpark's fp16 (its LossScaler) beside DDP's (PyTorch's GradScaler, as the lab builds the
+    peer), SGD without momentum; at ``poison_step`` rank 1's loss is inf: both skip that step."""
+    world = dspark.get_world()
+    sgd = functools.partial(torch.optim.SGD, lr=0.1)
+    ours = dspark.Engine(_plain_mlp(), optimizer=sgd, strategy="replicate", precision="fp16")
+    ddp = PeerEngine("torch-ddp", _plain_mlp(), world, lr=0.1, precision="fp16")
+    ddp.optimizer = sgd(ddp.module.parameters())
+    applied: dict[str, list[bool]] = {"dspark": [], "ddp": []}
+    for step in range(4):
+        x, y = dspark.distribute_batch(tm.batch("mlp", 8, step), shard_dim=0)
+        for name, engine in (("dspark", ours), ("ddp", ddp)):
+            loss = tm.loss_fn("mlp", engine(x), y)
+            if step == poison_step and world.rank == 1:
+                loss = loss * float("inf")
+            engine.backward(loss)
+            applied[name].append(engine.step())
+    mine = [p.detach().clone() for p in ours.module.parameters()]
+    theirs = [p.detach().clone() for p in ddp.module.module.parameters()]
+    scales = (ours.loss_scale, ddp._scaler.get_scale() if ddp._scaler is not None else None)
+    ours.close()
+    ddp.close()
+    return {"dspark": mine, "ddp": theirs, "applied": applied, "scales": scales}
+
+
+@pytest.mark.parametrize("poison_step", [None, 1])
+def test_ddp_in_fp16_runs_pytorchs_amp_recipe_beside_dspark(pool, poison_step: int | None) -> None:
+    for rank in pool.run(_replicate_vs_ddp_in_fp16, poison_step):
+        for ours, theirs in zip(rank["dspark"], rank["ddp"], strict=True):
+            torch.testing.assert_close(ours, theirs, rtol=2e-3, atol=1e-4)
+        expected = [step != poison_step for step in range(4)]
+        assert rank["applied"] == {"dspark": expected, "ddp": expected}
+        assert rank["scales"][0] == rank["scales"][1]  # the same scale, backed off alike

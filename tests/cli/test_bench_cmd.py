@@ -149,11 +149,13 @@ def test_an_output_path_under_a_file_is_refused_before_measuring(tmp_path: Path,
     assert not workers.calls
 
 
-def test_a_peer_in_fp16_is_refused_before_launching(workers: FakeWorkers,
-                                                    capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["bench", "--strategies", "torch-ddp", "--precision", "fp16", "--devices", "1",
-                 "--workloads", "gpt2-cpu", "--no-progress"]) == 2
-    assert "--precision fp16 with peer(s) torch-ddp" in capsys.readouterr().err
+def test_a_sharded_peer_in_fp16_is_refused_before_launching(workers: FakeWorkers,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    # DDP takes fp16 (PyTorch's GradScaler); FSDP2's GradScaler would see one rank's shards only
+    assert main(["bench", "--strategies", "torch-ddp,torch-fsdp2", "--precision", "fp16",
+                 "--devices", "1", "--workloads", "gpt2-cpu", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "--precision fp16 with peer(s) torch-fsdp2:" in err and "GradScaler" in err, err
     assert not workers.calls
 
 

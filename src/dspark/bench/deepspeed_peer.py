@@ -142,20 +142,21 @@ def dspark_bucket_mb(engine_cls: type | None = None) -> float:
 
 
 def peer_precision(name: str, precision: str, *, known: Collection[str],
-                   scaler: str) -> PrecisionPolicy:
-    """The precision policy of peer ``name`` (one of ``known``): fp32 or bf16. fp16 is refused:
-    it would need ``scaler``, which DSpark's comparison does not model.
+                   scaler: str, scales: bool = False) -> PrecisionPolicy:
+    """The precision policy of peer ``name`` (one of ``known``): fp32 or bf16, and fp16 where the
+    peer runs ``scaler`` (``scales=True``); elsewhere fp16 is refused with ``scaler``'s reason.
 
     Example::
 
-        peer_precision("torch-ddp", "bf16", known=["torch-ddp"], scaler="PyTorch's GradScaler")
+        peer_precision("torch-ddp", "fp16", known=["torch-ddp"], scaler="PyTorch's GradScaler",
+                       scales=True)
     """
     if name not in known:
         raise ValueError(f"peer={name!r} is not one of {', '.join(map(repr, known))}")
     policy = precision_policy(precision)
-    if policy.loss_scaling:
+    if policy.loss_scaling and not scales:
         raise ValueError(f"peer {name!r} is measured in fp32 or bf16; precision={precision!r} "
-                         f"would need {scaler}, which DSpark's comparison does not model")
+                         f"would need {scaler}")
     return policy
 
 
@@ -168,7 +169,8 @@ def deepspeed_config(name: str, *, global_batch: int, world_size: int, precision
         deepspeed_config("deepspeed-zero2", global_batch=16, world_size=2, precision="fp32",
                          bucket_mb=25.0)["zero_optimization"]["reduce_bucket_size"]   # 6553600
     """
-    policy = peer_precision(name, precision, known=_STAGE, scaler="DeepSpeed's loss scaler")
+    policy = peer_precision(name, precision, known=_STAGE,
+                            scaler="DeepSpeed's loss scaler, which the comparison does not model")
     if global_batch < 1 or global_batch % world_size:
         raise ValueError(f"global_batch={global_batch} does not split evenly over {world_size} ranks")
     if grad_accum_steps < 1 or (global_batch // world_size) % grad_accum_steps:

@@ -9,8 +9,11 @@ peer           PyTorch tool                                         DSpark count
 ``torch-fsdp2`` ``torch.distributed.fsdp.fully_shard`` per block    ``zero3``
 =============  ===================================================  ===================
 
-Both run the model the way DSpark does: fp32 parameters and AdamW, autocast for bf16, the same
-global batch split the same way. FSDP2 wraps the same units as DSpark's zero3 (the model's
+Both run the model the way DSpark does: fp32 parameters and AdamW, autocast for bf16 and fp16, the
+same global batch split the same way. fp16 is DDP's only, with ``torch.amp.GradScaler`` as
+PyTorch's AMP recipe writes it (from DSpark's initial scale and growth interval); under FSDP2 the
+gradients are shards and GradScaler's overflow check sees only this rank's, so FSDP2 is refused
+fp16 with that reason. FSDP2 wraps the same units as DSpark's zero3 (the model's
 repeated blocks, then the root). Their AdamW is built as DSpark's is and keeps PyTorch's default
 kernel (the loop on CPU), where DSpark's engine turns on the fused one; every result records the
 kernel that ran (``optimizer_kernel``).
@@ -47,6 +50,7 @@ from torch import nn
 from dspark.bench.deepspeed_peer import DEEPSPEED_PEERS, DeepSpeedPeer, peer_precision
 from dspark.comm import World
 from dspark.comm.stats import wire_bytes
+from dspark.engine.loss_scaler import LossScaler
 
 __all__ = ["DEEPSPEED_PEERS", "PEERS", "TORCH_PEERS", "PeerEngine", "buffer_sync",
            "dspark_engine_options", "make_engine"]
@@ -127,7 +131,11 @@ class PeerEngine:
 
     def __init__(self, name: str, model: nn.Module, world: World, *, lr: float, precision: str,
                  broadcast_buffers: bool | None = None, grad_accum_steps: int = 1) -> None:
-        policy = peer_precision(name, precision, known=TORCH_PEERS, scaler="PyTorch's GradScaler")
+        policy = peer_precision(
+            name, precision, known=TORCH_PEERS, scales=name == "torch-ddp",
+            scaler="a loss scaler whose overflow check sees every rank's gradient: PyTorch's "
+                   "GradScaler checks this rank's shards only under FSDP2 (ranks could disagree "
+                   "on skipping a step)")
         if isinstance(grad_accum_steps, bool) or grad_accum_steps < 1:
             raise ValueError(f"grad_accum_steps={grad_accum_steps!r} must be an int >= 1")
         self.grad_accum_steps = grad_accum_steps
@@ -157,6 +165,12 @@ class PeerEngine:
             fully_shard(model, mesh=mesh)
             self.module = model
         self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=lr)
+        # fp16 (DDP): PyTorch's AMP recipe, from the initial scale and growth interval of DSpark's
+        # LossScaler, so that both skip the same steps
+        defaults = LossScaler()
+        self._scaler = (torch.amp.GradScaler(world.device.type, init_scale=defaults.scale,
+                                             growth_interval=defaults.growth_interval)
+                        if policy.loss_scaling else None)
         self.options: dict[str, Any] = ({"grad_accum_steps": grad_accum_steps}
                                         if grad_accum_steps > 1 else {})
         """What the worker records as ``engine_options`` (a PyTorch peer takes none but the
@@ -187,14 +201,24 @@ class PeerEngine:
         if self._micro_step >= self.grad_accum_steps:
             raise RuntimeError(f"peer {self.name!r}: more than grad_accum_steps="
                                f"{self.grad_accum_steps} backward() calls before step()")
-        (loss / self.grad_accum_steps if self.grad_accum_steps > 1 else loss).backward()
+        loss = loss / self.grad_accum_steps if self.grad_accum_steps > 1 else loss
+        (loss if self._scaler is None else self._scaler.scale(loss)).backward()
         self._micro_step += 1
 
     def step(self) -> bool:
-        self.optimizer.step()
+        """The optimizer step (fp16: ``GradScaler.step`` and ``update``); False when fp16
+        gradients overflowed and the step was skipped."""
+        applied = True
+        if self._scaler is None:
+            self.optimizer.step()
+        else:
+            before = self._scaler.get_scale()
+            self._scaler.step(self.optimizer)
+            self._scaler.update()
+            applied = self._scaler.get_scale() >= before
         self.optimizer.zero_grad(set_to_none=True)
         self._micro_step = 0
-        return True
+        return applied
 
     def estimated_traffic_per_step(self) -> tuple[int, int]:
         """``(payload bytes, ring wire bytes)`` one rank sends per step, ESTIMATED from the

@@ -220,11 +220,13 @@ def build_suite(name: str = "quick", overrides: SuiteOverrides | None = None, *,
         deepspeed_peer.require_deepspeed(overrides.strategies)
     if overrides.precision is not None:
         _valid("precision", (overrides.precision,), tuple(PRECISIONS))
-        peers = [s for s in strategies if s in PEERS]
+        peers = [s for s in strategies if s in PEERS and s != "torch-ddp"]
         if peers and PRECISIONS[overrides.precision].loss_scaling:
-            raise ValueError(f"--precision {overrides.precision} with peer(s) {', '.join(peers)}: peers are "
-                             "measured in fp32 or bf16 (fp16 would need their own loss scalers, which the "
-                             "comparison does not model); use --precision bf16, or DSpark's strategies alone")
+            raise ValueError(f"--precision {overrides.precision} with peer(s) {', '.join(peers)}: "
+                             "these peers are measured in fp32 or bf16 (fp16 needs a loss scaler "
+                             "that sees every rank's gradient shards, which neither PyTorch's "
+                             "GradScaler under FSDP2 nor the comparison of DeepSpeed's has); use "
+                             "--precision bf16, or DSpark's strategies with torch-ddp alone")
     check_devices(devices, machine)
     warmup, measure = (_GPU_STEPS if machine.num_gpus
                        else _CPU_SEED_STEPS if name == "seed" else _CPU_STEPS)
