@@ -33,10 +33,11 @@ timeout 90 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_gpu.p
 echo "exit $?" >> "$OUT/cuda_tests.txt"
 
 # 2. the lab at real size on one GPU, fp16, with the step breakdown, the article's batch 256:
-#    ResNet-50 in one pass, GPT-2 124M in 8 micro-batches of 32 (its max_micro_batch)
+#    ResNet-50 in one pass, GPT-2 124M in 8 micro-batches of 32 (its max_micro_batch); DSpark's
+#    replicate beside DDP (PyTorch's AMP recipe: autocast + GradScaler)
 bench() {
   local name=$1 batch=$2
-  timeout 100 "$PY" -m dspark.cli.main bench --workloads "$name" --devices 1 --strategies replicate \
+  timeout 100 "$PY" -m dspark.cli.main bench --workloads "$name" --devices 1 --strategies replicate,torch-ddp \
     --precision fp16 --global-batch "$batch" --rounds 1 --warmup 3 --steps 10 --profile \
     --db "${TMPDIR:-/tmp}/dspark-gpu-ledger.sqlite" --json "$OUT/$name.json" --no-progress \
     > "$OUT/$name.txt" 2>&1
