@@ -140,25 +140,6 @@ class ImageClassification(Workload):
         if self.image_size < 1:
             raise ValueError(f"image_size={self.image_size!r} must be >= 1")
 
-    def passes(self, local_batch: int) -> int:
-        """Forward/backward passes per optimizer step for a rank holding ``local_batch`` samples:
-        the fewest equal micro-batches of at most :attr:`max_micro_batch` samples (1 without a
-        limit). Equal, so that each pass's mean loss weighs the same.
-
-        Example::
-
-            get_workload("gpt2-124m").passes(256)   # 8: micro-batches of 32
-            get_workload("gpt2-124m").passes(48)    # 2: micro-batches of 24
-        """
-        if isinstance(local_batch, bool) or not isinstance(local_batch, int) or local_batch < 1:
-            raise ValueError(f"local_batch={local_batch!r} must be an int >= 1")
-        if self.max_micro_batch is None or local_batch <= self.max_micro_batch:
-            return 1
-        count = -(-local_batch // self.max_micro_batch)
-        while local_batch % count:
-            count += 1
-        return count
-
     def build_model(self, *, seed: int = 0, device: torch.device | str = "cpu") -> nn.Module:
         return _build(ResNet, self.model, seed=seed, device=device)
 
@@ -197,25 +178,6 @@ class LanguageModeling(Workload):
         if not 1 <= self.seq_len <= self.model.context_len:
             raise ValueError(f"seq_len={self.seq_len!r} must be in [1, context_len="
                              f"{self.model.context_len}]")
-
-    def passes(self, local_batch: int) -> int:
-        """Forward/backward passes per optimizer step for a rank holding ``local_batch`` samples:
-        the fewest equal micro-batches of at most :attr:`max_micro_batch` samples (1 without a
-        limit). Equal, so that each pass's mean loss weighs the same.
-
-        Example::
-
-            get_workload("gpt2-124m").passes(256)   # 8: micro-batches of 32
-            get_workload("gpt2-124m").passes(48)    # 2: micro-batches of 24
-        """
-        if isinstance(local_batch, bool) or not isinstance(local_batch, int) or local_batch < 1:
-            raise ValueError(f"local_batch={local_batch!r} must be an int >= 1")
-        if self.max_micro_batch is None or local_batch <= self.max_micro_batch:
-            return 1
-        count = -(-local_batch // self.max_micro_batch)
-        while local_batch % count:
-            count += 1
-        return count
 
     def build_model(self, *, seed: int = 0, device: torch.device | str = "cpu") -> nn.Module:
         return _build(GPT, self.model, seed=seed, device=device)
