@@ -616,13 +616,15 @@ class Engine:
             grads = [g for g in self._owned_grads() if g is not None]
             if grads:
                 torch._foreach_mul_(grads, coef)
-        found_inf = None if self.loss_scaler is None else (~torch.isfinite(total)).float().reshape(())
-        self.optimizer.found_inf = found_inf  # type: ignore[attr-defined]
-        self.optimizer.grad_scale = None  # type: ignore[attr-defined]  # unscaled already
-        try:
+        if self.loss_scaler is None:
             self.optimizer.step()
-        finally:
-            del self.optimizer.found_inf, self.optimizer.grad_scale  # type: ignore[attr-defined]
+        else:  # a fused Adam, AdamW or SGD (skips_on_found_inf): GradScaler's protocol
+            self.optimizer.found_inf = (~torch.isfinite(total)).float().reshape(())  # type: ignore[attr-defined]
+            self.optimizer.grad_scale = None  # type: ignore[attr-defined]  # unscaled already
+            try:
+                self.optimizer.step()
+            finally:
+                del self.optimizer.found_inf, self.optimizer.grad_scale  # type: ignore[attr-defined]
         # zero1/zero2 gather their rows whatever the device decided: after an overflow the rows are
         # the ones every rank already holds, and the ranks stay in step with each other
         applied = self._after_optimizer_step(count=False)
