@@ -45,6 +45,7 @@ def test_round_trip_keeps_every_field(ledger: Ledger) -> None:
     original = make_measurement(git_dirty=True, step_ms_summary=[1.0, 0.5, 2.0],
                                 estimated_comm_bytes_per_step=7, engine_options={"x": None},
                                 optimizer_kernel="fused", cpu_malloc="dspark", micro_batches=4,
+                                max_micro_batch=8,
                                 estimated_comm_wire_bytes_per_step=9, round_index=2,
                                 batch={"samples_by_rank": [4, 4], "identical_input_ranks": [[0, 1]],
                                        "replicated_modules": ["h"], "replicated_module_count": 1},
