@@ -37,15 +37,17 @@ def test_a_wrong_factor_on_the_gradient_would_show(single_process) -> None:
     assert mismatches(got["state"], halved["state"], rtol=1e-5, atol=5e-5)
 
 
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 @pytest.mark.parametrize("order", ["host_decides", "device_skips"])
 @pytest.mark.parametrize("strategy", ["replicate", "zero2"])
 @pytest.mark.parametrize("model", ["tied", "mixed_dtypes"])
 def test_one_process_fp16_matches_autocast_and_gradscaler(single_process, strategy: str,
-                                                         model: str, order: str) -> None:
+                                                         model: str, order: str,
+                                                         optimizer: str) -> None:
     # device_skips: a GPU's order of work (the norm read after the optimizer is queued), on CPU
     train = train_engine if order == "host_decides" else functools.partial(
         with_deferred_host_reads, train_engine)
-    got = train(model, strategy, 3, optimizer="sgd", precision="fp16", accum=2, clip=1e6)
-    want = train_reference(model, 3, optimizer="sgd", precision="fp16", accum=2, clip=1e6)
+    got = train(model, strategy, 3, optimizer=optimizer, precision="fp16", accum=2, clip=1e6)
+    want = train_reference(model, 3, optimizer=optimizer, precision="fp16", accum=2, clip=1e6)
     assert not mismatches(got["state"], want["state"], rtol=3e-3, atol=1e-4)
     assert got["norms"] == pytest.approx(want["norms"], rel=3e-3)

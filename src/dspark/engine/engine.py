@@ -627,13 +627,13 @@ class Engine:
                 del self.optimizer.found_inf, self.optimizer.grad_scale  # type: ignore[attr-defined]
         # zero1/zero2 gather their rows whatever the device decided: after an overflow the rows are
         # the ones every rank already holds, and the ranks stay in step with each other
-        applied = self._after_optimizer_step(count=False)
+        self._gather_after_optimizer_step()
         norm = math.sqrt(read.value())
         self.last_grad_norm = norm
         if self.loss_scaler is not None and self._fp16_overflowed(norm):
             return False
         self.step_count += 1
-        return applied
+        return True
 
     def _fp16_overflowed(self, norm: float) -> bool:
         """Update the loss scale from this step's norm; True (with a warning) on an overflow."""
@@ -645,15 +645,19 @@ class Engine:
                         self.world.rank, self.loss_scaler.scale)
         return overflow
 
-    def _after_optimizer_step(self, *, count: bool = True) -> bool:
+    def _after_optimizer_step(self) -> bool:
+        """The end of an applied step: the rows gathered, the step counted."""
+        self._gather_after_optimizer_step()
+        self.step_count += 1
+        return True
+
+    def _gather_after_optimizer_step(self) -> None:
+        """zero1/zero2: check the sharded optimizer's state once, and all-gather the updated rows."""
         if self.step_count == 0 and self.strategy.shard_optimizer and self.world.world_size > 1:
             self._agreed("checking the optimizer's state after its first step",  # one small gather, once
                          lambda: check_elementwise(self.optimizer, strategy=self.strategy.name, after_step=True))
         if self.strategy.shard_optimizer and not self._shard_params and self.world.world_size > 1:
             self._gather_updated_rows()
-        if count:
-            self.step_count += 1
-        return True
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Scale the window's reduced gradients so that their global L2 norm is at most ``max_norm``
