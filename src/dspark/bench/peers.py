@@ -52,10 +52,12 @@ from dspark.comm import World
 from dspark.comm.stats import wire_bytes
 from dspark.engine.loss_scaler import LossScaler
 
-__all__ = ["DEEPSPEED_PEERS", "PEERS", "TORCH_PEERS", "PeerEngine", "buffer_sync",
+__all__ = ["DEEPSPEED_PEERS", "FP16_PEERS", "PEERS", "TORCH_PEERS", "PeerEngine", "buffer_sync",
            "dspark_engine_options", "make_engine"]
 
 TORCH_PEERS: dict[str, str] = {"torch-ddp": "replicate", "torch-fsdp2": "zero3"}
+FP16_PEERS = ("torch-ddp",)
+"""The peers measured in fp16 too (with ``torch.amp.GradScaler``); the others refuse it."""
 """PyTorch's peers: name -> the DSpark strategy it is compared with."""
 PEERS: dict[str, str] = {**TORCH_PEERS, **DEEPSPEED_PEERS}
 """Every peer, DeepSpeed's included (whether or not DeepSpeed is installed): name -> the DSpark
@@ -132,7 +134,7 @@ class PeerEngine:
     def __init__(self, name: str, model: nn.Module, world: World, *, lr: float, precision: str,
                  broadcast_buffers: bool | None = None, grad_accum_steps: int = 1) -> None:
         policy = peer_precision(
-            name, precision, known=TORCH_PEERS, scales=name == "torch-ddp",
+            name, precision, known=TORCH_PEERS, scales=name in FP16_PEERS,
             scaler="a loss scaler whose overflow check sees every rank's gradient: PyTorch's "
                    "GradScaler checks this rank's shards only under FSDP2 (ranks could disagree "
                    "on skipping a step)")
@@ -185,9 +187,9 @@ class PeerEngine:
         """Gradient accumulation as each wrapper's users write it: the window's last micro-batch
         synchronises; before it, DDP's forward runs under ``no_sync()`` (DDP decides in forward)
         and FSDP2 is told ``set_requires_gradient_sync(False)``."""
-        last = self._micro_step == self.grad_accum_steps - 1
         if self.grad_accum_steps == 1:
             return contextlib.nullcontext()
+        last = self._micro_step == self.grad_accum_steps - 1
         if self.name == "torch-ddp":
             return contextlib.nullcontext() if last else self.module.no_sync()  # type: ignore[operator]
         self.module.set_requires_gradient_sync(last)  # type: ignore[operator]
@@ -206,19 +208,17 @@ class PeerEngine:
         self._micro_step += 1
 
     def step(self) -> bool:
-        """The optimizer step (fp16: ``GradScaler.step`` and ``update``); False when fp16
-        gradients overflowed and the step was skipped."""
-        applied = True
+        """The optimizer step (fp16: ``GradScaler.step`` and ``update``). Returns True, as the
+        loop a DDP user writes learns nothing of a skipped step: asking ``get_scale()`` would add
+        a host synchronisation to every step of the peer."""
         if self._scaler is None:
             self.optimizer.step()
         else:
-            before = self._scaler.get_scale()
             self._scaler.step(self.optimizer)
             self._scaler.update()
-            applied = self._scaler.get_scale() >= before
         self.optimizer.zero_grad(set_to_none=True)
         self._micro_step = 0
-        return applied
+        return True
 
     def estimated_traffic_per_step(self) -> tuple[int, int]:
         """``(payload bytes, ring wire bytes)`` one rank sends per step, ESTIMATED from the
@@ -254,7 +254,7 @@ def make_engine(strategy: str, model: nn.Module, world: World, *, lr: float, pre
     :class:`~dspark.bench.deepspeed_peer.DeepSpeedPeer` for a DeepSpeed one (which needs the
     ``global_batch`` for its configuration). DSpark's engine and DeepSpeed get the same optimizer
     factory. ``grad_accum_steps``: backward calls per step, each on a micro-batch (every engine
-    averages them); for DSpark's engine it goes in ``options``.
+    averages them).
 
     Example::
 
@@ -272,9 +272,5 @@ def make_engine(strategy: str, model: nn.Module, world: World, *, lr: float, pre
                              grad_accum_steps=grad_accum_steps)
     import dspark
 
-    options = dict(options or {})
-    if options.setdefault("grad_accum_steps", grad_accum_steps) != grad_accum_steps:
-        raise ValueError(f"options grad_accum_steps={options['grad_accum_steps']!r} differs from "
-                         f"grad_accum_steps={grad_accum_steps!r}")
     return dspark.Engine(model, optimizer=factory, strategy=strategy, precision=precision,
-                         **options)
+                         grad_accum_steps=grad_accum_steps, **(options or {}))

@@ -30,7 +30,7 @@ import torch
 
 from dspark.bench import deepspeed_peer
 from dspark.bench.cpu_precision import choose_cpu_precision, cpu_matmul_ms
-from dspark.bench.peers import DEEPSPEED_PEERS, PEERS
+from dspark.bench.peers import DEEPSPEED_PEERS, FP16_PEERS, PEERS
 from dspark.bench.result import BenchConfig
 from dspark.engine.policy import PRECISIONS, STRATEGIES
 
@@ -220,7 +220,7 @@ def build_suite(name: str = "quick", overrides: SuiteOverrides | None = None, *,
         deepspeed_peer.require_deepspeed(overrides.strategies)
     if overrides.precision is not None:
         _valid("precision", (overrides.precision,), tuple(PRECISIONS))
-        peers = [s for s in strategies if s in PEERS and s != "torch-ddp"]
+        peers = [s for s in strategies if s in PEERS and s not in FP16_PEERS]
         if peers and PRECISIONS[overrides.precision].loss_scaling:
             raise ValueError(f"--precision {overrides.precision} with peer(s) {', '.join(peers)}: "
                              "these peers are measured in fp32 or bf16 (fp16 needs a loss scaler "

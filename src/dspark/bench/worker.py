@@ -151,8 +151,6 @@ class _Trainer:
         self.passes = self.workload.passes(local)
         self.options = (dspark_engine_options(batch_placement=config.batch_placement)
                         if self.is_dspark else {})
-        if self.passes > 1 and self.is_dspark:
-            self.options["grad_accum_steps"] = self.passes
         # Not recorded in engine_options: where a trace goes does not change what is measured.
         tracing = ({"trace_dir": trace_dir, "trace_steps": TRACE_STEPS}
                    if trace_dir is not None and self.is_dspark else {})
@@ -161,8 +159,10 @@ class _Trainer:
                                        options={**self.options, **tracing},
                                        global_batch=config.global_batch,
                                        grad_accum_steps=self.passes)
-        if not self.is_dspark:  # a DeepSpeed peer records its configuration here
+        if not self.is_dspark:  # a peer records its configuration (DeepSpeed's, its accumulation)
             self.options = dict(self.engine.options)
+        elif self.passes > 1:
+            self.options["grad_accum_steps"] = self.passes
         self.optimizer_kernel = kernel_name(self.engine.optimizer)
         self.traced = bool(tracing)
         self.shard_dim: Any = 0 if config.batch_placement == "shard" else dspark.REPLICATE
