@@ -6,13 +6,16 @@ figure the same way (``280 ms`` in a message and ``280.0`` in a table would look
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+from dspark.bench.peer_ratios import peer_ratios
 from dspark.bench.result import BenchResult
 
 __all__ = ["BREAKDOWN_COLUMNS", "BREAKDOWN_NOTE", "BYTES_PER_MB", "MEMORY_COLUMNS_NOTE",
-           "RESULT_COLUMNS", "TEXT_COLUMNS", "anomaly_kinds", "batch_label", "breakdown_rows",
-           "config_label",
+           "PEER_COLUMNS", "PEER_NOTE", "RESULT_COLUMNS", "TEXT_COLUMNS", "anomaly_kinds",
+           "batch_label", "breakdown_rows", "config_label",
            "format_mb", "format_ms", "format_number", "format_ratio", "format_speedup",
-           "result_cells"]
+           "peer_rows", "result_cells"]
 
 BYTES_PER_MB = 1_000_000
 """Decimal megabytes, as the reports label them (``MB``)."""
@@ -169,3 +172,27 @@ def breakdown_rows(result: BenchResult) -> list[list[str]]:
     return [[config_label(result), str(rank), hosts[rank] if rank < len(hosts) else "-",
              *(format_number(phases[key]) if key in phases else "-" for key, _ in BREAKDOWN_PHASES)]
             for rank, phases in enumerate(result.phase_ms_by_rank)]
+
+
+PEER_COLUMNS = ("workload", "devices", "precision", "batch", "DSpark", "peer", "DSpark step ms",
+                "peer step ms", "step ratio (rounds min-max)")
+"""The columns of the table of DSpark beside its peers, terminal and HTML alike."""
+PEER_NOTE = (
+    "step ratio: DSpark's step / the peer's, the median of the per-round ratios (each round's "
+    "DSpark launch against the same round's peer launch), with the lowest and highest; below 1, "
+    "DSpark is faster. Step ms: each engine's median step over every round.")
+"""What the peer table's ratio is, printed under it."""
+
+
+def peer_rows(results: Sequence[BenchResult]) -> list[list[str]]:
+    """One text row of :data:`PEER_COLUMNS` per pairing of a DSpark strategy and its peer measured
+    on 2 or more devices in ``results`` (see :mod:`dspark.bench.peer_ratios`); [] when none.
+
+    Example::
+
+        peer_rows(results)[0]   # ["gpt2-cpu", "2", "bf16", "32", "replicate", "torch-ddp", ...]
+    """
+    return [[p.workload, str(p.num_devices), p.precision, str(p.global_batch), p.ours, p.theirs,
+             format_number(p.ours_ms), format_number(p.theirs_ms),
+             f"{p.ratio:.3f} ({p.lowest:.3f}-{p.highest:.3f})"]
+            for p in peer_ratios(results)]

@@ -16,9 +16,12 @@ from dspark.bench.formatting import (
     BREAKDOWN_COLUMNS,
     BREAKDOWN_NOTE,
     MEMORY_COLUMNS_NOTE,
+    PEER_COLUMNS,
+    PEER_NOTE,
     RESULT_COLUMNS,
     TEXT_COLUMNS,
     breakdown_rows,
+    peer_rows,
     result_cells,
 )
 from dspark.bench.result import BenchResult
@@ -61,6 +64,16 @@ def _breakdown_section(results: Sequence[BenchResult]) -> str:
         return ""
     return (f"<h2>Step breakdown per rank</h2>{_table(BREAKDOWN_COLUMNS, rows)}"
             f"<p class='note'>{html.escape(BREAKDOWN_NOTE)}</p>")
+
+
+def _peer_section(results: Sequence[BenchResult]) -> str:
+    rows = [[_cell(value, text=column in ("workload", "precision", "DSpark", "peer"))
+             for column, value in zip(PEER_COLUMNS, row, strict=True)]
+            for row in peer_rows(results)]
+    if not rows:
+        return ""
+    return (f"<h2>DSpark beside its peers</h2>{_table(PEER_COLUMNS, rows)}"
+            f"<p class='note'>{html.escape(PEER_NOTE)}</p>")
 
 
 def _anomaly_list(results: Sequence[BenchResult]) -> str:
@@ -122,6 +135,7 @@ def write_html_report(results: Sequence[BenchResult], out_dir: str | Path, *,
             f"<h2>Figures</h2>{''.join(figures_html)}"
             f"<h2>Results</h2>{_results_table(results)}"
             f"<p class='note'>{html.escape(MEMORY_COLUMNS_NOTE)}</p>"
+            f"{_peer_section(results)}"
             f"{_breakdown_section(results)}"
             f"<h2>Anomalies</h2>{_anomaly_list(results)}"
             f"<h2>Provenance</h2>{_provenance_table(results)}</body></html>\n")

@@ -153,8 +153,11 @@ class PeerEngine:
             from torch.nn.parallel import DistributedDataParallel
 
             device_ids = [world.device.index] if world.device.type == "cuda" else None
-            self.module: nn.Module = DistributedDataParallel(
-                model, device_ids=device_ids, broadcast_buffers=self.broadcast_buffers)
+            # PyTorch 2.13 renamed the switch (the old name warns); both sync buffers at construction
+            sync_name = ("forward_sync_buffers" if "forward_sync_buffers"
+                         in inspect.signature(DistributedDataParallel).parameters else "broadcast_buffers")
+            sync: dict[str, Any] = {sync_name: self.broadcast_buffers}
+            self.module: nn.Module = DistributedDataParallel(model, device_ids=device_ids, **sync)
         else:
             from torch.distributed.fsdp import fully_shard
 

@@ -19,6 +19,8 @@ from dspark.bench.formatting import (
     BREAKDOWN_NOTE,
     BYTES_PER_MB,
     MEMORY_COLUMNS_NOTE,
+    PEER_COLUMNS,
+    PEER_NOTE,
     RESULT_COLUMNS,
     TEXT_COLUMNS,
     anomaly_kinds,
@@ -27,13 +29,14 @@ from dspark.bench.formatting import (
     format_number,
     format_ratio,
     format_speedup,
+    peer_rows,
     result_cells,
 )
 from dspark.bench.html_report import write_html_report
 from dspark.bench.result import BenchResult
 
-__all__ = ["render_breakdown_table", "render_comparison", "render_results_table", "render_seed_table",
-           "write_html_report"]
+__all__ = ["render_breakdown_table", "render_comparison", "render_peer_table", "render_results_table",
+           "render_seed_table", "write_html_report"]
 
 _VERDICT_STYLE = {"faster": "green", "slower": "bold red", "within noise": "dim",
                   "only in A": "yellow", "only in B": "yellow"}
@@ -88,6 +91,30 @@ def render_breakdown_table(results: Sequence[BenchResult], console: Console | No
         table.add_row(*row)
     console.print(table)
     console.print(Text(BREAKDOWN_NOTE, style="dim"))
+    return True
+
+
+def render_peer_table(results: Sequence[BenchResult], console: Console | None = None) -> bool:
+    """DSpark beside its peers: one row per pairing measured on 2 or more devices (``replicate``
+    and DDP, ``zero1``/``zero2`` and DeepSpeed, ``zero3`` and FSDP2 and DeepSpeed ZeRO-3) with the
+    step ratio; prints nothing and returns False when ``results`` hold no pairing.
+
+    Example::
+
+        render_peer_table(annotate(results), Console())
+    """
+    rows = peer_rows(results)
+    if not rows:
+        return False
+    console = console or Console()
+    table = Table(title="DSpark beside its peers", title_justify="left")
+    for column in PEER_COLUMNS:
+        table.add_column(column, justify="left" if column in ("workload", "precision", "DSpark", "peer")
+                         else "right")
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
+    console.print(Text(PEER_NOTE, style="dim"))
     return True
 
 

@@ -239,6 +239,7 @@ def _write_after_run(what: str, write: Callable[[], str], out: Console, err: Con
 def _run_and_show(configs: Sequence[Any], args: argparse.Namespace, *, seed_table: bool) -> int:
     from dspark.bench.report import (
         render_breakdown_table,
+        render_peer_table,
         render_results_table,
         render_seed_table,
         write_html_report,
@@ -257,6 +258,7 @@ def _run_and_show(configs: Sequence[Any], args: argparse.Namespace, *, seed_tabl
     wall_s = time.perf_counter() - started
     if results:
         render_results_table(results, out)
+        render_peer_table(results, out)
         render_breakdown_table(results, out)
         if seed_table:
             render_seed_table(results, out, messages=False)  # the results table gave them
