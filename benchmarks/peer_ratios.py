@@ -26,7 +26,7 @@ def main() -> None:
         results = [BenchResult.from_dict(r) for r in json.load(f)]
     for p in peer_ratios(results, min_devices=args.devices):
         print(f"{p.workload} ({p.num_devices} devices): {p.ours} / {p.theirs} = {p.ratio:.3f} "
-              f"(rounds {p.lowest:.3f}-{p.highest:.3f}; steps {p.ours_ms:.1f} / {p.theirs_ms:.1f} ms)")
+              f"(rounds {p.lowest:.3f}-{p.highest:.3f}, {p.verdict}; steps {p.ours_ms:.1f} / {p.theirs_ms:.1f} ms)")
 
 
 if __name__ == "__main__":

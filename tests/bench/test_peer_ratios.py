@@ -38,12 +38,21 @@ def test_ratio_is_the_median_of_per_round_ratios_not_of_pooled_medians() -> None
     assert r.ratio == pytest.approx(0.9)
     assert (r.lowest, r.highest) == (pytest.approx(0.8), pytest.approx(0.9))
     assert r.lowest <= r.ratio <= r.highest
+    assert r.verdict == "DSpark faster"
     assert (r.ours_ms, r.theirs_ms) == (96.0, 120.0)  # the results' own medians, shown beside it
 
 
 def test_a_slower_dspark_reads_above_one() -> None:
     (r,) = peer_ratios(_pair([110.0, 121.0], [100.0, 110.0]))
     assert r.ratio == pytest.approx(1.1) and r.lowest == pytest.approx(1.1)
+    assert r.verdict == "peer faster"
+
+
+def test_rounds_on_both_sides_of_one_are_called_noise_not_a_win() -> None:
+    (r,) = peer_ratios(_pair([90.0, 110.0, 99.0], [100.0, 100.0, 100.0]))
+    assert r.ratio == pytest.approx(0.99) and r.verdict == "rounds disagree"
+    (single,) = peer_ratios(_pair([90.0], [100.0]))
+    assert single.verdict == "one round"
 
 
 def test_rounds_pair_by_index_and_unpaired_results_are_left_out() -> None:
@@ -82,6 +91,7 @@ def test_the_peer_table_in_the_terminal_and_the_html_report(tmp_path: Path) -> N
     assert render_peer_table(_pair([90.0, 180.0, 96.0], [100.0, 200.0, 120.0]), console)
     text = console.export_text()
     assert "DSpark beside its peers" in text and "0.900 (0.800-0.900)" in text
+    assert "DSpark faster" in text
     assert "median of the per-round ratios" in " ".join(text.split())
     quiet = Console(record=True, width=250, color_system=None)
     assert not render_peer_table([make_result()], quiet) and quiet.export_text() == ""

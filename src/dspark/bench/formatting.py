@@ -175,12 +175,14 @@ def breakdown_rows(result: BenchResult) -> list[list[str]]:
 
 
 PEER_COLUMNS = ("workload", "devices", "precision", "batch", "DSpark", "peer", "DSpark step ms",
-                "peer step ms", "step ratio (rounds min-max)")
+                "peer step ms", "step ratio (rounds min-max)", "verdict")
 """The columns of the table of DSpark beside its peers, terminal and HTML alike."""
 PEER_NOTE = (
     "step ratio: DSpark's step / the peer's, the median of the per-round ratios (each round's "
     "DSpark launch against the same round's peer launch), with the lowest and highest; below 1, "
-    "DSpark is faster. Step ms: each engine's median step over every round.")
+    "DSpark is faster. Step ms: each engine's median step over every round. verdict: what every "
+    "round says; 'rounds disagree' when they fall on both sides of 1 (the machine's noise exceeds "
+    "the gap: more rounds, or benchmarks/side_by_side.py, which alternates the two step by step).")
 """What the peer table's ratio is, printed under it."""
 
 
@@ -194,5 +196,5 @@ def peer_rows(results: Sequence[BenchResult]) -> list[list[str]]:
     """
     return [[p.workload, str(p.num_devices), p.precision, str(p.global_batch), p.ours, p.theirs,
              format_number(p.ours_ms), format_number(p.theirs_ms),
-             f"{p.ratio:.3f} ({p.lowest:.3f}-{p.highest:.3f})"]
+             f"{p.ratio:.3f} ({p.lowest:.3f}-{p.highest:.3f})", p.verdict]
             for p in peer_ratios(results)]

@@ -67,7 +67,7 @@ def _breakdown_section(results: Sequence[BenchResult]) -> str:
 
 
 def _peer_section(results: Sequence[BenchResult]) -> str:
-    rows = [[_cell(value, text=column in ("workload", "precision", "DSpark", "peer"))
+    rows = [[_cell(value, text=column in ("workload", "precision", "DSpark", "peer", "verdict"))
              for column, value in zip(PEER_COLUMNS, row, strict=True)]
             for row in peer_rows(results)]
     if not rows:

@@ -53,6 +53,19 @@ class PeerRatio:
     rounds: int
     """Rounds paired (the rounds both were measured in)."""
 
+    @property
+    def verdict(self) -> str:
+        """``"DSpark faster"`` or ``"peer faster"`` when every paired round says so, ``"rounds
+        disagree"`` when they fall on both sides of 1 (the machine's noise is larger than the
+        gap), ``"one round"`` when there is only one to go by."""
+        if self.rounds < 2:
+            return "one round"
+        if self.highest < 1.0:
+            return "DSpark faster"
+        if self.lowest > 1.0:
+            return "peer faster"
+        return "rounds disagree"
+
 
 def _round_steps(result: BenchResult) -> dict[int, float]:
     indices = result.round_indices or list(range(len(result.round_step_ms)))

@@ -109,7 +109,7 @@ def render_peer_table(results: Sequence[BenchResult], console: Console | None = 
     console = console or Console()
     table = Table(title="DSpark beside its peers", title_justify="left")
     for column in PEER_COLUMNS:
-        table.add_column(column, justify="left" if column in ("workload", "precision", "DSpark", "peer")
+        table.add_column(column, justify="left" if column in ("workload", "precision", "DSpark", "peer", "verdict")
                          else "right")
     for row in rows:
         table.add_row(*row)
