@@ -2,7 +2,8 @@
 turns (A B, B A, A B, ...), each step started together on every rank, so that a drift of the
 machine (a noisy VM's neighbour, a frequency change) falls on both sides of every pair of steps.
 For each pairing it prints the median step of either engine and the median of the per-pair ratios
-(DSpark / peer: below 1, DSpark is faster) with their quartiles and 10th-90th percentiles.
+(DSpark / peer: below 1, DSpark is faster) with their quartiles and 10th-90th percentiles. The
+second of a pair may also be another DSpark strategy (``replicate:zero3``: what zero3 costs).
 
     dspark run --nproc 2 benchmarks/side_by_side.py --workload resnet50-cpu \
         --pairs replicate:torch-ddp,zero2:deepspeed-zero2 --steps 40
@@ -43,9 +44,9 @@ def _parse_pairs(text: str) -> list[tuple[str, str]]:
         ours, sep, theirs = item.strip().partition(":")
         if not sep or not ours or not theirs:
             raise SystemExit(f"--pairs: {item!r} is not STRATEGY:PEER, e.g. replicate:torch-ddp")
-        if ours in PEERS or theirs not in PEERS:
-            raise SystemExit(f"--pairs: {item!r}: put DSpark's strategy first and a peer second "
-                             f"(peers: {', '.join(sorted(PEERS))})")
+        if ours in PEERS or ours == theirs:
+            raise SystemExit(f"--pairs: {item!r}: put DSpark's strategy first and a peer (or another "
+                             f"DSpark strategy) second; peers: {', '.join(sorted(PEERS))}")
         pairs.append((ours, theirs))
     return pairs
 
