@@ -123,3 +123,47 @@ def test_a_gather_tag_travels_exactly_in_any_parameter_dtype(dtype: torch.dtype)
     rows = torch.stack([_tag_tensor(tag, dtype, torch.device("cpu")) for tag in tags])
     assert rows.dtype == dtype and rows.numel() * rows.element_size() == 2 * 8
     assert _tags_of(rows).tolist() == tags
+
+
+def _units_started_ahead(max_bytes: int) -> list[int]:
+    """For each unit's forward (from the second step on, when the order is known): how many units
+    after it already have their gather started (in flight or landed) when its own forward begins."""
+    from dspark.engine import zero3_units
+
+    zero3_units.SECOND_PREFETCH_MAX_BYTES = max_bytes  # this worker's module only
+    try:
+        torch.manual_seed(0)
+        blocks = [nn.Linear(32, 32) for _ in range(6)]
+        engine = dspark.Engine(nn.Sequential(*blocks), optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+                               strategy="zero3")
+        x = dspark.distribute_batch(torch.randn(4, 32), shard_dim=0)
+        for _ in range(2):  # the first step observes the order that prefetching follows
+            engine.backward(engine(x).square().mean())
+            engine.step()
+        assert engine._zero3 is not None
+        slots_of = {id(unit.module): unit.slots for unit in engine._zero3.units}
+        ahead: list[int] = []
+
+        def count(module: nn.Module, args: Any) -> None:
+            later = blocks[blocks.index(module) + 1:]  # type: ignore[arg-type]
+            ahead.append(sum(all(s.gathered or s.pending is not None for s in slots_of[id(b)])
+                             for b in later))
+
+        # registered after the engine's hooks, so each runs once the engine gathered and prefetched
+        handles = [b.register_forward_pre_hook(count) for b in blocks]
+        engine.backward(engine(x).square().mean())
+        engine.step()
+        for handle in handles:
+            handle.remove()
+        engine.close()
+        return ahead
+    finally:
+        zero3_units.SECOND_PREFETCH_MAX_BYTES = 16 << 20
+
+
+def test_small_units_are_gathered_two_ahead_and_large_ones_one(pool) -> None:
+    # a 32 x 32 Linear: 4.2 KB of parameters, a small unit
+    for ahead in pool.run(_units_started_ahead, 16 << 20):
+        assert ahead == [2, 2, 2, 2, 1, 0], ahead
+    for ahead in pool.run(_units_started_ahead, 1024):  # every unit above the limit
+        assert ahead == [1, 1, 1, 1, 1, 0], ahead

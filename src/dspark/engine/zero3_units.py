@@ -29,6 +29,18 @@ backward, or a last unit prefetched at the end of forward, sat on top of the pea
 tied 147 MB embedding and a 27 MB block gather with its send buffer. The price is one gather that
 nothing overlaps, the root's, at the start of backward.
 
+[Note: prefetch depth] A unit's gather is started while the unit before it runs, so a rank waits
+at a unit only when its peer is more than one unit behind. Small units run for a few milliseconds:
+a peer late by one unit's compute (a CPU rank's core taken for a moment, a slower kernel) then
+stalls the other rank at every gather. So the unit after next is started too when it holds at most
+:data:`SECOND_PREFETCH_MAX_BYTES` of parameters (whole). resnet50-cpu's zero3 step, as a ratio to
+``replicate``'s in the same processes (``dspark run --nproc 2 benchmarks/side_by_side.py --workload
+resnet50-cpu --pairs zero3:replicate --steps 30``, one unit ahead and two alternated, 3 runs each,
+a 2-core AMD EPYC VM): 1.111, 1.116, 1.147 with one, 1.075, 1.081, 1.098 with two; gpt2-cpu (5
+units of 100 ms of compute each) unchanged, 1.024 / 1.030 and 1.051 / 1.052. Larger units keep one
+unit ahead, as FSDP does: their compute hides more, and a second one gathered would add to the
+memory peak (GPT-2 124M's 28 MB blocks stay at one).
+
 A forward that runs *during* backward is a recomputation (activation checkpointing): it gathers what it
 needs and frees nothing, the gradients that follow free the parameters. Every gather is an all-gather
 per dtype, started in the same order on every rank (same graph, same hooks).
@@ -54,6 +66,9 @@ __all__ = ["UnitPolicy", "Zero3Scheduler", "unit_modules"]
 UnitPolicy = Sequence[type[nn.Module]] | Callable[[str, nn.Module], bool] | None
 """Which modules are zero3 units besides the root: module classes, a ``(name, module) -> bool``
 predicate, or None for the default (children of ``nn.ModuleList`` / ``nn.Sequential``)."""
+SECOND_PREFETCH_MAX_BYTES = 16 << 20
+"""The unit after next is gathered ahead too when its parameters take at most this many bytes whole
+(see [Note: prefetch depth])."""
 MIN_NESTED_UNIT_BYTES = 1 << 20
 """The default units split a unit further (a container inside a block) only into pieces of at least
 this many parameter bytes; smaller ones stay with the unit around them (see [Note: units])."""
@@ -155,6 +170,7 @@ class _Unit:
         self.module = module
         self.slots = slots
         self.frozen = [s for s in slots if not s.requires_grad]
+        self.whole_bytes = sum(s.numel * s.param.element_size() for s in slots)
 
 
 def _is_unit(policy: UnitPolicy, name: str, module: nn.Module) -> bool:
@@ -399,9 +415,14 @@ class Zero3Scheduler:
             if slot.pending is not None:
                 slot.pending.finish()
 
-    def _prefetch(self, unit_index: int | None) -> None:
+    def _prefetch(self, unit_index: int | None, after: int | None = None) -> None:
+        """Start gathering unit ``unit_index``, and unit ``after`` (the one that runs next after it)
+        too when it is small (see [Note: prefetch depth])."""
         if unit_index is not None:
             unit = self.units[unit_index]
+            self._start(unit.slots, prefetch=True, label=unit.label)
+        if after is not None and self.units[after].whole_bytes <= SECOND_PREFETCH_MAX_BYTES:
+            unit = self.units[after]
             self._start(unit.slots, prefetch=True, label=unit.label)
 
     def _neighbour(self, unit: _Unit, step: int) -> int | None:
@@ -433,7 +454,7 @@ class Zero3Scheduler:
             for slot in unit.slots:
                 self._holders[id(slot)] += 1
             self._gather(unit.slots, unit.label)
-            self._prefetch(self._neighbour(unit, +1))
+            self._prefetch(self._neighbour(unit, +1), self._neighbour(unit, +2))
             if unit.frozen and torch.is_grad_enabled():
                 return self._wrap_inputs(unit, args, kwargs)
             return None
@@ -470,8 +491,12 @@ class Zero3Scheduler:
                         self._gather(unit.slots, unit.label)
                         # backward reaches the root's own parameters (the head) first, then the
                         # last unit; every other unit, then the one that ran before it
-                        self._prefetch(self._order[-1] if unit.index == 0 and self._order
-                                       else self._neighbour(unit, -1))
+                        if unit.index == 0:
+                            order = self._order
+                            self._prefetch(order[-1] if order else None,
+                                           order[-2] if len(order) > 2 else None)
+                        else:
+                            self._prefetch(self._neighbour(unit, -1), self._neighbour(unit, -2))
 
                 for leaf in tree_leaves(output):
                     if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
