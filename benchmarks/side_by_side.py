@@ -27,6 +27,7 @@ import statistics
 import time
 from typing import Any
 
+import numpy as np
 import torch
 
 import dspark
@@ -83,11 +84,6 @@ class _Side:
         self.engine = None
 
 
-def _quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
-
-
 def _run_pair(ours: str, theirs: str, workload: Any, precision: str, global_batch: int, steps: int,
               warmup: int) -> dict[str, float]:
     sides = [_Side(ours, workload, precision, global_batch), _Side(theirs, workload, precision,
@@ -111,10 +107,9 @@ def _run_pair(ours: str, theirs: str, workload: Any, precision: str, global_batc
         gc.collect()
     a, b = sides[0].times, sides[1].times
     ratios = [x / y for x, y in zip(a, b, strict=True)]
+    p10, q25, q75, p90 = (float(v) for v in np.percentile(ratios, [10, 25, 75, 90]))
     return {"ours_ms": statistics.median(a), "theirs_ms": statistics.median(b),
-            "ratio": statistics.median(ratios), "q25": _quantile(ratios, 0.25),
-            "q75": _quantile(ratios, 0.75), "p10": _quantile(ratios, 0.10),
-            "p90": _quantile(ratios, 0.90)}
+            "ratio": statistics.median(ratios), "q25": q25, "q75": q75, "p10": p10, "p90": p90}
 
 
 def main() -> None:

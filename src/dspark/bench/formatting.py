@@ -12,7 +12,7 @@ from dspark.bench.peer_ratios import peer_ratios
 from dspark.bench.result import BenchResult
 
 __all__ = ["BREAKDOWN_COLUMNS", "BREAKDOWN_NOTE", "BYTES_PER_MB", "MEMORY_COLUMNS_NOTE",
-           "PEER_COLUMNS", "PEER_NOTE", "RESULT_COLUMNS", "TEXT_COLUMNS", "anomaly_kinds",
+           "PEER_COLUMNS", "PEER_NOTE", "PEER_TEXT_COLUMNS", "RESULT_COLUMNS", "TEXT_COLUMNS", "anomaly_kinds",
            "batch_label", "breakdown_rows", "config_label",
            "format_mb", "format_ms", "format_number", "format_ratio", "format_speedup",
            "peer_rows", "result_cells"]
@@ -177,6 +177,8 @@ def breakdown_rows(result: BenchResult) -> list[list[str]]:
 PEER_COLUMNS = ("workload", "devices", "precision", "batch", "DSpark", "peer", "DSpark step ms",
                 "peer step ms", "step ratio (rounds min-max)", "verdict")
 """The columns of the table of DSpark beside its peers, terminal and HTML alike."""
+PEER_TEXT_COLUMNS = ("workload", "precision", "DSpark", "peer", "verdict")
+"""Those of :data:`PEER_COLUMNS` that hold words (left-aligned), the rest numbers."""
 PEER_NOTE = (
     "step ratio: DSpark's step / the peer's, the median of the per-round ratios (each round's "
     "DSpark launch against the same round's peer launch), with the lowest and highest; below 1, "

@@ -18,6 +18,7 @@ from dspark.bench.formatting import (
     MEMORY_COLUMNS_NOTE,
     PEER_COLUMNS,
     PEER_NOTE,
+    PEER_TEXT_COLUMNS,
     RESULT_COLUMNS,
     TEXT_COLUMNS,
     breakdown_rows,
@@ -67,7 +68,7 @@ def _breakdown_section(results: Sequence[BenchResult]) -> str:
 
 
 def _peer_section(results: Sequence[BenchResult]) -> str:
-    rows = [[_cell(value, text=column in ("workload", "precision", "DSpark", "peer", "verdict"))
+    rows = [[_cell(value, text=column in PEER_TEXT_COLUMNS)
              for column, value in zip(PEER_COLUMNS, row, strict=True)]
             for row in peer_rows(results)]
     if not rows:

@@ -21,6 +21,7 @@ from dspark.bench.formatting import (
     MEMORY_COLUMNS_NOTE,
     PEER_COLUMNS,
     PEER_NOTE,
+    PEER_TEXT_COLUMNS,
     RESULT_COLUMNS,
     TEXT_COLUMNS,
     anomaly_kinds,
@@ -109,7 +110,7 @@ def render_peer_table(results: Sequence[BenchResult], console: Console | None = 
     console = console or Console()
     table = Table(title="DSpark beside its peers", title_justify="left")
     for column in PEER_COLUMNS:
-        table.add_column(column, justify="left" if column in ("workload", "precision", "DSpark", "peer", "verdict")
+        table.add_column(column, justify="left" if column in PEER_TEXT_COLUMNS
                          else "right")
     for row in rows:
         table.add_row(*row)

@@ -425,11 +425,15 @@ class Zero3Scheduler:
             unit = self.units[after]
             self._start(unit.slots, prefetch=True, label=unit.label)
 
-    def _neighbour(self, unit: _Unit, step: int) -> int | None:
+    def _next_two(self, unit: _Unit, step: int) -> tuple[int | None, int | None]:
+        """The units that run next after ``unit`` in the previous forward's order (``step=+1``) or
+        before it (``step=-1``, backward's order): the first and the second, None past either end."""
         if unit.index not in self._order:
-            return None
-        pos = self._order.index(unit.index) + step
-        return self._order[pos] if 0 <= pos < len(self._order) else None
+            return None, None
+        pos = self._order.index(unit.index)
+        first, second = pos + step, pos + 2 * step
+        return (self._order[first] if 0 <= first < len(self._order) else None,
+                self._order[second] if 0 <= second < len(self._order) else None)
 
     def _free(self, slots: Iterable[ParamSlot]) -> None:
         for slot in slots:
@@ -454,7 +458,7 @@ class Zero3Scheduler:
             for slot in unit.slots:
                 self._holders[id(slot)] += 1
             self._gather(unit.slots, unit.label)
-            self._prefetch(self._neighbour(unit, +1), self._neighbour(unit, +2))
+            self._prefetch(*self._next_two(unit, +1))
             if unit.frozen and torch.is_grad_enabled():
                 return self._wrap_inputs(unit, args, kwargs)
             return None
@@ -496,7 +500,7 @@ class Zero3Scheduler:
                             self._prefetch(order[-1] if order else None,
                                            order[-2] if len(order) > 2 else None)
                         else:
-                            self._prefetch(self._neighbour(unit, -1), self._neighbour(unit, -2))
+                            self._prefetch(*self._next_two(unit, -1))
 
                 for leaf in tree_leaves(output):
                     if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
