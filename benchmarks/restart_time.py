@@ -28,7 +28,7 @@ import threading
 import time
 from pathlib import Path
 
-from dspark.process_tree import children
+from dspark.launch.process_tree import children
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "resume_training.py"
 

@@ -28,7 +28,7 @@ from dspark.errors import (
     NotInitializedError,
     PlacementError,
 )
-from dspark.preemption import preemption_requested
+from dspark.launch.preemption import preemption_requested
 from dspark.tensor import (
     REPLICATE,
     DistTensor,

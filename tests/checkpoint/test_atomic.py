@@ -23,7 +23,7 @@ from dspark.checkpoint.atomic import (
     remove_stale,
     staging_dir,
 )
-from dspark.process_tree import read_process
+from dspark.launch.process_tree import read_process
 
 
 def _dir(path: Path, content: str) -> Path:

@@ -22,8 +22,8 @@ from torch import nn
 
 import dspark
 from dspark.checkpoint import read_checkpoint_info
-from dspark.launcher import LaunchSpec, launch
-from dspark.process_tree import descendants, signal_processes
+from dspark.launch.launcher import LaunchSpec, launch
+from dspark.launch.process_tree import descendants, signal_processes
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "resume_training.py"
 STEPS = 24

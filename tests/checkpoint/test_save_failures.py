@@ -18,7 +18,7 @@ import pytest
 import dspark
 from dspark.checkpoint import read_checkpoint_info
 from dspark.checkpoint.atomic import OWNER_FILE
-from dspark.process_tree import read_process
+from dspark.launch.process_tree import read_process
 from tests.checkpoint.ranks import load_then_continue, make_engine, train
 
 

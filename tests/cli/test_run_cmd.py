@@ -12,7 +12,7 @@ import pytest
 import dspark
 from dspark.cli.main import build_parser, main
 from dspark.cli.run_cmd import launch_plan, spec_from_args
-from dspark.launcher import LaunchSpec, launch
+from dspark.launch.launcher import LaunchSpec, launch
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "hello_distributed.py"
 
@@ -44,7 +44,7 @@ def test_parsing_multi_node_and_module_targets() -> None:
 def test_dry_run_prints_the_torchrun_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["run", "--dry-run", "--nproc", "3", str(EXAMPLE), "--flag"]) == 0
     out = capsys.readouterr().out
-    assert "-m dspark.torchrun_entry" in out and "--nproc-per-node 3" in out
+    assert "-m dspark.launch.torchrun_entry" in out and "--nproc-per-node 3" in out
     assert out.rstrip().endswith(f"{EXAMPLE} --flag")
 
 
@@ -239,7 +239,7 @@ def _failures(**exitcodes: int) -> object:
 
 
 def test_a_worker_killed_by_sigterm_is_told_how_to_stop_cleanly() -> None:
-    from dspark.torchrun_entry import describe_failure
+    from dspark.launch.torchrun_entry import describe_failure
     line, code = describe_failure(_failures(rank0=-15, rank1=-15))
     assert code == 143
     assert "rank 0 (local rank 0, pid 100) was killed by SIGTERM" in line

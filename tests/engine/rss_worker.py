@@ -1,4 +1,4 @@
-"""Run by `dspark.launcher` in fresh processes: build a ~84M-parameter model, train 2 steps with the
+"""Run by `dspark.launch.launcher` in fresh processes: build a ~84M-parameter model, train 2 steps with the
 given strategy, and report this rank's peak resident memory (VmHWM) as JSON on stdout."""
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dspark.launcher import LaunchSpec, launch
+from dspark.launch.launcher import LaunchSpec, launch
 
 WORKER = Path(__file__).with_name("rss_worker.py")
 

@@ -1,7 +1,7 @@
 """Running a suite: rounds of fresh worker launches, each measurement appended to the ledger the
 moment it is measured, then the analysis of what the run recorded.
 
-Every launch gets its own job through :mod:`dspark.launcher` (PyTorch's launcher underneath; a
+Every launch gets its own job through :mod:`dspark.launch.launcher` (PyTorch's launcher underneath; a
 1-device launch is its one worker process alone, ``agent=False``): one process per device, so no state (allocator caches, process groups, warm kernels) leaks from one
 measurement into the next. The launches of a configuration alternate with its 1-device baseline's
 (see [Note: rounds] in :mod:`dspark.bench.measurement`), so a slow spell of the machine hits both
@@ -39,7 +39,7 @@ from dspark.bench.measurement import Measurement
 from dspark.bench.result import BenchConfig, BenchResult, ConfigKey
 from dspark.bench.worker import error_path
 from dspark.errors import DSparkError
-from dspark.launcher import LaunchSpec, launch
+from dspark.launch.launcher import LaunchSpec, launch
 
 __all__ = ["DEFAULT_ROUNDS", "BenchRunError", "RunFailure", "describe_config", "interleaved_plan",
            "new_run_id", "run_in_workers", "run_suite", "trace_dir_of"]

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 from dspark.checkpoint.training_state import write_json
-from dspark.process_tree import is_running, read_process
+from dspark.launch.process_tree import is_running, read_process
 
 __all__ = ["OWNER_FILE", "STALE_AFTER_S", "claim", "publish", "remove_stale", "staging_dir",
            "stale_reason", "sync_dir"]

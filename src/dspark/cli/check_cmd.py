@@ -2,7 +2,7 @@
 
 Prints ``path:line:col: CODE message`` per finding and a summary line. Exit code 1 when any
 finding is an error, 0 otherwise (warnings alone pass), 2 when a path does not exist. The codes
-and their fixes are documented in :mod:`dspark.cli.placement_rules`.
+and their fixes are documented in :mod:`dspark.check.placement_rules`.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dspark.cli.placement_rules import CODES, check_paths
+from dspark.check.placement_rules import CODES, check_paths
 
 __all__ = ["add_parser", "run"]
 

@@ -13,7 +13,7 @@ import os
 import sys
 from typing import Any
 
-from dspark.slurm import slurm_job
+from dspark.launch.slurm import slurm_job
 
 __all__ = ["add_parser", "network_rows", "render_rows", "run"]
 

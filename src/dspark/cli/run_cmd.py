@@ -1,6 +1,6 @@
 """``dspark run``: start a script (or module) on N processes through ``torch.distributed.run``.
 
-Parsing only; :mod:`dspark.launcher` builds the launcher's command and runs it. Everything after
+Parsing only; :mod:`dspark.launch.launcher` builds the launcher's command and runs it. Everything after
 the script path belongs to the script, untouched, flags included::
 
     dspark run --nproc 2 train.py --strategy zero2
@@ -8,7 +8,7 @@ the script path belongs to the script, untouched, flags included::
     dspark run --nproc 8 --nnodes 2 --node-rank 0 --master-addr node0 --master-port 29500 train.py
     srun --ntasks-per-node=1 dspark run train.py   # nodes, node rank, node 0, --nproc from Slurm
 
-Under Slurm, options left unset come from Slurm's variables (:mod:`dspark.slurm`), and what was
+Under Slurm, options left unset come from Slurm's variables (:mod:`dspark.launch.slurm`), and what was
 taken is printed on stderr.
 """
 
@@ -21,9 +21,9 @@ import shlex
 import sys
 from collections.abc import Mapping
 
-from dspark.launcher import LaunchSpec, launch, launcher_command
-from dspark.slurm import launch_defaults
-from dspark.supervisor import DEFAULT_GRACE_S
+from dspark.launch.launcher import LaunchSpec, launch, launcher_command
+from dspark.launch.slurm import launch_defaults
+from dspark.launch.supervisor import DEFAULT_GRACE_S
 
 __all__ = ["add_parser", "launch_plan", "run", "spec_from_args"]
 
@@ -75,7 +75,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
 
 
 def spec_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> LaunchSpec:
-    """The :class:`~dspark.launcher.LaunchSpec` that parsed ``dspark run`` arguments describe, with
+    """The :class:`~dspark.launch.launcher.LaunchSpec` that parsed ``dspark run`` arguments describe, with
     Slurm's values for what they leave unset (``environ``: default this process's).
 
     Example::

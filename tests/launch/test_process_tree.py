@@ -1,4 +1,4 @@
-"""``dspark.process_tree``: the processes below a pid, and a process told apart from a later one
+"""``dspark.launch.process_tree``: the processes below a pid, and a process told apart from a later one
 with the same pid."""
 
 from __future__ import annotations
@@ -9,7 +9,13 @@ import subprocess
 import sys
 import time
 
-from dspark.process_tree import children, descendants, is_running, read_process, signal_processes
+from dspark.launch.process_tree import (
+    children,
+    descendants,
+    is_running,
+    read_process,
+    signal_processes,
+)
 
 PARENT = ("import subprocess, sys, time\n"
           "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], start_new_session=True)\n"

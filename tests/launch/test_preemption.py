@@ -14,7 +14,7 @@ from types import FrameType
 import pytest
 
 import dspark
-from dspark import preemption
+from dspark.launch import preemption
 
 
 def _answers(signal_rank: int, signal_call: int, calls: int) -> list[bool]:

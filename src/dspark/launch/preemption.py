@@ -14,7 +14,7 @@ another, or reach them at different steps; so each call is one tiny all-reduce (
 over the world, and every rank gets the same answer at the same call. Once True it stays True.
 The handler is installed by the first call, so a program that never asks keeps SIGTERM's default
 (it terminates). A handler the program had installed before is chained: it still runs, after the
-flag is set. ``dspark run`` passes SIGTERM on to its workers (see :mod:`dspark.launcher`).
+flag is set. ``dspark run`` passes SIGTERM on to its workers (see :mod:`dspark.launch.launcher`).
 """
 
 from __future__ import annotations

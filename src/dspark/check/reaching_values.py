@@ -1,5 +1,5 @@
 """Which values a name may hold where a call reads it: a small flow analysis of one scope, for
-``dspark check``'s rules (:mod:`dspark.cli.placement_rules`).
+``dspark check``'s rules (:mod:`dspark.check.placement_rules`).
 
 The statements of a scope run in order; each plain ``name = value`` replaces what the name held, an
 ``if`` / ``else`` keeps what either branch leaves, a loop what its body leaves or what it started

@@ -14,7 +14,7 @@ DSP003 (error) ``shard_dim`` is a float, str, bool or other non-int literal (``0
     ``True``). Fix: an int literal such as ``0`` or ``-1``, or ``dspark.REPLICATE``.
 DSP004 (error) ``shard_dim`` may be ``None``: a variable (or parameter default) that may still hold
     ``None`` where the call runs (a guard ``if dim is None: dim = 0`` or a later ``dim = 0`` is
-    followed: :mod:`dspark.cli.reaching_values`), or a value that is ``None`` on one path: a
+    followed: :mod:`dspark.check.reaching_values`), or a value that is ``None`` on one path: a
     conditional with a ``None`` branch (``0 if fix else None``), an ``or`` ending in ``None``, an
     ``and`` with a ``None`` operand, or ``mapping.get(key)`` without a default; directly in the call
     or through the variable passed. Fix: give it an int
@@ -47,7 +47,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from dspark.cli.reaching_values import Values, reaching_values
+from dspark.check.reaching_values import Values, reaching_values
 
 __all__ = ["CODES", "Finding", "check_paths", "check_source", "python_files"]
 
@@ -318,7 +318,7 @@ class _Checker(ast.NodeVisitor):
                             f"{type(value.value).__name__}, not an int: {_FIX}")
             return
         # what the argument may be: its own outcomes, or those of every value that reaches the call
-        # through its name (see dspark.cli.reaching_values)
+        # through its name (see dspark.check.reaching_values)
         bound = self._reaching(node, value.id) if isinstance(value, ast.Name) else []
 
         def because(expr: ast.expr, line: int) -> str:

@@ -1,4 +1,4 @@
-"""`dspark.launcher`: the torchrun argv and environment, without launching (pure logic)."""
+"""`dspark.launch.launcher`: the torchrun argv and environment, without launching (pure logic)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from dspark.launcher import LaunchSpec, launch, launcher_argv, launcher_command, launcher_env
-from dspark.torchrun_entry import split_argv
+from dspark.launch.launcher import LaunchSpec, launch, launcher_argv, launcher_command, launcher_env
+from dspark.launch.torchrun_entry import split_argv
 
 
 @pytest.fixture
@@ -42,7 +42,7 @@ def test_module_target_runs_with_dash_m() -> None:
                                     args=("--config", "{}")))
     assert argv[-4:] == ["-m", "dspark.bench.worker", "--config", "{}"]
     command = launcher_command(LaunchSpec(target="a.b", module=True, nproc=1, args=("--nproc", "3")))
-    assert command[1:3] == ["-m", "dspark.torchrun_entry"]
+    assert command[1:3] == ["-m", "dspark.launch.torchrun_entry"]
     launcher, script = split_argv(command[3:])
     assert launcher[-2:] == ["-m", "a.b"] and script == ["--nproc", "3"]
 
@@ -52,7 +52,7 @@ def test_torchrun_entry_parses_only_the_launcher_arguments() -> None:
         ["--nproc-per-node", "2", "t.py"], ["--nproc", "5"])
     assert split_argv(["1", "t.py"]) == (["t.py"], [])
     for bad in ([], ["x", "t.py"], ["0", "t.py"], ["3", "t.py"]):
-        with pytest.raises(SystemExit, match=r"usage: python -m dspark\.torchrun_entry"):
+        with pytest.raises(SystemExit, match=r"usage: python -m dspark\.launch\.torchrun_entry"):
             split_argv(bad)
 
 

@@ -1,11 +1,11 @@
-"""`dspark.slurm`: Slurm's nodelist syntax and how its variables fill `dspark run`'s defaults
+"""`dspark.launch.slurm`: Slurm's nodelist syntax and how its variables fill `dspark run`'s defaults
 (pure logic: no Slurm needed, the environment is a dict)."""
 
 from __future__ import annotations
 
 import pytest
 
-from dspark.slurm import LaunchDefaults, expand_nodelist, launch_defaults, slurm_job
+from dspark.launch.slurm import LaunchDefaults, expand_nodelist, launch_defaults, slurm_job
 
 JOB = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NUM_NODES": "4", "SLURM_NNODES": "4", "SLURM_NODEID": "1",
        "SLURM_JOB_NODELIST": "node[01-03,07]", "SLURM_GPUS_ON_NODE": "8", "SLURM_NTASKS_PER_NODE": "1",

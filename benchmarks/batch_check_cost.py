@@ -1,7 +1,7 @@
 """What the engine's replicated-batch check costs: one training step with the check against one
 without, on a benchmark workload, plus the check's two parts timed alone.
 
-    dspark run --nproc 2 scripts/batch_check_cost.py --workload gpt2-cpu --steps 20
+    dspark run --nproc 2 benchmarks/batch_check_cost.py --workload gpt2-cpu --steps 20
 
 Two engines train the same model side by side, one checking every step (``batch_check_every=1``,
 the worst case) and one with the check off; their steps alternate so that machine noise falls on

@@ -12,7 +12,7 @@ What DSpark adds is the defaults a small job wants, and a clean stop:
   benchmark runner starts ``dspark.bench.worker``;
 * SIGTERM, SIGINT and SIGHUP reach the workers as SIGTERM, and they get ``grace_period_s`` to save and
   exit (see :func:`dspark.preemption_requested`), then the whole process tree is killed; nothing
-  is left running ([Note: stopping a job] in :mod:`dspark.supervisor`). Workers that exit 0 make
+  is left running ([Note: stopping a job] in :mod:`dspark.launch.supervisor`). Workers that exit 0 make
   the job succeed; otherwise the signal then reaches the caller too.
 
 Multi-node jobs pass ``master_addr`` / ``master_port`` through to torchrun's static rendezvous, or
@@ -20,7 +20,7 @@ Multi-node jobs pass ``master_addr`` / ``master_port`` through to torchrun's sta
 
 Example::
 
-    from dspark.launcher import LaunchSpec, launch
+    from dspark.launch.launcher import LaunchSpec, launch
     exit_code = launch(LaunchSpec(target="train.py", nproc=2, args=("--strategy", "zero2")))
 """
 
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, overload
 
-from dspark.supervisor import DEFAULT_GRACE_S, run_supervised
+from dspark.launch.supervisor import DEFAULT_GRACE_S, run_supervised
 
 __all__ = [
     "DEFAULT_MASTER_PORT",
@@ -186,7 +186,7 @@ def launcher_argv(spec: LaunchSpec) -> list[str]:
 
 def launcher_command(spec: LaunchSpec) -> list[str]:
     """The whole command line :func:`launch` runs: this interpreter, torchrun (through
-    :mod:`dspark.torchrun_entry`, which keeps the script's arguments out of torchrun's parser), then
+    :mod:`dspark.launch.torchrun_entry`, which keeps the script's arguments out of torchrun's parser), then
     its argv; with ``agent=False``, this interpreter running the target itself.
 
     Example::
@@ -196,8 +196,8 @@ def launcher_command(spec: LaunchSpec) -> list[str]:
     if not spec.agent:
         return [sys.executable, *(("-m",) if spec.module else ()), spec.target, *spec.args]
     argv = launcher_argv(spec)
-    own = len(argv) - len(spec.args)  # torchrun's options and the target: see dspark.torchrun_entry
-    return [sys.executable, "-m", "dspark.torchrun_entry", str(own), *argv]
+    own = len(argv) - len(spec.args)  # torchrun's options and the target: see dspark.launch.torchrun_entry
+    return [sys.executable, "-m", "dspark.launch.torchrun_entry", str(own), *argv]
 
 
 def _single_node_master(spec: LaunchSpec) -> tuple[str, int]:

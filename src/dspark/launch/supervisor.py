@@ -25,7 +25,7 @@ If ``dspark run`` itself is killed with SIGKILL, none of this runs; on Linux the
 torchrun SIGTERM (``PR_SET_PDEATHSIG``), and torchrun stops its workers.
 
 The exit code is 0 when torchrun exited 0 (every worker exited 0), else ``128 + signal``
-(:func:`dspark.launcher.launch` then raises the signal in its own process as well).
+(:func:`dspark.launch.launcher.launch` then raises the signal in its own process as well).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import FrameType
 
-from dspark.process_tree import ProcessInfo, children, descendants, signal_processes
+from dspark.launch.process_tree import ProcessInfo, children, descendants, signal_processes
 
 __all__ = ["DEFAULT_GRACE_S", "DUPLICATE_S", "SETTLE_S", "STOP_SIGNALS", "Supervised", "run_supervised"]
 

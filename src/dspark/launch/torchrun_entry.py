@@ -5,7 +5,7 @@ script's arguments as a REMAINDER, but before that it classifies every ``--flag`
 script flag that abbreviates one of the launcher's (``--nproc 5``, ``--master 1``, ``--max 3``) stops
 the job with "ambiguous option". ``dspark run`` starts::
 
-    python -m dspark.torchrun_entry N <N launcher arguments, the target last> <the script's arguments>
+    python -m dspark.launch.torchrun_entry N <N launcher arguments, the target last> <the script's arguments>
 
 and this module parses only the launcher's N arguments with torchrun's own parser, then hands the
 rest to the script untouched, through torchrun's own ``run``.
@@ -73,7 +73,7 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
         # (['--nproc-per-node', '2', 'train.py'], ['--nproc', '5'])
     """
     if not argv or not argv[0].isdigit() or not 1 <= int(argv[0]) <= len(argv) - 1:
-        raise SystemExit(f"usage: python -m dspark.torchrun_entry N LAUNCHER_ARGS... SCRIPT_ARGS... "
+        raise SystemExit(f"usage: python -m dspark.launch.torchrun_entry N LAUNCHER_ARGS... SCRIPT_ARGS... "
                          f"(N: how many launcher arguments, the target last); got {argv[:1]}")
     count = int(argv[0])
     return argv[1:1 + count], argv[1 + count:]
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     launcher, script_args = split_argv(sys.argv[1:] if argv is None else argv)
     args = parse_args(launcher)
     if args.training_script_args:
-        raise SystemExit(f"dspark.torchrun_entry: the launcher arguments end with the target; found "
+        raise SystemExit(f"dspark.launch.torchrun_entry: the launcher arguments end with the target; found "
                          f"{args.training_script_args} after it")
     args.training_script_args = script_args
     from torch.distributed import DistNetworkError

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from dspark.process_tree import descendants, is_running
+from dspark.launch.process_tree import descendants, is_running
 
 GRACE_S = 3.0
 
@@ -110,7 +110,7 @@ def test_a_launcher_that_restarts_killed_workers_is_stopped_too(tmp_path: Path) 
 
 _ONE_WORKER_DRIVER = """
 import signal, sys
-from dspark.launcher import LaunchSpec, launch
+from dspark.launch.launcher import LaunchSpec, launch
 if sys.argv[2] == "ignored":
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a script's background job inherits it
 spec = LaunchSpec(target=sys.argv[1], nproc=1, agent=False, grace_period_s=10)
@@ -188,7 +188,7 @@ def test_sigterm_to_torchrun_after_its_workers_exited_0_is_still_exit_0(tmp_path
     ready.mkdir()
     launcher = ["--nnodes", "1", "--nproc-per-node", "2", "--max-restarts", "0",
                 "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", str(script)]
-    job = subprocess.Popen([sys.executable, "-m", "dspark.torchrun_entry", str(len(launcher)),
+    job = subprocess.Popen([sys.executable, "-m", "dspark.launch.torchrun_entry", str(len(launcher)),
                             *launcher, str(ready)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                            text=True)
     try:

@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from dspark.host import interfaces
-from dspark.launcher import free_port
-from tests.cli import two_node_worker as worker
+from dspark.launch.launcher import free_port
+from tests.launch import two_node_worker as worker
 
 WORKER = Path(worker.__file__).resolve()
 LAUNCH_TIMEOUT_S = 120
