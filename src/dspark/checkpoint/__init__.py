@@ -19,6 +19,7 @@ from dspark.checkpoint.background import pending_save_path, wait_for_pending_sav
 from dspark.checkpoint.errors import CheckpointError, CheckpointNotFoundError, CheckpointSaveError
 from dspark.checkpoint.info import CheckpointInfo, is_checkpoint, read_checkpoint_info
 from dspark.checkpoint.load import load_checkpoint
+from dspark.checkpoint.offline import read_extra
 from dspark.checkpoint.save import save_checkpoint
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "load_checkpoint",
     "pending_save_path",
     "read_checkpoint_info",
+    "read_extra",
     "save_checkpoint",
     "wait_for_pending_save",
 ]

@@ -45,6 +45,8 @@ class CheckpointInfo:
     """Elements of all trainable parameters (tied ones once)."""
     params: dict[str, list[int]] = field(default_factory=dict)
     """Trainable parameter name -> global shape as saved (0-d parameters as [1])."""
+    scalar_params: list[str] = field(default_factory=list)
+    """Parameters that are 0-d in the model (saved as shape [1], the only way to split them by rows)."""
     dspark_version: str = ""
     torch_version: str = ""
     created_utc: str = ""
@@ -73,6 +75,8 @@ class CheckpointInfo:
                                                                     and n >= 0 for n in v)
                 for k, v in self.params.items()):
             raise CheckpointError(f"params={self.params!r:.120} must map names to lists of sizes")
+        if not isinstance(self.scalar_params, list) or not all(isinstance(n, str) for n in self.scalar_params):
+            raise CheckpointError(f"scalar_params={self.scalar_params!r:.120} must be a list of names")
 
 
 def is_checkpoint(path: str | os.PathLike[str]) -> bool:

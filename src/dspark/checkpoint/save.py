@@ -260,6 +260,7 @@ def split_state(state: Mapping[str, Any], *, rank: int, extra: Mapping[str, Any]
         world_size=int(meta["world_size"]), optimizer=str(meta["optimizer"]), num_param_groups=len(groups),
         num_params=sum(math.prod(shape) for shape in params.values()),
         params={name: list(shape) for name, shape in params.items()},
+        scalar_params=[str(name) for name in meta.get("scalar_params", [])],
         dspark_version=__version__, torch_version=torch.__version__,
         created_utc=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
     return tensors, training, values, info

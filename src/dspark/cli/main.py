@@ -1,4 +1,4 @@
-"""The ``dspark`` command: ``env``, ``run``, ``bench``, ``check``.
+"""The ``dspark`` command: ``env``, ``run``, ``bench``, ``check``, ``ckpt``.
 
 The CLI is thin: it parses, then calls the library. Each subcommand lives in its own module of
 ``dspark.cli`` and exposes one function, the whole interface between it and this file::
@@ -43,6 +43,7 @@ COMMAND_MODULES = (
     "dspark.cli.run_cmd",
     "dspark.cli.bench_cmd",
     "dspark.cli.check_cmd",
+    "dspark.cli.ckpt_cmd",
 )
 """Modules that each register one subcommand through ``add_parser(subparsers)``."""
 

@@ -9,7 +9,8 @@ PyTorch's distributed checkpoint (DCP) consumes it, with live tensors (no copies
                    "param_groups": [{"params": [names], "lr": ..., ...}]},
      "engine":    {"step_count", "loss_scale", "loss_scale_good_steps", "strategy", "precision",
                    "world_size", "optimizer", "aliases": {name: [other names of a tied parameter]},
-                   "params": {trainable parameter name: its rows-view shape}}}
+                   "params": {trainable parameter name: its rows-view shape},
+                   "scalar_params": [parameters that are 0-d in the model]}}
 
 What a rank holds only rows of is a ``Shard(0)`` DTensor over the global shape (zero3 parameters,
 the optimizer state of zero1/2/3); what every rank holds whole is a plain tensor. A tied parameter
@@ -90,6 +91,9 @@ def sharded_state_dict(engine: Engine) -> dict[str, Any]:
         else:
             model[slot.name] = slot.rows_view(slot.param.detach())
     params = dict(engine.module.named_parameters())
+    # a parameter's shape in the model (under zero3 a freed parameter's tensor is empty: its slot says)
+    params_shape = {name: tuple(p.shape) for name, p in params.items()}
+    params_shape.update({s.name: tuple(s.shape) for s in slots})
     for name, tensor in engine._module_state_dict().items():
         if name in slot_names:
             continue
@@ -132,6 +136,7 @@ def sharded_state_dict(engine: Engine) -> dict[str, Any]:
             "optimizer": type(optimizer).__name__,
             "aliases": {s.name: list(s.names[1:]) for s in slots if len(s.names) > 1},
             "params": {s.name: list(rows_shape(s.shape)) for s in engine.slots},
+            "scalar_params": [name for name in model if name in params_shape and not params_shape[name]],
         },
     }
 

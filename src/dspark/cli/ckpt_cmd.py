@@ -1,0 +1,77 @@
+"""``dspark ckpt info CKPT`` and ``dspark ckpt export CKPT OUT [--dtype D]``: a DSpark checkpoint,
+read offline (no process group, any strategy and world size that wrote it).
+
+``info`` prints what the checkpoint holds (step, strategy and world size that wrote it, parameter
+count and bytes, optimizer, the ``extra`` names, size on disk); ``--json`` the same as JSON.
+``export`` writes the model's weights for inference or another framework (see [Note: offline
+export] in :mod:`dspark.checkpoint.export`): ``OUT`` ending in ``.safetensors`` is one file, in
+``.pt`` a ``torch.save`` of the state dict, anything else a HuggingFace-style directory of
+safetensors shards.
+
+Example::
+
+    dspark ckpt info ckpt/latest
+    dspark ckpt export ckpt/latest gpt2-out/ --dtype bf16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+__all__ = ["add_parser", "run_export", "run_info"]
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Register ``dspark ckpt`` and its subcommands."""
+    parser = subparsers.add_parser(
+        "ckpt", help="inspect a checkpoint or export its weights (offline)",
+        description="Read a DSpark checkpoint without starting any process group: describe it, "
+                    "or write its model's weights as safetensors or a .pt file.")
+    commands = parser.add_subparsers(dest="ckpt_command", metavar="ACTION", required=True)
+    info = commands.add_parser("info", help="what a checkpoint holds",
+                               description="Step, strategy and world size that wrote it, parameter "
+                                           "count and bytes, optimizer, extra entries, size on disk.")
+    info.add_argument("checkpoint", metavar="CKPT", help="checkpoint directory (written by engine.save)")
+    info.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    info.set_defaults(func=run_info)
+    export = commands.add_parser(
+        "export", help="write the model's weights (safetensors directory or file, or .pt)",
+        description="OUT ending in .safetensors: one file; ending in .pt: torch.save of the state "
+                    "dict; otherwise a HuggingFace-style directory (model.safetensors, or shards + "
+                    "model.safetensors.index.json). Names as in model.state_dict(); a tied "
+                    "parameter once.")
+    export.add_argument("checkpoint", metavar="CKPT", help="checkpoint directory (written by engine.save)")
+    export.add_argument("out", metavar="OUT", help="output file or directory")
+    export.add_argument("--dtype", default=None, help="cast floating-point tensors: fp32, bf16 or fp16")
+    export.add_argument("--max-shard-size", default="5GB",
+                        help="largest shard of a directory export (default 5GB, as HuggingFace)")
+    export.set_defaults(func=run_export)
+
+
+def run_info(args: argparse.Namespace) -> int:
+    from dspark.checkpoint.offline import summarize_checkpoint
+
+    summary = summarize_checkpoint(args.checkpoint)
+    if args.json:
+        print(json.dumps(summary.as_dict(), indent=2))
+        return 0
+    rows = summary.rows()
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        print(f"{name:<{width}}  {value}")
+    return 0
+
+
+def run_export(args: argparse.Namespace) -> int:
+    from dspark.checkpoint.export import DTYPES, export_checkpoint
+
+    dtype = None
+    if args.dtype is not None:
+        if args.dtype not in DTYPES:
+            raise ValueError(f"--dtype {args.dtype!r} is not one of {sorted(DTYPES)}")
+        dtype = DTYPES[args.dtype]
+    files = export_checkpoint(args.checkpoint, args.out, dtype=dtype, max_shard_size=args.max_shard_size)
+    for path in files:
+        print(path)
+    return 0
