@@ -5,7 +5,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.dspark-installed
 
-.PHONY: install peers test lint bench example clean
+.PHONY: install peers test lint bench example figures clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,6 +36,11 @@ test: lint
 bench: $(STAMP)
 	$(PY) -m compileall -q src/dspark
 	$(VENV)/bin/dspark bench --suite quick --report bench-report
+
+# docs/figures.md and the README's headline table, from the artifacts kept in benchmarks/results/
+# (see [Note: figures from artifacts] in src/dspark/bench/figures.py).
+figures: $(STAMP)
+	$(PY) -m dspark.bench.figures
 
 example: $(STAMP)
 	$(VENV)/bin/dspark run --nproc 2 examples/hello_distributed.py

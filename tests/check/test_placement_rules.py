@@ -69,7 +69,7 @@ def test_clean_code_has_no_findings() -> None:
     ("dspark.distribute_tensor(t, shard_dim=None)  # dspark: ignore[DSP006]\n", ["DSP001"]),
     ("dspark.distribute_tensor(t, shard_dim=None)  # noqa: DSP001\n", ["DSP001"]),
     # a value that is None or REPLICATE on one path: a conditional, `or`, `.get(key)`, directly or
-    # through a variable of the scope (README's find_bug.py is the last but one)
+    # through a variable of the scope (docs/observe.md's find_bug.py is the last but one)
     ("dspark.distribute_tensor(t, shard_dim=0 if fix else None)\n", ["DSP004"]),
     ("dim = None if flat else 0\ndspark.distribute_tensor(t, dim)\n", ["DSP004"]),
     ("dspark.distribute_tensor(t, shard_dim=cfg.get('shard_dim'))\n", ["DSP004"]),

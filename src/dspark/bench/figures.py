@@ -1,0 +1,245 @@
+"""docs/figures.md and the README's headline table, generated from kept artifacts (``make figures``).
+
+[Note: figures from artifacts]
+A published figure is only as good as the record behind it. Every number in docs/figures.md and in
+the README's headline table is rendered here from an artifact under ``benchmarks/results/<date>-<machine>/``:
+``artifact.json`` (the title, the command that measured it, the commit, the machine, and the files
+holding the exported ledger rows, ``dspark bench export --json``) beside those files. Nothing is
+typed by hand: ``tests/bench/test_figures.py`` regenerates both and fails on any difference, and on
+any number in a table that no artifact value renders to. A figure without an artifact is not
+published; :data:`NOT_REMEASURED` names the command that would measure it again.
+
+Example::
+
+    python -m dspark.bench.figures            # rewrite docs/figures.md and README.md's table
+    python -m dspark.bench.figures --check    # exit 1 when either is not what the artifacts give
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["NOT_REMEASURED", "Artifact", "headline_block", "load_artifacts", "main",
+           "render_figures", "replace_headline", "unsupported_numbers"]
+
+HEADLINE_START = "<!-- figures:headline:start -->"
+HEADLINE_END = "<!-- figures:headline:end -->"
+
+NOT_REMEASURED: tuple[tuple[str, str], ...] = (
+    ("the peers suite: DSpark beside DDP, FSDP2 and DeepSpeed",
+     "make peers; dspark bench --suite peers --json peers.json"),
+    ("GPT-2 124M's memory per rank beside DDP and FSDP2",
+     "dspark bench --workloads gpt2-124m --strategies replicate,zero3,torch-ddp,torch-fsdp2 "
+     "--devices 2 --global-batch 2 --rounds 1"),
+    ("DSpark and a peer in the same processes, step by step",
+     "dspark run --nproc 2 benchmarks/side_by_side.py --workload resnet50-cpu --steps 40"),
+    ("the engine's CPU malloc choices",
+     "OMP_NUM_THREADS=1 python benchmarks/cpu_malloc.py --workload gpt2-cpu --batch 16"),
+    ("collectives through shared memory against gloo",
+     "dspark run --nproc 2 benchmarks/shm_collectives.py"),
+    ("reduce-scatter as one all-to-all on gloo", "dspark run --nproc 2 benchmarks/reduce_scatter.py"),
+    ("the fused optimizer kernel", "OMP_NUM_THREADS=1 python benchmarks/optimizer_kernel.py"),
+    ("ZeRO's saving in real memory", "dspark run --nproc 2 tests/engine/rss_worker.py zero3"),
+    ("a model over one rank's budget, built on meta",
+     "dspark run --nproc 2 benchmarks/meta_zero3_rss.py --budget-gib 3"),
+    ("checkpoint save stall, synchronous and asynchronous",
+     "dspark run --nproc 2 benchmarks/save_stall.py --params-m 8 --saves 5 --ckpt /tmp/stall-ckpt"),
+    ("restart after a killed worker", "python benchmarks/restart_time.py --kills 10"),
+    ("the step observer's and the batch fingerprint's overhead",
+     "dspark run --nproc 2 benchmarks/observe_overhead.py --workload tiny gpt2-cpu --strategy zero2 "
+     "--steps 40"),
+    ("the examples on real data",
+     "dspark run --nproc 2 examples/char_gpt.py --steps 200 --out runs/c2"),
+    ("one GPU beside plain PyTorch", "OUT=DIR bash benchmarks/gpu_session.sh"),
+)
+"""Figures published before they had a kept artifact: dropped, with the command that measures them."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Artifact:
+    """One kept measurement: ``benchmarks/results/<name>/artifact.json`` and its ledger rows."""
+
+    name: str
+    title: str
+    command: str
+    commit: str
+    machine: str
+    notes: str
+    headline: bool
+    rows: tuple[dict[str, Any], ...]
+
+
+def load_artifacts(results_dir: Path) -> list[Artifact]:
+    """Every ``<results_dir>/*/artifact.json``, by directory name; a file it names that is missing
+    or not a JSON list of result rows is a ``ValueError`` naming it."""
+    artifacts = []
+    for meta_path in sorted(Path(results_dir).glob("*/artifact.json")):
+        meta = json.loads(meta_path.read_text())
+        rows: list[dict[str, Any]] = []
+        for rel in meta["results"]:
+            path = meta_path.parent / rel
+            if not path.is_file():
+                raise ValueError(f"{meta_path}: results file {rel!r} is missing")
+            data = json.loads(path.read_text())
+            if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
+                raise ValueError(f"{path}: not a JSON list of result rows (dspark bench export --json)")
+            rows.extend(data)
+        artifacts.append(Artifact(name=meta_path.parent.name, title=meta["title"],
+                                  command=meta["command"], commit=meta["commit"],
+                                  machine=meta["machine"], notes=meta.get("notes", ""),
+                                  headline=bool(meta.get("headline", False)), rows=tuple(rows)))
+    return artifacts
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def _speedup(row: dict[str, Any]) -> str:
+    if row.get("speedup") is None:
+        return "-"
+    text = f"{row['speedup']:.2f}x"
+    if row.get("num_devices", 1) > 1 and row.get("speedup_min") is not None:
+        text += f" ({row['speedup_min']:.2f}-{row['speedup_max']:.2f})"
+    return text
+
+
+def _flags(row: dict[str, Any]) -> str:
+    kinds = [a.get("kind", "?") for a in row.get("anomalies", [])]
+    injected = row.get("injected_faults") or {}
+    words = kinds + [f"injected {name}={value}" for name, value in sorted(injected.items())]
+    return ", ".join(words) if words else "none"
+
+
+def _batch(row: dict[str, Any]) -> str:
+    text = f"{row['batch_placement']} {row['global_batch']}"
+    if row.get("micro_batches", 1) > 1:
+        text += f" ({row['micro_batches']} micro-batches)"
+    return text
+
+
+_COLUMNS = ("workload", "devices", "strategy", "precision", "batch", "rounds",
+            "step ms (p10-p90)", "samples/s", "speedup (rounds min-max)", "tensor peak MB/rank",
+            "anomalies")
+
+
+def _cells(row: dict[str, Any]) -> list[str]:
+    samples = row.get("samples_per_s")
+    return [row["workload"], str(row["num_devices"]), row["strategy"], row["precision"], _batch(row),
+            str(row.get("rounds", 1)),
+            f"{_ms(row['step_ms'])} ({_ms(row.get('step_ms_p10'))}-{_ms(row.get('step_ms_p90'))})",
+            "-" if samples is None else f"{samples:.1f}", _speedup(row),
+            f"{row.get('peak_bytes_per_rank', 0) / 1e6:.1f}", _flags(row)]
+
+
+def _table(rows: tuple[dict[str, Any], ...], columns: tuple[str, ...] = _COLUMNS,
+           pick: tuple[int, ...] | None = None) -> list[str]:
+    indices = pick if pick is not None else tuple(range(len(columns)))
+    lines = ["| " + " | ".join(columns[i] for i in indices) + " |",
+             "|" + "---|" * len(indices)]
+    ordered = sorted(rows, key=lambda r: (r["workload"], r["strategy"], r["num_devices"],
+                                          r["batch_placement"]))
+    for row in ordered:
+        cells = _cells(row)
+        lines.append("| " + " | ".join(cells[i] for i in indices) + " |")
+    return lines
+
+
+def render_figures(artifacts: list[Artifact]) -> str:
+    """The whole of docs/figures.md."""
+    out = ["# Figures", "", "[Back to the README](../README.md#figures)", "",
+           "<!-- Generated by `make figures` from benchmarks/results/*/artifact.json: do not edit. -->",
+           "",
+           "Every table here is rendered from a kept artifact: the exported ledger rows "
+           "(`dspark bench export --json`), the command, the commit and the machine, in "
+           "`benchmarks/results/<date>-<machine>/`. Step times are medians over every timed step of "
+           "every round; a speedup pairs each N-device round with the 1-device round of the same run "
+           "(rounds min-max in brackets). Compare ratios measured in one run, not milliseconds across "
+           "runs or machines. An anomaly named in a row is the lab's own verdict on it: "
+           "`busy_machine` means other processes took time from the ranks, so that row's times are not "
+           "trustworthy (see [bench.md](bench.md#what-the-lab-cannot-see)).", ""]
+    for artifact in artifacts:
+        out += [f"## {artifact.title}", "",
+                f"- artifact: [`benchmarks/results/{artifact.name}/`](../benchmarks/results/{artifact.name}/)",
+                f"- command: `{artifact.command}`",
+                f"- machine: {artifact.machine}", ""]
+        if artifact.notes:
+            out += [artifact.notes, ""]
+        out += [*_table(artifact.rows), ""]
+    out += ["## Not re-measured", "",
+            "These figures were published before their output was kept, so they are no longer shown. "
+            "Re-measure with the command, keep the export under `benchmarks/results/` with an "
+            "`artifact.json`, and run `make figures`:", ""]
+    out += [f"- {what}: re-measure with `{command}`" for what, command in NOT_REMEASURED]
+    return "\n".join(out) + "\n"
+
+
+def headline_block(artifacts: list[Artifact]) -> str:
+    """The README's table: step and speedup of every artifact marked ``"headline": true``."""
+    lines = [HEADLINE_START]
+    for artifact in (a for a in artifacts if a.headline):
+        lines += ["", f"{artifact.title} (`{artifact.command}`; "
+                      f"[artifact](benchmarks/results/{artifact.name}/)):", ""]
+        lines += _table(artifact.rows, pick=(0, 1, 6, 8, 10))
+    lines += ["", HEADLINE_END]
+    return "\n".join(lines)
+
+
+def replace_headline(readme: str, block: str) -> str:
+    """``readme`` with the text between the headline markers replaced by ``block``; a README
+    without both markers is a ``ValueError``."""
+    start, end = readme.find(HEADLINE_START), readme.find(HEADLINE_END)
+    if start < 0 or end < start:
+        raise ValueError(f"README has no {HEADLINE_START} ... {HEADLINE_END} markers")
+    return readme[:start] + block + readme[end + len(HEADLINE_END):]
+
+
+_NUMBER = re.compile(r"\d+(?:\.\d+)?")
+
+
+def _table_numbers(text: str) -> list[str]:
+    numbers = []
+    for line in text.splitlines():
+        if line.startswith("|") and not line.startswith("|---"):
+            numbers += _NUMBER.findall(line)
+    return numbers
+
+
+def unsupported_numbers(text: str, artifacts: list[Artifact]) -> list[str]:
+    """Numbers in ``text``'s tables that no artifact row renders to (a hand-typed figure)."""
+    known = set(_NUMBER.findall(" ".join(" ".join(_cells(row) + list(_COLUMNS))
+                                         for a in artifacts for row in a.rows)))
+    known |= set(_NUMBER.findall(" ".join(_COLUMNS)))
+    return [number for number in _table_numbers(text) if number not in known]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dspark.bench.figures", description=__doc__.split("\n")[0])
+    parser.add_argument("--root", type=Path, default=Path.cwd(), help="the repository root")
+    parser.add_argument("--check", action="store_true",
+                        help="write nothing; exit 1 when docs/figures.md or the README's table differs")
+    args = parser.parse_args(argv)
+    artifacts = load_artifacts(args.root / "benchmarks" / "results")
+    figures_path, readme_path = args.root / "docs" / "figures.md", args.root / "README.md"
+    figures = render_figures(artifacts)
+    readme = replace_headline(readme_path.read_text(), headline_block(artifacts))
+    if args.check:
+        stale = [str(p) for p, text in ((figures_path, figures), (readme_path, readme))
+                 if not p.exists() or p.read_text() != text]
+        for path in stale:
+            print(f"{path} is not what benchmarks/results/ gives: run `make figures`", file=sys.stderr)
+        return 1 if stale else 0
+    figures_path.write_text(figures)
+    readme_path.write_text(readme)
+    print(f"wrote {figures_path} and the headline table of {readme_path} from {len(artifacts)} artifact(s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
