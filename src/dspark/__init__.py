@@ -19,7 +19,7 @@ from dspark import checkpoint as checkpoint
 from dspark import comm as comm
 from dspark._version import __version__
 from dspark.comm import World, get_world, init, shutdown
-from dspark.data import DataLoader
+from dspark.data import DataLoader, gather_for_metrics, reduce_metrics
 from dspark.engine import Engine
 from dspark.errors import (
     CollectiveError,
@@ -54,8 +54,10 @@ __all__ = [
     "__version__",
     "distribute_batch",
     "distribute_tensor",
+    "gather_for_metrics",
     "get_world",
     "init",
     "preemption_requested",
+    "reduce_metrics",
     "shutdown",
 ]

@@ -66,3 +66,48 @@ def test_two_ranks_train_like_one_process(pool, optimizer: str, strategy: str) -
     for state in pool.run(_train_on_ranks, optimizer, strategy):
         for name, want in reference.items():
             torch.testing.assert_close(state[name], want, rtol=1e-5, atol=1e-6)
+
+
+def _train_uneven_on_ranks(optimizer: str, strategy: str, num_samples: int) -> dict[str, torch.Tensor]:
+    engine = dspark.Engine(_model(), optimizer=_optimizer(optimizer), strategy=strategy)
+    loader = dspark.DataLoader(_dataset_of(num_samples), global_batch_size=GLOBAL_BATCH, seed=4,
+                               drop_last=False)
+    for _ in range(EPOCHS):
+        for x, y in loader:
+            assert loader.batch_info is not None
+            engine.backward(torch.nn.functional.mse_loss(engine(x), y),
+                            weight=loader.batch_info.local_size)
+            engine.step()
+    state = engine.full_state_dict()
+    engine.close()
+    return state
+
+
+def _dataset_of(num_samples: int) -> TensorDataset:
+    whole = _dataset()
+    return TensorDataset(*(t[:num_samples] for t in whole.tensors))
+
+
+def _train_uneven_in_one_process(optimizer: str, num_samples: int) -> dict[str, torch.Tensor]:
+    model = _model()
+    opt = _optimizer(optimizer)(model.parameters())
+    global_batches = dspark.DataLoader(_dataset_of(num_samples), global_batch_size=GLOBAL_BATCH, seed=4,
+                                       drop_last=False, rank=0, world_size=1)
+    for _ in range(EPOCHS):
+        for x, y in global_batches:
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+    return model.state_dict()
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+@pytest.mark.parametrize(("strategy", "num_samples"), [("replicate", 35), ("zero3", 33)])
+def test_drop_last_false_trains_like_one_process_on_every_sample(pool, optimizer: str, strategy: str,
+                                                                  num_samples: int) -> None:
+    """The last global batch holds 3 samples (2 + 1 rows) or 1 (rank 1 gets a zero-row batch):
+    weighted by batch_info.local_size, the step is one process's on the same global batch."""
+    reference = _train_uneven_in_one_process(optimizer, num_samples)
+    for state in pool.run(_train_uneven_on_ranks, optimizer, strategy, num_samples):
+        for name, want in reference.items():
+            torch.testing.assert_close(state[name], want, rtol=1e-5, atol=1e-6)

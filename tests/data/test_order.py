@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
 from dspark.data.order import (
     check_global_batch_size,
-    check_tail,
     epoch_order,
     epoch_seed,
     global_batch_sizes,
     local_rows,
+    local_sizes,
     smaller_batch_fix,
 )
 
@@ -31,31 +33,29 @@ def test_an_epoch_is_a_permutation_that_depends_on_seed_and_epoch_only() -> None
     assert epoch_order(5, seed=3, epoch=9, shuffle=False).tolist() == [0, 1, 2, 3, 4]
 
 
-def test_batch_sizes_and_rows_follow_torch_chunk() -> None:
+def test_batches_split_as_evenly_as_possible_in_contiguous_rank_order() -> None:
     assert global_batch_sizes(10, 4, drop_last=False) == [4, 4, 2]
     assert global_batch_sizes(10, 4, drop_last=True) == [4, 4]
-    rows = torch.arange(7)
-    for num_ranks in (1, 2, 3, 4):
-        chunks = rows.chunk(num_ranks)
-        for rank, chunk in enumerate(chunks):
-            start, stop = local_rows(7, num_ranks, rank)
-            assert rows[start:stop].tolist() == chunk.tolist()
+    assert local_sizes(41, 8) == [6, 5, 5, 5, 5, 5, 5, 5]  # 1001 % 64 on 8 ranks
+    assert local_sizes(3, 8) == [1, 1, 1, 0, 0, 0, 0, 0]
+    for size in range(0, 20):
+        for num_ranks in (1, 2, 3, 4, 8):
+            rows = [local_rows(size, num_ranks, r) for r in range(num_ranks)]
+            assert rows[0][0] == 0 and rows[-1][1] == size  # contiguous, in rank order, all of it
+            assert all(a[1] == b[0] for a, b in itertools.pairwise(rows))
+            counts = [stop - start for start, stop in rows]
+            assert counts == local_sizes(size, num_ranks) and max(counts) - min(counts) <= 1
 
 
 def test_indivisible_global_batch_names_the_numbers_and_the_nearest_sizes() -> None:
-    with pytest.raises(ValueError, match=r"global_batch_size=10 does not divide by world size 4.*8 or 12"):
+    with pytest.raises(ValueError, match=r"global_batch_size=10 does not divide by world size 4.*8 or 12.*3\+3\+2\+2"):
         check_global_batch_size(10, 4, allow_uneven=False)
-    check_global_batch_size(10, 4, allow_uneven=True)  # 3+3+3+1: every rank has rows
-    with pytest.raises(ValueError, match=r"rank\(s\) 3 would get no rows.*4 or 8"):
-        check_global_batch_size(6, 4, allow_uneven=True)  # 2+2+2+0
+    check_global_batch_size(10, 4, allow_uneven=True)  # 3+3+2+2: every rank has rows
+    check_global_batch_size(6, 4, allow_uneven=True)  # 2+2+1+1
+    with pytest.raises(ValueError, match=r"rank\(s\) 3 would get no rows.*4"):
+        check_global_batch_size(3, 4, allow_uneven=True)  # 1+1+1+0 in every step
     with pytest.raises(ValueError, match="must be an int >= 1"):
         check_global_batch_size(0, 2, allow_uneven=False)
-
-
-def test_a_tail_that_leaves_a_rank_empty_is_an_error() -> None:
-    check_tail(3, 8, 2)  # 2 + 1
-    with pytest.raises(ValueError, match=r"holds 1 of 8 samples.*rank\(s\) 1 would get no rows.*drop_last=True"):
-        check_tail(1, 8, 2)
 
 
 def test_the_fix_for_too_little_data_can_be_applied() -> None:

@@ -22,11 +22,12 @@ from torch.utils.data import DataLoader as TorchDataLoader
 from torch.utils.data import IterableDataset
 from torch.utils.data._utils.collate import default_collate
 
+from dspark.data.agreement import check_same_settings, check_stream_in_step
+from dspark.data.empty_rows import zero_rows
 from dspark.data.order import (
     BatchInfo,
     check_batch_size_value,
     check_global_batch_size,
-    check_tail,
     epoch_seed,
     global_batch_sizes,
     local_rows,
@@ -82,10 +83,19 @@ class DataLoader:
 
     ``global_batch_size`` must divide by the world size, so that every rank's mean loss weighs the
     same number of samples; ``allow_uneven=True`` accepts any size that leaves no rank empty and
-    splits it by the torch.chunk rule (first ranks get ``ceil(G/N)`` rows). ``drop_last=True`` (the
-    default) drops the last, partial global batch of each epoch; ``drop_last=False`` serves it, split
-    by the same rule over its own size, and raises ``ValueError`` if that would leave a rank without
-    rows. :attr:`batch_info` tells each batch's global and local sizes, for weighting uneven batches.
+    splits it as evenly as possible (the first ``G % N`` ranks get one row more).
+    ``drop_last=True`` (the default) drops the last, partial global batch of each epoch;
+    ``drop_last=False`` serves it, split as evenly as possible over its own size, so any dataset
+    length works and every sample is served exactly once per epoch (a rank gets one row fewer than
+    others, or, when that batch holds fewer samples than there are ranks, a batch of zero rows shaped
+    like a real one). :attr:`batch_info` tells each batch's global and local sizes: weight an uneven
+    batch with ``engine.backward(loss, weight=loader.batch_info.local_size)``, and evaluate with
+    :func:`dspark.gather_for_metrics` / :func:`dspark.reduce_metrics`.
+
+    When the place in the world comes from ``dspark.init()``, every pass starts with one small
+    all-gather that checks that every rank has the same dataset length, settings and position, and an
+    iterable dataset's ranks agree before each batch that their streams go on (see
+    [Note: data agreement] in :mod:`dspark.data.agreement`).
     ``shuffle`` must be False for an iterable dataset (it serves its own order). ``rank`` and
     ``world_size`` default to this process's place in :func:`dspark.init`'s world. Iterating never
     draws from torch's global random generator (worker seeds come from ``seed``, epoch and rank).
@@ -123,6 +133,8 @@ class DataLoader:
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"seed={seed!r} must be an int")
         self.rank, self.world_size = _world_place(rank, world_size)
+        # explicit places are a tool's or a test's, iterated by one process alone: nothing to agree with
+        self._agree = rank is None and self.world_size > 1
         check_global_batch_size(global_batch_size, self.world_size, allow_uneven=allow_uneven)
         self.dataset = dataset
         self.global_batch_size = global_batch_size
@@ -156,9 +168,6 @@ class DataLoader:
             self._sampler = GlobalBatchSampler(
                 self.num_samples, global_batch_size=global_batch_size, rank=self.rank,
                 world_size=self.world_size, shuffle=self.shuffle, seed=seed, drop_last=self.drop_last)
-            tail = self.num_samples % global_batch_size
-            if tail and not self.drop_last:
-                check_tail(tail, global_batch_size, self.world_size)
             # one PyTorch loader for every pass: persistent workers survive, and the sampler it
             # consults in this process is told each pass's position
             self._torch_loader = TorchDataLoader(dataset, batch_sampler=self._sampler,
@@ -217,6 +226,8 @@ class DataLoader:
     def _batches(self, generation: int) -> Iterator[Any]:
         self._check_current(generation)  # a generator starts at its first next(), not at iter()
         epoch, start = self._epoch, self._consumed
+        if self._agree:
+            check_same_settings(self._settings())
         # worker seeds (random augmentations) come from here, not from torch's global generator
         self._generator.manual_seed(epoch_seed(epoch_seed(self.seed, epoch), self.rank))
         if self._sampler is not None and self._torch_loader is not None:
@@ -224,7 +235,7 @@ class DataLoader:
             for index, batch in enumerate(self._torch_loader, start=start):
                 self._batch_info = self._sampler.batch_info(epoch, index)
                 self._advance(last=index + 1 == len(self._sampler.sizes))
-                yield batch
+                yield zero_rows(batch) if self._batch_info.local_size == 0 else batch
                 self._check_current(generation)  # before fetching more: a stale pass takes nothing
             return
         stream = RankStream(self.dataset, global_batch_size=self.global_batch_size, rank=self.rank,
@@ -232,12 +243,36 @@ class DataLoader:
                             start_batch=start)
         loader = TorchDataLoader(stream, batch_size=None, collate_fn=CollateWithInfo(self.collate_fn),
                                  generator=self._generator, **self._torch_kwargs)
-        for info, batch in loader:
+        items = iter(loader)
+        while True:
+            try:
+                item = next(items, None)
+            except Exception:
+                if self._agree:  # the other ranks stop too, naming this one, rather than wait for it
+                    check_stream_in_step(state="failed", global_size=0, epoch=epoch, index=self._consumed)
+                raise
+            if self._agree:
+                check_stream_in_step(state="ended" if item is None else "batch",
+                                     global_size=0 if item is None else item[0].global_size,
+                                     epoch=epoch, index=self._consumed)
+            if item is None:
+                break
+            info, batch = item
             self._batch_info = info
             self._advance(last=False)
-            yield batch
+            yield zero_rows(batch) if info.local_size == 0 else batch
             self._check_current(generation)
         self._epoch, self._consumed = epoch + 1, 0  # the stream's end is this epoch's end
+
+    def _settings(self) -> dict[str, int]:
+        """What every rank's loader must agree on when a pass starts (see [Note: data agreement])."""
+        try:
+            length = len(self.dataset) if self.num_samples is None else self.num_samples
+        except TypeError:
+            length = -1  # a stream without __len__: its batches are compared one by one instead
+        return {"dataset length": length, "seed": self.seed, "global_batch_size": self.global_batch_size,
+                "shuffle": int(self.shuffle), "drop_last": int(self.drop_last), "epoch": self._epoch,
+                "batches_consumed": self._consumed}
 
     def _advance(self, *, last: bool) -> None:
         if last:

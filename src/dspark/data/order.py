@@ -3,11 +3,19 @@ functions of ``(seed, epoch)`` and the sizes (no process group, no dataset).
 
 [Note: global batch order] An epoch is a permutation of the dataset's indices drawn from a generator
 seeded by ``epoch_seed(seed, epoch)`` (or ``0..n-1`` when not shuffling). Global batch ``b`` is the
-permutation's positions ``[b*G, (b+1)*G)``; rank ``r`` of ``N`` takes its rows of it by the uneven
-split rule of :mod:`dspark.tensor.shard_math` (``torch.chunk``'s: chunks of ``ceil(g/N)`` rows, where
-``g`` is that batch's size). Nothing here depends on the rank count except the cut, so ``N`` ranks
-together see exactly the global batches one process sees, and a position (epoch, batches consumed)
-means the same samples at any world size: that is what makes resuming at another world size exact.
+permutation's positions ``[b*G, (b+1)*G)``; rank ``r`` of ``N`` takes a contiguous run of its rows
+by the even split rule (see [Note: even split of a batch]). Nothing here depends on the rank count
+except the cut, so ``N`` ranks together see exactly the global batches one process sees, and a
+position (epoch, batches consumed) means the same samples at any world size: that is what makes
+resuming at another world size exact.
+
+[Note: even split of a batch] A global batch of ``g`` samples on ``N`` ranks is cut as evenly as
+possible, in rank order: every rank gets ``g // N`` rows and the first ``g % N`` ranks one more
+(41 on 8 ranks: 6, 5, 5, 5, 5, 5, 5, 5; 3 on 8 ranks: 1, 1, 1 and five ranks with none). A full
+global batch divides by ``N`` (unless ``allow_uneven``), so only an epoch's last, partial batch
+(``drop_last=False``) can be uneven; a rank with no rows then gets a batch of zero rows. The ranks'
+rows concatenated in rank order are the global batch in order, which is what
+:func:`dspark.gather_for_metrics` relies on.
 """
 
 from __future__ import annotations
@@ -16,17 +24,15 @@ from dataclasses import dataclass
 
 import torch
 
-from dspark.tensor.shard_math import shard_range, shard_sizes
-
 __all__ = [
     "BatchInfo",
     "check_batch_size_value",
     "check_global_batch_size",
-    "check_tail",
     "epoch_order",
     "epoch_seed",
     "global_batch_sizes",
     "local_rows",
+    "local_sizes",
     "smaller_batch_fix",
 ]
 
@@ -97,6 +103,18 @@ def global_batch_sizes(num_samples: int, global_batch_size: int, *, drop_last: b
     return [global_batch_size] * full + ([tail] if tail and not drop_last else [])
 
 
+def local_sizes(global_size: int, world_size: int) -> list[int]:
+    """Rows of each rank in a global batch of ``global_size`` samples (see
+    [Note: even split of a batch]).
+
+    Example::
+
+        local_sizes(41, 8)   # [6, 5, 5, 5, 5, 5, 5, 5]
+    """
+    base, extra = divmod(global_size, world_size)
+    return [base + (1 if r < extra else 0) for r in range(world_size)]
+
+
 def local_rows(global_size: int, world_size: int, rank: int) -> tuple[int, int]:
     """``(start, stop)`` of ``rank``'s rows in a global batch of ``global_size`` samples.
 
@@ -104,11 +122,13 @@ def local_rows(global_size: int, world_size: int, rank: int) -> tuple[int, int]:
 
         local_rows(7, 2, 1)   # (4, 7)
     """
-    return shard_range(global_size, world_size, rank)
+    base, extra = divmod(global_size, world_size)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (1 if rank < extra else 0)
 
 
-def _empty_ranks(global_size: int, world_size: int) -> list[int]:
-    return [r for r, n in enumerate(shard_sizes(global_size, world_size)) if n == 0]
+def _sizes_text(global_size: int, world_size: int) -> str:
+    return "+".join(map(str, local_sizes(global_size, world_size)))
 
 
 def _nearest_multiples(size: int, world_size: int) -> str:
@@ -126,7 +146,7 @@ def check_batch_size_value(global_batch_size: object) -> None:
 
 def check_global_batch_size(global_batch_size: int, world_size: int, *, allow_uneven: bool) -> None:
     """Raise ``ValueError`` unless every rank gets the same number of rows of a full global batch
-    (or, with ``allow_uneven``, at least one row by the uneven split rule).
+    (or, with ``allow_uneven``, at least one row by the even split rule).
 
     Example::
 
@@ -139,14 +159,14 @@ def check_global_batch_size(global_batch_size: int, world_size: int, *, allow_un
         raise ValueError(
             f"global_batch_size={global_batch_size} does not divide by world size {world_size}: ranks "
             f"would weigh different sample counts. Nearest valid sizes: {valid}; or pass "
-            f"allow_uneven=True to split it by the torch.chunk rule "
-            f"({'+'.join(map(str, shard_sizes(global_batch_size, world_size)))})")
-    empty = _empty_ranks(global_batch_size, world_size)
-    if empty:
+            f"allow_uneven=True to split it as evenly as possible "
+            f"({_sizes_text(global_batch_size, world_size)})")
+    if global_batch_size < world_size:
         raise ValueError(
-            f"global_batch_size={global_batch_size} on world size {world_size}: by the torch.chunk "
-            f"rule ({'+'.join(map(str, shard_sizes(global_batch_size, world_size)))}) rank(s) "
-            f"{', '.join(map(str, empty))} would get no rows at all. Use a global batch of {valid}")
+            f"global_batch_size={global_batch_size} on world size {world_size}: split as evenly as "
+            f"possible ({_sizes_text(global_batch_size, world_size)}) rank(s) "
+            f"{', '.join(map(str, range(global_batch_size, world_size)))} would get no rows in every step. Use a global "
+            f"batch of {valid}")
 
 
 def smaller_batch_fix(num_samples: int, world_size: int) -> str:
@@ -163,21 +183,3 @@ def smaller_batch_fix(num_samples: int, world_size: int) -> str:
         return (f"Its {num_samples} sample(s) cannot give each of the {world_size} ranks a row: use more "
                 "data, or fewer ranks")
     return f"Use a global_batch_size of at most {num_samples} (a multiple of world size {world_size}: {fits})"
-
-
-def check_tail(tail_size: int, global_batch_size: int, world_size: int) -> None:
-    """Raise ``ValueError`` when a last, partial global batch of ``tail_size`` samples would leave a
-    rank without rows (its mean loss would be a NaN, and many models reject empty inputs).
-
-    Example::
-
-        check_tail(1, 8, 2)   # ValueError: ... rank(s) 1 would get no rows ...
-    """
-    empty = _empty_ranks(tail_size, world_size)
-    if empty:
-        raise ValueError(
-            f"the last global batch of the epoch holds {tail_size} of {global_batch_size} samples; "
-            f"split over {world_size} ranks by the torch.chunk rule "
-            f"({'+'.join(map(str, shard_sizes(tail_size, world_size)))}) rank(s) "
-            f"{', '.join(map(str, empty))} would get no rows. Pass drop_last=True, or choose a "
-            f"global batch size that leaves a larger remainder (or none)")

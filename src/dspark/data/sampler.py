@@ -17,6 +17,8 @@ class GlobalBatchSampler(Sampler[list[int]]):
     :attr:`start_batch` on, the dataset indices of ``rank``'s rows (see
     [Note: global batch order] in :mod:`dspark.data.order`). The owner sets the position before each
     pass; the sampler itself keeps no count of what was consumed (workers prefetch ahead of that).
+    A rank with no rows of a batch (a last, partial one smaller than the world) gets the index of the
+    batch's first sample, as a template that the loader cuts to zero rows (:mod:`dspark.data.empty_rows`).
 
     Example::
 
@@ -49,6 +51,8 @@ class GlobalBatchSampler(Sampler[list[int]]):
         offset = sum(self.sizes[: self.start_batch])
         for index in range(self.start_batch, len(self.sizes)):
             start, stop = local_rows(self.sizes[index], self.world_size, self.rank)
+            if start == stop:  # no rows here: one sample of the batch, cut to zero rows by the loader
+                start, stop = 0, 1
             yield order[offset + start: offset + stop].tolist()
             offset += self.sizes[index]
 

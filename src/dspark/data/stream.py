@@ -3,7 +3,7 @@
 [Note: iterable datasets] An iterable dataset has no indices to permute, so the policy is: every rank
 (and every worker of a rank) reads the same stream, one epoch of it per pass, and counts its samples.
 Samples ``[b*G, (b+1)*G)`` of the stream form global batch ``b``; a rank keeps its rows of each by the
-same uneven split rule as for map-style datasets, and worker ``w`` of ``W`` assembles the batches
+same even split rule as for map-style datasets, and worker ``w`` of ``W`` assembles the batches
 ``b`` with ``(b - start) % W == w``. PyTorch's DataLoader returns the workers' items round-robin
 (worker 0's first, then worker 1's, ...), so the batches come back in order. The price: each worker
 of each rank reads (and decodes) the whole stream, keeping only its rows; a stream that is expensive
@@ -14,8 +14,9 @@ dataset's ``torch.utils.data.get_worker_info()`` returns None: one that splits i
 (PyTorch's docstring pattern) reads the whole stream too instead of losing the other workers'
 parts. Resuming at global batch ``k`` reads and skips the first ``k*G`` samples.
 
-A last, partial global batch (``drop_last=False``) is split by the torch.chunk rule of its own size,
-which is known only when the stream ends; so with ``drop_last=False`` a worker holds the raw samples
+A last, partial global batch (``drop_last=False``) is split by the even split rule of its own size,
+which is known only when the stream ends (a rank with no rows of it gets the batch's first sample as a
+template, which the loader cuts to zero rows); so with ``drop_last=False`` a worker holds the raw samples
 of the global batch it is assembling (not collated), and with ``drop_last=True`` only its rows.
 """
 
@@ -28,7 +29,7 @@ from typing import Any
 from torch.utils.data import IterableDataset, get_worker_info
 from torch.utils.data._utils import worker as _torch_worker
 
-from dspark.data.order import BatchInfo, check_tail, local_rows, smaller_batch_fix
+from dspark.data.order import BatchInfo, local_rows, smaller_batch_fix
 
 __all__ = ["CollateWithInfo", "RankStream"]
 
@@ -93,10 +94,9 @@ class RankStream(IterableDataset[tuple[BatchInfo, list[Any]]]):
                     f"one global batch of {size}: no step could run. "
                     f"{smaller_batch_fix(count, self.world_size)}")
             if count and not self.drop_last and mine:
-                check_tail(count, size, self.world_size)
                 start, stop = local_rows(count, self.world_size, self.rank)
                 yield BatchInfo(epoch=self.epoch, index=index, global_size=count,
-                                local_size=stop - start, local_start=start), kept[start:stop]
+                                local_size=stop - start, local_start=start), kept[start:stop] or kept[:1]
             return
 
 
