@@ -43,10 +43,11 @@ def _batches(source: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def _train(source: str, **engine_kwargs: Any) -> dict[str, Any]:
     engine = _engine(**engine_kwargs)
+    batches = _batches(source)  # before counting: dspark.DataLoader's pass starts with its own gather
     comm.reset_stats()
     steps, error = 0, None
     try:
-        for x, y in _batches(source):
+        for x, y in batches:
             with torch.no_grad():  # an evaluation on the same data everywhere is not a mistake
                 engine(torch.ones(2, 6))
             engine.backward(torch.nn.functional.mse_loss(engine(x), y))
