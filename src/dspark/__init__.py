@@ -29,6 +29,9 @@ from dspark.errors import (
     PlacementError,
 )
 from dspark.launch.preemption import preemption_requested
+
+# dspark.plan is the function (the package stays importable: ``from dspark.plan import Plan``)
+from dspark.plan import Plan, PlanRow, plan
 from dspark.tensor import (
     REPLICATE,
     DistTensor,
@@ -48,6 +51,8 @@ __all__ = [
     "Engine",
     "NotInitializedError",
     "PlacementError",
+    "Plan",
+    "PlanRow",
     "Replicate",
     "Shard",
     "World",
@@ -57,6 +62,7 @@ __all__ = [
     "gather_for_metrics",
     "get_world",
     "init",
+    "plan",
     "preemption_requested",
     "reduce_metrics",
     "shutdown",

@@ -1,0 +1,217 @@
+"""One plan row's numbers: a rank's peak memory and step time for a strategy on N devices.
+
+[Note: predicted memory] A rank's peak is the sum of
+
+* model state (parameters, gradients, optimizer state): exact, from the engine's own formula
+  (:func:`dspark.engine.memory.expected_state_bytes`, the same arithmetic ``memory_report()``
+  checks the engine against);
+* activations: the probe's line at the micro-batch (see [Note: the probe]);
+* runtime: the probe's fixed part (scratch that does not shrink with the batch);
+* communication buffers alive at the backward peak: zero2/zero3 copy whole gradients into a pool
+  of two bucket-sized send buffers (:mod:`dspark.engine.grad_bucket`) and keep only their shards.
+  The probe's peak was measured with every whole gradient held (one device keeps them), so the
+  send buffers count only where they exceed the whole gradients a sharded rank no longer keeps;
+  zero3 also holds the root
+  unit whole, the unit running and the units gathered ahead of it (one, or two when the next is
+  small: :data:`dspark.engine.zero3_units.SECOND_PREFETCH_MAX_BYTES`). After the optimizer step
+  zero1/zero2 gather the updated rows through two buckets in flight (a send shard and a receive
+  buffer each); activations are gone by then, so that gather sets the peak only when it is larger
+  than the activations and runtime scratch it replaces. Replicate and zero1 reduce in place (gradients live in their
+  buckets): no buffer.
+
+[Note: predicted step] ``compute`` is the probe's forward + backward at the micro-batch, times the
+passes per step; ``optimizer`` is the probe's step, over ``1/N`` of the rows where optimizer state
+is sharded. ``exposed communication`` is what backward does not hide: the gradient buckets are
+reduced one after another on one channel, each starting when its last gradient is complete (the
+probe's ready times) or when the one before it lands; what runs past the end of backward is
+exposed. zero1/zero2's row gather after the step is all exposed. On a link that does not overlap
+compute (gloo on one CPU core per rank: the core that computes also moves and sums the bytes)
+every collective is exposed. zero3 gathers each unit while
+the unit before it computes: a gather longer than that compute stalls by the difference; the
+root's gathers (start of forward, start of backward) stall whole.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from dspark.engine.memory import expected_state_bytes
+from dspark.engine.policy import STRATEGIES
+from dspark.engine.zero3_units import SECOND_PREFETCH_MAX_BYTES
+from dspark.plan.interconnect import Interconnect, all_gather_s, all_reduce_s, reduce_scatter_s
+from dspark.plan.probe import Probe
+from dspark.tensor.shard_math import chunk_size
+
+__all__ = ["ModelShape", "RowCost", "row_cost"]
+
+ParamSpec = tuple[tuple[int, ...], torch.dtype]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelShape:
+    """What the cost model needs to know about a model, read once before anything runs."""
+
+    trainable: tuple[ParamSpec, ...]
+    """``(shape, dtype)`` per trainable parameter, tied ones once, in ``model.parameters()`` order."""
+    frozen: tuple[ParamSpec, ...]
+    """The same for frozen parameters (parameters only: no gradient, no optimizer state)."""
+    units: tuple[tuple[int, ...], ...]
+    """zero3 units (root first): indices into ``trainable`` of the parameters each gathers."""
+    optimizer_state: tuple[int, bool]
+    """:func:`dspark.engine.memory.optimizer_state_elements` of the optimizer."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RowCost:
+    """A rank's predicted peak by part (bytes) and step by part (ms)."""
+
+    params_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int
+    comm_buffer_bytes: int
+    runtime_bytes: int
+    compute_ms: float
+    comm_exposed_ms: float
+    optimizer_ms: float
+
+
+def _padded_bytes(spec: ParamSpec, num_ranks: int) -> int:
+    shape, dtype = spec
+    rows = shape[0] if shape else 1
+    row_numel = math.prod(shape[1:]) if shape else 1
+    return chunk_size(rows, num_ranks) * num_ranks * row_numel * dtype.itemsize
+
+
+def _whole_bytes(spec: ParamSpec) -> int:
+    return math.prod(spec[0]) * spec[1].itemsize
+
+
+def state_bytes(shape: ModelShape, strategy: str, num_ranks: int) -> dict[str, int]:
+    """Rank 0's ``{"params", "grads", "optimizer"}`` bytes (rank 0 owns the most rows)."""
+    policy = STRATEGIES[strategy]
+
+    def expect(specs: Sequence[ParamSpec]) -> dict[str, int]:
+        metas = (torch.empty(s, dtype=d, device="meta") for s, d in specs)
+        return expected_state_bytes(metas, policy, rank=0, num_ranks=num_ranks,
+                                    optimizer_state=shape.optimizer_state)
+    out = expect(shape.trainable)
+    out["params"] += expect(shape.frozen)["params"]
+    return out
+
+
+def buckets(shape: ModelShape, ready: Sequence[float], bucket_mb: float) -> list[tuple[float, int]]:
+    """``(ready fraction of backward, whole bytes)`` per gradient bucket, grouped as the engine does
+    (:func:`dspark.engine.grad_bucket.make_buckets`: by dtype, in the order gradients become ready,
+    about ``bucket_mb`` MiB each)."""
+    limit = bucket_mb * 2**20
+    order = sorted(range(len(shape.trainable)), key=lambda i: ready[i])
+    open_: dict[torch.dtype, list[int]] = {}
+    done: list[list[int]] = []
+    for i in order:
+        dtype = shape.trainable[i][1]
+        group = open_.setdefault(dtype, [])
+        if group and sum(_whole_bytes(shape.trainable[j]) for j in group) + _whole_bytes(
+                shape.trainable[i]) > limit:
+            done.append(group)
+            group = open_[dtype] = []
+        group.append(i)
+    done.extend(g for g in open_.values() if g)
+    out = [(max(ready[j] for j in g), sum(_whole_bytes(shape.trainable[j]) for j in g)) for g in done]
+    return sorted(out)
+
+
+def _gathered_bytes(shape: ModelShape, num_ranks: int) -> int:
+    """zero3's gathered parameters at the peak: the root unit, plus the largest unit with the units
+    gathered ahead of it (see [Note: predicted memory])."""
+    sizes = [sum(_padded_bytes(shape.trainable[i], num_ranks) for i in unit) for unit in shape.units]
+    if not sizes:
+        return 0
+    root, blocks = sizes[0], sizes[1:]
+    best = 0
+    for k, size in enumerate(blocks):
+        ahead = blocks[k + 1: k + 2]
+        if len(blocks) > k + 2 and blocks[k + 2] <= SECOND_PREFETCH_MAX_BYTES:
+            ahead = blocks[k + 1: k + 3]
+        best = max(best, size + sum(ahead))
+    return root + best
+
+
+def _serial_exposed(items: Sequence[tuple[float, float]], window_ms: float) -> float:
+    """Items ``(ready_ms, duration_ms)`` on one channel in ready order: how far the last one ends
+    past ``window_ms``."""
+    end = 0.0
+    for ready_ms, duration_ms in sorted(items):
+        end = max(end, ready_ms) + duration_ms
+    return max(0.0, end - window_ms)
+
+
+def _gather_stalls(unit_ms: Sequence[float], gather_ms: Sequence[float]) -> float:
+    """Units computing in order, each gathered while the one before computes: the stalls."""
+    stall = gather_ms[0] if gather_ms else 0.0
+    for k in range(1, len(gather_ms)):
+        stall += max(0.0, gather_ms[k] - unit_ms[k - 1])
+    return stall
+
+
+def row_cost(*, shape: ModelShape, probe: Probe, strategy: str, num_ranks: int, micro_batch: int,
+             passes: int, bucket_mb: float, link: Interconnect) -> RowCost:
+    """One rank's predicted memory and step for ``strategy`` on ``num_ranks`` ranks running
+    ``passes`` micro-batches of ``micro_batch`` samples per step (see [Note: predicted memory] and
+    [Note: predicted step]).
+
+    Example::
+
+        row_cost(shape=shape, probe=probe, strategy="zero2", num_ranks=2, micro_batch=16, passes=1,
+                 bucket_mb=25.0, link=get_interconnect("loopback-gloo"))
+    """
+    policy = STRATEGIES[strategy]
+    n = num_ranks
+    state = state_bytes(shape, strategy, n)
+    activations = probe.activation_bytes(micro_batch)
+    grouped = buckets(shape, probe.grad_ready, bucket_mb)
+    largest = sorted((b for _, b in grouped), reverse=True)
+    buffers = 0
+    if n > 1 and policy.shard_grads:
+        whole_grads = sum(_whole_bytes(spec) for spec in shape.trainable)
+        buffers += max(0, min(sum(largest[:2]), whole_grads) - (whole_grads - state["grads"]))
+    if n > 1 and policy.shard_params:
+        buffers += _gathered_bytes(shape, n)
+    if n > 1 and policy.shard_optimizer and not policy.shard_params:
+        row_gather = sum(b + b // n for b in largest[:2])
+        buffers = max(buffers, row_gather - activations - probe.runtime_bytes())
+
+    forward_ms = probe.forward_ms.at(micro_batch)
+    backward_ms = probe.backward_ms.at(micro_batch)
+    compute_ms = passes * (forward_ms + backward_ms)
+    optimizer_ms = probe.optimizer_ms / (n if policy.shard_optimizer and n > 1 else 1)
+    exposed = 0.0
+    hidden = link.link_for(n).overlaps_compute
+    if n > 1:
+        reduce = reduce_scatter_s if policy.shard_grads else all_reduce_s
+        items = [(ready * backward_ms, 1e3 * reduce(nbytes, n, link)) for ready, nbytes in grouped]
+        if policy.shard_params:
+            unit_bytes = [sum(_padded_bytes(shape.trainable[i], n) for i in u) for u in shape.units]
+            gathers = [1e3 * all_gather_s(b, n, link) for b in unit_bytes]
+            shares = list(probe.unit_forward_share) or [1.0]
+            fwd_units = [s * forward_ms for s in shares]
+            bwd_units = [s * backward_ms for s in shares]
+            # forward: root first, then the blocks in order; backward: root, then blocks reversed
+            stalls = passes * (_gather_stalls(fwd_units, gathers)
+                               + _gather_stalls([bwd_units[0], *bwd_units[:0:-1]],
+                                                [gathers[0], *gathers[:0:-1]]))
+            exposed = max(stalls, _serial_exposed(items + [(0.0, g) for g in gathers], backward_ms))
+            if not hidden:
+                exposed = sum(d for _, d in items) + passes * 2 * sum(gathers)
+        else:
+            exposed = _serial_exposed(items, backward_ms) if hidden else sum(d for _, d in items)
+        if policy.shard_optimizer and not policy.shard_params:
+            exposed += sum(1e3 * all_gather_s(b, n, link) for _, b in grouped)
+    return RowCost(params_bytes=state["params"], grads_bytes=state["grads"],
+                   optimizer_bytes=state["optimizer"], activation_bytes=activations,
+                   comm_buffer_bytes=buffers, runtime_bytes=probe.runtime_bytes(),
+                   compute_ms=compute_ms, comm_exposed_ms=exposed, optimizer_ms=optimizer_ms)

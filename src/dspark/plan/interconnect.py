@@ -1,0 +1,139 @@
+"""How long a collective takes on a link: named interconnect profiles and the ring/tree formulas.
+
+[Note: collective time] With ``N`` ranks, ``S`` bytes per rank, a per-rank link bandwidth ``B``
+(bytes/s, one direction) and a per-hop latency ``a`` (seconds), the ring algorithms take:
+
+* all-reduce:                 ``2 (N-1) a + 2 (N-1)/N * S / B``
+* reduce-scatter, all-gather: ``(N-1) a + (N-1)/N * S / B``  (``S`` = the whole, gathered size)
+
+A ring's latency term grows with ``N``; at hundreds of ranks NCCL switches to trees, whose
+all-reduce takes ``2 log2(N) a + 2 S / B`` (reduce up, broadcast down, pipelined). The model takes
+the faster of the two for all-reduce, as NCCL's tuner does. Reduce-scatter and all-gather stay
+rings. ``N = 1`` costs nothing. These are the textbook alpha-beta costs (Thakur, Rabenseifner and
+Gropp, "Optimization of Collective Communication Operations in MPICH", 2005); the profiles' numbers
+and their sources are listed in docs/plan.md.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from types import MappingProxyType
+
+__all__ = ["INTERCONNECTS", "Interconnect", "all_gather_s", "all_reduce_s", "get_interconnect",
+           "reduce_scatter_s"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Interconnect:
+    """One link between ranks, as the collectives see it."""
+
+    name: str
+    """Registry name, e.g. ``"nvlink"``."""
+    bytes_per_s: float
+    """Per-rank bandwidth in one direction (what a ring moves each step)."""
+    latency_s: float
+    """Per-hop latency of one message."""
+    source: str
+    """Where the numbers come from."""
+    ranks_per_node: int | None = None
+    """Ranks that share ``bytes_per_s``'s fast link; beyond it ``inter_node`` carries the ring."""
+    inter_node: Interconnect | None = None
+    """The slower link between nodes (a two-level fabric such as NVLink inside, InfiniBand across)."""
+    overlaps_compute: bool = True
+    """Whether communication runs beside compute. False where the compute's own cores move and sum
+    the bytes (gloo on one CPU core per rank): every collective's time then adds to the step."""
+
+    def __post_init__(self) -> None:
+        if not (self.bytes_per_s > 0 and self.latency_s >= 0):
+            raise ValueError(f"interconnect {self.name!r}: bytes_per_s={self.bytes_per_s!r} must be "
+                             f"> 0 and latency_s={self.latency_s!r} >= 0")
+
+    def link_for(self, num_ranks: int) -> Interconnect:
+        """The link a ring over ``num_ranks`` ranks is bound by: the inter-node one once the ring
+        leaves a node (its slowest hop sets every step's pace)."""
+        if self.inter_node is not None and self.ranks_per_node and num_ranks > self.ranks_per_node:
+            return self.inter_node
+        return self
+
+
+def _check(nbytes: int, num_ranks: int) -> None:
+    if nbytes < 0 or num_ranks < 1:
+        raise ValueError(f"nbytes={nbytes!r} must be >= 0 and num_ranks={num_ranks!r} >= 1")
+
+
+def all_reduce_s(nbytes: int, num_ranks: int, link: Interconnect) -> float:
+    """Seconds to all-reduce ``nbytes`` over ``num_ranks`` ranks (see [Note: collective time]).
+
+    Example::
+
+        all_reduce_s(100_000_000, 2, get_interconnect("roce-200g"))   # ~0.004
+    """
+    _check(nbytes, num_ranks)
+    if num_ranks == 1 or nbytes == 0:
+        return 0.0
+    hop = link.link_for(num_ranks)
+    n = num_ranks
+    ring = 2 * (n - 1) * hop.latency_s + 2 * (n - 1) / n * nbytes / hop.bytes_per_s
+    tree = 2 * math.ceil(math.log2(n)) * hop.latency_s + 2 * nbytes / hop.bytes_per_s
+    return min(ring, tree)
+
+
+def reduce_scatter_s(nbytes: int, num_ranks: int, link: Interconnect) -> float:
+    """Seconds to reduce-scatter ``nbytes`` (the whole input) over ``num_ranks`` ranks (ring).
+
+    Example::
+
+        reduce_scatter_s(100_000_000, 2, get_interconnect("roce-200g"))   # ~0.002
+    """
+    _check(nbytes, num_ranks)
+    if num_ranks == 1 or nbytes == 0:
+        return 0.0
+    hop = link.link_for(num_ranks)
+    return (num_ranks - 1) * hop.latency_s + (num_ranks - 1) / num_ranks * nbytes / hop.bytes_per_s
+
+
+def all_gather_s(nbytes: int, num_ranks: int, link: Interconnect) -> float:
+    """Seconds to all-gather ``nbytes`` (the whole output) over ``num_ranks`` ranks (ring): the
+    same traffic as a reduce-scatter.
+
+    Example::
+
+        all_gather_s(100_000_000, 8, get_interconnect("nvlink"))
+    """
+    return reduce_scatter_s(nbytes, num_ranks, link)
+
+
+_IB_NDR = Interconnect(
+    name="infiniband-ndr", bytes_per_s=50e9, latency_s=5e-6,
+    source="NVIDIA ConnectX-7 / Quantum-2 NDR: 400 Gb/s per port, one port per GPU in a DGX H100")
+_PROFILES = (
+    Interconnect(name="nvlink", bytes_per_s=450e9, latency_s=5e-6, ranks_per_node=8,
+                 inter_node=_IB_NDR,
+                 source="NVIDIA H100 SXM: NVLink 4, 900 GB/s per GPU both directions; 8 GPUs per "
+                        "node, InfiniBand NDR between nodes"),
+    Interconnect(name="pcie", bytes_per_s=64e9, latency_s=10e-6,
+                 source="PCI Express 5.0 x16: 32 GT/s x 16 lanes, about 64 GB/s per direction"),
+    Interconnect(name="roce-200g", bytes_per_s=25e9, latency_s=10e-6,
+                 source="NVIDIA DGX Spark: ConnectX-7 SmartNIC, 200 Gb/s between two boxes"),
+    _IB_NDR,
+    Interconnect(name="loopback-gloo", bytes_per_s=1e9, latency_s=50e-6, overlaps_compute=False,
+                 source="measured in DSpark: gpt2-cpu's 15 MB all-reduce over loopback gloo took "
+                        "15 ms on 2 CPU ranks (dspark.models.registry, [Note: CPU precision])"),
+)
+
+INTERCONNECTS: MappingProxyType[str, Interconnect] = MappingProxyType({p.name: p for p in _PROFILES})
+"""The named interconnect profiles (read-only); ``nvlink`` crosses to InfiniBand NDR beyond 8 ranks."""
+
+
+def get_interconnect(name: str) -> Interconnect:
+    """The profile called ``name``; an unknown name raises ``ValueError`` listing the valid ones.
+
+    Example::
+
+        get_interconnect("roce-200g").bytes_per_s   # 25e9
+    """
+    try:
+        return INTERCONNECTS[name]
+    except KeyError:
+        raise ValueError(f"interconnect={name!r} is not one of {', '.join(INTERCONNECTS)}") from None

@@ -1,0 +1,132 @@
+"""Peak memory of one training step on one rank, measured rather than computed (the planner's
+one-device probe and the benchmark lab measure alike).
+
+* **GPU**: PyTorch's caching allocator keeps the peak itself (``torch.cuda.max_memory_allocated``),
+  reset just before the measured region.
+* **CPU**: there is no allocator peak counter, so two measurements are added up:
+
+  1. the bytes already held when the region starts: every tensor storage on the device that
+     Python can reach (found through the garbage collector, which tracks tensor objects), plus the
+     ``.grad`` of each leaf, which lives in C++ and has no Python object until it is read; shared
+     storages (views, tied weights) count once;
+  2. the highest point of the running sum of the allocation and free events the PyTorch profiler
+     records (``profile_memory=True``) during the region, in time order.
+
+  The profiler drops the free of a block allocated before it started (it does not know its size),
+  so the region runs twice under one profiler session and only the second run is measured: what
+  the first run left behind (last step's gradients, say) is then freed with a known size.
+
+[Note: what the CPU figure misses] Tensors that only C++ holds before the region (an autograd
+graph kept alive across steps, a backend's internal buffers such as DDP's reducer buckets) are not
+in (1); blocks allocated before the profiler started and freed during the second run, and
+allocations on threads the profiler does not follow, are not in (2). A training step starts with no
+graph alive, and on CPU the autograd engine runs backward on the calling thread, so for a step all
+three are small, but not zero. The process's peak resident memory is
+recorded beside it by the lab (:mod:`dspark.bench.memory`) and covers everything, PyTorch's own libraries included.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable, Iterable
+
+import torch
+
+__all__ = ["held_tensor_bytes", "measure_peak_bytes", "peak_of_running_sum"]
+
+_MEASURED_REGION = "dspark.bench.measured_region"
+
+
+def peak_of_running_sum(deltas: Iterable[int]) -> int:
+    """The highest value the running sum of ``deltas`` reaches, starting from (and at least) 0.
+
+    Example::
+
+        peak_of_running_sum([10, 5, -10, 20, -25])   # 25
+    """
+    running = 0
+    peak = 0
+    for delta in deltas:
+        running += delta
+        peak = max(peak, running)
+    return peak
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple[int, int] | None:
+    try:
+        storage = tensor.untyped_storage()
+        nbytes = storage.nbytes()
+        return (storage.data_ptr(), nbytes) if nbytes else None
+    except RuntimeError:  # a storage another library freed in place (FSDP2's resharded params)
+        return None
+
+
+def held_tensor_bytes(device: torch.device | str = "cpu") -> int:
+    """Bytes of the tensor storages on ``device`` this process can reach from Python right now
+    (and the gradients of leaf tensors), each storage counted once.
+
+    Example::
+
+        before = held_tensor_bytes("cpu")
+        kept = torch.empty(1_000_000, dtype=torch.uint8)
+        held_tensor_bytes("cpu") - before   # 1000000
+    """
+    device_type = torch.device(device).type
+    seen: dict[int, int] = {}
+    # type() instead of isinstance(): isinstance reads __class__, which some lazy module proxies
+    # answer with a deprecation warning.
+    tensors = [obj for obj in gc.get_objects() if issubclass(type(obj), torch.Tensor)]
+    for tensor in tensors:
+        candidates = [tensor]
+        if tensor.is_leaf and tensor.requires_grad and tensor.grad is not None:
+            candidates.append(tensor.grad)
+        for candidate in candidates:
+            if candidate.device.type != device_type or candidate.is_sparse or candidate.is_meta:
+                continue
+            key = _storage_key(candidate)
+            if key is not None:
+                seen[key[0]] = max(seen.get(key[0], 0), key[1])
+    return sum(seen.values())
+
+
+def _profiled_peak_bytes(fn: Callable[[], object], device: torch.device) -> int:
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()  # priming run: see the module docstring
+        gc.collect()
+        held_bytes = held_tensor_bytes(device)
+        with record_function(_MEASURED_REGION):
+            fn()
+    # The profiler's public tables attribute memory to operators; the raw event stream is the
+    # only place with every allocation and free in time order.
+    events = prof.profiler.kineto_results.events()  # type: ignore[union-attr]
+    region = next(e for e in events if e.name() == _MEASURED_REGION)
+    start_ns, end_ns = region.start_ns(), region.end_ns()
+    memory = sorted(
+        (event.start_ns(), event.nbytes()) for event in events
+        if event.name() == "[memory]" and event.device_type() == torch.autograd.DeviceType.CPU
+        and start_ns <= event.start_ns() <= end_ns
+    )
+    return held_bytes + peak_of_running_sum(nbytes for _, nbytes in memory)
+
+
+def measure_peak_bytes(fn: Callable[[], object], device: torch.device | str = "cpu") -> int:
+    """The most tensor bytes this process held on ``device`` while ``fn`` ran, including what was
+    held before it started. ``fn`` runs once on GPU and twice on CPU (the first run primes the
+    profiler), so it must be repeatable, like a training step.
+
+    Example::
+
+        peak = measure_peak_bytes(lambda: train_one_step(), torch.device("cpu"))
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return int(torch.cuda.max_memory_allocated(device))
+    if device.type != "cpu":
+        raise ValueError(f"device={str(device)!r}: peak memory is measured on 'cpu' or 'cuda' only")
+    return _profiled_peak_bytes(fn, device)

@@ -1,0 +1,284 @@
+"""``dspark.plan``: every strategy's predicted memory and step on 1 to N devices, from one probe.
+
+Example::
+
+    plan = dspark.plan(model, (inputs, targets), loss_fn=F.cross_entropy, devices=[1, 2, 8],
+                       precision="bf16", global_batch=256, interconnect="roce-200g")
+    print(plan)            # one row per (strategy, devices): peak by part, step by part, fits
+    plan.best(devices=2)   # the fastest row that fits
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from dspark.engine.policy import STRATEGIES, precision_policy
+from dspark.engine.zero3_units import unit_modules
+from dspark.host.cpu_memory import memory_info
+from dspark.plan.cost import ModelShape, RowCost, row_cost
+from dspark.plan.interconnect import Interconnect, get_interconnect
+from dspark.plan.probe import LossFn, Probe, batch_size, measure_probe
+
+__all__ = ["Plan", "PlanRow", "default_memory_budget", "plan"]
+
+DEFAULT_OPTIMIZER = functools.partial(torch.optim.AdamW, lr=3e-4)
+"""What :func:`plan` plans for when given no optimizer: AdamW (two fp32 moments per element)."""
+MEMORY_MARGIN = 0.10
+"""The default budget keeps this share of the memory free (the allocator's fragmentation, the
+process's own libraries)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlanRow(RowCost):
+    """One strategy on ``devices`` ranks: a rank's predicted peak and step, by part (the byte and
+    millisecond fields of :class:`dspark.plan.cost.RowCost`)."""
+
+    strategy: str
+    devices: int
+    micro_batch: int
+    """Samples per forward/backward pass on one rank."""
+    passes: int
+    """Micro-batches per optimizer step (gradient accumulation)."""
+    budget_bytes: int
+    """The memory one rank may use here (the plan's ``memory_budget``, or the default)."""
+    fits: bool
+    """Whether ``peak_bytes`` is within ``budget_bytes``."""
+
+    @property
+    def model_state_bytes(self) -> int:
+        return self.params_bytes + self.grads_bytes + self.optimizer_bytes
+
+    @property
+    def peak_bytes(self) -> int:
+        return (self.model_state_bytes + self.activation_bytes + self.comm_buffer_bytes
+                + self.runtime_bytes)
+
+    @property
+    def step_ms(self) -> float:
+        return self.compute_ms + self.comm_exposed_ms + self.optimizer_ms
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "peak_bytes": self.peak_bytes, "step_ms": self.step_ms}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Plan:
+    """Predicted rows for every (strategy, devices), with what they were computed from."""
+
+    rows: tuple[PlanRow, ...]
+    global_batch: int
+    precision: str
+    interconnect: str
+    memory_budget_bytes: int | None
+    """Per rank; None: each row's device memory less :data:`MEMORY_MARGIN` (see :func:`plan`)."""
+    probe: Probe
+
+    def best(self, devices: int | None = None) -> PlanRow:
+        """The fastest row that fits (on ``devices`` ranks, or the largest count planned); with none
+        fitting, ``ValueError`` naming the smallest peak and the budget.
+
+        Example::
+
+            plan.best(devices=2).strategy   # "replicate"
+        """
+        count = max(r.devices for r in self.rows) if devices is None else devices
+        rows = [r for r in self.rows if r.devices == count]
+        if not rows:
+            raise ValueError(f"devices={devices!r} was not planned; planned: "
+                             f"{sorted({r.devices for r in self.rows})}")
+        fitting = [r for r in rows if r.fits]
+        if not fitting:
+            smallest = min(rows, key=lambda r: r.peak_bytes)
+            raise ValueError(f"no strategy fits on {count} device(s): the smallest predicted peak is "
+                             f"{smallest.strategy}'s {_mb(smallest.peak_bytes)} per rank at micro-batch "
+                             f"{smallest.micro_batch}, over the budget of {_mb(smallest.budget_bytes)}; "
+                             "add devices or raise memory_budget")
+        return min(fitting, key=lambda r: (r.step_ms, list(STRATEGIES).index(r.strategy)))
+
+    def row(self, strategy: str, devices: int) -> PlanRow:
+        """The row for ``strategy`` on ``devices`` ranks."""
+        for r in self.rows:
+            if r.strategy == strategy and r.devices == devices:
+                return r
+        raise ValueError(f"no row for strategy={strategy!r} on devices={devices!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"global_batch": self.global_batch, "precision": self.precision,
+                "interconnect": self.interconnect, "memory_budget_bytes": self.memory_budget_bytes,
+                "probe": asdict(self.probe), "rows": [r.to_dict() for r in self.rows]}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def __str__(self) -> str:
+        return format_plan(self)
+
+
+def _mb(nbytes: float | None) -> str:
+    return "-" if nbytes is None else f"{nbytes / 1e6:,.1f} MB"
+
+
+_COLUMNS = ("strategy", "devices", "micro", "params", "grads", "optim", "activ", "buffers",
+            "runtime", "peak MB", "compute", "comm", "optim ms", "step ms", "speedup", "fits")
+
+
+def format_plan(plan: Plan) -> str:
+    """``plan`` as a plain-text table (MB = 10**6 bytes; speedup against the 1-device row of the same
+    strategy, or the fastest 1-device row when that is missing)."""
+    base = {r.strategy: r.step_ms for r in plan.rows if r.devices == 1}
+    one = min(base.values()) if base else None
+    budget = (_mb(plan.memory_budget_bytes) if plan.memory_budget_bytes is not None else
+              "default " + ", ".join(sorted({f"{_mb(r.budget_bytes)} on {r.devices}" for r in plan.rows},
+                                            key=lambda t: int(t.rsplit(" ", 1)[1]))))
+    lines = [f"plan: global batch {plan.global_batch}, {plan.precision}, interconnect "
+             f"{plan.interconnect}, budget per rank {budget}, probe on {plan.probe.device}"]
+    table = [list(_COLUMNS)]
+    for r in plan.rows:
+        ref = base.get(r.strategy, one)
+        table.append([r.strategy, str(r.devices), str(r.micro_batch),
+                      *(f"{b / 1e6:.1f}" for b in (r.params_bytes, r.grads_bytes, r.optimizer_bytes,
+                                                    r.activation_bytes, r.comm_buffer_bytes,
+                                                    r.runtime_bytes, r.peak_bytes)),
+                      *(f"{t:.1f}" for t in (r.compute_ms, r.comm_exposed_ms, r.optimizer_ms, r.step_ms)),
+                      "-" if ref is None else f"{ref / r.step_ms:.2f}x", "yes" if r.fits else "NO"])
+    widths = [max(len(row[i]) for row in table) for i in range(len(_COLUMNS))]
+    for row in table:
+        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                               for i, (c, w) in enumerate(zip(row, widths, strict=True))))
+    lines.append("memory columns in MB per rank (params, grads, optimizer state, activations, "
+                 "communication buffers, runtime); times in ms per step")
+    return "\n".join(lines)
+
+
+def default_memory_budget(device: torch.device, local_ranks: int = 1) -> int:
+    """Bytes one rank may plan for: the GPU's memory, or on a CPU the host's available memory shared
+    by ``local_ranks`` ranks, less :data:`MEMORY_MARGIN`.
+
+    Example::
+
+        default_memory_budget(torch.device("cpu"), local_ranks=2)
+    """
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        return int(total * (1 - MEMORY_MARGIN))
+    available = int(memory_info().get("available_bytes") or memory_info().get("total_bytes") or 0)
+    return int(available * (1 - MEMORY_MARGIN) / max(1, local_ranks))
+
+
+def _model_shape(model: nn.Module, optimizer_state: tuple[int, bool]) -> ModelShape:
+    unique = list(dict.fromkeys(model.parameters()))
+    trainable = [p for p in unique if p.requires_grad]
+    index = {id(p): i for i, p in enumerate(trainable)}
+    units = unit_modules(model)
+    owner: dict[int, int] = {}
+    for u, (_, module) in enumerate(units):  # later (deeper) units claim their parameters last
+        for p in module.parameters():
+            if id(p) in index:
+                owner[id(p)] = u
+    members: list[list[int]] = [[] for _ in units]
+    for p in trainable:
+        members[owner.get(id(p), 0)].append(index[id(p)])
+    return ModelShape(trainable=tuple((tuple(p.shape), p.dtype) for p in trainable),
+                      frozen=tuple((tuple(p.shape), p.dtype) for p in unique if not p.requires_grad),
+                      units=tuple(tuple(m) for m in members), optimizer_state=optimizer_state)
+
+
+def _micro_batches(local: int, max_micro_batch: int | None) -> list[int]:
+    """Equal micro-batches a local batch splits into, largest first (at most ``max_micro_batch``)."""
+    sizes = [m for m in range(local, 0, -1) if local % m == 0]
+    return [m for m in sizes if max_micro_batch is None or m <= max_micro_batch] or [1]
+
+
+def plan(model: nn.Module, sample_batch: Any, loss_fn: LossFn | None = None, *,
+         optimizer: Callable[..., torch.optim.Optimizer] = DEFAULT_OPTIMIZER,
+         devices: Iterable[int] = (1, 2, 8), strategies: str | Sequence[str] = "all",
+         precision: str = "fp32", global_batch: int | None = None,
+         memory_budget: int | None = None, interconnect: str | Interconnect | None = None,
+         bucket_mb: float = 25.0, max_micro_batch: int | None = None,
+         device: torch.device | str | None = None, probe: Probe | None = None) -> Plan:
+    """Predict every strategy's peak memory and step per rank on each device count, from one short
+    probe of ``model`` on one device (see :mod:`dspark.plan.probe` and :mod:`dspark.plan.cost`).
+
+    ``sample_batch`` is ``(inputs, targets)`` with ``loss_fn(model(inputs), targets)``, or what the
+    model takes when it returns its loss itself; its leading size is the global batch unless
+    ``global_batch`` says otherwise. ``memory_budget`` is bytes per rank (default: see
+    :func:`default_memory_budget`); a row that does not fit at the whole local batch tries smaller
+    equal micro-batches. ``interconnect`` names a profile (:data:`dspark.plan.INTERCONNECTS`) or is
+    one; default ``loopback-gloo`` on a CPU, ``nvlink`` on a GPU. ``probe`` reuses an earlier
+    measurement. The model may be built on the meta device: the probe materialises a copy.
+
+    Example::
+
+        plan = dspark.plan(model, (x, y), F.cross_entropy, devices=[1, 2], precision="bf16")
+        print(plan); plan.best(devices=2)
+    """
+    counts = sorted(set(devices))
+    if not counts or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in counts):
+        raise ValueError(f"devices={list(devices)!r} must be ints >= 1")
+    names = list(STRATEGIES) if strategies == "all" else [strategies] if isinstance(strategies, str) \
+        else list(strategies)
+    unknown = [s for s in names if s not in STRATEGIES]
+    if unknown or not names:
+        raise ValueError(f"strategies={strategies!r}: each must be one of {', '.join(STRATEGIES)} "
+                         "(or 'all')")
+    precision_policy(precision)  # validates
+    if memory_budget is not None and memory_budget <= 0:
+        raise ValueError(f"memory_budget={memory_budget!r} must be bytes > 0 (or None)")
+    where = torch.device(device) if device is not None else (
+        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
+    link = interconnect if isinstance(interconnect, Interconnect) else get_interconnect(
+        interconnect or ("nvlink" if where.type == "cuda" else "loopback-gloo"))
+    rows_given = batch_size(sample_batch)
+    total = rows_given if global_batch is None else global_batch
+    if isinstance(total, bool) or not isinstance(total, int) or total < 1:
+        raise ValueError(f"global_batch={global_batch!r} must be an int >= 1")
+    too_small = [n for n in counts if total % n]
+    if too_small:
+        raise ValueError(f"global_batch={total} does not split evenly over devices {too_small}: "
+                         f"{total} % {too_small[0]} = {total % too_small[0]}; pick counts that divide it")
+    if probe is None:
+        largest = min(total // counts[0], max_micro_batch or total)
+        smallest = max(1, min(largest // 4, total // counts[-1]))
+        if smallest == largest:
+            smallest = max(1, largest // 2)
+        units = [name for name, _ in unit_modules(model)]
+        probe = measure_probe(model, sample_batch, loss_fn=loss_fn, optimizer=optimizer,
+                              precision=precision, device=where,
+                              batches=(smallest, largest) if smallest != largest else (largest, largest),
+                              units=units)
+    shape = _model_shape(model, probe.optimizer_state)
+    rows = []
+    for n in counts:
+        budget = memory_budget
+        if budget is None:
+            budget = default_memory_budget(where, local_ranks=1 if where.type == "cuda" else n)
+        for strategy in names:
+            rows.append(_fit_row(shape, probe, strategy, n, total // n, budget, bucket_mb, link,
+                                 max_micro_batch))
+    return Plan(rows=tuple(rows), global_batch=total, precision=precision, interconnect=link.name,
+                memory_budget_bytes=memory_budget, probe=probe)
+
+
+def _fit_row(shape: ModelShape, probe: Probe, strategy: str, n: int, local: int, budget: int,
+             bucket_mb: float, link: Interconnect, max_micro_batch: int | None) -> PlanRow:
+    """The row at the largest micro-batch that fits ``budget`` (the smallest when none does)."""
+    row = None
+    for micro in _micro_batches(local, max_micro_batch):
+        cost = row_cost(shape=shape, probe=probe, strategy=strategy, num_ranks=n, micro_batch=micro,
+                        passes=local // micro, bucket_mb=bucket_mb, link=link)
+        parts = asdict(cost)
+        peak = sum(v for k, v in parts.items() if k.endswith("_bytes"))
+        row = PlanRow(strategy=strategy, devices=n, micro_batch=micro, passes=local // micro,
+                      budget_bytes=budget, fits=peak <= budget, **parts)
+        if row.fits:
+            return row
+    if row is None:
+        raise AssertionError(f"no micro-batch for local batch {local}")
+    return row

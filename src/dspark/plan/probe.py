@@ -1,0 +1,290 @@
+"""One short run on one device: what a training step of the model costs there, part by part.
+
+[Note: the probe] The planner measures once, on this process's device, with plain PyTorch (no
+process group, no engine: what every strategy shares): a copy of the model (the caller's weights
+are never stepped), forward under the precision's autocast, backward, the optimizer step; at two
+local batch sizes, so that each cost is a line ``fixed + per_sample * batch``:
+
+* forward, backward and optimizer milliseconds (median over ``steps`` steps after one warm-up);
+* the tensor peak of one step (:func:`dspark.plan.peak_memory.measure_peak_bytes`) less the model
+  state one device holds (parameters, whole gradients, optimizer state): the step's *activations*
+  (at the batch) and the *runtime* (the fixed part: scratch that does not shrink with the batch);
+* when, in backward, each parameter's gradient is complete (a fraction of the backward time):
+  where each gradient bucket becomes ready, for the overlap of its reduction with backward;
+* each top-level unit's share of the forward time, for zero3's gathers ahead of use.
+
+A model built on the meta device is materialised on this device first (``reset_parameters()``, as
+the engine does): the probe needs real numbers to run. That needs its one-device state in memory;
+the planner says so and stops where it would not fit (see :func:`dspark.plan.plan`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from dspark.engine.materialize import has_meta_tensors, materialize
+from dspark.engine.memory import expected_state_bytes, optimizer_state_elements
+from dspark.engine.optimizer_kernel import prefer_fused_kernel
+from dspark.engine.policy import STRATEGIES, precision_policy
+from dspark.plan.peak_memory import measure_peak_bytes
+
+__all__ = ["LossFn", "Probe", "batch_size", "measure_probe", "slice_batch"]
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+"""``loss_fn(output, targets) -> loss`` for a batch ``(inputs, targets)``."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Line:
+    """A cost measured at two batch sizes: ``fixed + per_sample * batch``."""
+
+    fixed: float
+    per_sample: float
+
+    def at(self, batch: float) -> float:
+        return self.fixed + self.per_sample * batch
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Probe:
+    """What one device measured (see [Note: the probe])."""
+
+    device: str
+    """Where it ran: ``"cpu"`` or ``"cuda:0"``."""
+    batches: tuple[int, int]
+    """The two local batch sizes measured."""
+    forward_ms: Line
+    backward_ms: Line
+    optimizer_ms: float
+    """One optimizer step over every parameter (it does not depend on the batch)."""
+    step_bytes: Line
+    """The step's tensor peak beyond one device's model state, by batch (activations + runtime)."""
+    grad_ready: tuple[float, ...]
+    """Per trainable parameter (in ``model.parameters()`` order, tied ones once): the fraction of
+    backward after which its gradient is complete."""
+    unit_forward_share: tuple[float, ...]
+    """Per zero3 unit (the engine's default units, root first): its share of the forward time."""
+    optimizer_state: tuple[int, bool]
+    """:func:`dspark.engine.memory.optimizer_state_elements` of the optimizer after a step."""
+
+    def activation_bytes(self, batch: float) -> int:
+        """Bytes of a step's activations at ``batch`` (without the runtime's fixed part)."""
+        return max(0, round(self.step_bytes.at(batch) - self.runtime_bytes()))
+
+    def runtime_bytes(self) -> int:
+        """The fixed part of a step's memory beyond model state (does not shrink with the batch)."""
+        return max(0, round(self.step_bytes.fixed))
+
+
+def _leading(x: Any) -> int | None:
+    return x.shape[0] if isinstance(x, torch.Tensor) and x.dim() > 0 else None
+
+
+def batch_size(batch: Any) -> int:
+    """The leading size shared by every tensor in ``batch`` (tensor, tuple, list or dict).
+
+    Example::
+
+        batch_size((torch.zeros(8, 3), torch.zeros(8)))   # 8
+    """
+    sizes: set[int] = set()
+    tree_map(lambda x: sizes.add(n) if (n := _leading(x)) is not None else None, batch)
+    if len(sizes) != 1:
+        raise ValueError(f"sample_batch: its tensors' leading sizes are {sorted(sizes)}; the planner "
+                         "needs one batch dimension shared by every tensor (dim 0)")
+    return sizes.pop()
+
+
+def slice_batch(batch: Any, rows: int) -> Any:
+    """The first ``rows`` samples of every tensor in ``batch``, repeated when ``rows`` exceeds it.
+
+    Example::
+
+        slice_batch((torch.zeros(8, 3), torch.zeros(8)), 2)   # shapes (2, 3) and (2,)
+    """
+    def take(x: Any) -> Any:
+        if _leading(x) is None:
+            return x
+        reps = -(-rows // x.shape[0])
+        whole = x.repeat(reps, *([1] * (x.dim() - 1))) if reps > 1 else x
+        return whole[:rows].clone()
+    return tree_map(take, batch)
+
+
+def _to(batch: Any, device: torch.device) -> Any:
+    return tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, batch)
+
+
+def _loss(model: nn.Module, batch: Any, loss_fn: LossFn | None) -> torch.Tensor:
+    if loss_fn is not None:
+        if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+            raise ValueError("sample_batch must be (inputs, targets) when loss_fn is given; got "
+                             f"{type(batch).__name__}")
+        inputs, targets = batch
+        return loss_fn(model(inputs), targets)
+    out = model(**batch) if isinstance(batch, dict) else model(batch)
+    loss = getattr(out, "loss", out)
+    if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
+        raise ValueError("without loss_fn the model must return a 0-d loss (or an output with .loss, "
+                         "as HuggingFace models do with labels); pass loss_fn(output, targets)")
+    return loss
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _fit(points: Sequence[tuple[int, float]]) -> Line:
+    (b0, y0), (b1, y1) = points
+    per_sample = (y1 - y0) / (b1 - b0) if b1 != b0 else y1 / max(b1, 1)
+    return Line(fixed=y1 - per_sample * b1, per_sample=per_sample)
+
+
+class _Runner:
+    """The probe's model copy, optimizer and timing hooks."""
+
+    def __init__(self, model: nn.Module, optimizer: Callable[..., torch.optim.Optimizer],
+                 precision: str, device: torch.device, units: Sequence[nn.Module]) -> None:
+        self.model, self.device = model, device
+        params = list(dict.fromkeys(p for p in model.parameters() if p.requires_grad))
+        self.params = params
+        self.optimizer = optimizer(params)
+        prefer_fused_kernel(self.optimizer)  # the kernel the engine picks: no foreach scratch
+        dtype = precision_policy(precision).compute_dtype
+        self.autocast: Callable[[], Any] = (
+            (lambda: torch.autocast(device.type, dtype=dtype)) if dtype is not None
+            else contextlib.nullcontext)
+        self.ready: dict[int, float] = {}
+        self.unit_times: list[tuple[int, float, float]] = []
+        self._started: dict[int, float] = {}
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad(i)) for i, p in enumerate(params)]
+        self._hooks += [u.register_forward_pre_hook(self._on_unit(i, start=True)) for i, u in enumerate(units)]
+        self._hooks += [u.register_forward_hook(self._on_unit(i, start=False)) for i, u in enumerate(units)]
+
+    def _on_grad(self, index: int) -> Callable[[torch.Tensor], None]:
+        def hook(_: torch.Tensor) -> None:
+            self.ready[index] = time.perf_counter()
+        return hook
+
+    def _on_unit(self, index: int, *, start: bool) -> Callable[..., None]:
+        def hook(*_: Any) -> None:
+            now = time.perf_counter()
+            if start:
+                self._started[index] = now
+            elif index in self._started:
+                self.unit_times.append((index, self._started.pop(index), now))
+        return hook
+
+    def step(self, batch: Any, loss_fn: LossFn | None) -> tuple[float, float, float, float]:
+        """One step: ``(forward_s, backward_s, optimizer_s, backward_start)``."""
+        self.ready.clear()
+        self.unit_times.clear()
+        _sync(self.device)
+        t0 = time.perf_counter()
+        with self.autocast():
+            loss = _loss(self.model, batch, loss_fn)
+        _sync(self.device)
+        t1 = time.perf_counter()
+        loss.backward()
+        _sync(self.device)
+        t2 = time.perf_counter()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        _sync(self.device)
+        t3 = time.perf_counter()
+        self.forward_span = (t0, t1)
+        return t1 - t0, t2 - t1, t3 - t2, t1
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+
+
+def measure_probe(model: nn.Module, sample_batch: Any, *, loss_fn: LossFn | None,
+                  optimizer: Callable[..., torch.optim.Optimizer], precision: str,
+                  device: torch.device, batches: tuple[int, int], units: Sequence[str],
+                  steps: int = 3) -> Probe:
+    """Measure ``model`` on ``device`` at the two local batch sizes ``batches`` (see
+    [Note: the probe]). ``units`` names the zero3 units (root first, ``""``).
+
+    Example::
+
+        measure_probe(model, (x, y), loss_fn=F.cross_entropy, optimizer=torch.optim.AdamW,
+                      precision="fp32", device=torch.device("cpu"), batches=(2, 8), units=[""])
+    """
+    if steps < 1:
+        raise ValueError(f"steps={steps!r} must be >= 1")
+    work = copy.deepcopy(model)
+    if has_meta_tensors(work):
+        materialize(work, device, lambda name, p: None)
+    work.to(device).train()
+    modules = dict(work.named_modules())
+    runner = _Runner(work, optimizer, precision, device, [modules[name] for name in units])
+    fwd: list[tuple[int, float]] = []
+    bwd: list[tuple[int, float]] = []
+    peaks: list[tuple[int, float]] = []
+    opt: list[float] = []
+    ready: list[float] = [1.0] * len(runner.params)
+    shares: list[float] = [0.0] * len(units)
+    state: tuple[int, bool] = (0, False)
+    state_bytes = 0
+    try:
+        for rows in batches:
+            batch = _to(slice_batch(sample_batch, rows), device)
+            runner.step(batch, loss_fn)  # warm-up: kernels chosen, optimizer state allocated
+            state = optimizer_state_elements(runner.optimizer)
+            state_bytes = _one_device_state_bytes(work, runner.params, state)
+            timings = [runner.step(batch, loss_fn) for _ in range(steps)]
+            fwd.append((rows, 1e3 * statistics.median(t[0] for t in timings)))
+            bwd.append((rows, 1e3 * statistics.median(t[1] for t in timings)))
+            opt.extend(t[2] for t in timings)
+            _, b_s, _, b_start = timings[-1]
+            ready = [min(1.0, max(0.0, (runner.ready.get(i, b_start + b_s) - b_start) / b_s))
+                     for i in range(len(runner.params))]
+            shares = _unit_shares(runner.unit_times, len(units), runner.forward_span)
+            peak = measure_peak_bytes(functools.partial(runner.step, batch, loss_fn), device)
+            peaks.append((rows, float(peak - state_bytes)))
+    finally:
+        runner.close()
+    return Probe(device=str(device), batches=batches, forward_ms=_fit(fwd), backward_ms=_fit(bwd),
+                 optimizer_ms=1e3 * statistics.median(opt), step_bytes=_fit(peaks),
+                 grad_ready=tuple(ready), unit_forward_share=tuple(shares), optimizer_state=state)
+
+
+def _one_device_state_bytes(model: nn.Module, trainable: Sequence[torch.Tensor],
+                            optimizer_state: tuple[int, bool]) -> int:
+    """Parameters (frozen ones too), whole gradients and optimizer state on one device."""
+    state = expected_state_bytes(trainable, STRATEGIES["replicate"], rank=0, num_ranks=1,
+                                 optimizer_state=optimizer_state)
+    frozen = {id(p): p for p in model.parameters() if not p.requires_grad}
+    return sum(state.values()) + sum(p.numel() * p.element_size() for p in frozen.values())
+
+
+def _unit_shares(times: list[tuple[int, float, float]], count: int,
+                 span: tuple[float, float]) -> list[float]:
+    """Each unit's share of the forward time: from its pre-hook to its post-hook (the outermost
+    call when units nest); the root (unit 0) gets what no other unit ran."""
+    t0, t1 = span
+    total = max(t1 - t0, 1e-9)
+    shares = [0.0] * count
+    covered: list[tuple[float, float]] = []
+    for index, start, end in sorted(times, key=lambda t: t[1]):
+        if index == 0 or any(a <= start and end <= b for a, b in covered):
+            continue  # nested in a unit already counted: its time is in that unit's share
+        shares[index] += (end - start) / total
+        covered.append((start, end))
+    if count:
+        shares[0] = max(0.0, 1.0 - sum(shares[1:]))
+    return shares

@@ -1,0 +1,123 @@
+"""dspark.plan on a small model, in one process (the probe runs on this CPU)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import dspark
+from dspark.engine.memory import expected_state_bytes
+from dspark.engine.policy import STRATEGIES
+from dspark.plan import Plan, get_interconnect
+from dspark.plan.cost import buckets, state_bytes
+from dspark.plan.planner import _model_shape
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+
+
+def _batch(rows: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(rows, 32, generator=g), torch.randint(0, 10, (rows,), generator=g)
+
+
+@pytest.fixture(scope="module")
+def small_plan() -> Plan:
+    return dspark.plan(_mlp(), _batch(), F.cross_entropy, devices=[1, 2, 4])
+
+
+def test_rows_cover_every_strategy_and_count_and_the_caller_model_is_untouched(small_plan: Plan) -> None:
+    assert {(r.strategy, r.devices) for r in small_plan.rows} == {
+        (s, n) for s in STRATEGIES for n in (1, 2, 4)}
+    model = _mlp()
+    before = [p.detach().clone() for p in model.parameters()]
+    dspark.plan(model, _batch(), F.cross_entropy, devices=[1], strategies=["replicate"])
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_model_state_is_the_engine_formula(small_plan: Plan) -> None:
+    params = list(_mlp().parameters())
+    for row in small_plan.rows:
+        want = expected_state_bytes(params, STRATEGIES[row.strategy], rank=0, num_ranks=row.devices,
+                                    optimizer_state=(2, True))
+        assert (row.params_bytes, row.grads_bytes, row.optimizer_bytes) == (
+            want["params"], want["grads"], want["optimizer"]), row
+    one = small_plan.row("replicate", 1)
+    assert one.model_state_bytes == 16 * sum(p.numel() for p in params) + 4 * len(params)
+
+
+def test_the_batch_splits_and_sharding_shrinks_the_state(small_plan: Plan) -> None:
+    assert [small_plan.row("replicate", n).micro_batch for n in (1, 2, 4)] == [16, 8, 4]
+    two = {s: small_plan.row(s, 2) for s in STRATEGIES}
+    assert two["zero3"].model_state_bytes < two["zero2"].model_state_bytes \
+        < two["zero1"].model_state_bytes < two["replicate"].model_state_bytes
+    assert small_plan.row("replicate", 1).comm_exposed_ms == 0.0
+    assert two["replicate"].comm_exposed_ms > 0.0
+    assert small_plan.row("zero1", 2).optimizer_ms == pytest.approx(small_plan.row("replicate", 2).optimizer_ms / 2)
+
+
+def test_a_budget_picks_the_micro_batch_and_best_the_fastest_fitting_row() -> None:
+    free = dspark.plan(_mlp(), _batch(), F.cross_entropy, devices=[2])
+    replicate = free.row("replicate", 2)
+    tight = dspark.plan(_mlp(), _batch(), F.cross_entropy, devices=[2], probe=free.probe,
+                        memory_budget=replicate.peak_bytes - 1)
+    assert not tight.row("replicate", 2).fits or tight.row("replicate", 2).micro_batch < 8
+    assert tight.best(devices=2).peak_bytes < replicate.peak_bytes
+    assert free.best(devices=2) is min((r for r in free.rows if r.fits), key=lambda r: r.step_ms)
+    none = dspark.plan(_mlp(), _batch(), F.cross_entropy, devices=[2], probe=free.probe, memory_budget=1)
+    with pytest.raises(ValueError, match="no strategy fits on 2"):
+        none.best()
+
+
+def test_plan_prints_a_table_and_round_trips_to_json(small_plan: Plan) -> None:
+    text = str(small_plan)
+    assert "zero3" in text and "peak MB" in text and "fits" in text
+    data = small_plan.to_dict()
+    assert len(data["rows"]) == 12 and data["rows"][0]["peak_bytes"] == small_plan.rows[0].peak_bytes
+
+
+def test_bad_input_names_the_value() -> None:
+    with pytest.raises(ValueError, match="strategies='zero4'"):
+        dspark.plan(_mlp(), _batch(), F.cross_entropy, strategies="zero4")
+    with pytest.raises(ValueError, match="16 % 3"):
+        dspark.plan(_mlp(), _batch(), F.cross_entropy, devices=[3])
+    with pytest.raises(ValueError, match="interconnect='x'"):
+        dspark.plan(_mlp(), _batch(), F.cross_entropy, interconnect="x")
+
+
+def test_a_meta_model_is_planned_from_a_materialised_copy() -> None:
+    with torch.device("meta"):
+        model = _mlp()
+    plan = dspark.plan(model, _batch(), F.cross_entropy, devices=[1, 2], strategies="zero3")
+    assert plan.row("zero3", 2).params_bytes > 0
+    assert all(p.is_meta for p in model.parameters())
+
+
+def test_buckets_group_in_ready_order_by_size() -> None:
+    shape = _model_shape(_mlp(), (2, True))
+    ready = [0.9, 0.9, 0.5, 0.5, 0.1, 0.1]  # backward reaches the last layer first
+    one = buckets(shape, ready, bucket_mb=25.0)
+    assert len(one) == 1 and one[0][0] == 0.9
+    small = buckets(shape, ready, bucket_mb=256 * 256 * 4 / 2**20)  # the middle weight alone
+    assert [r for r, _ in small] == sorted(r for r, _ in small) and len(small) >= 2
+    assert state_bytes(shape, "zero3", 2)["params"] < state_bytes(shape, "replicate", 2)["params"]
+
+
+def test_a_slow_link_costs_more() -> None:
+    fast = dspark.plan(_mlp(), _batch(), F.cross_entropy, devices=[2], interconnect="nvlink")
+    slow = dspark.plan(_mlp(), _batch(), F.cross_entropy, devices=[2], probe=fast.probe,
+                       interconnect=get_interconnect("loopback-gloo"))
+    assert slow.row("replicate", 2).comm_exposed_ms > fast.row("replicate", 2).comm_exposed_ms
+
+
+def test_sgd_without_momentum_plans_no_optimizer_state() -> None:
+    plan = dspark.plan(_mlp(), _batch(), F.cross_entropy, devices=[1],
+                       optimizer=functools.partial(torch.optim.SGD, lr=0.1))
+    assert plan.row("replicate", 1).optimizer_bytes == 0
