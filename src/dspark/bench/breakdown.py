@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -28,10 +28,7 @@ from dspark.bench.result import BenchResult
 from dspark.bench.trust import CORE_FOREIGN_ALLOWANCE
 from dspark.engine import STEP_STATS_KEYS
 
-if TYPE_CHECKING:
-    from dspark.bench.measurement import Measurement
-
-__all__ = ["PHASE_KEYS", "STRAGGLER_SLACK_MS", "compute_band", "step_breakdown", "straggler"]
+__all__ = ["PHASE_KEYS", "STRAGGLER_SLACK_MS", "ProfiledRound", "compute_band", "step_breakdown", "straggler"]
 
 PHASE_KEYS = STEP_STATS_KEYS
 """The keys of a rank's breakdown: those of ``engine.step_stats()``."""
@@ -39,7 +36,19 @@ STRAGGLER_SLACK_MS = 1.0
 """Absolute slack of the straggler rule, so sub-millisecond jitter on tiny models is not flagged."""
 
 
-def step_breakdown(rounds: Sequence[Measurement]) -> dict[str, Any]:
+class ProfiledRound(Protocol):
+    """What the breakdown reads of one round's measurement (a
+    :class:`~dspark.bench.measurement.Measurement`, which builds its result from this module: the
+    breakdown names only the two fields it needs, so that no import goes back)."""
+
+    @property
+    def profiled(self) -> bool: ...
+
+    @property
+    def phase_ms_by_rank(self) -> list[dict[str, list[float]]]: ...
+
+
+def step_breakdown(rounds: Sequence[ProfiledRound]) -> dict[str, Any]:
     """The :class:`~dspark.bench.result.BenchResult` fields of the step breakdown of ``rounds``
     (one configuration's measurements in one run): per rank, the median of each phase over every
     timed step of every profiled round, and the p10-p90 of ``compute_ms``.

@@ -24,7 +24,7 @@ from dspark.comm import shm_transport as _shm_mod
 from dspark.comm import stats as _stats
 from dspark.comm.observer import current_observer
 from dspark.comm.shm_transport import ShmTransport
-from dspark.comm.world import get_world
+from dspark.comm.world_state import get_world
 from dspark.errors import CollectiveError, CollectiveTimeoutError
 
 __all__ = [
@@ -43,6 +43,8 @@ __all__ = [
     "device_mesh",
     "new_group",
     "reduce_scatter_tensor",
+    "release_groups",
+    "start_shm_transport",
     "transport",
 ]
 
@@ -103,7 +105,9 @@ def destroy_group(group: Group) -> None:
         dist.destroy_process_group(group.pg)
 
 
-def _drop_groups() -> None:
+def release_groups() -> None:
+    """Drop the device mesh, the shared-memory transport and every side group (called by
+    ``shutdown`` before the default group goes)."""
     global _mesh
     _mesh = None
     _stop_shm()
@@ -210,7 +214,7 @@ def transport() -> str:
     return "shm" if _shm is not None else world.backend
 
 
-def _start_shm() -> None:
+def start_shm_transport() -> None:
     """Set up the shared-memory transport for the default group when every rank runs on this
     machine (called by ``init`` on every rank, right after the process group exists)."""
     global _shm

@@ -1,5 +1,9 @@
 """Process-group lifecycle: ``init`` reads PyTorch's launcher environment (or runs as a single
-process), picks the backend and the device, and ``shutdown`` tears it down without aborting."""
+process), picks the backend and the device, and ``shutdown`` tears it down without aborting.
+
+The lifecycle sits above the collectives (it starts the shared-memory transport once the group
+exists and drops the side groups before the group goes); the world they both read is kept in
+:mod:`dspark.comm.world_state`, below either."""
 
 from __future__ import annotations
 
@@ -10,12 +14,12 @@ import os
 import socket
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from dspark.errors import NotInitializedError
+from dspark.comm import collectives
+from dspark.comm.world_state import World, get_world, is_initialized, set_world
 
 __all__ = ["BACKENDS", "World", "add_shutdown_hook", "available_backends", "get_world", "init",
            "is_initialized", "shutdown"]
@@ -24,30 +28,6 @@ BACKENDS = ("auto", "gloo", "nccl", "mpi")
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE")
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class World:
-    """Where this process stands in the job. ``backend == "none"`` is the single-process stand-in
-    (no process group: every collective is a no-op)."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    local_world_size: int
-    device: torch.device
-    backend: str
-    timeout_s: float
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def is_distributed(self) -> bool:
-        """True when a real process group exists (even of one rank)."""
-        return self.backend != "none"
-
-
-_world: World | None = None
 
 
 def available_backends() -> list[str]:
@@ -115,13 +95,13 @@ def init(backend: str = "auto", *, timeout: float | _dt.timedelta = 300.0) -> Wo
         world = dspark.init()
         print(world.rank, world.world_size, world.device)
     """
-    global _world
     timeout_s = _timeout_seconds(timeout)
-    if _world is not None:
-        if backend not in ("auto", _world.backend):
+    if is_initialized():
+        current = get_world()
+        if backend not in ("auto", current.backend):
             raise ValueError(f"dspark.init(backend={backend!r}): already initialised with backend "
-                             f"{_world.backend!r}; call dspark.shutdown() first to change it")
-        return _world
+                             f"{current.backend!r}; call dspark.shutdown() first to change it")
+        return current
     launched = all(name in os.environ for name in _LAUNCHER_VARS)
     rank = _env_int("RANK", 0)
     world_size = _env_int("WORLD_SIZE", 1)
@@ -132,9 +112,10 @@ def init(backend: str = "auto", *, timeout: float | _dt.timedelta = 300.0) -> Wo
 
     if not launched and backend == "auto":
         device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-        _world = World(rank=0, world_size=1, local_rank=0, local_world_size=1, device=device,
-                       backend="none", timeout_s=timeout_s)
-        return _world
+        alone = World(rank=0, world_size=1, local_rank=0, local_world_size=1, device=device,
+                      backend="none", timeout_s=timeout_s)
+        set_world(alone)
+        return alone
 
     chosen = _choose_backend(backend, local_world_size)
     if chosen == "nccl":
@@ -163,35 +144,21 @@ def init(backend: str = "auto", *, timeout: float | _dt.timedelta = 300.0) -> Wo
         backend=chosen, init_method=init_method, rank=rank, world_size=world_size,
         timeout=_dt.timedelta(seconds=timeout_s), **kwargs,  # type: ignore[arg-type]
     )
-    _world = World(rank=rank, world_size=world_size, local_rank=local_rank,
-                   local_world_size=local_world_size, device=device, backend=chosen,
-                   timeout_s=timeout_s)
-    from dspark.comm import collectives
+    world = World(rank=rank, world_size=world_size, local_rank=local_rank,
+                  local_world_size=local_world_size, device=device, backend=chosen,
+                  timeout_s=timeout_s)
+    set_world(world)
 
     global _exit_hook_registered
     if not _exit_hook_registered:
         atexit.register(_shutdown_at_exit)
         _exit_hook_registered = True
     try:
-        collectives._start_shm()  # every rank on this machine: tensors travel through shared memory
+        collectives.start_shm_transport()  # every rank on this machine: tensors go through shared memory
     except BaseException:
         shutdown()
         raise
-    return _world
-
-
-def is_initialized() -> bool:
-    return _world is not None
-
-
-def get_world() -> World:
-    """The current :class:`World`; raises :class:`dspark.NotInitializedError` before ``init``."""
-    if _world is None:
-        raise NotInitializedError(
-            "DSpark is not initialised: call dspark.init() first (it runs as a single process "
-            "when not started by `dspark run`)"
-        )
-    return _world
+    return world
 
 
 _shutdown_hooks: list[Callable[[], None]] = []
@@ -203,7 +170,7 @@ def _shutdown_at_exit() -> None:
     teardown, the process group and the shared-memory transport go in whatever order finalisation
     picks, and gloo then aborts the process now and then ("terminate called without an active
     exception", exit code -6) after a run that succeeded."""
-    if _world is None:
+    if not is_initialized():
         return
     try:
         shutdown()
@@ -227,20 +194,17 @@ def shutdown() -> None:
     """Leave the job. Runs the shutdown hooks first (an error from one is raised once the job is
     left), and collects garbage so that no model or optimizer still references the process group
     when it is destroyed (gloo aborts at exit otherwise)."""
-    global _world
-    from dspark.comm import collectives
-
     failure: BaseException | None = None
     for hook in list(_shutdown_hooks):
         try:
             hook()
         except Exception as exc:  # leave the job anyway; the first error is raised at the end
             failure = failure or exc
-    collectives._drop_groups()
+    collectives.release_groups()
     gc.collect()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-    _world = None
+    set_world(None)
     gc.collect()
     if failure is not None:
         raise failure
