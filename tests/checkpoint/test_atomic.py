@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from dspark.checkpoint import atomic
@@ -23,7 +24,6 @@ from dspark.checkpoint.atomic import (
     remove_stale,
     staging_dir,
 )
-from dspark.launch.process_tree import read_process
 
 
 def _dir(path: Path, content: str) -> Path:
@@ -32,10 +32,10 @@ def _dir(path: Path, content: str) -> Path:
     return path
 
 
-def _owned(path: Path, *, pid: int, start_ticks: int | None, host: str | None = None) -> Path:
+def _owned(path: Path, *, pid: int, started_at: float | None, host: str | None = None) -> Path:
     _dir(path, "partial")
     (path / OWNER_FILE).write_text(json.dumps({"host": host or socket.gethostname(), "pid": pid,
-                                               "start_ticks": start_ticks}))
+                                               "started_at": started_at}))
     return path
 
 
@@ -107,11 +107,10 @@ def test_when_the_new_copy_cannot_be_put_in_place_the_old_one_comes_back(tmp_pat
 
 def test_stale_staging_of_a_dead_owner_is_removed_a_live_one_is_kept(tmp_path: Path) -> None:
     final = tmp_path / "ck"
-    me = read_process(os.getpid())
-    assert me is not None
-    live = _owned(staging_dir(final, "live"), pid=os.getpid(), start_ticks=me.start_ticks)
-    dead = _owned(staging_dir(final, "dead"), pid=_dead_pid(), start_ticks=None)
-    reused = _owned(staging_dir(final, "reused"), pid=os.getpid(), start_ticks=me.start_ticks + 1)
+    started_at = psutil.Process().create_time()
+    live = _owned(staging_dir(final, "live"), pid=os.getpid(), started_at=started_at)
+    dead = _owned(staging_dir(final, "dead"), pid=_dead_pid(), started_at=None)
+    reused = _owned(staging_dir(final, "reused"), pid=os.getpid(), started_at=started_at + 1)
     _age(live, 10 * STALE_AFTER_S)  # a live owner's directory is kept however old
     assert remove_stale(final) == [dead, reused]
     assert live.is_dir()
@@ -119,8 +118,8 @@ def test_stale_staging_of_a_dead_owner_is_removed_a_live_one_is_kept(tmp_path: P
 
 def test_without_a_visible_owner_age_decides(tmp_path: Path) -> None:
     final = tmp_path / "ck"
-    elsewhere_new = _owned(staging_dir(final, "a"), pid=1, start_ticks=1, host="another-host")
-    elsewhere_old = _owned(staging_dir(final, "b"), pid=1, start_ticks=1, host="another-host")
+    elsewhere_new = _owned(staging_dir(final, "a"), pid=1, started_at=1.0, host="another-host")
+    elsewhere_old = _owned(staging_dir(final, "b"), pid=1, started_at=1.0, host="another-host")
     no_owner_new = _dir(staging_dir(final, "c"), "partial")
     no_owner_old = _dir(staging_dir(final, "d"), "partial")
     for path in (elsewhere_old, no_owner_old):

@@ -35,13 +35,13 @@ def test_a_tree_is_found_and_killed_orphans_included() -> None:
         parent.kill()
         parent.wait()
         assert not is_running(parent.pid)
-        assert is_running(grandchild.pid, grandchild.start_ticks)  # an orphan now, still running
-        assert not is_running(grandchild.pid, grandchild.start_ticks + 1)  # a reused pid is not it
+        assert is_running(grandchild.pid, grandchild.started_at)  # an orphan now, still running
+        assert not is_running(grandchild.pid, grandchild.started_at + 1)  # a reused pid is not it
         assert signal_processes([grandchild], signal.SIGKILL) == [grandchild.pid]
         deadline = time.monotonic() + 10
-        while is_running(grandchild.pid, grandchild.start_ticks) and time.monotonic() < deadline:
+        while is_running(grandchild.pid, grandchild.started_at) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not is_running(grandchild.pid, grandchild.start_ticks)
+        assert not is_running(grandchild.pid, grandchild.started_at)
     finally:
         if parent.poll() is None:
             parent.kill()

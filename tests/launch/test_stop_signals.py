@@ -62,7 +62,7 @@ def test_no_process_of_the_job_survives(tmp_path: Path, signum: int) -> None:
     # KeyboardInterrupt, which the CLI turns into 130)
     assert job.returncode == (130 if signum == signal.SIGINT else -signum), stderr[-3000:]
     assert GRACE_S <= elapsed_s < GRACE_S + 30, elapsed_s  # waited the grace period, then killed
-    _wait_for(lambda: not any(is_running(p.pid, p.start_ticks) for p in tree), 10,
+    _wait_for(lambda: not any(is_running(p.pid, p.started_at) for p in tree), 10,
               "every process of the tree to be gone")
     assert len(tree) >= 7
     assert os.getpid() not in {p.pid for p in tree}
@@ -104,7 +104,7 @@ def test_a_launcher_that_restarts_killed_workers_is_stopped_too(tmp_path: Path) 
     assert "Traceback" not in stderr, stderr[-3000:]  # torchrun's SignalException, as one line
     if "restarted its workers" in stderr:
         assert "the launcher stopped on SIGTERM" in stderr, stderr[-3000:]
-    _wait_for(lambda: not any(is_running(p.pid, p.start_ticks) for p in tree), 10,
+    _wait_for(lambda: not any(is_running(p.pid, p.started_at) for p in tree), 10,
               "every process of the tree to be gone")
 
 
@@ -169,12 +169,12 @@ def test_a_launcher_killed_by_sigkill_takes_its_job_with_it(tmp_path: Path) -> N
         assert len(tree) >= 3  # torchrun and 2 workers
         job.kill()
         job.wait(timeout=10)
-        _wait_for(lambda: not any(is_running(p.pid, p.start_ticks) for p in tree), 60,
+        _wait_for(lambda: not any(is_running(p.pid, p.started_at) for p in tree), 60,
                   "torchrun and the workers to stop")
     finally:
         job.kill()
         for p in tree:  # orphans are no longer below this process: end them by the list
-            if is_running(p.pid, p.start_ticks):
+            if is_running(p.pid, p.started_at):
                 os.kill(p.pid, signal.SIGKILL)
 
 

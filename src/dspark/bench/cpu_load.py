@@ -3,14 +3,14 @@ on that core while the rank was being timed.
 
 [Note: pinning every thread] ``sched_setaffinity(0, ...)`` pins only the calling thread. Threads a
 process starts later inherit the mask, so the worker pins itself *before* ``dspark.init()`` creates
-gloo's threads, and pins every thread listed in ``/proc/self/task`` again once the engine exists
+gloo's threads, and pins every thread the kernel lists for it again once the engine exists
 (whatever started threads in between). :func:`pin_all_threads` reports how many threads it saw and
 how many it pinned, and the result records it.
 
 [Note: load over the timed window] On CPU one device is one core, so any other process that runs on
 a rank's core during its timed steps takes time from it. Each rank reads, right before and right
-after its timed steps, the kernel's counters of its own core (``cpuN`` in ``/proc/stat``: busy and
-steal ticks) and its own CPU time (all its threads, which are pinned to that core). What the core
+after its timed steps, the kernel's counters of its own core (``cpuN`` in ``/proc/stat``, read
+through psutil: busy and steal time) and its own CPU time (all its threads, which are pinned to that core). What the core
 was busy with beyond the rank's own time was someone else's work (another process, or the
 hypervisor's ``steal``). The whole machine's counters give the same figure across all cores. Ticks
 are 10 ms, so a window under a second says little; the timed steps of a configuration take longer.
@@ -21,12 +21,11 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
+
+import psutil
 
 __all__ = ["CpuSnapshot", "RankLoad", "core_for_rank", "cpu_snapshot", "pin_all_threads",
            "thread_ids", "window_load"]
-
-_PROC_STAT = Path("/proc/stat")
 
 
 def core_for_rank(local_rank: int, local_world_size: int) -> int | None:
@@ -46,15 +45,15 @@ def core_for_rank(local_rank: int, local_world_size: int) -> int | None:
 
 
 def thread_ids() -> list[int]:
-    """The ids of every thread of this process (``/proc/self/task``; ``[pid]`` elsewhere).
+    """The ids of every thread of this process (``[pid]`` where the kernel does not list them).
 
     Example::
 
         len(thread_ids())   # 1 in a fresh single-threaded interpreter
     """
     try:
-        return sorted(int(name) for name in os.listdir("/proc/self/task"))
-    except OSError:
+        return sorted(thread.id for thread in psutil.Process().threads())
+    except psutil.Error:
         return [os.getpid()]
 
 
@@ -93,20 +92,17 @@ class CpuSnapshot:
     machine_steal_s: float | None
 
 
+def _busy_and_steal(times: object) -> tuple[float, float]:
+    """(busy_s, steal_s) of one of psutil's ``cpu_times`` rows (steal is Linux's alone)."""
+    busy = sum(getattr(times, name, 0.0) for name in ("user", "nice", "system", "irq", "softirq"))
+    return float(busy), float(getattr(times, "steal", 0.0))
+
+
 def _stat_lines() -> dict[str, tuple[float, float]]:
-    """``{"cpu": (busy_s, steal_s), "cpu0": ..., ...}`` from ``/proc/stat``; {} where it is absent."""
-    try:
-        text = _PROC_STAT.read_text()
-    except OSError:
-        return {}
-    tick = os.sysconf("SC_CLK_TCK")
-    out = {}
-    for line in text.splitlines():
-        if not line.startswith("cpu"):
-            break
-        name, *values = line.split()
-        user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in values[:8])
-        out[name] = ((user + nice + system + irq + softirq) / tick, steal / tick)
+    """``{"cpu": (busy_s, steal_s), "cpu0": ..., ...}``: the machine's and each core's counters."""
+    out = {"cpu": _busy_and_steal(psutil.cpu_times())}
+    for core, times in enumerate(psutil.cpu_times(percpu=True)):
+        out[f"cpu{core}"] = _busy_and_steal(times)
     return out
 
 

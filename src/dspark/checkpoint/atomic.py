@@ -32,8 +32,9 @@ import socket
 import time
 from pathlib import Path
 
+import psutil
+
 from dspark.checkpoint.training_state import write_json
-from dspark.launch.process_tree import is_running, read_process
 
 __all__ = ["OWNER_FILE", "STALE_AFTER_S", "claim", "publish", "remove_stale", "staging_dir",
            "stale_reason", "sync_dir"]
@@ -68,9 +69,8 @@ def claim(staging: Path) -> None:
         claim(staging_dir(Path("/ck/step10"), "ab12"))
     """
     staging.mkdir()
-    me = read_process(os.getpid())
     write_json(staging / OWNER_FILE, {"host": socket.gethostname(), "pid": os.getpid(),
-                                      "start_ticks": None if me is None else me.start_ticks})
+                                      "started_at": psutil.Process().create_time()})
 
 
 def stale_reason(staging: Path, *, now: float | None = None) -> str | None:
@@ -83,15 +83,29 @@ def stale_reason(staging: Path, *, now: float | None = None) -> str | None:
     """
     owner = _read_owner(staging)
     if owner is not None and owner.get("host") == socket.gethostname():
-        pid, start = owner.get("pid"), owner.get("start_ticks")
-        if isinstance(pid, int) and (start is None or isinstance(start, int)):
-            if not is_running(pid, start):
+        pid, start = owner.get("pid"), owner.get("started_at")
+        if isinstance(pid, int) and (start is None or isinstance(start, float)):
+            if not _is_running(pid, start):
                 return f"its owner, pid {pid} on this host, is gone"
             return None  # a live save on this host, however slow
     idle_s = (time.time() if now is None else now) - _last_change(staging)
     if idle_s > STALE_AFTER_S:
         return f"nothing in it changed for {idle_s:.0f} s"
     return None
+
+
+def _is_running(pid: int, started_at: float | None) -> bool:
+    """Whether process ``pid`` is alive and, with ``started_at`` (psutil's ``create_time``), still
+    the process that started then rather than a later one given the same pid."""
+    try:
+        proc = psutil.Process(pid)
+        with proc.oneshot():
+            return (proc.status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+                    and (started_at is None or proc.create_time() == started_at))
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.AccessDenied:  # someone else's process, alive
+        return True
 
 
 def _read_owner(staging: Path) -> dict[str, object] | None:

@@ -1,10 +1,8 @@
-"""Processes as the kernel lists them (Linux ``/proc``): who is whose child, and whether a process
+"""Processes as the kernel lists them (through psutil): who is whose child, and whether a process
 is still the one that was seen earlier (a pid is reused once its process is gone, so a process is
 named by its pid *and* its start time).
 
-``dspark run`` uses this to find torchrun's workers and to end the whole tree it started; a
-checkpoint save uses it to tell a live concurrent save from a dead one. Where ``/proc`` does not
-exist (macOS) the functions answer from ``os.kill(pid, 0)`` alone, and the tree is unknown (empty).
+``dspark run`` uses this to find torchrun's workers and to end the whole tree it started.
 """
 
 from __future__ import annotations
@@ -12,51 +10,51 @@ from __future__ import annotations
 import os
 import signal
 from dataclasses import dataclass
-from pathlib import Path
+
+import psutil
 
 __all__ = ["ProcessInfo", "children", "descendants", "is_running", "read_process", "signal_processes"]
 
-_PROC = Path("/proc")
+_GONE = (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
 
 
 @dataclass(frozen=True, slots=True)
 class ProcessInfo:
-    """One process: its pid, its parent's pid, and when it started (clock ticks since boot)."""
+    """One process: its pid, its parent's pid, and when it started."""
 
     pid: int
     ppid: int
-    start_ticks: int
+    started_at: float
+    """Seconds since the epoch (psutil's ``create_time``): the same value for the same process at
+    every read, another for a later process given the same pid."""
     zombie: bool = False
     """It has exited and waits for its parent to collect its exit status."""
 
 
 def read_process(pid: int) -> ProcessInfo | None:
-    """The process ``pid`` as ``/proc`` shows it now; None when there is none (or no ``/proc``).
+    """The process ``pid`` as the kernel shows it now; None when there is none.
 
     Example::
 
         read_process(os.getpid()).ppid == os.getppid()   # True
     """
     try:
-        text = (_PROC / str(pid) / "stat").read_text()
-    except (OSError, ValueError):
-        return None
-    # "pid (comm) state ppid ..." where comm may hold spaces and parentheses: split at the last ")".
-    fields = text[text.rfind(")") + 2:].split()
-    try:
-        return ProcessInfo(pid=pid, ppid=int(fields[1]), start_ticks=int(fields[19]),
-                           zombie=fields[0] in ("Z", "X"))
-    except (IndexError, ValueError):
+        proc = psutil.Process(pid)
+        with proc.oneshot():
+            return ProcessInfo(pid=pid, ppid=proc.ppid(), started_at=proc.create_time(),
+                               zombie=proc.status() in _GONE)
+    except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
         return None
 
 
-def _all_processes() -> list[ProcessInfo]:
-    try:
-        names = os.listdir(_PROC)
-    except OSError:
-        return []
-    found = (read_process(int(name)) for name in names if name.isdigit())
-    return [p for p in found if p is not None]
+def _live_processes() -> list[ProcessInfo]:
+    found = []
+    for proc in psutil.process_iter(["ppid", "create_time", "status"]):
+        info = proc.info
+        if info["status"] in _GONE or info["ppid"] is None or info["create_time"] is None:
+            continue  # exited, or gone while being listed
+        found.append(ProcessInfo(pid=proc.pid, ppid=info["ppid"], started_at=info["create_time"]))
+    return found
 
 
 def children(pid: int) -> list[ProcessInfo]:
@@ -66,7 +64,7 @@ def children(pid: int) -> list[ProcessInfo]:
 
         [c.pid for c in children(torchrun_pid)]   # the workers torchrun started
     """
-    return sorted((p for p in _all_processes() if p.ppid == pid and not p.zombie), key=lambda p: p.pid)
+    return sorted((p for p in _live_processes() if p.ppid == pid), key=lambda p: p.pid)
 
 
 def descendants(pid: int) -> list[ProcessInfo]:
@@ -77,23 +75,23 @@ def descendants(pid: int) -> list[ProcessInfo]:
         descendants(os.getpid())   # [] for a process that started nothing
     """
     by_parent: dict[int, list[ProcessInfo]] = {}
-    for proc in _all_processes():
-        if not proc.zombie:
-            by_parent.setdefault(proc.ppid, []).append(proc)
+    for proc in _live_processes():
+        by_parent.setdefault(proc.ppid, []).append(proc)
     found: list[ProcessInfo] = []
     frontier = [pid]
     while frontier:
         nxt = []
         for parent in frontier:
             for child in sorted(by_parent.get(parent, ()), key=lambda p: p.pid):
-                found.append(child)
-                nxt.append(child.pid)
+                if child.pid != parent:  # pid 0 lists itself as its own parent
+                    found.append(child)
+                    nxt.append(child.pid)
         frontier = nxt
     return found
 
 
-def is_running(pid: int, start_ticks: int | None = None) -> bool:
-    """Whether process ``pid`` exists and has not exited; with ``start_ticks``, whether it is still
+def is_running(pid: int, started_at: float | None = None) -> bool:
+    """Whether process ``pid`` exists and has not exited; with ``started_at``, whether it is still
     the process that started then (not a later one given the same pid).
 
     Example::
@@ -101,17 +99,9 @@ def is_running(pid: int, start_ticks: int | None = None) -> bool:
         is_running(os.getpid())   # True
     """
     proc = read_process(pid)
-    if proc is not None:
-        return not proc.zombie and (start_ticks is None or proc.start_ticks == start_ticks)
-    if _PROC.is_dir():
+    if proc is None:
         return False
-    try:  # no /proc: the pid alone
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process
-        return True
-    return True
+    return not proc.zombie and (started_at is None or proc.started_at == started_at)
 
 
 def signal_processes(procs: list[ProcessInfo], signum: int = signal.SIGKILL) -> list[int]:
@@ -124,7 +114,7 @@ def signal_processes(procs: list[ProcessInfo], signum: int = signal.SIGKILL) -> 
     """
     sent = []
     for proc in procs:
-        if not is_running(proc.pid, proc.start_ticks):
+        if not is_running(proc.pid, proc.started_at):
             continue
         try:
             os.kill(proc.pid, signum)

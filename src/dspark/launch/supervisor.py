@@ -150,7 +150,7 @@ class _Supervisor:
         self.stop_at = 0.0
         self.stop_signal: int | None = None
         self.deadline = 0.0
-        self.signalled: set[tuple[int, int]] = set()  # (pid, start) of workers already told
+        self.signalled: set[tuple[int, float]] = set()  # (pid, start) of workers already told
         self.launcher_told = False
         self.idle_since: float | None = None
         self.killed = False
@@ -219,7 +219,7 @@ class _Supervisor:
             self._kill()
             return
         workers = children(self.child.pid)
-        restarted = [w for w in workers if (w.pid, w.start_ticks) not in self.signalled]
+        restarted = [w for w in workers if (w.pid, w.started_at) not in self.signalled]
         if restarted:  # torchrun replaced workers that died: it must stop, not carry on
             self._tell_workers(restarted, _PASSED_ON)
             self._tell_launcher("it restarted its workers")
@@ -251,7 +251,7 @@ class _Supervisor:
 
     def _tell_workers(self, workers: list[ProcessInfo], signum: int) -> None:
         signal_processes(workers, signum)
-        self.signalled.update((w.pid, w.start_ticks) for w in workers)
+        self.signalled.update((w.pid, w.started_at) for w in workers)
 
     def _tell_launcher(self, why: str) -> None:
         if self.launcher_told or self.stop_signal is None:
