@@ -38,8 +38,9 @@ LAYERS = Layers(
         "cli": 6,
     },
     apart={
-        # host probing for `dspark env`: reports comm's backends, and only the CLI asks it
-        "host": (frozenset({"comm", "_version", "errors"}), frozenset({"cli"})),
+        # host probing: reports comm's backends; `dspark env` shows it, the planner reads the
+        # machine's memory from it
+        "host": (frozenset({"comm", "_version", "errors"}), frozenset({"cli", "plan"})),
     },
 )
 
