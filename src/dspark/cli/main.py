@@ -44,6 +44,7 @@ COMMAND_MODULES = (
     "dspark.cli.bench_cmd",
     "dspark.cli.check_cmd",
     "dspark.cli.ckpt_cmd",
+    "dspark.cli.plan_cmd",
 )
 """Modules that each register one subcommand through ``add_parser(subparsers)``."""
 

@@ -86,6 +86,25 @@ class Probe:
         """The fixed part of a step's memory beyond model state (does not shrink with the batch)."""
         return max(0, round(self.step_bytes.fixed))
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Probe:
+        """The probe ``dataclasses.asdict`` wrote (a plan's JSON keeps it under ``"probe"``), to plan
+        again from the same measurement on another machine or with other settings.
+
+        Example::
+
+            Probe.from_dict(json.loads(Path("plan.json").read_text())["probe"])
+        """
+        try:
+            return cls(device=str(data["device"]), batches=tuple(data["batches"]),  # type: ignore[arg-type]
+                       forward_ms=Line(**data["forward_ms"]), backward_ms=Line(**data["backward_ms"]),
+                       optimizer_ms=float(data["optimizer_ms"]), step_bytes=Line(**data["step_bytes"]),
+                       grad_ready=tuple(map(float, data["grad_ready"])),
+                       unit_forward_share=tuple(map(float, data["unit_forward_share"])),
+                       optimizer_state=(int(data["optimizer_state"][0]), bool(data["optimizer_state"][1])))
+        except (KeyError, TypeError, IndexError) as exc:
+            raise ValueError(f"not a probe written by dspark.plan: {exc!r} (keys: {sorted(data)})") from None
+
 
 def _leading(x: Any) -> int | None:
     return x.shape[0] if isinstance(x, torch.Tensor) and x.dim() > 0 else None

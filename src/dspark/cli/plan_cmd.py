@@ -1,0 +1,148 @@
+"""``dspark plan``: every strategy's predicted peak memory and step per rank on each device count.
+
+    dspark plan --workload gpt2-cpu --devices 1,2
+    dspark plan --model mypkg.models:build --devices 1,2,8,64 --global-batch 256 --precision bf16 \\
+                --interconnect roce-200g --json plan.json --plot plan.png
+    dspark plan --probe plan.json --model mypkg.models:build --devices 8,64,512 --interconnect nvlink
+
+``--model module:factory`` names a callable returning ``(model, sample_batch)`` or ``(model,
+sample_batch, loss_fn)``. ``--probe`` reuses the measurement kept in an earlier ``--json`` (measure
+on the target device once, plan anywhere). The thin layer over :func:`dspark.plan`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+__all__ = ["add_parser", "parse_bytes", "run"]
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """``"24GB"``, ``"512MiB"``, ``"1e9"`` -> bytes.
+
+    Example::
+
+        parse_bytes("1.5GiB")   # 1610612736
+    """
+    s = text.strip().lower().replace(" ", "")
+    digits = s.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = s[len(digits):]
+    try:
+        value = float(digits)
+    except ValueError:
+        value = -1.0
+    if unit not in _UNITS or value <= 0:
+        raise ValueError(f"--memory-budget {text!r}: give a positive size such as 24GB, 512MiB or "
+                         f"1e9 (units: {', '.join(u for u in _UNITS if u)})")
+    return int(value * _UNITS[unit])
+
+
+def _budget(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:  # argparse shows an ArgumentTypeError's own words
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _devices(text: str) -> list[int]:
+    try:
+        counts = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"--devices {text!r}: give device counts >= 1 separated by commas, e.g. 1,2,8")
+    return counts
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Register ``dspark plan``."""
+    from dspark.plan import INTERCONNECTS
+
+    parser = subparsers.add_parser(
+        "plan", help="predict each strategy's peak memory and step per rank on 1 to N devices",
+        description="Measure one short run of the model on this device, then predict for every "
+                    "strategy and device count a rank's peak memory (parameters, gradients, optimizer "
+                    "state, activations, communication buffers, runtime) and step time (compute, "
+                    "exposed communication, optimizer). See docs/plan.md.")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--workload", metavar="NAME", help="a benchmark workload (dspark bench list)")
+    source.add_argument("--model", metavar="MODULE:FACTORY",
+                        help="a callable returning (model, sample_batch[, loss_fn])")
+    parser.add_argument("--devices", default="1,2,8", type=_devices, help="device counts (default 1,2,8)")
+    parser.add_argument("--global-batch", type=int, default=None,
+                        help="samples per step over all ranks (default: the workload's, or the sample batch's)")
+    parser.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default=None,
+                        help="default: the workload's, else fp32")
+    parser.add_argument("--memory-budget", type=_budget, default=None, metavar="BYTES",
+                        help="per rank, e.g. 24GB (default: the device's memory less 10%%)")
+    parser.add_argument("--interconnect", choices=sorted(INTERCONNECTS), default=None,
+                        help="link profile (default: loopback-gloo on a CPU, nvlink on a GPU)")
+    parser.add_argument("--strategies", default="all", help="comma-separated, or all (default)")
+    parser.add_argument("--probe", metavar="PATH", default=None,
+                        help="reuse the probe kept in an earlier --json instead of measuring")
+    parser.add_argument("--json", metavar="PATH", default=None, help="write the plan as JSON")
+    parser.add_argument("--plot", metavar="PATH", default=None,
+                        help="write predicted speedup against devices per strategy (.png/.svg)")
+    parser.set_defaults(func=run)
+
+
+def _from_factory(spec: str) -> tuple[Any, Any, Any]:
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"--model {spec!r}: give module:factory, e.g. mypkg.models:build")
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"--model {spec!r}: {exc}") from None
+    made = factory()
+    if not (isinstance(made, tuple) and len(made) in (2, 3)):
+        raise ValueError(f"--model {spec!r} returned {type(made).__name__}; it must return "
+                         "(model, sample_batch) or (model, sample_batch, loss_fn)")
+    return made[0], made[1], made[2] if len(made) == 3 else None
+
+
+def run(args: argparse.Namespace) -> int:
+    """Plan, print the table, write the JSON and the plot when asked."""
+    import dspark
+    from dspark.plan import Probe
+
+    max_micro_batch = None
+    if args.workload:
+        from dspark.models import get_workload
+
+        wl = get_workload(args.workload)
+        global_batch = args.global_batch or wl.default_global_batch
+        precision = args.precision or wl.default_precision
+        max_micro_batch = wl.max_micro_batch
+        probe_rows = min(global_batch, max_micro_batch or global_batch)
+        model = wl.build_model(seed=0, device="meta" if args.probe else "cpu")
+        sample = wl.make_batch(probe_rows, seed=0)
+        loss_fn: Any = wl.loss
+    else:
+        model, sample, loss_fn = _from_factory(args.model)
+        global_batch, precision = args.global_batch, args.precision or "fp32"
+    probe = None
+    if args.probe:
+        data = json.loads(Path(args.probe).read_text())
+        probe = Probe.from_dict(data.get("probe", data))
+    strategies = "all" if args.strategies == "all" else [s.strip() for s in args.strategies.split(",")]
+    plan = dspark.plan(model, sample, loss_fn, devices=args.devices, strategies=strategies,
+                       precision=precision, global_batch=global_batch,
+                       memory_budget=args.memory_budget, interconnect=args.interconnect,
+                       max_micro_batch=max_micro_batch, probe=probe)
+    sys.stdout.write(f"{plan}\n")
+    if args.json:
+        Path(args.json).write_text(plan.to_json() + "\n")
+    if args.plot:
+        from dspark.plan.plot import save_speedup_plot
+
+        save_speedup_plot(plan, args.plot)
+    return 0

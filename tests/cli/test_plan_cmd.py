@@ -1,0 +1,46 @@
+"""``dspark plan``: the table, --json, --plot, --probe reuse, and bad input as exit code 2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dspark.cli.main import main
+from dspark.cli.plan_cmd import parse_bytes
+
+
+def test_plan_prints_writes_json_and_plot_and_replans_from_the_probe(tmp_path: Path, capsys) -> None:
+    out, png = tmp_path / "plan.json", tmp_path / "plan.png"
+    assert main(["plan", "--model", "tests.plan.factories:small_mlp", "--devices", "1,2",
+                 "--json", str(out), "--plot", str(png)]) == 0
+    text = capsys.readouterr().out
+    assert "replicate" in text and "zero3" in text and "peak MB" in text
+    data = json.loads(out.read_text())
+    assert {(r["strategy"], r["devices"]) for r in data["rows"]} >= {("zero2", 2), ("replicate", 1)}
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    again = tmp_path / "again.json"
+    assert main(["plan", "--model", "tests.plan.factories:small_mlp", "--devices", "1,2,8",
+                 "--probe", str(out), "--interconnect", "nvlink", "--strategies", "zero3",
+                 "--json", str(again)]) == 0
+    replanned = json.loads(again.read_text())
+    assert replanned["probe"] == data["probe"] and replanned["interconnect"] == "nvlink"
+    assert {r["devices"] for r in replanned["rows"]} == {1, 2, 8}
+
+
+@pytest.mark.parametrize("argv, word", [
+    (["--model", "tests.plan.factories:not_a_pair"], "(model, sample_batch)"),
+    (["--model", "nomodule"], "module:factory"),
+    (["--workload", "gpt2-cpu", "--devices", "0"], "--devices"),
+    (["--workload", "gpt2-cpu", "--memory-budget", "lots"], "lots"),
+])
+def test_bad_input_is_one_line_and_exit_code_2(argv: list[str], word: str, capsys) -> None:
+    assert main(["plan", *argv]) == 2
+    assert word in capsys.readouterr().err
+
+
+def test_parse_bytes() -> None:
+    assert parse_bytes("24GB") == 24 * 10**9
+    assert parse_bytes("1.5GiB") == 1610612736
+    assert parse_bytes("1e9") == 10**9
