@@ -29,6 +29,8 @@ from dspark.errors import (
     PlacementError,
 )
 from dspark.launch.preemption import preemption_requested
+from dspark.logs import Tracker, log_dir, progress
+from dspark.logs import rank_print as print  # dspark.print: the rank-aware print
 
 # dspark.plan is the function (the package stays importable: ``from dspark.plan import Plan``)
 from dspark.plan import Plan, PlanRow, plan
@@ -55,6 +57,7 @@ __all__ = [
     "PlanRow",
     "Replicate",
     "Shard",
+    "Tracker",
     "World",
     "__version__",
     "distribute_batch",
@@ -62,8 +65,11 @@ __all__ = [
     "gather_for_metrics",
     "get_world",
     "init",
+    "log_dir",
     "plan",
     "preemption_requested",
+    "print",
+    "progress",
     "reduce_metrics",
     "shutdown",
 ]
