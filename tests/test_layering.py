@@ -33,6 +33,9 @@ LAYERS = Layers(
         # of engine and plan only one may import the other (strategy="auto" must not make a
         # circle): layers of one rank are held to one direction by the layer-circle rule
         "engine": 4, "plan": 4, "data": 4, "checkpoint": 4,
+        # print, log_dir, Tracker, progress: above comm only (engine.step_stats() reaches the
+        # tracker as a value)
+        "logs": 4,
         # `dspark` itself: the public API that bench's workers use like any training script
         "dspark": 5, "bench": 5, "check": 5, "launch": 5,
         "cli": 6,
