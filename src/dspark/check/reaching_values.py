@@ -15,6 +15,13 @@ branch, so the usual guard is understood::
 What a name may hold is a list of (expression bound, line); the expression is None where it is not
 known (a loop target, an unpacking, an augmented assignment, a parameter without a default). A name
 never bound in the scope has no entry (a global or a closure: not followed).
+
+[Note: linear flow] The analysis costs time and memory in proportion to the scope's size, however
+many names it binds. A branch does not copy what every name holds: it is a :class:`_Names` layer
+over the state it starts from, holding only the names it binds; where branches meet, only the names
+they bound are merged, into the state they started from, so layers never pile up beyond the nesting
+depth of the code. Each call keeps the values of the names it mentions, and no others (the rules
+look up only those).
 """
 
 from __future__ import annotations
@@ -32,27 +39,81 @@ _SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)
 _EXITS = (ast.Raise, ast.Return, ast.Continue, ast.Break)
 
 
-def _merge(*states: Values | None) -> Values | None:
-    """What holds after any of ``states`` (None: a path that never gets here)."""
-    live = [s for s in states if s is not None]
+class _Names:
+    """What each name may hold on one path: the names bound on this path since it left ``parent``
+    (``own``), over what ``parent`` holds. A value list is never changed in place, so a call may
+    keep a reference to it."""
+
+    __slots__ = ("own", "parent")
+
+    def __init__(self, parent: _Names | None = None) -> None:
+        self.parent = parent
+        self.own: Values = {}
+
+    def get(self, name: str) -> list[Binding] | None:
+        layer: _Names | None = self
+        while layer is not None:
+            found = layer.own.get(name)
+            if found is not None:
+                return found
+            layer = layer.parent
+        return None
+
+    def fork(self) -> _Names:
+        """A path that starts here (a branch, a loop's body)."""
+        return _Names(self)
+
+    def bound_since(self, base: _Names) -> set[str]:
+        """The names bound on this path since it left ``base`` (an ancestor, or itself)."""
+        names: set[str] = set()
+        layer: _Names | None = self
+        while layer is not None and layer is not base:
+            names.update(layer.own)
+            layer = layer.parent
+        if layer is None:
+            raise AssertionError("a path merged into a state it did not start from")
+        return names
+
+
+def _union(*lists: list[Binding] | None) -> list[Binding]:
+    out: list[Binding] = []
+    for values in lists:
+        for value in values or ():
+            if value not in out:
+                out.append(value)
+    return out
+
+
+def _merged(base: _Names, paths: Iterable[_Names | None]) -> Values | None:
+    """What the names bound on any of ``paths`` (each ``base`` or a path that started from it; None:
+    a path that never gets here) may hold after them; None when no path gets here."""
+    live = [p for p in paths if p is not None]
     if not live:
         return None
-    out: Values = {}
-    for state in live:
-        for name, values in state.items():
-            have = out.setdefault(name, [])
-            have.extend(v for v in values if v not in have)
-    return out
+    names: set[str] = set()
+    for path in live:
+        names |= path.bound_since(base)
+    return {name: _union(*(path.get(name) for path in live)) for name in sorted(names)}
+
+
+def _join(base: _Names, paths: Iterable[_Names | None]) -> _Names | None:
+    """``base`` after any of ``paths`` (see :func:`_merged`), or None when no path gets here."""
+    merged = _merged(base, paths)
+    if merged is None:
+        return None
+    base.own.update(merged)
+    return base
 
 
 def _is_none(node: ast.expr | None) -> bool:
     return isinstance(node, ast.Constant) and node.value is None
 
 
-def _narrow(state: Values, test: ast.expr, *, true: bool) -> Values:
-    """``state`` where ``test`` evaluated to ``true``: ``x is None`` keeps x's None values (and
-    unknowns) only, ``x is not None`` drops them, a truthy ``x`` drops them, a falsy one keeps all
-    (0 is falsy too)."""
+def _narrowed(state: _Names, test: ast.expr, *, true: bool) -> _Names:
+    """A path from ``state`` where ``test`` evaluated to ``true``: ``x is None`` keeps x's None
+    values (and unknowns) only, ``x is not None`` drops them, a truthy ``x`` drops them, a falsy one
+    keeps all (0 is falsy too)."""
+    path = state.fork()
     if (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.left, ast.Name)
             and _is_none(test.comparators[0]) and isinstance(test.ops[0], (ast.Is, ast.IsNot, ast.Eq, ast.NotEq))):
         name = test.left.id
@@ -63,104 +124,128 @@ def _narrow(state: Values, test: ast.expr, *, true: bool) -> Values:
     elif isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not) and isinstance(test.operand, ast.Name):
         name, effect = test.operand.id, "keep" if true else "drop_none"
     else:
-        return state
-    if name not in state or effect == "keep":
-        return state
-    values = state[name]
+        return path
+    values = state.get(name)
+    if values is None or effect == "keep":
+        return path
     if effect == "only_none":
-        narrowed = [v for v in values if v[0] is None or _is_none(v[0])]
+        path.own[name] = [v for v in values if v[0] is None or _is_none(v[0])]
     else:
-        narrowed = [v for v in values if not _is_none(v[0])]
-    return {**state, name: narrowed}
+        path.own[name] = [v for v in values if not _is_none(v[0])]
+    return path
+
+
+def _names_read(call: ast.Call) -> set[str]:
+    return {node.id for node in ast.walk(call) if isinstance(node, ast.Name)}
 
 
 class _Flow:
     def __init__(self) -> None:
         self.at_call: dict[int, Values] = {}
 
-    def record(self, stmt: ast.AST, state: Values) -> None:
-        """Every call in ``stmt`` outside nested statements and scopes sees ``state``."""
+    def record(self, stmt: ast.AST, state: _Names) -> None:
+        """Every call in ``stmt`` outside nested statements and scopes sees ``state`` (for the
+        names it mentions)."""
         stack: list[ast.AST] = [stmt]
         while stack:
             node = stack.pop()
             if isinstance(node, ast.Call):   # a loop's body runs twice here: both rounds count
-                self.at_call[id(node)] = _merge(self.at_call.get(id(node)), state) or state
+                seen = self.at_call.setdefault(id(node), {})
+                for name in _names_read(node):
+                    values = state.get(name)
+                    if values is not None:
+                        seen[name] = _union(seen.get(name), values) if name in seen else values
             for child in ast.iter_child_nodes(node):
                 if not isinstance(child, (ast.stmt, *_SCOPES)):
                     stack.append(child)
 
-    def block(self, body: Iterable[ast.stmt], state: Values | None) -> Values | None:
+    def block(self, body: Iterable[ast.stmt], state: _Names | None) -> _Names | None:
         for stmt in body:
             if state is None:  # after a raise / return: nothing runs here on this path
                 return None
             state = self.statement(stmt, state)
         return state
 
-    def statement(self, stmt: ast.stmt, state: Values) -> Values | None:
+    def statement(self, stmt: ast.stmt, state: _Names) -> _Names | None:
+        """``state`` after ``stmt`` (changed in place), or None when no path goes on after it."""
         self.record(stmt, state)
         if isinstance(stmt, ast.Assign):
             for target in stmt.targets:
-                state = _bind(state, target, stmt.value, stmt.lineno)
-            return state
-        if isinstance(stmt, ast.AnnAssign):
-            return state if stmt.value is None else _bind(state, stmt.target, stmt.value, stmt.lineno)
-        if isinstance(stmt, ast.AugAssign):
-            return _bind(state, stmt.target, None, stmt.lineno)
-        if isinstance(stmt, ast.If):
-            after_body = self.block(stmt.body, _narrow(state, stmt.test, true=True))
-            after_else = self.block(stmt.orelse, _narrow(state, stmt.test, true=False))
-            return _merge(after_body, after_else)
-        if isinstance(stmt, (ast.For, ast.AsyncFor, ast.While)):
-            start = state if not isinstance(stmt, (ast.For, ast.AsyncFor)) else _bind(state, stmt.target, None, stmt.lineno)
-            once = self.block(stmt.body, start)
-            again = self.block(stmt.body, _merge(start, once) or start)   # values of a second round
-            return _merge(state, once, again, self.block(stmt.orelse, _merge(state, once, again)))
-        if isinstance(stmt, (ast.With, ast.AsyncWith)):
+                _bind(state, target, stmt.value, stmt.lineno)
+        elif isinstance(stmt, ast.AnnAssign):
+            if stmt.value is not None:
+                _bind(state, stmt.target, stmt.value, stmt.lineno)
+        elif isinstance(stmt, ast.AugAssign):
+            _bind(state, stmt.target, None, stmt.lineno)
+        elif isinstance(stmt, ast.If):
+            after_body = self.block(stmt.body, _narrowed(state, stmt.test, true=True))
+            after_else = self.block(stmt.orelse, _narrowed(state, stmt.test, true=False))
+            return _join(state, [after_body, after_else])
+        elif isinstance(stmt, (ast.For, ast.AsyncFor, ast.While)):
+            return self.loop(stmt, state)
+        elif isinstance(stmt, (ast.With, ast.AsyncWith)):
             for item in stmt.items:
                 if item.optional_vars is not None:
-                    state = _bind(state, item.optional_vars, None, stmt.lineno)
+                    _bind(state, item.optional_vars, None, stmt.lineno)
             return self.block(stmt.body, state)
-        if isinstance(stmt, (ast.Try, ast.TryStar)):
-            after_body = self.block(stmt.body, state)
-            handlers = [self.block(h.body, _merge(state, after_body)) for h in stmt.handlers]
-            done = _merge(self.block(stmt.orelse, after_body), *handlers)
-            return self.block(stmt.finalbody, done) if stmt.finalbody else done
-        if isinstance(stmt, ast.Match):
-            cases = [self.block(case.body, state) for case in stmt.cases]
-            return _merge(state, *cases)
-        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            return _bind(state, ast.Name(id=stmt.name), None, stmt.lineno)
-        if isinstance(stmt, (ast.Import, ast.ImportFrom)):
+        elif isinstance(stmt, (ast.Try, ast.TryStar)):
+            return self.try_(stmt, state)
+        elif isinstance(stmt, ast.Match):
+            return _join(state, [state, *(self.block(case.body, state.fork()) for case in stmt.cases)])
+        elif isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            _bind(state, ast.Name(id=stmt.name), None, stmt.lineno)
+        elif isinstance(stmt, (ast.Import, ast.ImportFrom)):
             for alias in stmt.names:
-                state = _bind(state, ast.Name(id=(alias.asname or alias.name).split(".")[0]), None, stmt.lineno)
-            return state
-        if isinstance(stmt, _EXITS):
+                _bind(state, ast.Name(id=(alias.asname or alias.name).split(".")[0]), None, stmt.lineno)
+        elif isinstance(stmt, _EXITS):
             return None
-        # walrus targets inside an expression statement
-        for node in ast.walk(stmt):
-            if isinstance(node, ast.NamedExpr):
-                state = _bind(state, node.target, node.value, stmt.lineno)
+        else:   # walrus targets inside an expression statement
+            for node in ast.walk(stmt):
+                if isinstance(node, ast.NamedExpr):
+                    _bind(state, node.target, node.value, stmt.lineno)
         return state
 
+    def loop(self, stmt: ast.For | ast.AsyncFor | ast.While, state: _Names) -> _Names:
+        """What either round of the body leaves, or what the loop started with (the body may not
+        run), then the ``else``."""
+        rounds = state.fork()
+        if isinstance(stmt, (ast.For, ast.AsyncFor)):
+            _bind(rounds, stmt.target, None, stmt.lineno)
+        once = self.block(stmt.body, rounds.fork())
+        if once is not None:
+            second = rounds.fork()   # the values of a second round: what the first left, or its start
+            second.own.update(_merged(rounds, [rounds, once]) or {})
+            _join(state, [state, once, self.block(stmt.body, second.fork())])
+        return _join(state, [state, self.block(stmt.orelse, state.fork())]) or state
 
-def _bind(state: Values, target: ast.expr, value: ast.expr | None, line: int) -> Values:
-    """``state`` after ``target = value``: a plain name takes ``value``; every name in an
-    unpacking, subscript-free target takes an unknown value."""
+    def try_(self, stmt: ast.Try | ast.TryStar, state: _Names) -> _Names | None:
+        after_body = self.block(stmt.body, state.fork())
+        handlers = []
+        for handler in stmt.handlers:   # an exception may come before or after the body's bindings
+            start = state.fork()
+            start.own.update(_merged(state, [state, after_body]) or {})
+            handlers.append(self.block(handler.body, start))
+        after_else = self.block(stmt.orelse, after_body)
+        done = _join(state, [after_else, *handlers])
+        return self.block(stmt.finalbody, done) if stmt.finalbody else done
+
+
+def _bind(state: _Names, target: ast.expr, value: ast.expr | None, line: int) -> None:
+    """``target = value`` on this path: a plain name takes ``value``; every name in an unpacking,
+    subscript-free target takes an unknown value; an attribute or subscript binds no name."""
     if isinstance(target, ast.Name):
-        return {**state, target.id: [(value, line)]}
-    if isinstance(target, (ast.Tuple, ast.List, ast.Starred)):
-        out = state
+        state.own[target.id] = [(value, line)]
+    elif isinstance(target, (ast.Tuple, ast.List, ast.Starred)):
         for name in ast.walk(target):
             if isinstance(name, ast.Name):
-                out = {**out, name.id: [(None, line)]}
-        return out
-    return state   # an attribute or subscript binds no name
+                state.own[name.id] = [(None, line)]
 
 
 def reaching_values(scope: ast.Module | ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda
                     | ast.ClassDef) -> dict[int, Values]:
     """For every call in ``scope`` (not in its nested functions or classes), keyed by ``id(call)``:
-    the values each name of the scope may hold when the call runs.
+    the values each name the call mentions may hold when the call runs. Linear in the scope's size
+    (see [Note: linear flow]).
 
     Example::
 
@@ -168,17 +253,17 @@ def reaching_values(scope: ast.Module | ast.FunctionDef | ast.AsyncFunctionDef |
         call = tree.body[2].value
         reaching_values(tree)[id(call)]["dim"]   # [(<Constant 0>, 2)]
     """
-    state: Values = {}
+    state = _Names()
     if isinstance(scope, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
         args = scope.args
         positional = [*args.posonlyargs, *args.args]
         defaults: list[ast.expr | None] = [None] * (len(positional) - len(args.defaults))
         for arg, default in [*zip(positional, [*defaults, *args.defaults], strict=True),
                              *zip(args.kwonlyargs, args.kw_defaults, strict=True)]:
-            state[arg.arg] = [(default, arg.lineno)]
+            state.own[arg.arg] = [(default, arg.lineno)]
         for extra in (args.vararg, args.kwarg):
             if extra is not None:
-                state[extra.arg] = [(None, extra.lineno)]
+                state.own[extra.arg] = [(None, extra.lineno)]
     flow = _Flow()
     if isinstance(scope, ast.Lambda):
         flow.record(scope.body, state)

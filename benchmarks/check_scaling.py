@@ -1,0 +1,96 @@
+"""How `dspark check`'s time and memory grow with the size of the file it checks.
+
+    python benchmarks/check_scaling.py                 # 2k, 4k, 8k lines and a 5 MB file
+    python benchmarks/check_scaling.py --lines 2000 20000
+
+Each size is a generated module of ordinary training-script code (imports, guarded arguments,
+loops, try/except, functions, calls the rules read, some findings), checked in a fresh process
+(``check_paths``, what ``dspark check FILE`` runs) whose peak resident memory is read from the
+kernel. Prints one line per size: lines, bytes, seconds, peak MB, findings; then the time per
+1000 lines, which stays flat when the checker is linear.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+_BLOCK = '''\
+dim_{i} = None
+if cfg_{i} is not None:
+    dim_{i} = cfg_{i}.dim
+x_{i} = dspark.distribute_tensor(weights[{i}], shard_dim=dim_{i} if dim_{i} is not None else 0)
+for step_{i}, batch_{i} in enumerate(loader):
+    xb_{i} = dspark.distribute_batch(batch_{i}, shard_dim=0)
+    total_{i} = engine(xb_{i}).sum() * step_{i}
+try:
+    y_{i} = dspark.distribute_batch(inputs_{i}, shard_dim=dspark.REPLICATE)
+except ValueError:
+    y_{i} = None
+
+
+def split_{i}(batch, dim=None):
+    if dim is None:
+        dim = 0
+    with torch.no_grad():
+        return dspark.distribute_batch(batch, shard_dim=dim)
+
+
+'''
+_HEADER = "import dspark\nimport torch\n\n"
+
+
+def generate(*, lines: int | None = None, size_bytes: int | None = None) -> str:
+    """A module of about ``lines`` lines (or ``size_bytes`` bytes) of generated code."""
+    parts, count, length, i = [_HEADER], 0, len(_HEADER), 0
+    while (lines is not None and count < lines) or (size_bytes is not None and length < size_bytes):
+        block = _BLOCK.format(i=i)
+        parts.append(block)
+        count += block.count("\n")
+        length += len(block)
+        i += 1
+    return "".join(parts)
+
+
+def _measure_one(path: str) -> dict[str, float]:
+    from dspark.check.placement_rules import check_paths
+
+    start = time.perf_counter()
+    findings, _files = check_paths([path])
+    seconds = time.perf_counter() - start
+    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024   # Linux: kB
+    return {"seconds": seconds, "peak_mb": peak_mb, "findings": len(findings)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lines", type=int, nargs="*", default=[2000, 4000, 8000])
+    parser.add_argument("--mb", type=float, nargs="*", default=[5.0], help="file sizes in MB")
+    parser.add_argument("--one", help=argparse.SUPPRESS)   # the child: check this file, print JSON
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(_measure_one(args.one)))
+        return
+    sizes = [("lines", n) for n in args.lines] + [("bytes", int(mb * 1e6)) for mb in args.mb]
+    print(f"{'lines':>8} {'bytes':>10} {'seconds':>8} {'peak MB':>8} {'findings':>8} {'s/1k lines':>10}")
+    with tempfile.TemporaryDirectory() as tmp:
+        for kind, amount in sizes:
+            source = generate(lines=amount) if kind == "lines" else generate(size_bytes=amount)
+            path = Path(tmp) / "generated.py"
+            path.write_text(source)
+            out = subprocess.run([sys.executable, __file__, "--one", str(path)], check=True,
+                                 capture_output=True, text=True)
+            result = json.loads(out.stdout)
+            lines = source.count("\n")
+            print(f"{lines:>8} {len(source):>10} {result['seconds']:>8.2f} {result['peak_mb']:>8.0f} "
+                  f"{int(result['findings']):>8} {1000 * result['seconds'] / lines:>10.3f}")
+
+
+if __name__ == "__main__":
+    main()
