@@ -13,7 +13,7 @@ def test_every_command_module_registers_through_add_parser() -> None:
     for name in COMMAND_MODULES:
         assert callable(importlib.import_module(name).add_parser), name
     choices = build_parser()._subparsers._group_actions[0].choices  # type: ignore[union-attr]
-    assert set(choices) == {"env", "run", "bench", "check", "ckpt"}
+    assert set(choices) == {"env", "run", "bench", "check", "ckpt", "plan"}
     for command in ("env", "run", "check"):
         assert callable(choices[command].get_default("func")), command
 
