@@ -136,3 +136,35 @@ def test_a_stranded_old_copy_is_kept_until_the_checkpoint_exists_again(tmp_path:
     _dir(final, "new")
     assert remove_stale(final) == [tmp_path / ".ck.old-x"]
     assert sorted(p.name for p in tmp_path.iterdir()) == [".other.tmp-y", "ck"]
+
+
+def test_saving_over_a_symlinked_path_leaves_no_link_behind(tmp_path: Path) -> None:
+    # latest -> step-1: the new checkpoint replaces the link, the link's target stays as it was,
+    # and the link set aside while the new one was put in place is gone (not left dangling)
+    target = _dir(tmp_path / "step-1", "step 1")
+    final = tmp_path / "latest"
+    final.symlink_to(target, target_is_directory=True)
+    claim(staging_dir(final, "a"))
+    (staging_dir(final, "a") / "data").write_text("new")
+    publish(staging_dir(final, "a"), final, "a")
+    assert not final.is_symlink() and (final / "data").read_text() == "new"
+    assert (target / "data").read_text() == "step 1"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-1"]
+
+
+def test_a_dangling_symlinked_path_is_replaced(tmp_path: Path) -> None:
+    final = tmp_path / "latest"
+    final.symlink_to(tmp_path / "removed", target_is_directory=True)
+    claim(staging_dir(final, "a"))
+    publish(staging_dir(final, "a"), final, "a")
+    assert final.is_dir() and not final.is_symlink()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest"]
+
+
+def test_a_set_aside_link_left_by_an_earlier_save_is_removed(tmp_path: Path) -> None:
+    # what earlier DSpark left behind: the link renamed aside, then shutil.rmtree refused it
+    final = _dir(tmp_path / "latest", "new")
+    aside = tmp_path / ".latest.old-x1"
+    aside.symlink_to(tmp_path / "step-1-deleted", target_is_directory=True)
+    assert remove_stale(final) == [aside]
+    assert not aside.is_symlink()

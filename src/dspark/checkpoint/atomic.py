@@ -10,6 +10,11 @@ publication leaves ``<name>`` as it was; a crash between the two renames leaves 
 complete old checkpoint beside it, which the load error points to. POSIX cannot swap two non-empty
 directories in one rename, so that window of two renames is the minimum.
 
+A path that is a symbolic link (``latest -> step-100``, or a link whose target is gone) is replaced
+by the new checkpoint directory like an old checkpoint is; the link's target is left as it was.
+What is set aside is then the link itself, and it is unlinked, never followed (``shutil.rmtree``
+refuses a link: the link used to be left behind, dangling once its target was deleted).
+
 [Note: stale staging directories] A save clears staging directories that earlier saves to the same
 path left behind, but never one that a live save is writing (another job saving to the same path).
 Each staging directory holds ``.dspark-owner.json`` naming the host, pid and process start time of
@@ -147,9 +152,21 @@ def remove_stale(final: Path) -> list[Path]:
     if final.exists():
         for aside in sorted(final.parent.glob(f".{final.name}.old-*")):
             log.warning("removing %s, an old checkpoint a crashed save had set aside", aside)
-            shutil.rmtree(aside, ignore_errors=True)
+            try:
+                _remove(aside)
+            except OSError as exc:
+                log.warning("could not remove %s (%s: %s)", aside, type(exc).__name__, exc)
+                continue
             removed.append(aside)
     return removed
+
+
+def _remove(path: Path) -> None:
+    """Delete a set-aside checkpoint: a directory with what it holds, or a link (not its target)."""
+    if path.is_symlink():
+        path.unlink()
+    else:
+        shutil.rmtree(path)
 
 
 def publish(staging: Path, final: Path, token: str) -> None:
@@ -163,7 +180,7 @@ def publish(staging: Path, final: Path, token: str) -> None:
     (staging / OWNER_FILE).unlink(missing_ok=True)
     sync_dir(staging)  # the data files' entries are durable before the directory becomes visible
     aside = None
-    if final.exists():
+    if final.exists() or final.is_symlink():
         aside = _aside_dir(final, token)
         os.rename(final, aside)
     try:
@@ -175,7 +192,7 @@ def publish(staging: Path, final: Path, token: str) -> None:
     sync_dir(final.parent)
     if aside is not None:
         try:
-            shutil.rmtree(aside)
+            _remove(aside)
         except OSError as exc:  # the new checkpoint is in place: the save succeeded
             log.warning("checkpoint %s is saved, but its previous copy %s could not be removed "
                         "(%s: %s); the next save to this path removes it", final, aside,
