@@ -20,7 +20,7 @@ from dspark import comm as comm
 from dspark._version import __version__
 from dspark.comm import World, get_world, init, shutdown
 from dspark.data import DataLoader, gather_for_metrics, reduce_metrics
-from dspark.engine import Engine
+from dspark.engine import Engine, meta_init
 from dspark.errors import (
     CollectiveError,
     CollectiveTimeoutError,
@@ -66,6 +66,7 @@ __all__ = [
     "get_world",
     "init",
     "log_dir",
+    "meta_init",
     "plan",
     "preemption_requested",
     "print",

@@ -3,10 +3,11 @@
 from dspark.engine.audit import AUDIT_TOLERANCE, above_share, format_audit
 from dspark.engine.engine import Engine, IncompatibleKeys
 from dspark.engine.loss_scaler import LossScaler
+from dspark.engine.meta_record import meta_init
 from dspark.engine.policy import PRECISIONS, STRATEGIES, PrecisionPolicy, ShardingPolicy
 from dspark.engine.step_observer import STEP_STATS_KEYS
 from dspark.engine.trace import named_ranges, trace_range
 
 __all__ = ["AUDIT_TOLERANCE", "PRECISIONS", "STEP_STATS_KEYS", "STRATEGIES", "Engine",
            "IncompatibleKeys", "LossScaler", "PrecisionPolicy", "ShardingPolicy", "above_share",
-           "format_audit", "named_ranges", "trace_range"]
+           "format_audit", "meta_init", "named_ranges", "trace_range"]

@@ -24,6 +24,15 @@ details keep that true:
 
 Every tensor starts as NaN (or the most negative integer); one still holding it after initialisation
 was initialised by nobody, and is an error that names it.
+
+Initialisation done outside ``reset_parameters()`` (``self.apply(fn)`` in ``__init__``, a loop over
+``named_parameters()``, HuggingFace's ``post_init()``) leaves no trace in the module tree, so under a
+plain ``torch.device("meta")`` this walk would give those parameters PyTorch's defaults instead (a
+nanoGPT embedding with std 1.0 instead of 0.02). Before anything is materialised, the constructors of
+the model's own module classes are read (:mod:`dspark.engine.init_scan`); one that initialises
+parameters itself is refused with the fix, ``dspark.meta_init()``. A model built under
+``dspark.meta_init()`` is materialised by replaying what its code did instead ([Note: recorded
+initialisation] in :mod:`dspark.engine.meta_record`), one parameter at a time.
 """
 
 from __future__ import annotations
@@ -33,6 +42,9 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+
+from dspark.engine.init_scan import check_reset_only
+from dspark.engine.meta_record import forget, record_of, replay
 
 log = logging.getLogger(__name__)
 
@@ -97,10 +109,14 @@ def materialize(root: nn.Module, device: torch.device,
             model = Model()
         materialize(model, torch.device("cpu"), lambda name, p: None)
     """
-    order = _post_order(root)
     if not hasattr(torch.utils, "swap_tensors"):
         raise RuntimeError(f"materialising a meta-device model needs torch.utils.swap_tensors (PyTorch "
                            f">= 2.3); this is PyTorch {torch.__version__}")
+    if any(record_of(t) is not None for t in (*root.parameters(), *root.buffers())):
+        _materialize_recorded(root, device, on_final)
+        return
+    check_reset_only(root)
+    order = _post_order(root)
     first_name: dict[int, str] = {}
     for name, p in root.named_parameters(remove_duplicate=False):
         first_name.setdefault(id(p), name)
@@ -151,6 +167,40 @@ def materialize(root: nn.Module, device: torch.device,
             raise ValueError(f"buffer {name!r} (shape {tuple(b.shape)}) was created on the meta device "
                              "and no reset_parameters() initialised it; give its module a "
                              "reset_parameters() that sets it, or build the model on a real device")
+
+
+def _materialize_recorded(root: nn.Module, device: torch.device,
+                          on_final: Callable[[str, nn.Parameter], None]) -> None:
+    """A model built under ``dspark.meta_init()``: each parameter's recorded initialisation replayed on
+    the CPU, moved to ``device`` and handed to ``on_final`` before the next one is made."""
+    meta = [(n, t) for n, t in (*root.named_parameters(), *root.named_buffers()) if t.is_meta]
+    unrecorded = [n for n, t in meta if record_of(t) is None]
+    if unrecorded:
+        raise ValueError(f"{len(unrecorded)} tensor(s) of the model are on the meta device but were not "
+                         f"built under dspark.meta_init() ({unrecorded[:5]}): build the whole model "
+                         "inside one `with dspark.meta_init():`")
+    problems = [f"{n}: {record.problem}" for n, t in meta
+                if (record := record_of(t)) is not None and record.problem is not None]
+    if problems:
+        raise ValueError(f"DSpark cannot reproduce the initialisation of {len(problems)} parameter(s) "
+                         f"built under dspark.meta_init(): {'; '.join(problems[:5])}. Nothing was "
+                         "trained. Initialise them with in-place operations on the parameter itself "
+                         "(torch.nn.init.*, fill_, mul_, ...), or build the model on the CPU")
+    for module in root.modules():
+        for key, b in list(module._buffers.items()):
+            if b is not None and not b.is_meta and b.device != device:
+                module._buffers[key] = b.to(device)
+    with torch.no_grad():
+        for name, t in meta:
+            record = record_of(t)
+            assert record is not None
+            value = replay(record, name).to(device=device, dtype=t.dtype)
+            forget(t)
+            if isinstance(t, nn.Parameter):
+                torch.utils.swap_tensors(t, nn.Parameter(value, requires_grad=t.requires_grad))
+                on_final(name, t)
+            else:
+                torch.utils.swap_tensors(t, value)
 
 
 def _warn_tie_direction(kept: str, other: str) -> None:
