@@ -13,14 +13,23 @@ The layout is described in [Note: checkpoint layout] (:mod:`dspark.checkpoint.la
 publication in [Note: atomic save] (:mod:`dspark.checkpoint.atomic`), background writes in
 [Note: asynchronous save] (:mod:`dspark.checkpoint.background`), and why loading never runs code
 from a checkpoint in [Note: loading runs no code] (:mod:`dspark.checkpoint.safe_metadata`).
+
+PyTorch's DCP (``torch.distributed.checkpoint``, with DTensor behind it) takes 1-2 s to import, so
+the functions that need it are imported on first use: ``import dspark`` does not pay for it in a
+process that never saves or loads.
 """
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from dspark.checkpoint.background import pending_save_path, wait_for_pending_save
 from dspark.checkpoint.errors import CheckpointError, CheckpointNotFoundError, CheckpointSaveError
 from dspark.checkpoint.info import CheckpointInfo, is_checkpoint, read_checkpoint_info
-from dspark.checkpoint.load import load_checkpoint
-from dspark.checkpoint.offline import read_extra
-from dspark.checkpoint.save import save_checkpoint
+
+if TYPE_CHECKING:
+    from dspark.checkpoint.load import load_checkpoint
+    from dspark.checkpoint.offline import read_extra
+    from dspark.checkpoint.save import save_checkpoint
 
 __all__ = [
     "CheckpointError",
@@ -35,3 +44,12 @@ __all__ = [
     "save_checkpoint",
     "wait_for_pending_save",
 ]
+
+_MODULE_OF = {"load_checkpoint": "load", "read_extra": "offline", "save_checkpoint": "save"}
+
+
+def __getattr__(name: str) -> Any:
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module 'dspark.checkpoint' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"dspark.checkpoint.{module}"), name)
