@@ -34,6 +34,11 @@ DSP007 (warning) in a file that uses DSpark, a ``torch.utils.data.DataLoader`` b
     global batch; or a ``DistributedSampler``. A loader meant to read everything on every rank (an
     evaluation), or over an iterable dataset that splits itself by rank, is silenced with
     ``# dspark: ignore[DSP007]``.
+DSP008 (error) a loss divided by the gradient accumulation count (``loss = loss /
+    gradient_accumulation_steps``, ``loss /= k``, ``engine.backward(loss / k)``) before
+    ``engine.backward``: the engine already averages the window's micro-batches, so the gradients
+    come out K times too small, silently. Fix: drop the division, ``engine.backward(loss)``. The
+    rule and what counts as the count: :mod:`dspark.check.accumulation_rule`.
 
 A ``# dspark: ignore[DSPnnn]`` comment (or a bare ``# dspark: ignore``) on the finding's line
 silences it; not ``# noqa``, which other linters own and would report as an unknown code.
@@ -47,6 +52,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from dspark.check.accumulation_rule import accumulation_findings
 from dspark.check.reaching_values import Values, reaching_values
 
 __all__ = ["CODES", "Finding", "check_paths", "check_source", "python_files"]
@@ -60,6 +66,7 @@ CODES: dict[str, tuple[str, str]] = {
     "DSP005": ("error", "DTensor without placements replicates silently"),
     "DSP006": ("warning", "batch replicated"),
     "DSP007": ("warning", "DataLoader without a sampler"),
+    "DSP008": ("error", "loss divided by the accumulation count"),
 }
 """Each code's severity and short title (the module docstring has the fix)."""
 
@@ -367,6 +374,8 @@ def check_source(source: str, path: str = "<string>") -> list[Finding]:
                         message=f"cannot parse: {exc.msg}")]
     checker = _Checker(path, _imports(tree))
     checker.visit(tree)
+    for node, message in accumulation_findings(tree, lambda func: _origin(func, checker.imports)):
+        checker.report(node, "DSP008", message)
     lines = source.splitlines()
     kept = [f for f in checker.findings if not _silenced(f, lines)]
     return sorted(kept, key=lambda f: (f.line, f.col, f.code))

@@ -1,0 +1,239 @@
+"""DSP008: a loss divided by the gradient accumulation count before ``engine.backward``.
+
+[Note: accumulation convention] ``dspark.Engine(grad_accum_steps=K)`` averages the window's K
+micro-batches itself, inside ``engine.backward`` (as DeepSpeed, Accelerate and Lightning do): the
+loss passed is the micro-batch's mean loss, as in a loop without accumulation. A loop ported from
+plain PyTorch/DDP keeps ``loss = loss / gradient_accumulation_steps`` (nanoGPT's line), and the
+gradients then come out K times too small: clipping is K times looser and AdamW's epsilon weighs K
+times more, with no error anywhere. This rule finds that division before anything runs.
+
+What counts as the accumulation count: a name or attribute whose last part contains ``accum``
+(``gradient_accumulation_steps``, ``args.grad_accum_steps``, ``accum_iter``), the value passed as
+``Engine(grad_accum_steps=...)`` (a name, an attribute, or an int literal above 1), and any name
+assigned from an expression that uses one of those (``k = cfg.accum // world_size``). A division
+by it (``/``, ``/=``, ``.div(k)``, ``torch.div(x, k)``, ``x * (1 / k)``) that reaches the argument
+of ``<engine>.backward(...)`` is reported at the division: directly in the call, or through the
+names assigned in the same scope before the call (each name's latest assignment counts; an
+assignment that uses a divided name is divided too). An engine is a name assigned from
+``dspark.Engine(...)`` or any name or attribute whose last part contains ``engine``. Linear in the
+file's size: the counts are collected in a few passes over the module's assignments, then each
+scope's statements are walked once, in order.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections.abc import Callable, Iterator
+
+__all__ = ["accumulation_findings"]
+
+_ACCUM = re.compile(r"accum", re.IGNORECASE)
+_ENGINE = re.compile(r"engine", re.IGNORECASE)
+_DIV_METHODS = ("div", "div_", "divide", "true_divide")
+_PROPAGATION_PASSES = 3  # k = accum; j = k; i = j: chains longer than this are not followed
+_FIX = ("the engine already averages the window's grad_accum_steps micro-batches (see the porting "
+        "guide, docs/porting.md): drop the division and pass the micro-batch's mean loss, "
+        "engine.backward(loss)")
+
+Origin = Callable[[ast.expr], "str | None"]
+
+
+def _leaf(node: ast.expr) -> str | None:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    return None
+
+
+def _key(node: ast.expr) -> str | None:
+    """``a.b.c`` for a name or attribute chain (``self.cfg.accum``), else None."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        base = _key(node.value)
+        return None if base is None else f"{base}.{node.attr}"
+    return None
+
+
+class _Counts:
+    """What holds the accumulation count in this module (see the module docstring)."""
+
+    def __init__(self, tree: ast.Module, origin: Origin) -> None:
+        self.keys: set[str] = set()
+        self.literals: set[int] = set()
+        self.engines: set[str] = set()
+        self.scopes: list[list[ast.stmt]] = [tree.body]
+        assigns: list[tuple[list[ast.expr], ast.expr]] = []
+        for node in ast.walk(tree):  # the one walk over the whole module
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                self.scopes.append(node.body)
+            elif isinstance(node, ast.Call) and (origin(node.func) or "").split(".")[-1] == "Engine":
+                for kw in node.keywords:
+                    if kw.arg == "grad_accum_steps":
+                        self._note_engine_value(kw.value)
+            elif isinstance(node, ast.Assign):
+                assigns.append((node.targets, node.value))
+                if isinstance(node.value, ast.Call) and (origin(node.value.func) or "").endswith("Engine"):
+                    self.engines.update(k for t in node.targets if (k := _key(t)) is not None)
+            elif isinstance(node, (ast.AnnAssign, ast.AugAssign)) and node.value is not None:
+                assigns.append(([node.target], node.value))
+        # each assignment's reads, found once; then the counts spread through them
+        reads = [(targets, [sub for sub in ast.walk(value) if isinstance(sub, (ast.Name, ast.Attribute, ast.Constant))])
+                 for targets, value in assigns]
+        for _ in range(_PROPAGATION_PASSES):
+            before = len(self.keys)
+            for targets, read in reads:
+                if any(self.is_count(sub) for sub in read):
+                    self.keys.update(k for t in targets for k in _target_keys(t))
+            if len(self.keys) == before:
+                break
+
+    def _note_engine_value(self, value: ast.expr) -> None:
+        if isinstance(value, ast.Constant) and isinstance(value.value, int) and value.value > 1:
+            self.literals.add(value.value)
+        elif (key := _key(value)) is not None:
+            self.keys.add(key)
+
+    def is_count(self, node: ast.expr) -> bool:
+        key, leaf = _key(node), _leaf(node)
+        return (key in self.keys or (leaf is not None and _ACCUM.search(leaf) is not None)
+                or (isinstance(node, ast.Constant) and type(node.value) is int and node.value in self.literals))
+
+    def uses(self, node: ast.expr) -> bool:
+        """Does ``node`` read a count anywhere (``cfg.accum // world_size``, ``int(k)``)?"""
+        return any(isinstance(sub, ast.expr) and self.is_count(sub) for sub in ast.walk(node))
+
+    def is_engine(self, node: ast.expr) -> bool:
+        key, leaf = _key(node), _leaf(node)
+        return key in self.engines or (leaf is not None and _ENGINE.search(leaf) is not None)
+
+
+def _target_keys(target: ast.expr) -> Iterator[str]:
+    if isinstance(target, (ast.Tuple, ast.List)):
+        for elt in target.elts:
+            yield from _target_keys(elt)
+    elif (key := _key(target)) is not None:
+        yield key
+
+
+def _division(node: ast.expr, counts: _Counts, origin: Origin) -> ast.expr | None:
+    """The first division by a count inside ``node`` (the divisor's node), or None."""
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.BinOp) and isinstance(sub.op, (ast.Div, ast.FloorDiv)) and counts.uses(sub.right):
+            if isinstance(sub.left, ast.Constant) and not isinstance(sub.left.value, bool):
+                continue  # 1 / k alone is a factor, not a divided loss: its product is caught as x * (1 / k)
+            return sub.right
+        if isinstance(sub, ast.BinOp) and isinstance(sub.op, ast.Mult):
+            for factor in (sub.left, sub.right):
+                if (isinstance(factor, ast.BinOp) and isinstance(factor.op, ast.Div)
+                        and isinstance(factor.left, ast.Constant) and counts.uses(factor.right)):
+                    return factor.right
+        if isinstance(sub, ast.Call):
+            name = (origin(sub.func) or "").split(".")[-1]
+            if name in _DIV_METHODS:
+                divisor = sub.args[-1] if sub.args else None
+                if divisor is not None and counts.uses(divisor):
+                    return divisor
+    return None
+
+
+class _Scope:
+    """One function's (or the module's) statements walked in order: which names hold a divided
+    loss, and the engine.backward calls that receive one."""
+
+    def __init__(self, counts: _Counts, origin: Origin) -> None:
+        self.counts = counts
+        self.origin = origin
+        self.divided: dict[str, ast.AST] = {}   # name -> where it was divided
+        self.findings: list[tuple[ast.AST, str]] = []
+        self.reported: set[int] = set()
+
+    def walk(self, body: list[ast.stmt]) -> None:
+        for stmt in body:
+            if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                continue  # its own scope
+            self.statement(stmt)
+
+    def _carried(self, value: ast.expr) -> ast.AST | None:
+        """Where ``value``'s division happened: in it, or in a divided name it reads."""
+        divisor = _division(value, self.counts, self.origin)
+        if divisor is not None:
+            return divisor
+        for sub in ast.walk(value):
+            if isinstance(sub, (ast.Name, ast.Attribute)) and (key := _key(sub)) in self.divided:
+                return self.divided[key]
+        return None
+
+    def statement(self, stmt: ast.stmt) -> None:
+        for call in _calls_in(stmt):
+            self.check_backward(call)
+        if isinstance(stmt, ast.Assign) or (isinstance(stmt, ast.AnnAssign) and stmt.value is not None):
+            value = stmt.value
+            targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
+            where = self._carried(value) if value is not None else None
+            single = len(targets) == 1 and not isinstance(targets[0], (ast.Tuple, ast.List))
+            for key in (k for t in targets for k in _target_keys(t)):
+                if where is not None and single:
+                    self.divided[key] = where
+                else:
+                    self.divided.pop(key, None)  # a new value: what it held before is gone
+        elif isinstance(stmt, ast.AugAssign) and (name := _key(stmt.target)) is not None:
+            if isinstance(stmt.op, (ast.Div, ast.FloorDiv)) and self.counts.uses(stmt.value):
+                self.divided[name] = stmt
+            elif (carried := self._carried(stmt.value)) is not None:
+                self.divided[name] = carried
+        for field in ("body", "orelse", "finalbody"):
+            self.walk(getattr(stmt, field, []) or [])
+        for handler in getattr(stmt, "handlers", []) or []:
+            self.walk(handler.body)
+        for case in getattr(stmt, "cases", []) or []:
+            self.walk(case.body)
+
+    def check_backward(self, call: ast.Call) -> None:
+        func = call.func
+        if not (isinstance(func, ast.Attribute) and func.attr == "backward" and call.args
+                and self.counts.is_engine(func.value)):
+            return
+        where = self._carried(call.args[0])
+        if where is None or id(where) in self.reported:
+            return
+        self.reported.add(id(where))
+        divisor = where.value if isinstance(where, ast.AugAssign) else where
+        shown = ast.unparse(divisor) if isinstance(divisor, ast.expr) else "the accumulation count"
+        self.findings.append((where, f"the loss passed to {ast.unparse(func)}() at line {call.lineno} "
+                                     f"is divided by the gradient accumulation count ({shown}): "
+                                     f"gradients come out that many times too small; {_FIX}"))
+
+
+def _calls_in(stmt: ast.stmt) -> Iterator[ast.Call]:
+    """The calls in ``stmt``'s own expressions (not in the statements nested in its body)."""
+    nested = {id(s) for field in ("body", "orelse", "finalbody", "handlers", "cases")
+              for s in (getattr(stmt, field, []) or [])}
+    stack: list[ast.AST] = [child for child in ast.iter_child_nodes(stmt) if id(child) not in nested]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda, ast.stmt)):
+            continue
+        if isinstance(node, ast.Call):
+            yield node
+        stack.extend(ast.iter_child_nodes(node))
+
+
+def accumulation_findings(tree: ast.Module, origin: Origin) -> list[tuple[ast.AST, str]]:
+    """Each division of a loss by the accumulation count that reaches ``engine.backward``, as
+    ``(node to report at, message)``; ``origin`` maps a call's function to its dotted import origin.
+
+    Example::
+
+        tree = ast.parse("loss = loss / grad_accum_steps\\nengine.backward(loss)\\n")
+        accumulation_findings(tree, lambda f: None)   # [(<Name grad_accum_steps>, "the loss ...")]
+    """
+    counts = _Counts(tree, origin)
+    findings: list[tuple[ast.AST, str]] = []
+    for body in counts.scopes:
+        scope = _Scope(counts, origin)
+        scope.walk(body)
+        findings += scope.findings
+    return findings
