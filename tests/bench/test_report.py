@@ -56,7 +56,7 @@ def test_seed_table_reproduces_the_article_and_its_verdicts() -> None:
     assert rows["resnet50"] == ["245", "280 (0.88x)", "130", "1.88x (1.88-1.88)"]
     assert rows["gpt2-124m"] == ["520", "610 (0.85x)", "270", "1.93x (1.93-1.93)"]
     assert re.search(r"resnet50, 2 devices, replicated batch: FLAGGED \(negative_scaling, "
-                     r"replicated_batch\)", text)
+                     r"replicated_batch, off_plan\)", text)
     assert "resnet50, 2 devices, sharded: healthy (1.88x (1.88-1.88), efficiency 94%)" in text
     assert "gpt2-124m, 2 devices, sharded: healthy (1.93x (1.93-1.93), efficiency 96%)" in text
 
@@ -68,7 +68,7 @@ def test_seed_table_marks_a_flagged_fix_and_missing_runs() -> None:
     render_seed_table(annotate([one, slow_fix]), console)
     text = console.export_text()
     assert "replicated batch: not measured" in text
-    assert "sharded: FLAGGED (negative_scaling, below_cost_model)" in text
+    assert "sharded: FLAGGED (negative_scaling, below_cost_model, off_plan)" in text
 
 
 def test_comparison_renders_rows_and_counts() -> None:

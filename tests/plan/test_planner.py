@@ -12,9 +12,8 @@ from torch import nn
 import dspark
 from dspark.engine.memory import expected_state_bytes
 from dspark.engine.policy import STRATEGIES
-from dspark.plan import Plan, get_interconnect
+from dspark.plan import Plan, get_interconnect, model_shape
 from dspark.plan.cost import buckets, state_bytes
-from dspark.plan.planner import _model_shape
 
 
 def _mlp() -> nn.Module:
@@ -101,7 +100,7 @@ def test_a_meta_model_is_planned_from_a_materialised_copy() -> None:
 
 
 def test_buckets_group_in_ready_order_by_size() -> None:
-    shape = _model_shape(_mlp(), (2, True))
+    shape = model_shape(_mlp(), (2, True))
     ready = [0.9, 0.9, 0.5, 0.5, 0.1, 0.1]  # backward reaches the last layer first
     one = buckets(shape, ready, bucket_mb=25.0)
     assert len(one) == 1 and one[0][0] == 0.9

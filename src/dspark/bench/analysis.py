@@ -28,6 +28,7 @@ from dspark.bench.anomalies import (
 from dspark.bench.breakdown import straggler
 from dspark.bench.cost_model import StepPrediction, cost_model_step_ms, predict_step
 from dspark.bench.noise import NoiseModel
+from dspark.bench.off_plan import off_plan, predicted_fields
 from dspark.bench.result import BenchResult
 from dspark.bench.trust import busy_machine, suspect_baseline
 
@@ -50,11 +51,12 @@ _Rule = Callable[[BenchResult, BenchResult | None], list[dict[str, Any]]]
 # Order = order in reports: the symptom first, then its causes, then what may void the figures
 # (annotate() puts straggler, which needs the noise model, between the two groups).
 _BASELINE_RULES: tuple[_Rule, ...] = (
-    negative_scaling, suspect_baseline, replicated_batch, memory_above_expected, below_cost_model)
+    negative_scaling, suspect_baseline, replicated_batch, memory_above_expected, below_cost_model,
+    off_plan)
 _TRUST_RULES: tuple[_Rule, ...] = (busy_machine,)
 
 ANOMALY_KINDS = ("negative_scaling", "suspect_baseline", "replicated_batch",
-                 "memory_above_expected", "below_cost_model", "straggler", "busy_machine",
+                 "memory_above_expected", "below_cost_model", "off_plan", "straggler", "busy_machine",
                  "regression")
 
 
@@ -143,6 +145,7 @@ def annotate(results: list[BenchResult], *, history: Ledger | None = None) -> li
                               baseline_result_id=baseline.result_id)
             else:
                 baseline = None
+        fields.update(predicted_fields(result, baseline))
         scaled = dataclasses.replace(result, anomalies=[], **fields)
         anomalies: list[dict[str, Any]] = []
         for rule in _BASELINE_RULES:

@@ -241,6 +241,11 @@ class BenchResult(Recorded):
     efficiency: float | None = None
     baseline_result_id: str | None = None
     """The 1-device result of the same run the speedup is against (None: no speedup)."""
+    predicted_peak_bytes_per_rank: int | None = None
+    """The plan's peak per rank for this configuration, from its 1-device baseline (see
+    :mod:`dspark.bench.off_plan`); None without a baseline."""
+    predicted_step_ms: float | None = None
+    """The plan's step for this configuration, from the same baseline."""
     anomalies: list[dict[str, Any]] = field(default_factory=list)
     run_id: str = ""
     """The ``dspark bench`` invocation that produced it."""

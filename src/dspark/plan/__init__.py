@@ -14,9 +14,10 @@ Example::
     print(plan); plan.best(devices=8)
 """
 
+from dspark.plan.cost import ModelShape, RowCost, row_cost
 from dspark.plan.interconnect import INTERCONNECTS, Interconnect, get_interconnect
-from dspark.plan.planner import Plan, PlanRow, default_memory_budget, format_plan, plan
+from dspark.plan.planner import Plan, PlanRow, default_memory_budget, format_plan, model_shape, plan
 from dspark.plan.probe import Probe
 
-__all__ = ["INTERCONNECTS", "Interconnect", "Plan", "PlanRow", "Probe", "default_memory_budget",
-           "format_plan", "get_interconnect", "plan"]
+__all__ = ["INTERCONNECTS", "Interconnect", "ModelShape", "Plan", "PlanRow", "Probe", "RowCost",
+           "default_memory_budget", "format_plan", "get_interconnect", "model_shape", "plan", "row_cost"]

@@ -26,7 +26,7 @@ from dspark.plan.cost import ModelShape, RowCost, row_cost
 from dspark.plan.interconnect import Interconnect, get_interconnect
 from dspark.plan.probe import LossFn, Probe, batch_size, measure_probe
 
-__all__ = ["Plan", "PlanRow", "default_memory_budget", "plan"]
+__all__ = ["Plan", "PlanRow", "default_memory_budget", "format_plan", "model_shape", "plan"]
 
 DEFAULT_OPTIMIZER = functools.partial(torch.optim.AdamW, lr=3e-4)
 """What :func:`plan` plans for when given no optimizer: AdamW (two fp32 moments per element)."""
@@ -172,7 +172,15 @@ def default_memory_budget(device: torch.device, local_ranks: int = 1) -> int:
     return int(available * (1 - MEMORY_MARGIN) / max(1, local_ranks))
 
 
-def _model_shape(model: nn.Module, optimizer_state: tuple[int, bool]) -> ModelShape:
+def model_shape(model: nn.Module, optimizer_state: tuple[int, bool] = (2, True)) -> ModelShape:
+    """What the cost model reads of ``model`` (any device, meta included): its trainable and frozen
+    parameters' shapes and dtypes, tied ones once, and which zero3 unit gathers each (the engine's
+    default units). ``optimizer_state``: see :func:`dspark.engine.memory.optimizer_state_elements`.
+
+    Example::
+
+        model_shape(torch.nn.Linear(3, 2)).trainable   # (((2, 3), torch.float32), ((2,), torch.float32))
+    """
     unique = list(dict.fromkeys(model.parameters()))
     trainable = [p for p in unique if p.requires_grad]
     index = {id(p): i for i, p in enumerate(trainable)}
@@ -253,7 +261,7 @@ def plan(model: nn.Module, sample_batch: Any, loss_fn: LossFn | None = None, *,
                               precision=precision, device=where,
                               batches=(smallest, largest) if smallest != largest else (largest, largest),
                               units=units)
-    shape = _model_shape(model, probe.optimizer_state)
+    shape = model_shape(model, probe.optimizer_state)
     rows = []
     for n in counts:
         budget = memory_budget

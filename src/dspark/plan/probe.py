@@ -87,6 +87,31 @@ class Probe:
         return max(0, round(self.step_bytes.fixed))
 
     @classmethod
+    def from_one_step(cls, *, device: str, batch: int, forward_ms: float, backward_ms: float,
+                      optimizer_ms: float, step_bytes: float, num_params: int,
+                      unit_bytes: Sequence[int], optimizer_state: tuple[int, bool] = (2, True)) -> Probe:
+        """A probe from one measured step at ``batch`` samples (a lab result on one device) instead
+        of a run: each cost taken as proportional to the batch (no fixed part is known from one
+        point), gradients ready evenly through backward in reverse parameter order, each unit's
+        share of forward proportional to its parameter bytes (``unit_bytes``, root first).
+
+        Example::
+
+            Probe.from_one_step(device="cpu", batch=32, forward_ms=150.0, backward_ms=300.0,
+                                optimizer_ms=20.0, step_bytes=250e6, num_params=52, unit_bytes=[1, 4])
+        """
+        if batch < 1 or num_params < 0:
+            raise ValueError(f"batch={batch!r} must be >= 1 and num_params={num_params!r} >= 0")
+        total = sum(unit_bytes) or 1
+        return cls(device=device, batches=(batch, batch),
+                   forward_ms=Line(fixed=0.0, per_sample=forward_ms / batch),
+                   backward_ms=Line(fixed=0.0, per_sample=backward_ms / batch),
+                   optimizer_ms=optimizer_ms, step_bytes=Line(fixed=0.0, per_sample=step_bytes / batch),
+                   grad_ready=tuple((num_params - i) / num_params for i in range(num_params)),
+                   unit_forward_share=tuple(b / total for b in unit_bytes),
+                   optimizer_state=optimizer_state)
+
+    @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Probe:
         """The probe ``dataclasses.asdict`` wrote (a plan's JSON keeps it under ``"probe"``), to plan
         again from the same measurement on another machine or with other settings.
