@@ -29,8 +29,8 @@ import torch
 from torch import nn
 
 import dspark
-import dspark.engine.engine as engine_module
 from dspark import comm
+from dspark.engine.inputs import ForwardInputs
 from dspark.engine.step_observer import StepObserver
 
 _BLOCK = 2
@@ -97,7 +97,7 @@ def _direct_us(observer: StepObserver, phases: int, waits: int,
             observer.leave(ends_step=phase == phases - 1)
     middle = time.perf_counter()
     for _ in range(_DIRECT_REPEATS):
-        engine_module.record_batch(batch_leaves)
+        ForwardInputs.of(batch_leaves)
     end = time.perf_counter()
     return (middle - start) / _DIRECT_REPEATS * 1e6, (end - middle) / _DIRECT_REPEATS * 1e6
 
@@ -106,7 +106,8 @@ def measure(name: str, strategy: str, steps: int) -> dict[str, float]:
     model, make_batch, loss_fn, precision = _workload(name)
     engine = dspark.Engine(model, optimizer=functools.partial(torch.optim.AdamW, lr=1e-4),
                            strategy=strategy, precision=precision)
-    on, record = engine._observer, engine_module.record_batch
+    on, record = engine._observer, ForwardInputs.__dict__["of"]  # the classmethod itself
+    off = staticmethod(lambda batch: ForwardInputs(()))  # nothing recorded
     for step in range(2):  # warm-up; the first step also learns the bucket order
         _time_step(engine, make_batch(step), loss_fn)
     window = on._done[-1]
@@ -116,11 +117,11 @@ def measure(name: str, strategy: str, steps: int) -> dict[str, float]:
         for block in range(steps // _BLOCK):
             observing = block % 2 == 0
             engine._observer = on if observing else _Off()  # type: ignore[assignment]
-            engine_module.record_batch = record if observing else (lambda leaves: None)  # type: ignore[assignment,return-value]
+            ForwardInputs.of = record if observing else off  # type: ignore[method-assign]
             for step in range(_BLOCK):
                 times[observing].append(_time_step(engine, make_batch(100 + block * _BLOCK + step), loss_fn))
     finally:
-        engine._observer, engine_module.record_batch = on, record
+        engine._observer, ForwardInputs.of = on, record  # type: ignore[method-assign]
     x, _ = dspark.distribute_batch(make_batch(0), shard_dim=0)
     observer_us, fingerprint_us = _direct_us(StepObserver(torch.device("cpu"), rank=0), phases, waits, [x])
     engine.close()

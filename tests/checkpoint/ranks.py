@@ -122,7 +122,7 @@ def load_error_keeping_state(path: str, name: str, strategy: str) -> tuple[str, 
 def _snapshot(engine: dspark.Engine) -> dict[str, torch.Tensor]:
     # the engine's own walk: under zero3 the module refuses state_dict() while its parameters are
     # freed (their shards are compared below)
-    tensors = {f"model/{k}": v.detach().clone() for k, v in engine._module_state_dict().items()}
+    tensors = {f"model/{k}": v.detach().clone() for k, v in engine._states.module_state_dict().items()}
     for slot in engine.slots:
         param = slot.opt_param if engine.strategy.shard_optimizer else slot.param
         for key, value in engine.optimizer.state.get(param, {}).items() if param is not None else ():

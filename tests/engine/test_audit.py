@@ -122,11 +122,11 @@ def test_the_summary_words_each_case() -> None:
 
 
 def test_the_recorded_batch_keeps_no_autograd_graph_and_is_fingerprinted_when_read() -> None:
-    from dspark.engine.audit import record_batch
+    from dspark.engine.inputs import ForwardInputs
     from dspark.tensor.fingerprint import batch_fingerprint
 
     x = torch.randn(4, 3, requires_grad=True) * 2  # a non-leaf input: holding it would hold a graph
-    record = record_batch([x])
+    record = ForwardInputs.of([x])
     assert record.nbytes == 4 * 3 * 4
     assert all(t.grad_fn is None and not t.requires_grad for t in record.leaves)
     before = batch_fingerprint([x])

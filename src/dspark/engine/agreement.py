@@ -9,10 +9,15 @@ the first error.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 from dspark import comm
 from dspark.errors import OtherRankError
 
-__all__ = ["agree"]
+__all__ = ["agree", "agreed"]
+
+T = TypeVar("T")
 
 
 def agree(failure: BaseException | None, *, what: str) -> None:
@@ -38,3 +43,19 @@ def agree(failure: BaseException | None, *, what: str) -> None:
     ranks = [r for r, _ in failed]
     raise OtherRankError(f"rank {rank}: {what} failed on rank(s) {ranks}: {failed[0][1][:500]}",
                          failed_ranks=tuple(ranks))
+
+
+def agreed(what: str, fn: Callable[[], T]) -> T:
+    """Run ``fn`` on this rank, then :func:`agree` with every rank that it succeeded everywhere.
+
+    Example::
+
+        optimizer = agreed("building the optimizer", lambda: factory(groups))
+    """
+    try:
+        out = fn()
+    except Exception as exc:
+        agree(exc, what=what)
+        raise
+    agree(None, what=what)
+    return out

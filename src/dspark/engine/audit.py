@@ -10,7 +10,8 @@ half, and nothing said so. ``engine.audit()`` lists, on this rank, one row per
   optimizer step; none after ``engine.step()``, which frees them), and any gradient held outside the
   buckets (one process: every parameter's gradient);
 * optimizer state (``"optimizer"``): the state tensors of each parameter (its rows under zero1-3);
-* the last input batch (``"batch"``): the tensors of the last training forward's arguments.
+* the last input batch (``"batch"``): the tensors of the last training forward's arguments, as the
+  engine records them (see [Note: forward inputs] in :mod:`dspark.engine.inputs`).
 
 ``bytes`` is the storage this rank really holds (a storage shared by several tensors counts once, in
 the first row that meets it; the batch counts the bytes of its tensors, not of a larger tensor they
@@ -25,22 +26,21 @@ Communication scratch buffers are not rows: ``engine.memory_report()["comm_buffe
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from dspark import comm
+from dspark.engine.inputs import ForwardInputs
 from dspark.engine.memory import expected_state_bytes, optimizer_state_elements, storage_bytes
 from dspark.engine.param_slot import ParamSlot
 from dspark.engine.policy import ShardingPolicy
 from dspark.tensor import Replicate, Shard
-from dspark.tensor.fingerprint import FINGERPRINT_LEN, batch_fingerprint, identical_ranks
+from dspark.tensor.fingerprint import FINGERPRINT_LEN, identical_ranks
 from dspark.tensor.shard_math import chunk_size
 
-__all__ = ["AUDIT_KINDS", "AUDIT_TOLERANCE", "BatchRecord", "above_share", "audit_rows", "format_audit",
-           "record_batch"]
+__all__ = ["AUDIT_KINDS", "AUDIT_TOLERANCE", "above_share", "audit_rows", "format_audit"]
 
 AUDIT_KINDS = ("param", "grad", "optimizer", "batch")
 AUDIT_TOLERANCE = 1.05
@@ -48,36 +48,6 @@ AUDIT_TOLERANCE = 1.05
 
 _SHARD = repr(Shard(0))
 _REPLICATE = repr(Replicate())
-
-
-@dataclass(frozen=True, slots=True)
-class BatchRecord:
-    """The last training forward's input tensors, as the audit needs them: their size, and their
-    fingerprint when the audit asks for it.
-
-    The record keeps detached references to the tensors (no copy, no autograd graph) and
-    fingerprints them only in :meth:`fingerprint`: reading the whole batch on every forward cost
-    3-6 ms per step on a CPU image batch, for an audit most steps never run. The previous batch is
-    released when the next forward starts. A batch tensor overwritten in place after its forward is
-    fingerprinted as it is when the audit runs (the same on every rank that shares it)."""
-
-    nbytes: int
-    leaves: tuple[torch.Tensor, ...]
-
-    def fingerprint(self) -> torch.Tensor:
-        """:func:`~dspark.tensor.fingerprint.batch_fingerprint` of the tensors, read now."""
-        return batch_fingerprint(list(self.leaves))
-
-
-def record_batch(leaves: Sequence[torch.Tensor]) -> BatchRecord:
-    """Size of a forward's input tensors and a detached reference to them (no pass over the data).
-
-    Example::
-
-        record_batch([images]).nbytes   # images.numel() * images.element_size()
-    """
-    return BatchRecord(nbytes=sum(t.numel() * t.element_size() for t in leaves),
-                       leaves=tuple(t.detach() for t in leaves))
 
 
 def _row(name: str, kind: str, placement: str, nbytes: int, expected: int) -> dict[str, Any]:
@@ -101,7 +71,7 @@ def _names(slots: Sequence[ParamSlot], most: int = 3) -> str:
 
 def audit_rows(*, module: nn.Module, slots: Iterable[ParamSlot], strategy: ShardingPolicy,
                params_sharded: bool, buckets: Sequence[Any], optimizer: torch.optim.Optimizer,
-               batch: BatchRecord | None, rank: int, num_ranks: int,
+               batch: ForwardInputs | None, rank: int, num_ranks: int,
                device: torch.device) -> list[dict[str, Any]]:
     """The audit's rows on this rank (see [Note: replication audit]); a collective."""
     seen: set[tuple[int, int]] = set()
@@ -152,7 +122,7 @@ def audit_rows(*, module: nn.Module, slots: Iterable[ParamSlot], strategy: Shard
     return rows
 
 
-def _batch_rows(batch: BatchRecord | None, *, rank: int, num_ranks: int,
+def _batch_rows(batch: ForwardInputs | None, *, rank: int, num_ranks: int,
                 device: torch.device) -> list[dict[str, Any]]:
     """The input batch's row: every rank's fingerprint is all-gathered (collective), and the ranks
     holding the same batch as this one divide its expected bytes."""

@@ -3,16 +3,16 @@
 [Note: replicated batch check] The seed's bug, a batch replicated on every rank when it should be
 split, mostly comes from data loading (a plain DataLoader with no sampler, the same seed on every
 rank, ``shard_dim=REPLICATE``), where no placement check sees it. So the engine looks at what
-actually reaches the model: a forward pre-hook on the root module records a fingerprint of the
-inputs (:func:`dspark.tensor.fingerprint.batch_fingerprint`, a few float64 statistics: no copy of
-the data) on checked steps, and at the first ``backward()`` of that step, before any gradient
+actually reaches the model: on checked steps, each training forward's inputs as the engine records
+them (see [Note: forward inputs] in :mod:`dspark.engine.inputs`) are fingerprinted
+(:func:`dspark.tensor.fingerprint.batch_fingerprint`, a few float64 statistics: no copy of the
+data), and at the first ``backward()`` of that step, before any gradient
 exists, one all-gather of the fingerprints compares them. Every rank gathers the same values and
 so reaches the same verdict: identical batches raise :class:`dspark.PlacementError` on every rank
 at once (no rank hangs waiting for another). The first step this engine runs is checked, then every
 ``every`` steps (steps that are multiples of ``every``); other steps cost a step-count lookup. Only
 forwards with autograd on are recorded: an evaluation under ``torch.no_grad()`` may rightly feed
-every rank the same data. The shapes, dtypes and bytes of the last recorded input batch are kept
-for the engine's audit (metadata only; kept on every forward, which costs a walk over the inputs).
+every rank the same data. The last recorded inputs name the shapes in the error message.
 """
 
 from __future__ import annotations
@@ -23,16 +23,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
 
 from dspark import comm
+from dspark.engine.inputs import ForwardInputs
 from dspark.errors import PlacementError
-from dspark.tensor.fingerprint import (
-    FINGERPRINT_LEN,
-    batch_fingerprint,
-    batch_leaves,
-    identical_ranks,
-)
+from dspark.tensor.fingerprint import FINGERPRINT_LEN, identical_ranks
 
 __all__ = ["DEFAULT_BATCH_CHECK_EVERY", "BatchCheck", "InputLeaf", "replication_cost"]
 
@@ -70,12 +65,12 @@ class BatchCheck:
 
     Example::
 
-        check = BatchCheck(model, every=1000, step_count=lambda: engine.step_count)
-        out = model(x)                 # the pre-hook records x's fingerprint on a checked step
+        check = BatchCheck(every=1000, step_count=lambda: engine.step_count)
+        check.record(ForwardInputs.of(x), (x,), {})   # fingerprinted on a checked step
         check.before_backward()        # compares across ranks; raises dspark.PlacementError if equal
     """
 
-    def __init__(self, module: nn.Module, *, every: int | None, step_count: Callable[[], int]) -> None:
+    def __init__(self, *, every: int | None, step_count: Callable[[], int]) -> None:
         if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 0):
             raise ValueError(f"batch_check_every={every!r} must be an int >= 1 (steps between checks), "
                              "or None / 0 to turn the check off")
@@ -84,31 +79,31 @@ class BatchCheck:
         self._step_count = step_count
         self._next_check: int | None = None  # None: the first step this engine runs is checked
         self._fingerprint: torch.Tensor | None = None
-        self.last_inputs: list[InputLeaf] = []
-        """Shapes, dtypes and bytes of the tensors of the last input batch (with autograd on)."""
+        self._last: ForwardInputs | None = None
         self.checks = 0
         """How many comparisons ran."""
         self._warned_blind = False
-        self._handle = None
-        if self.every and self._world.world_size > 1:
-            self._handle = module.register_forward_pre_hook(self._record, with_kwargs=True)
+        self.enabled = bool(self.every) and self._world.world_size > 1
+        """Whether steps are checked (``every`` set, and more than one rank to compare)."""
 
     @property
-    def enabled(self) -> bool:
-        return self._handle is not None
+    def last_inputs(self) -> list[InputLeaf]:
+        """Shapes, dtypes and bytes of the tensors of the last input batch (with autograd on)."""
+        leaves = () if self._last is None else self._last.leaves
+        return [InputLeaf(tuple(t.shape), t.dtype, t.numel() * t.element_size()) for t in leaves]
 
     def _due(self) -> bool:
         return self._next_check is None or self._step_count() >= self._next_check
 
-    def _record(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if not torch.is_grad_enabled():
+    def record(self, inputs: ForwardInputs, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """A training forward's recorded ``inputs`` (and the arguments they came from, for a warning
+        when they hold no tensor)."""
+        if not self.enabled:
             return
-        leaves = batch_leaves((args, kwargs))
-        self.last_inputs = [InputLeaf(tuple(t.shape), t.dtype, t.numel() * t.element_size())
-                            for t in leaves]
+        self._last = inputs
         if self._due():  # the last forward before the step's first backward is the one compared
-            self._fingerprint = batch_fingerprint(leaves, device=self._world.device)
-            if not leaves and (args or kwargs) and not self._warned_blind:
+            self._fingerprint = inputs.fingerprint(device=self._world.device)
+            if not inputs.leaves and (args or kwargs) and not self._warned_blind:
                 self._warned_blind = True
                 kinds = ", ".join(sorted({type(v).__name__ for v in (*args, *kwargs.values())}))
                 warnings.warn(
@@ -136,8 +131,7 @@ class BatchCheck:
 
     def _message(self, step: int, pairs: list[tuple[int, int]]) -> str:
         same = ", ".join(f"{a} and {b}" for a, b in pairs[:6]) + (" ..." if len(pairs) > 6 else "")
-        shapes = ", ".join(f"{tuple(leaf.shape)} {str(leaf.dtype).removeprefix('torch.')}"
-                           for leaf in self.last_inputs[:4])
+        shapes = "" if self._last is None else self._last.describe()
         cost = replication_cost(pairs, self._world.world_size)
         return (
             f"rank {self._world.rank}: ranks {same} fed the model identical input batches at step "
@@ -150,9 +144,3 @@ class BatchCheck:
             f"  3. dspark.distribute_batch(batch, shard_dim=dspark.REPLICATE): use shard_dim=0.\n"
             f"If identical inputs on every rank are intended, pass batch_check_every=None to "
             f"dspark.Engine.")
-
-    def remove(self) -> None:
-        """Remove the forward pre-hook."""
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None

@@ -32,7 +32,7 @@ import torch
 from dspark import comm
 from dspark.engine.param_slot import ParamSlot
 
-__all__ = ["BufferPool", "GradBucket", "make_buckets"]
+__all__ = ["BufferPool", "GradBucket", "make_buckets", "memory_order_flat"]
 
 log = logging.getLogger(__name__)
 
@@ -100,15 +100,15 @@ class GradBucket:
         self._handle: comm.Handle | None = None
         self._wire: torch.Tensor | None = None  # the pooled buffer the collective writes, if any
         self._collected = True
+        self._gathering = False  # the collective in flight is the all-gather of updated rows
         # This window's storage (see [Note: gradients live in buckets]): allocated when the first
         # gradient arrives (whole) or the bucket launches (shards), freed after the optimizer step.
         self.shard_buffer: torch.Tensor | None = None  # sharded: the reduced shards
         self.grad_buffer: torch.Tensor | None = None  # replicate/zero1: the whole gradients
-        if sharded:
-            self.offsets = _offsets([s.shard_numel for s in self.slots])
-            self.seg = sum(s.shard_numel for s in self.slots)
-        else:
-            self.offsets = _offsets([s.numel for s in self.slots])
+        self.shard_offsets = _offsets([s.shard_numel for s in self.slots])
+        """Where each slot's padded shard starts in a row of ``(N, seg)`` (see [Note: send layout])."""
+        self.seg = sum(s.shard_numel for s in self.slots)
+        self.offsets = self.shard_offsets if sharded else _offsets([s.numel for s in self.slots])
 
     @property
     def numel(self) -> int:
@@ -188,7 +188,7 @@ class GradBucket:
             if grad is None or not slot.used:
                 dst.zero_()
                 continue
-            _fill_chunks(dst, _memory_order_flat(slot, grad))
+            _fill_chunks(dst, memory_order_flat(slot, grad))
             slot.param.grad = None  # zero2/zero3 keep no whole gradient
         if pre_scale != 1.0:
             send.mul_(pre_scale)
@@ -201,16 +201,45 @@ class GradBucket:
             self._wire = send
             self._handle = comm.all_reduce(send, async_op=True, label=self.label)
 
+    # -- after the optimizer step (zero1, zero2) ----------------------------------------------------
+    def launch_gather(self, send_pool: BufferPool, out_pool: BufferPool) -> None:
+        """Start the all-gather of this rank's updated rows of every parameter (async), laid out as
+        the reduction's shards are (see [Note: send layout]); :meth:`collect` lands the other ranks'
+        rows in the full parameters."""
+        n, seg = self.num_ranks, self.seg
+        send = send_pool.take(self, self.dtype, seg, self.device)
+        out = out_pool.take(self, self.dtype, n * seg, self.device).view(n, seg)
+        for slot, offset in zip(self.slots, self.shard_offsets, strict=True):
+            rows = slot.rows_view(slot.param.detach())[slot.start:slot.stop]
+            slot.view_rows(send[offset:], slot.local_rows).copy_(rows)  # padding: never read
+        self._wire = out
+        self._gathering = True
+        self._collected = False
+        self._handle = comm.all_gather_into_tensor(out, send, async_op=True,
+                                                   label=f"dspark.bucket{self.index}.all_gather")
+
+    def _land_gather(self, out: torch.Tensor) -> None:
+        for slot, offset in zip(self.slots, self.shard_offsets, strict=True):
+            full = slot.rows_view(slot.param.detach())
+            for r in range(self.num_ranks):
+                start, stop = min(r * slot.chunk, slot.rows), min((r + 1) * slot.chunk, slot.rows)
+                if r != self.rank and stop > start:
+                    full[start:stop].copy_(slot.view_rows(out[r, offset:], stop - start))
+
     # -- after the collective ----------------------------------------------------------------------
     def collect(self) -> None:
-        """Wait for the collective and move its result into the bucket's persistent storage (unscaled)."""
+        """Wait for the collective and move its result into the bucket's persistent storage (unscaled),
+        or, for the gather of updated rows, into the full parameters."""
         if self._collected:
             return
         if self._handle is None or self._wire is None:
             raise AssertionError(f"bucket {self.index} collected before it was launched")
         self._handle.wait()
         wire = self._wire
-        if self.sharded:
+        if self._gathering:
+            self._land_gather(wire)
+            self._gathering = False
+        elif self.sharded:
             shards = self._shards()
             if self.collective == "all_reduce":
                 shards.copy_(wire.view(self.num_ranks, self.seg)[self.rank])
@@ -266,6 +295,7 @@ class GradBucket:
     def reset(self) -> None:
         """Back to the state before a backward (also after a failed one: nothing stays in flight here)."""
         self.launched = False
+        self._gathering = False
         self.pending = len(self.slots)
         self._handle = None
         self._wire = None
@@ -280,7 +310,7 @@ def _offsets(sizes: Sequence[int]) -> list[int]:
     return out
 
 
-def _memory_order_flat(slot: ParamSlot, grad: torch.Tensor) -> torch.Tensor:
+def memory_order_flat(slot: ParamSlot, grad: torch.Tensor) -> torch.Tensor:
     """``grad``'s elements in the parameter's memory order, as a 1-D tensor (a view when its strides
     are the parameter's, else a copy)."""
     if tuple(grad.stride()) == slot.strides:

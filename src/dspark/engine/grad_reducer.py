@@ -14,46 +14,32 @@ arrives after its bucket left travels in one extra bucket at the end. From then 
 the moment its last gradient is complete, and a gradient that arrives after its bucket left is an error
 (the count changed between steps), never a silently lost contribution.
 
-[Note: step extras] Besides the buckets, each step all-reduces one small float64 vector:
-``[sum of weights, ranks that gave a weight, per rank its local batch size + 1 (0: unknown), per
-parameter 1 if a gradient arrived on this rank]``. It tells whether a parameter got a gradient on any
-rank (else it keeps ``grad=None``, as in one process), the weights for ``engine.backward(loss, weight=n)``
-and whether unweighted ranks had unequal batches (an error: equal weights would not give the mean).
+[Note: step extras] Besides the buckets, each window that communicates all-reduces one small float64
+vector: ``[sum of weights, ranks that gave a weight, per rank its local batch size + 1 (0: unknown),
+per rank its backward() calls in the window, per parameter (in bucket order) 1 if a gradient arrived
+on this rank]`` (a per-rank entry is written by its rank alone, zeros elsewhere). It tells whether a
+parameter got a gradient on any rank (else it keeps ``grad=None``, as in one process), the weights
+for ``engine.backward(loss, weight=n)``, whether unweighted ranks had unequal batches, and whether
+the ranks ran the same number of micro-batches (both errors: the average would not be the mean over
+the samples, or would mix windows).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
 from dspark import comm
-from dspark.engine.grad_bucket import BufferPool, GradBucket, make_buckets
+from dspark.engine.grad_bucket import BufferPool, GradBucket, make_buckets, memory_order_flat
 from dspark.engine.param_slot import ParamSlot
+from dspark.engine.window import StepWeights, average_factor
 
-__all__ = ["GradReducer", "StepWeights", "UnequalBatchesError"]
+__all__ = ["GradReducer", "LocalReducer", "UnequalBatchesError"]
 
 
 class UnequalBatchesError(ValueError):
     """Ranks averaged with equal weights saw different numbers of samples."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class StepWeights:
-    """How this rank's accumulated gradients are to be weighted in the average across ranks."""
-
-    micro_steps: int
-    """``backward()`` calls in this accumulation window."""
-    accum_steps: int
-    """``grad_accum_steps``: each unweighted backward scaled its loss by ``1 / accum_steps``."""
-    weight_sum: float | None
-    """Sum of the ``weight=`` of this window's backward calls (None: no weights given)."""
-    batch_size: int | None
-    """Samples this rank's forwards received in the window (dim 0 of the first input), if known."""
-    loss_scale: float
-    """What fp16 multiplied the losses by beyond their weights: the loss scale times the rank's
-    share of the batch (see the engine's [Note: fp16 share of the batch]); 1.0 otherwise."""
 
 
 class GradReducer:
@@ -189,13 +175,10 @@ class GradReducer:
                 "and drop_last=True (the default; drop_last=False serves the epoch's last, partial "
                 "global batch, whose split may be uneven although the global batch size divides). To "
                 "weight ranks equally anyway, pass weight=1.0 on every rank")
-        if weighted_ranks == n:
-            if total_weight <= 0:
-                return False
-            base = (n if self.low_precision_wire else 1.0) / total_weight
-        else:
-            base = (1.0 if self.low_precision_wire else 1.0 / n) * weights.accum_steps / weights.micro_steps
-        post = base / weights.loss_scale
+        post = average_factor(weights, total_weight=total_weight if weighted_ranks == n else None,
+                              num_ranks=n, pre_divided=self.low_precision_wire)
+        if post is None:
+            return False
         offset = 0
         for bucket in self.buckets:
             bucket.finish(post, used_anywhere[offset: offset + len(bucket.slots)])
@@ -268,8 +251,69 @@ class GradReducer:
             self._first_arrivals = []
             self._synced_once = False
 
+    def gather_updated_rows(self) -> None:
+        """zero1/zero2, after the optimizer updated this rank's rows: all-gather them into every
+        rank's full parameters, one collective per bucket. The buffers come from the reducer's pools
+        (so ``comm_buffer_bytes`` counts them): a buffer goes to the next bucket only after its bucket
+        landed, so at most ``depth`` buckets are in flight and the gather costs about two buckets of
+        memory, not a second copy of the model; the pools go when it ends (see [Note: gradients live
+        in buckets])."""
+        for bucket in self.buckets:
+            bucket.launch_gather(self._send_pool, self._out_pool)
+        for bucket in self.buckets:
+            bucket.collect()
+        self._send_pool.release()
+        self._out_pool.release()
+
     def comm_buffer_bytes(self) -> int:
         return self._send_pool.nbytes() + self._out_pool.nbytes()
+
+
+class LocalReducer:
+    """One rank: :class:`GradReducer`'s interface with nothing to reduce, so no bucket copies; the
+    shard is the whole gradient, and the average is the same rule with a world size of 1 (see
+    [Note: the averaging rule])."""
+
+    def __init__(self, slots: Sequence[ParamSlot], *, sharded: bool) -> None:
+        self.slots = list(slots)
+        self.sharded = sharded
+        self.buckets: list[GradBucket] = []
+
+    def begin_backward(self, *, sync: bool) -> None:
+        for slot in self.slots:
+            slot.arrivals = 0
+
+    def on_grad(self, slot: ParamSlot) -> None:
+        slot.arrivals += 1
+
+    def end_backward(self, weights: StepWeights) -> bool:
+        post = average_factor(weights, total_weight=weights.weight_sum, num_ranks=1, pre_divided=False)
+        if post is None:
+            return False
+        if post != 1.0:
+            # one multi-tensor kernel per dtype instead of one launch per parameter: on a GPU, fp16's
+            # unscale of ResNet-50's 161 gradients was 160 extra launches a step
+            grads = [slot.param.grad for slot in self.slots if slot.param.grad is not None]
+            if grads:
+                torch._foreach_mul_(grads, post)
+        if self.sharded:
+            for slot in self.slots:
+                grad = slot.param.grad
+                slot.shard_grad = None if grad is None else memory_order_flat(slot, grad)
+                slot.param.grad = None
+        return True
+
+    def gather_updated_rows(self) -> None:
+        """Nothing to gather: this rank updated every row."""
+
+    def after_step(self) -> None:
+        """Nothing observed: there are no buckets to order."""
+
+    def end_window(self) -> None:
+        """Nothing in flight."""
+
+    def comm_buffer_bytes(self) -> int:
+        return 0
 
 
 def _per_rank(sizes: Sequence[int]) -> str:

@@ -10,14 +10,16 @@ torch's Adam-family optimizers keep.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import math
+from collections.abc import Iterable, Sequence
 
 import torch
 
+from dspark.engine.param_slot import ParamSlot
 from dspark.engine.policy import ShardingPolicy
 from dspark.tensor.shard_math import chunk_size, shard_range
 
-__all__ = ["optimizer_state_elements", "storage_bytes"]
+__all__ = ["expected_state_bytes", "memory_report", "optimizer_state_elements", "storage_bytes"]
 
 # Per-element optimizer state tensors, and whether a per-tensor step scalar is kept.
 _KNOWN_STATE: dict[str, tuple[int, bool]] = {
@@ -94,3 +96,41 @@ def expected_state_bytes(params: Iterable[torch.Tensor], policy: ShardingPolicy,
         out["grads"] += padded if policy.shard_grads else p.numel() * itemsize
         out["optimizer"] += per_element * held * itemsize + (4 if has_step and held else 0)
     return out
+
+
+def memory_report(*, policy: ShardingPolicy, slots: Sequence[ParamSlot],
+                  frozen: Sequence[tuple[torch.Size, torch.dtype, torch.Tensor]],
+                  optimizer: torch.optim.Optimizer, grads_bytes: int, comm_buffer_bytes: int, rank: int,
+                  num_ranks: int) -> dict[str, int | str]:
+    """``engine.memory_report()``: the bytes held for the trainable parameters of ``slots``, the
+    ``frozen`` ones (``(shape, dtype, tensor held)`` each), the gradients (``grads_bytes``, as held at
+    the end of the last backward) and ``optimizer``'s state, next to what ``policy`` should hold."""
+    params_actual = storage_bytes([*(s.padded_shard if s.padded_shard is not None else s.param
+                                     for s in slots), *(t for _, _, t in frozen)])
+    opt_state = optimizer_state_elements(optimizer)
+
+    def expect(shapes: Iterable[tuple[torch.Size, torch.dtype]]) -> dict[str, int]:
+        return expected_state_bytes((torch.empty(shape, dtype=dtype, device="meta") for shape, dtype in shapes),
+                                    policy, rank=rank, num_ranks=num_ranks, optimizer_state=opt_state)
+
+    expected = expect((s.shape, s.dtype) for s in slots)
+    exp_params = expected["params"] + expect((shape, dtype) for shape, dtype, _ in frozen)["params"]
+    exp_grads, exp_opt = expected["grads"], expected["optimizer"]
+    opt_actual = storage_bytes(v for state in optimizer.state.values()
+                               for v in state.values() if isinstance(v, torch.Tensor))
+    report: dict[str, int | str] = {
+        "strategy": policy.name,
+        "num_ranks": num_ranks,
+        "num_params": sum(s.numel for s in slots) + sum(math.prod(shape) for shape, _, _ in frozen),
+        "num_trainable_params": sum(s.numel for s in slots),
+        "params_bytes": params_actual,
+        "params_bytes_expected": exp_params,
+        "grads_bytes": grads_bytes,
+        "grads_bytes_expected": exp_grads,
+        "optimizer_bytes": opt_actual,
+        "optimizer_bytes_expected": exp_opt,
+        "comm_buffer_bytes": comm_buffer_bytes,
+    }
+    report["total_bytes"] = params_actual + grads_bytes + opt_actual
+    report["total_bytes_expected"] = exp_params + exp_grads + exp_opt
+    return report

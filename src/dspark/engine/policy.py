@@ -4,9 +4,12 @@ sharded: optimizer state (zero1), + gradients (zero2), + parameters (zero3)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from dspark.tensor import Placement, Replicate, Shard
 
 __all__ = ["PRECISIONS", "STRATEGIES", "PrecisionPolicy", "ShardingPolicy", "precision_policy",
            "sharding_policy"]
@@ -24,6 +27,16 @@ class ShardingPolicy:
 
     def __str__(self) -> str:
         return self.name
+
+    def placements(self, names: Sequence[str]) -> dict[str, dict[str, Placement]]:
+        """How parameters ``names``, their gradients and their optimizer state are laid out across
+        ranks (``engine.placements()``): ``Shard(dim=0)`` where this policy shards, ``Replicate()``
+        where it does not."""
+        def layout(sharded: bool) -> dict[str, Placement]:
+            return {name: (Shard(0) if sharded else Replicate()) for name in names}
+
+        return {"params": layout(self.shard_params), "grads": layout(self.shard_grads),
+                "optimizer_state": layout(self.shard_optimizer)}
 
 
 STRATEGIES: dict[str, ShardingPolicy] = {

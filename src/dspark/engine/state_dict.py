@@ -1,4 +1,5 @@
-"""The engine's sharded state dict: the boundary between the engine and anything that saves it.
+"""The engine's state dicts: the whole model's (``full_state_dict``, ``load_full_state_dict``) and the
+sharded one, the boundary between the engine and anything that saves it.
 
 [Note: sharded state dict] ``engine.sharded_state_dict()`` describes everything the engine holds, as
 PyTorch's distributed checkpoint (DCP) consumes it, with live tensors (no copies)::
@@ -22,20 +23,32 @@ checkpoints (``engine.save``/``engine.load``, :mod:`dspark.checkpoint`) work onl
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
 from dspark import comm
+from dspark.comm import World
+from dspark.engine.loss_scaler import LossScaler
 from dspark.engine.param_slot import ParamSlot
+from dspark.engine.policy import PrecisionPolicy, ShardingPolicy
+from dspark.engine.zero3_guard import Zero3StateDictGuard
+from dspark.engine.zero3_units import Zero3Scheduler
 from dspark.tensor import DistTensor, Shard
 
-if TYPE_CHECKING:
-    from dspark.engine.engine import Engine
+__all__ = ["IncompatibleKeys", "StateDicts", "is_per_element", "rows_shape"]
 
-__all__ = ["is_per_element", "load_sharded_state_dict", "rows_shape", "sharded_state_dict"]
+
+class IncompatibleKeys(NamedTuple):
+    """What :meth:`Engine.load_full_state_dict` did not match (as ``nn.Module.load_state_dict``)."""
+
+    missing_keys: list[str]
+    """Names of the model the state dict has no value for (left as they were)."""
+    unexpected_keys: list[str]
+    """Keys of the state dict that name nothing in the model (ignored)."""
 
 
 def rows_shape(shape: Sequence[int]) -> tuple[int, ...]:
@@ -76,104 +89,248 @@ def _local(value: Any) -> torch.Tensor:
     return to_local() if callable(to_local) else value  # type: ignore[no-any-return]
 
 
-def _opt_param(engine: Engine, slot: ParamSlot) -> nn.Parameter | None:
-    return slot.opt_param if engine.strategy.shard_optimizer else slot.param
+class StateDicts:
+    """The engine's parameters, buffers and optimizer state as state dicts, read and written in place.
+    ``slots`` are the trainable parameters, ``frozen_slots`` the frozen ones zero3 shards; ``zero3``
+    and ``guard`` are there under zero3 on several ranks.
 
+    Example::
 
-def sharded_state_dict(engine: Engine) -> dict[str, Any]:
-    """See [Note: sharded state dict]."""
-    model: dict[str, Any] = {}
-    slots = [*engine.slots, *engine._frozen_slots]
-    slot_names = {name for slot in slots for name in slot.names}
-    for slot in slots:
-        if slot.padded_shard is not None:  # zero3 on several ranks: rows only
-            model[slot.name] = _dcp(slot.padded_shard[: slot.local_rows], rows_shape(slot.shape), sharded=True)
-        else:
-            model[slot.name] = slot.rows_view(slot.param.detach())
-    params = dict(engine.module.named_parameters())
-    # a parameter's shape in the model (under zero3 a freed parameter's tensor is empty: its slot says)
-    params_shape = {name: tuple(p.shape) for name, p in params.items()}
-    params_shape.update({s.name: tuple(s.shape) for s in slots})
-    for name, tensor in engine._module_state_dict().items():
-        if name in slot_names:
-            continue
-        value = tensor.detach()
-        model[name] = value.reshape(1) if name in params and value.dim() == 0 else value
+        states = StateDicts(model, slots, frozen_slots, optimizer, strategy=STRATEGIES["zero2"],
+                            precision=PRECISIONS["fp32"], loss_scaler=None, zero3=None, guard=None,
+                            world=dspark.get_world())
+        states.full(rank0_only=False, cpu=True)     # {name: tensor}, as model.state_dict()
+    """
 
-    optimizer = engine.optimizer
-    sharded = engine.strategy.shard_optimizer
-    state: dict[str, dict[str, Any]] = {}
-    names_of = {id(_opt_param(engine, s)): s.name for s in engine.slots}
-    slot_of = {s.name: s for s in engine.slots}
-    for param, values in optimizer.state.items():
-        owner = names_of.get(id(param))
-        if owner is None:
-            continue
-        slot = slot_of[owner]
-        entry: dict[str, Any] = {}
-        for key, value in values.items():
-            if isinstance(value, torch.Tensor) and is_per_element(str(key), value.shape, param.shape):
-                local = value.detach().reshape(slot.opt_shape if sharded else rows_shape(slot.shape))
-                entry[str(key)] = _dcp(local, rows_shape(slot.shape), sharded=sharded)
-            else:
-                entry[str(key)] = value.detach() if isinstance(value, torch.Tensor) else value
-        state[owner] = entry
-    groups = []
-    for group in optimizer.param_groups:
-        members = [names_of[id(p)] for p in group["params"] if id(p) in names_of]
-        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": members})
-    scaler = engine.loss_scaler
-    return {
-        "model": model,
-        "optimizer": {"state": state, "param_groups": groups},
-        "engine": {
-            "step_count": engine.step_count,
-            "loss_scale": None if scaler is None else float(scaler.scale),
-            "loss_scale_good_steps": None if scaler is None else int(scaler.good_steps),
-            "strategy": engine.strategy.name,
-            "precision": engine.precision.name,
-            "world_size": engine.world.world_size,
-            "optimizer": type(optimizer).__name__,
-            "aliases": {s.name: list(s.names[1:]) for s in slots if len(s.names) > 1},
-            "params": {s.name: list(rows_shape(s.shape)) for s in engine.slots},
-            "scalar_params": [name for name in model if name in params_shape and not params_shape[name]],
-        },
-    }
+    def __init__(self, module: nn.Module, slots: Sequence[ParamSlot], frozen_slots: Sequence[ParamSlot],
+                 optimizer: torch.optim.Optimizer, *, strategy: ShardingPolicy, precision: PrecisionPolicy,
+                 loss_scaler: LossScaler | None, zero3: Zero3Scheduler | None,
+                 guard: Zero3StateDictGuard | None, world: World) -> None:
+        self.module = module
+        self.slots = list(slots)
+        self.frozen_slots = list(frozen_slots)
+        self.optimizer = optimizer
+        self.strategy = strategy
+        self.shard_optimizer = strategy.shard_optimizer
+        self.precision = precision
+        self.loss_scaler = loss_scaler
+        self.zero3 = zero3
+        self.guard = guard
+        self.world = world
+        self.rank = world.rank
 
+    def module_state_dict(self) -> dict[str, Any]:
+        """``module.state_dict(keep_vars=True)`` for walks over names and buffers: under zero3 the
+        module refuses it while its parameters are freed (see [Note: state dicts under zero3]); the
+        parameters' entries here are then empty and must not be read."""
+        with self.guard.allowed() if self.guard is not None else contextlib.nullcontext():
+            return self.module.state_dict(keep_vars=True)
 
-def load_sharded_state_dict(engine: Engine, state: Mapping[str, Any]) -> None:
-    """Install ``state`` (the structure of [Note: sharded state dict]; parts may be missing) into the
-    engine: each tensor holds this rank's rows or the whole tensor. Parameters and buffers are copied
-    in place; optimizer state goes through the optimizer's own ``load_state_dict``; the engine
-    section restores the step count and the fp16 loss scale."""
-    if not isinstance(state, Mapping):
-        raise TypeError(f"load_sharded_state_dict expects a mapping, got {type(state).__name__}")
-    model = state.get("model", {})
-    slots = [*engine.slots, *engine._frozen_slots]
-    with torch.no_grad():
-        for slot in slots:
-            name = next((n for n in slot.names if n in model), None)
-            if name is None:
+    def _opt_param(self, slot: ParamSlot) -> nn.Parameter | None:
+        return slot.opt_param if self.shard_optimizer else slot.param
+
+    # -- the whole model -------------------------------------------------------------------------
+    def full(self, *, rank0_only: bool, cpu: bool) -> dict[str, torch.Tensor]:
+        """See :meth:`Engine.full_state_dict` (buffers already synchronised)."""
+        keep = not rank0_only or self.rank == 0
+
+        def own(t: torch.Tensor) -> torch.Tensor:
+            return t.detach().to("cpu", copy=True) if cpu else t.detach().clone()
+
+        values: dict[str, torch.Tensor] = {}
+        if self.zero3 is not None:
+            for unit in self.zero3.units:
+                todo = [s for s in unit.slots if s.names[0] not in values]
+                self.zero3.gather_slots(todo)
+                if keep:
+                    for slot in todo:
+                        for name in slot.names:
+                            values[name] = own(slot.param)
+                self.zero3.free_slots(todo)
+        if not keep:
+            return {}
+        out: dict[str, torch.Tensor] = {}
+        for name, value in self.module_state_dict().items():
+            out[name] = values[name] if name in values else own(value)
+        return out
+
+    def load_full(self, state_dict: Mapping[str, torch.Tensor], *, strict: bool) -> IncompatibleKeys:
+        """See :meth:`Engine.load_full_state_dict`."""
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"state_dict must be a mapping of name -> tensor, got {type(state_dict).__name__}")
+        expected = self.module_state_dict()
+        slot_of = {name: s for s in (*self.slots, *self.frozen_slots) for name in s.names}
+        missing = [k for k in expected if k not in state_dict and not (k in slot_of and any(
+            n in state_dict for n in slot_of[k].names))]
+        unexpected = [k for k in state_dict if k not in expected]
+        if strict and (missing or unexpected):
+            raise ValueError(f"load_full_state_dict: the state dict does not match the model: missing "
+                             f"{missing[:5]}{' ...' if len(missing) > 5 else ''}, unexpected "
+                             f"{unexpected[:5]}{' ...' if len(unexpected) > 5 else ''} (strict=False "
+                             f"skips them){_prefix_fix(list(expected), list(state_dict))}")
+        if state_dict and len(unexpected) == len(state_dict):
+            raise ValueError(f"load_full_state_dict: none of the state dict's {len(state_dict)} keys is a "
+                             f"name of the model (first: {unexpected[:3]}; the model's: "
+                             f"{list(expected)[:3]}), so nothing would load"
+                             f"{_prefix_fix(list(expected), list(state_dict))}")
+        for name, current in expected.items():  # every value checked before any is copied
+            if name not in state_dict:
                 continue
-            _install_param(slot, _local(model[name]), name)
+            value = state_dict[name]
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"load_full_state_dict: {name!r} is a {type(value).__name__} in the state "
+                                "dict, not a tensor; nothing was loaded")
+            slot = slot_of.get(name)
+            shape = tuple(slot.shape) if slot is not None else tuple(current.shape)
+            if tuple(value.shape) != shape:
+                raise ValueError(f"load_full_state_dict: {name!r} has shape {tuple(value.shape)} in "
+                                 f"the state dict but {shape} in the model; nothing was loaded")
+        done: set[int] = set()
+        with torch.no_grad():
+            for name, current in expected.items():
+                if name not in state_dict:
+                    continue
+                value = state_dict[name]
+                slot = slot_of.get(name)
+                if slot is not None:
+                    if id(slot) in done:
+                        continue
+                    done.add(id(slot))
+                    if slot.padded_shard is not None:
+                        rows = slot.rows_view(value)[slot.start:slot.stop]
+                        slot.padded_shard[: slot.local_rows].copy_(rows)
+                        continue
+                current.copy_(value)
+        return IncompatibleKeys(missing, unexpected)
+
+    # -- sharded ---------------------------------------------------------------------------------
+    def sharded(self, *, step_count: int) -> dict[str, Any]:
+        """See [Note: sharded state dict]."""
+        model: dict[str, Any] = {}
+        slots = [*self.slots, *self.frozen_slots]
         slot_names = {name for slot in slots for name in slot.names}
-        for name, tensor in engine._module_state_dict().items():
-            if name in slot_names or name not in model:
+        for slot in slots:
+            if slot.padded_shard is not None:  # zero3 on several ranks: rows only
+                model[slot.name] = _dcp(slot.padded_shard[: slot.local_rows], rows_shape(slot.shape), sharded=True)
+            else:
+                model[slot.name] = slot.rows_view(slot.param.detach())
+        params = dict(self.module.named_parameters())
+        # a parameter's shape in the model (under zero3 a freed parameter's tensor is empty: its slot says)
+        params_shape = {name: tuple(p.shape) for name, p in params.items()}
+        params_shape.update({s.name: tuple(s.shape) for s in slots})
+        for name, tensor in self.module_state_dict().items():
+            if name in slot_names:
                 continue
-            value = _local(model[name])
-            if value.numel() != tensor.numel():
-                raise ValueError(f"{name!r} has {value.numel()} elements in the state dict but "
-                                 f"{tensor.numel()} in the model")
-            tensor.detach().copy_(value.reshape(tensor.shape))
-    optimizer_state = state.get("optimizer")
-    if optimizer_state is not None:
-        _install_optimizer_state(engine, optimizer_state)
-    meta = state.get("engine", {})
-    if "step_count" in meta:
-        engine.step_count = int(meta["step_count"])
-    if engine.loss_scaler is not None and meta.get("loss_scale") is not None:
-        engine.loss_scaler.scale = float(meta["loss_scale"])
-        engine.loss_scaler.good_steps = int(meta.get("loss_scale_good_steps") or 0)
+            value = tensor.detach()
+            model[name] = value.reshape(1) if name in params and value.dim() == 0 else value
+
+        optimizer = self.optimizer
+        sharded = self.shard_optimizer
+        state: dict[str, dict[str, Any]] = {}
+        names_of = {id(self._opt_param(s)): s.name for s in self.slots}
+        slot_of = {s.name: s for s in self.slots}
+        for param, values in optimizer.state.items():
+            owner = names_of.get(id(param))
+            if owner is None:
+                continue
+            slot = slot_of[owner]
+            entry: dict[str, Any] = {}
+            for key, value in values.items():
+                if isinstance(value, torch.Tensor) and is_per_element(str(key), value.shape, param.shape):
+                    local = value.detach().reshape(slot.opt_shape if sharded else rows_shape(slot.shape))
+                    entry[str(key)] = _dcp(local, rows_shape(slot.shape), sharded=sharded)
+                else:
+                    entry[str(key)] = value.detach() if isinstance(value, torch.Tensor) else value
+            state[owner] = entry
+        groups = []
+        for group in optimizer.param_groups:
+            members = [names_of[id(p)] for p in group["params"] if id(p) in names_of]
+            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": members})
+        scaler = self.loss_scaler
+        return {
+            "model": model,
+            "optimizer": {"state": state, "param_groups": groups},
+            "engine": {
+                "step_count": step_count,
+                "loss_scale": None if scaler is None else float(scaler.scale),
+                "loss_scale_good_steps": None if scaler is None else int(scaler.good_steps),
+                "strategy": self.strategy.name,
+                "precision": self.precision.name,
+                "world_size": self.world.world_size,
+                "optimizer": type(optimizer).__name__,
+                "aliases": {s.name: list(s.names[1:]) for s in slots if len(s.names) > 1},
+                "params": {s.name: list(rows_shape(s.shape)) for s in self.slots},
+                "scalar_params": [name for name in model if name in params_shape and not params_shape[name]],
+            },
+        }
+
+    def load_sharded(self, state: Mapping[str, Any]) -> int | None:
+        """Install ``state`` (the structure of [Note: sharded state dict]; parts may be missing): each
+        tensor holds this rank's rows or the whole tensor. Parameters and buffers are copied in place;
+        optimizer state goes through the optimizer's own ``load_state_dict``; the fp16 loss scale is
+        restored. Returns the step count to restore, if the state has one."""
+        if not isinstance(state, Mapping):
+            raise TypeError(f"load_sharded_state_dict expects a mapping, got {type(state).__name__}")
+        model = state.get("model", {})
+        slots = [*self.slots, *self.frozen_slots]
+        with torch.no_grad():
+            for slot in slots:
+                name = next((n for n in slot.names if n in model), None)
+                if name is None:
+                    continue
+                _install_param(slot, _local(model[name]), name)
+            slot_names = {name for slot in slots for name in slot.names}
+            for name, tensor in self.module_state_dict().items():
+                if name in slot_names or name not in model:
+                    continue
+                value = _local(model[name])
+                if value.numel() != tensor.numel():
+                    raise ValueError(f"{name!r} has {value.numel()} elements in the state dict but "
+                                     f"{tensor.numel()} in the model")
+                tensor.detach().copy_(value.reshape(tensor.shape))
+        optimizer_state = state.get("optimizer")
+        if optimizer_state is not None:
+            self._install_optimizer_state(optimizer_state)
+        meta = state.get("engine", {})
+        if self.loss_scaler is not None and meta.get("loss_scale") is not None:
+            self.loss_scaler.scale = float(meta["loss_scale"])
+            self.loss_scaler.good_steps = int(meta.get("loss_scale_good_steps") or 0)
+        return int(meta["step_count"]) if "step_count" in meta else None
+
+    def _install_optimizer_state(self, saved: Mapping[str, Any]) -> None:
+        optimizer = self.optimizer
+        sharded = self.shard_optimizer
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        index_of = {id(p): i for i, p in enumerate(params)}
+        saved_state = saved.get("state", {})
+        per_param: dict[int, dict[str, Any]] = {}
+        for slot in self.slots:
+            param = self._opt_param(slot)
+            if param is None or id(param) not in index_of:
+                continue  # no rows of it on this rank: the optimizer skips it
+            values = next((saved_state[n] for n in slot.names if n in saved_state), None)
+            if not values:
+                continue
+            entry: dict[str, Any] = {}
+            for key, value in values.items():
+                if isinstance(value, torch.Tensor) or hasattr(value, "to_local"):
+                    local = _local(value)
+                    if local.numel() == param.numel() and local.dim() > 0 and (
+                            tuple(local.shape) == (slot.opt_shape if sharded else rows_shape(slot.shape))):
+                        local = local.view(param.shape)  # the rows view back to the parameter's shape
+                    entry[key] = local
+                else:
+                    entry[key] = value
+            per_param[index_of[id(param)]] = entry
+        current = optimizer.state_dict()["param_groups"]
+        saved_groups = saved.get("param_groups") or [{} for _ in current]
+        if len(saved_groups) != len(current):
+            raise ValueError(f"the state dict has {len(saved_groups)} optimizer param group(s), this "
+                             f"engine's optimizer {len(current)}: build the optimizer with the same groups "
+                             "(the same param_groups function)")
+        groups = [{**{k: v for k, v in s.items() if k != "params"}, "params": now["params"]}
+                  for s, now in zip(saved_groups, current, strict=True)]
+        optimizer.load_state_dict({"state": per_param, "param_groups": groups})
 
 
 def _install_param(slot: ParamSlot, value: torch.Tensor, name: str) -> None:
@@ -192,37 +349,20 @@ def _install_param(slot: ParamSlot, value: torch.Tensor, name: str) -> None:
     slot.rows_view(slot.param.detach()).copy_(value.reshape(global_rows))
 
 
-def _install_optimizer_state(engine: Engine, saved: Mapping[str, Any]) -> None:
-    optimizer = engine.optimizer
-    sharded = engine.strategy.shard_optimizer
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    index_of = {id(p): i for i, p in enumerate(params)}
-    saved_state = saved.get("state", {})
-    per_param: dict[int, dict[str, Any]] = {}
-    for slot in engine.slots:
-        param = _opt_param(engine, slot)
-        if param is None or id(param) not in index_of:
-            continue  # no rows of it on this rank: the optimizer skips it
-        values = next((saved_state[n] for n in slot.names if n in saved_state), None)
-        if not values:
-            continue
-        entry: dict[str, Any] = {}
-        for key, value in values.items():
-            if isinstance(value, torch.Tensor) or hasattr(value, "to_local"):
-                local = _local(value)
-                if local.numel() == param.numel() and local.dim() > 0 and (
-                        tuple(local.shape) == (slot.opt_shape if sharded else rows_shape(slot.shape))):
-                    local = local.view(param.shape)  # the rows view back to the parameter's shape
-                entry[key] = local
-            else:
-                entry[key] = value
-        per_param[index_of[id(param)]] = entry
-    current = optimizer.state_dict()["param_groups"]
-    saved_groups = saved.get("param_groups") or [{} for _ in current]
-    if len(saved_groups) != len(current):
-        raise ValueError(f"the state dict has {len(saved_groups)} optimizer param group(s), this "
-                         f"engine's optimizer {len(current)}: build the optimizer with the same groups "
-                         "(the same param_groups function)")
-    groups = [{**{k: v for k, v in s.items() if k != "params"}, "params": now["params"]}
-              for s, now in zip(saved_groups, current, strict=True)]
-    optimizer.load_state_dict({"state": per_param, "param_groups": groups})
+
+def _prefix_fix(expected: list[str], given: list[Any]) -> str:
+    """A hint when the two key sets differ only by a leading name: a checkpoint saved from a DDP or
+    ``torch.compile`` wrapper (``module.``, ``_orig_mod.``) or from a model held inside another."""
+    names = [k for k in given if isinstance(k, str)]
+    if not names or not expected:
+        return ""
+    want = set(expected)
+    for prefix in {k.split(".", 1)[0] + "." for k in names if "." in k}:
+        if all(k.startswith(prefix) for k in names) and {k[len(prefix):] for k in names} <= want:
+            return (f". Every key of the state dict starts with {prefix!r} (saved from a wrapper, e.g. "
+                    f"DDP's 'module.'): strip it, {{k.removeprefix({prefix!r}): v for k, v in sd.items()}}")
+    for prefix in {k.split(".", 1)[0] + "." for k in expected if "." in k}:
+        if all(k.startswith(prefix) for k in expected) and {prefix + k for k in names} <= want:
+            return (f". Every name of the model starts with {prefix!r} (the engine wraps a wrapper, e.g. "
+                    f"torch.compile's '_orig_mod.'): add it, {{{prefix!r} + k: v for k, v in sd.items()}}")
+    return ""

@@ -54,12 +54,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from dspark import comm
 from dspark.engine.compile_boundary import outside_compile
 from dspark.engine.param_slot import ParamSlot
 from dspark.errors import CollectiveError
+from dspark.tensor.batch import batch_leaves, map_batch
 
 __all__ = ["UnitPolicy", "Zero3Scheduler", "unit_modules"]
 
@@ -465,14 +465,11 @@ class Zero3Scheduler:
         return hook
 
     def _wrap_inputs(self, unit: _Unit, args: Any, kwargs: Any) -> Any:
-        leaves, spec = tree_flatten((args, kwargs))
-        positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
-        if not positions:
+        inputs = [t for t in batch_leaves((args, kwargs)) if t.requires_grad]
+        if not inputs:
             return None
-        wrapped = _AfterUnitBackward.apply(lambda: self._free(unit.frozen), *(leaves[i] for i in positions))
-        for i, tensor in zip(positions, wrapped, strict=True):
-            leaves[i] = tensor
-        return tree_unflatten(leaves, spec)
+        wrapped = iter(_AfterUnitBackward.apply(lambda: self._free(unit.frozen), *inputs))
+        return map_batch((args, kwargs), lambda t: next(wrapped) if t.requires_grad else t)
 
     def _post_forward_hook(self, unit: _Unit) -> Any:
         @outside_compile
@@ -502,8 +499,8 @@ class Zero3Scheduler:
                         else:
                             self._prefetch(*self._next_two(unit, -1))
 
-                for leaf in tree_leaves(output):
-                    if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                for leaf in batch_leaves(output):
+                    if leaf.requires_grad:
                         leaf.register_hook(pre_backward)
         return hook
 
@@ -534,6 +531,21 @@ class Zero3Scheduler:
             self._grad_done.clear()
             self._installed.clear()  # every storage it named is freed now
         self._verify_deferred_tags()
+
+    def after_failed_forward(self, exc: RuntimeError) -> RuntimeError | None:
+        """A forward failed: free what it left half-gathered, and explain a shape error that an empty
+        (freed) parameter read outside its unit causes; None when ``exc`` is not one."""
+        freed = [s.name for s in self._slots if s.requires_grad and not s.gathered]
+        self.end_backward()  # a failed forward leaves units half-gathered: start clean
+        if "shape" not in str(exc) and "size" not in str(exc):
+            return None
+        return RuntimeError(
+            f"{exc}\n[DSpark zero3] parameters are whole only while the unit that owns them runs "
+            f"its forward (units are the children of nn.ModuleList/nn.Sequential, or those chosen "
+            f"with zero3_units=; the root owns the rest). A parameter read outside its unit, e.g. by "
+            f"the parent's forward, is an empty tensor there; freed now: {', '.join(freed[:5])}"
+            f"{' ...' if len(freed) > 5 else ''}. Move that use into the unit's forward, or use "
+            "strategy='zero2'.")
 
     def gather_slots(self, slots: Iterable[ParamSlot]) -> None:
         self._gather(slots)

@@ -1,10 +1,11 @@
-"""Splitting a global batch across ranks (strong scaling: each rank keeps 1/N of it)."""
+"""Walking a batch, and splitting a global batch across ranks (strong scaling: each rank keeps 1/N
+of it)."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import numpy as np
@@ -14,7 +15,7 @@ from dspark import comm
 from dspark.tensor.placement import PlacementError, Replicate, to_placement
 from dspark.tensor.shard_math import shard_range
 
-__all__ = ["distribute_batch"]
+__all__ = ["batch_leaves", "distribute_batch", "map_batch"]
 
 B = TypeVar("B")
 
@@ -24,6 +25,10 @@ Leaf = torch.Tensor | np.ndarray
 
 def _is_array(value: Any) -> bool:
     return isinstance(value, torch.Tensor) or (isinstance(value, np.ndarray) and value.ndim > 0)
+
+
+def _is_tensor(value: Any) -> bool:
+    return isinstance(value, torch.Tensor)
 
 
 def _is_row_list(value: Any) -> bool:
@@ -41,35 +46,70 @@ def _dataclass_fields(value: Any) -> list[str]:
     return []
 
 
-def _leaves(batch: Any, path: str) -> list[tuple[str, Leaf]]:
-    if _is_array(batch):
-        return [(path, batch)]
+def _children(batch: Any) -> list[tuple[str, Any]] | None:
+    """[Note: walking a batch] The one set of rules by which DSpark looks into a batch (splitting it,
+    fingerprinting it, recording a forward's inputs, zero3's unit inputs and outputs): a mapping's
+    values in its order, a tuple's or list's items (named tuples included), a dataclass instance's
+    init fields; anything else is a leaf. ``(path suffix, value)`` of each child, or None for a leaf."""
+    if isinstance(batch, torch.Tensor):
+        return None
     if isinstance(batch, Mapping):
-        return [leaf for k, v in batch.items() for leaf in _leaves(v, f"{path}[{k!r}]")]
+        return [(f"[{k!r}]", v) for k, v in batch.items()]
     if isinstance(batch, (tuple, list)):
-        return [leaf for i, v in enumerate(batch) for leaf in _leaves(v, f"{path}[{i}]")]
-    return [leaf for name in _dataclass_fields(batch)
-            for leaf in _leaves(getattr(batch, name), f"{path}.{name}")]
+        return [(f"[{i}]", v) for i, v in enumerate(batch)]
+    names = _dataclass_fields(batch)
+    return [(f".{name}", getattr(batch, name)) for name in names] if names else None
 
 
-def _map(batch: Any, fn: Any) -> Any:
-    if _is_array(batch) or _is_row_list(batch):
+def _leaves(batch: Any, path: str, is_leaf: Callable[[Any], bool] = _is_array) -> list[tuple[str, Any]]:
+    """``(path, value)`` of every leaf of ``batch`` that ``is_leaf`` accepts, in walking order."""
+    if is_leaf(batch):
+        return [(path, batch)]
+    children = _children(batch)
+    if children is None:
+        return []
+    return [leaf for suffix, value in children for leaf in _leaves(value, path + suffix, is_leaf)]
+
+
+def batch_leaves(batch: Any) -> list[torch.Tensor]:
+    """Every tensor in ``batch`` (a tensor, or nested mappings, tuples/lists and dataclasses; other
+    values are skipped), in a stable order (see [Note: walking a batch]).
+
+    Example::
+
+        batch_leaves((x, {"mask": m}, 3))   # [x, m]
+    """
+    return [leaf for _, leaf in _leaves(batch, "batch", _is_tensor)]
+
+
+def map_batch(batch: Any, fn: Callable[[Any], Any], is_leaf: Callable[[Any], bool] = _is_tensor) -> Any:
+    """``batch`` with every leaf ``is_leaf`` accepts replaced by ``fn(leaf)``, containers rebuilt with
+    their own types (a dict subclass keeps its state, a named tuple its fields, a dataclass its other
+    fields) and other values passed through as the same objects.
+
+    Example::
+
+        map_batch({"x": x, "n": 3}, torch.Tensor.cpu)   # {"x": x.cpu(), "n": 3}
+    """
+    if is_leaf(batch):
         return fn(batch)
+    if isinstance(batch, torch.Tensor):
+        return batch
     if isinstance(batch, dict):
         # A shallow copy keeps a dict subclass's own state (defaultdict's factory), which
         # ``type(batch)(items)`` would pass as the wrong constructor argument.
         mapped = copy.copy(batch)
-        mapped.update((k, _map(v, fn)) for k, v in batch.items())
+        mapped.update((k, map_batch(v, fn, is_leaf)) for k, v in batch.items())
         return mapped
     if isinstance(batch, Mapping):
-        return type(batch)({k: _map(v, fn) for k, v in batch.items()})  # type: ignore[call-arg]
+        return type(batch)({k: map_batch(v, fn, is_leaf) for k, v in batch.items()})  # type: ignore[call-arg]
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
-        return type(batch)(*(_map(v, fn) for v in batch))
+        return type(batch)(*(map_batch(v, fn, is_leaf) for v in batch))
     if isinstance(batch, (tuple, list)):
-        return type(batch)(_map(v, fn) for v in batch)
+        return type(batch)(map_batch(v, fn, is_leaf) for v in batch)
     names = _dataclass_fields(batch)
     if names:
-        return dataclasses.replace(batch, **{n: _map(getattr(batch, n), fn) for n in names})
+        return dataclasses.replace(batch, **{n: map_batch(getattr(batch, n), fn, is_leaf) for n in names})
     return batch
 
 
@@ -132,4 +172,4 @@ def distribute_batch(batch: B, shard_dim: Any = 0, *, allow_uneven: bool = False
             return type(leaf)(leaf[start:stop])
         return leaf
 
-    return _map(batch, split)  # type: ignore[no-any-return]
+    return map_batch(batch, split, lambda v: _is_array(v) or _is_row_list(v))  # type: ignore[no-any-return]

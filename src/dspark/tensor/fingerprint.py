@@ -15,37 +15,18 @@ Empty batches (a rank with no samples) have no fingerprint worth comparing and n
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["FINGERPRINT_LEN", "batch_fingerprint", "batch_leaves", "identical_ranks"]
+from dspark.tensor.batch import batch_leaves
+
+__all__ = ["FINGERPRINT_LEN", "batch_fingerprint", "identical_ranks"]
 
 FINGERPRINT_LEN = 6
 """Values in one fingerprint: leaves, elements, then four folded statistics."""
 _SAMPLE_POSITIONS = 4096
-
-
-def batch_leaves(batch: Any) -> list[torch.Tensor]:
-    """Every tensor in ``batch`` (a tensor, or nested tuples/lists/dicts/dataclasses; other values
-    are skipped), in a stable order.
-
-    Example::
-
-        batch_leaves((x, {"mask": m}, 3))   # [x, m]
-    """
-    if isinstance(batch, torch.Tensor):
-        return [batch]
-    if isinstance(batch, Mapping):
-        return [leaf for key in batch for leaf in batch_leaves(batch[key])]
-    if isinstance(batch, (tuple, list)):
-        return [leaf for item in batch for leaf in batch_leaves(item)]
-    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
-        return [leaf for field in dataclasses.fields(batch)
-                for leaf in batch_leaves(getattr(batch, field.name))]
-    return []
 
 
 def _sample(t: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,100 @@
+"""The accumulation window: what one optimizer step's ``backward()`` calls have gathered so far, and
+the one rule that turns it into the factor the reduced gradients are multiplied by.
+
+[Note: the averaging rule] The update uses the mean over the window's micro-batches and all ranks.
+Without weights each backward scaled its loss by ``1 / grad_accum_steps``, so the sum over ranks is
+multiplied by ``grad_accum_steps / micro_steps`` (a window cut short, e.g. at an epoch's end, still
+averages its own micro-batches) and divided by the world size. With ``weight=n`` each backward scaled
+its loss by ``n``, so the sum over ranks and micro-batches is divided by the sum of all weights (no
+weight at all on every rank: nothing to average, the step is skipped). A low-precision wire
+pre-divides by the world size on the way in (see :class:`~dspark.engine.grad_reducer.GradReducer`),
+which the factor then leaves out; fp16 divides by what it multiplied the losses by. One rank is the
+same rule with a world size of 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["StepWeights", "Window", "average_factor"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepWeights:
+    """How this rank's accumulated gradients are to be weighted in the average across ranks."""
+
+    micro_steps: int
+    """``backward()`` calls in this accumulation window."""
+    accum_steps: int
+    """``grad_accum_steps``: each unweighted backward scaled its loss by ``1 / accum_steps``."""
+    weight_sum: float | None
+    """Sum of the ``weight=`` of this window's backward calls (None: no weights given)."""
+    batch_size: int | None
+    """Samples this rank's forwards received in the window (dim 0 of the first input), if known."""
+    loss_scale: float
+    """What fp16 multiplied the losses by beyond their weights: the loss scale times the rank's
+    share of the batch (see [Note: fp16 share of the batch] in :mod:`dspark.engine.backward`); 1.0 otherwise."""
+
+
+def average_factor(weights: StepWeights, *, total_weight: float | None, num_ranks: int,
+                   pre_divided: bool) -> float | None:
+    """The factor that turns the sum of the ranks' accumulated gradients into the window's mean (see
+    [Note: the averaging rule]); None when every rank gave ``weight=0`` (nothing to average).
+    ``total_weight`` is the sum of every rank's weights (None: unweighted); ``pre_divided``: the
+    gradients were already divided by ``num_ranks`` on the way into the collective.
+
+    Example::
+
+        w = StepWeights(micro_steps=2, accum_steps=4, weight_sum=None, batch_size=8, loss_scale=1.0)
+        average_factor(w, total_weight=None, num_ranks=2, pre_divided=False)   # 1.0 (0.5 * 4 / 2)
+    """
+    if total_weight is not None:
+        if total_weight <= 0:
+            return None
+        base = (num_ranks if pre_divided else 1.0) / total_weight
+    else:
+        base = (1.0 if pre_divided else 1.0 / num_ranks) * weights.accum_steps / weights.micro_steps
+    return base / weights.loss_scale
+
+
+@dataclass(slots=True)
+class Window:
+    """One accumulation window's state on this rank, from its first ``backward()`` to ``step()``.
+
+    Example::
+
+        window = Window()
+        window.micro_step += 1          # a backward of the window ran
+        window.reset()                  # after the step (or a failure): the next window starts clean
+    """
+
+    micro_step: int = 0
+    """``backward()`` calls so far in this window."""
+    weight_sum: float | None = None
+    """Sum of the window's ``weight=`` values (None: no weights given)."""
+    weight_unit: float | None = None
+    """fp16: this rank's share of the global batch (see [Note: fp16 share of the batch])."""
+    batch_size: int | None = None
+    """Samples the window's training forwards received (dim 0 of their first input tensor)."""
+    in_backward: bool = False
+    """A ``backward()`` of the engine is running (its gradient hooks fire only then)."""
+    synced: bool = False
+    """The window's gradients are reduced across ranks and where the optimizer reads them."""
+    has_grads: bool = False
+    """... and hold something to apply (not every rank gave ``weight=0``)."""
+    grads_bytes_held: int = 0
+    """Bytes of gradients this rank held at the end of the last reduction (for the memory report)."""
+
+    def reset(self) -> None:
+        """Forget the window (``grads_bytes_held`` stays: it reports the last reduction)."""
+        self.micro_step = 0
+        self.weight_sum = None
+        self.weight_unit = None
+        self.batch_size = None
+        self.synced = False
+
+    def step_weights(self, *, accum_steps: int, loss_scale: float | None) -> StepWeights:
+        """The window as the averaging rule reads it; ``loss_scale`` None unless fp16."""
+        return StepWeights(micro_steps=self.micro_step, accum_steps=accum_steps,
+                           weight_sum=self.weight_sum, batch_size=self.batch_size,
+                           loss_scale=1.0 if loss_scale is None else loss_scale * (self.weight_unit or 1.0))
