@@ -51,7 +51,8 @@ def test_round_trip_keeps_every_field(ledger: Ledger) -> None:
                                        "replicated_modules": ["h"], "replicated_module_count": 1},
                                 hosts_by_rank=["a", "b"], profiled=True,
                                 phase_ms_by_rank=[phase_stats([10.0]), phase_stats([11.0])],
-                                audit_by_rank=[{"rows_checked": 3, "above_share": []}] * 2)
+                                audit_by_rank=[{"rows_checked": 3, "above_share": []}] * 2,
+                                rounds_planned=3, injected_faults={"DSPARK_BENCH_SLOW_RANK": "1:5"})
     for f in fields(Measurement):  # the fixture must exercise every field, or the test proves less
         default = f.default_factory() if f.default_factory is not MISSING else f.default
         assert getattr(original, f.name) != default, f.name
@@ -98,7 +99,7 @@ def test_schema_version_and_reopen(tmp_path: Path) -> None:
     path = tmp_path / "l.sqlite"
     with Ledger(path) as first:
         first.append(make_measurement())
-        assert first.schema_version() == SCHEMA_VERSION == 2
+        assert first.schema_version() == SCHEMA_VERSION == 3
     with Ledger(path) as again:  # reopening must not re-create or re-migrate
         assert len(again.measurements()) == 1
         assert again.schema_version() == SCHEMA_VERSION
@@ -128,7 +129,7 @@ def test_a_schema_1_ledger_is_migrated_in_place(tmp_path: Path) -> None:
     conn.commit()
     conn.close()
     with Ledger(path) as ledger:
-        assert ledger.schema_version() == 2
+        assert ledger.schema_version() == 3
         (result,) = ledger.results()
     assert (result.step_ms, result.step_ms_p10, result.step_ms_p90) == (130.0, 120.0, 140.0)
     assert result.speedup is None and result.anomalies == []  # analysis is computed when read
@@ -162,7 +163,7 @@ def test_rounds_are_summarised_into_one_result(ledger: Ledger) -> None:
     assert result.round_step_ms == [110.0, 110.5, 111.0]
     assert result.samples_by_rank == [4, 4] and result.peak_bytes_per_rank == 91_000_000
     assert result.model_state_parts["grads"] == [15_000_000, 15_000_000]
-    assert result.result_id == "run-a/c0ffee0000000002"
+    assert result.result_id == f"run-a/{make_measurement().config.config_hash()}"
     assert result.timestamp == "2026-11-30T05:00:00Z"  # the first round's
 
 
@@ -291,10 +292,10 @@ def test_the_ledger_keeps_the_breakdown_and_reads_rows_written_before_it(tmp_pat
                                     "audit_by_rank")}, sort_keys=True)
     conn = sqlite3.connect(db)
     with conn:
-        conn.execute(insert_measurement_sql(), (*measurement_row(old)[:-1], text))
+        conn.execute(insert_measurement_sql(), (*measurement_row(old)[:-1], text, None, None))
     conn.close()
     with Ledger(db) as ledger:
-        assert ledger.schema_version() == schema == 2
+        assert ledger.schema_version() == schema == 3
         before, after = annotate(ledger.results(), history=ledger)
     assert before.run_id == "run-old" and not before.profiled and before.phase_ms_by_rank == []
     assert before.hosts_by_rank == [] and before.audit_by_rank == []

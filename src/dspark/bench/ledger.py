@@ -28,7 +28,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
+from dspark.bench.faults import is_injected
+from dspark.bench.ledger_chain import GENESIS, ChainReport, row_hash, verify_rows
 from dspark.bench.ledger_schema import (
+    CONTENT_COLUMNS,
     KEY_COLUMNS,
     SCHEMA_VERSION,
     insert_measurement_sql,
@@ -39,7 +42,8 @@ from dspark.bench.ledger_schema import (
 from dspark.bench.measurement import Measurement, results_from_measurements
 from dspark.bench.result import BenchConfig, BenchResult, ConfigKey
 
-__all__ = ["SCHEMA_VERSION", "Ledger", "RunSummary", "default_db_path", "utc_timestamp"]
+__all__ = ["SCHEMA_VERSION", "ChainReport", "Ledger", "LedgerTampered", "RunSummary",
+           "default_db_path", "utc_timestamp"]
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +68,10 @@ def default_db_path() -> Path:
     base = Path(data_home) if data_home and Path(data_home).is_absolute() else (
         Path.home() / ".local" / "share")
     return base / "dspark" / "ledger.sqlite"
+
+
+class LedgerTampered(ValueError):
+    """Results asked for rest on rows the hash chain does not vouch for (see [Note: hash chain])."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -115,6 +123,8 @@ class Ledger:
             raise FileNotFoundError(f"no ledger at {str(self.path)!r}: `dspark bench` writes one there "
                                     "(or pass --db with the path of an existing ledger)")
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._untrusted: frozenset[str] = frozenset()
+        """Measurement ids :meth:`verify` found bad: left out of everything read after it."""
         try:
             # Autocommit mode: every write below opens and closes its own transaction explicitly.
             self._conn = sqlite3.connect(self.path, timeout=30.0, isolation_level=None)
@@ -178,20 +188,56 @@ class Ledger:
                                  "must be set; the runner names the invocation and configuration")
             utc_timestamp(m.timestamp, what=what)
             rows.append(measurement_row(m))
-        self._conn.execute("BEGIN IMMEDIATE")
+        self._conn.execute("BEGIN IMMEDIATE")  # the chain's last link, read under the write lock
         try:
-            self._conn.executemany(insert_measurement_sql(), rows)
+            previous = self.head()
+            for content in rows:
+                prev, previous = previous, row_hash(previous, content)
+                self._conn.execute(insert_measurement_sql(), (*content, prev, previous))
         except BaseException:
             self._conn.execute("ROLLBACK")
             raise
         self._conn.execute("COMMIT")
 
+    # -- the hash chain ----------------------------------------------------------------------------
+
+    def head(self) -> str:
+        """The newest row's hash: keep it elsewhere (a CI log) to pin everything up to it."""
+        row = self._conn.execute("SELECT row_hash FROM measurements ORDER BY id DESC LIMIT 1").fetchone()
+        return str(row[0]) if row and row[0] is not None else GENESIS
+
+    def verify(self) -> ChainReport:
+        """Check every row against the hash chain and its own content (see [Note: hash chain]);
+        from then on, what this object reads leaves out the rows found bad.
+
+        Example::
+
+            report = ledger.verify()
+            report.first_bad   # None, or the first row that fails, with the reason
+        """
+        columns = ", ".join(CONTENT_COLUMNS)
+        report = verify_rows(self._conn.execute(
+            f"SELECT id, {columns}, prev_hash, row_hash FROM measurements ORDER BY id"),
+            CONTENT_COLUMNS)
+        self._untrusted = frozenset(row.measurement_id for row in report.bad)
+        return report
+
+    def require_intact(self, report: ChainReport, run_ids: Sequence[str] | None = None) -> None:
+        """Refuse (:class:`LedgerTampered`) when ``report`` found a bad row in one of ``run_ids``
+        (any run when None), naming the first such row and how to see them all."""
+        bad = [row for row in report.bad if run_ids is None or row.run_id in run_ids]
+        if bad:
+            raise LedgerTampered(
+                f"{self.path}: {len(bad)} row(s) fail the ledger's hash chain, first {bad[0]}; "
+                f"their results are not shown (`dspark bench verify --db {self.path}` lists them)")
+
     # -- reading ---------------------------------------------------------------------------------
 
     def _select(self, where: str = "", params: Sequence[object] = ()) -> list[Measurement]:
-        sql = f"SELECT measurement_json FROM measurements {where} {_ORDER}"
+        sql = f"SELECT measurement_id, measurement_json FROM measurements {where} {_ORDER}"
         return [Measurement.from_dict(json.loads(text))
-                for (text,) in self._conn.execute(sql, tuple(params))]
+                for measurement_id, text in self._conn.execute(sql, tuple(params))
+                if measurement_id not in self._untrusted]
 
     def measurements(self, *, run_id: str | None = None, commit: str | None = None,
                      host: str | None = None) -> list[Measurement]:
@@ -272,7 +318,8 @@ class Ledger:
         if result.run_id:
             where += " AND run_id != ?"
             params.append(result.run_id)
-        earlier = results_from_measurements(self._select(f"WHERE {where}", params))
+        earlier = [r for r in results_from_measurements(self._select(f"WHERE {where}", params))
+                   if not is_injected(r)]  # see [Note: injected faults]
         return earlier[-1] if earlier else None
 
     def stale(self, current_commit: str, *, host: str,

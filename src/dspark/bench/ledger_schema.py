@@ -22,6 +22,11 @@ Within schema 2, a measurement's JSON gains keys without a layout change: ``host
 breakdown, no audit, no kernel, one pass a step); an older DSpark reading a newer row drops the keys it does not know. No version bump, so neither side refuses the other's
 file: the raw figures of a launch belong in its one ``measurement_json``, and a column or side
 table for them would only repeat it.
+3. ``prev_hash`` and ``row_hash`` on every measurement: a hash chain (see [Note: hash chain] in
+   :mod:`dspark.bench.ledger_chain`). A schema-2 file is sealed in place: its rows are chained in
+   the order they were inserted, so what they held when this DSpark first opened the file is what
+   ``dspark bench verify`` vouches for from then on. The schema-1 ``results`` table, kept by the
+   migration to 2, is never read.
 """
 
 from __future__ import annotations
@@ -34,15 +39,17 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dspark.bench.ledger_chain import GENESIS, row_hash
+
 if TYPE_CHECKING:
     from dspark.bench.measurement import Measurement
 
-__all__ = ["KEY_COLUMNS", "SCHEMA_VERSION", "insert_measurement_sql", "measurement_row", "migrate",
-           "utc_timestamp"]
+__all__ = ["CONTENT_COLUMNS", "KEY_COLUMNS", "SCHEMA_VERSION", "insert_measurement_sql",
+           "measurement_row", "migrate", "utc_timestamp"]
 
 logger = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """Bump with a migration in ``_MIGRATIONS`` when the table layout changes."""
 
 KEY_COLUMNS = ("workload", "num_devices", "strategy", "precision", "batch_placement",
@@ -60,10 +67,15 @@ BEGIN SELECT RAISE(ABORT, '{message}'); END;
 """
 
 
-def _append_only(table: str, *unique: str) -> str:
+def _no_update(table: str) -> str:
     return f"""
 CREATE TRIGGER {table}_no_update BEFORE UPDATE ON {table}
 BEGIN SELECT RAISE(ABORT, 'the DSpark ledger is append-only: {table} are never updated'); END;
+"""
+
+
+def _append_only(table: str, *unique: str) -> str:
+    return _no_update(table) + f"""
 CREATE TRIGGER {table}_no_delete BEFORE DELETE ON {table}
 BEGIN SELECT RAISE(ABORT, 'the DSpark ledger is append-only: {table} are never deleted'); END;
 """ + _no_replace(table, *unique)
@@ -98,7 +110,9 @@ CREATE TABLE measurements (
     batch_placement TEXT NOT NULL,
     global_batch INTEGER NOT NULL,
     config_hash TEXT NOT NULL,
-    measurement_json TEXT NOT NULL
+    measurement_json TEXT NOT NULL,
+    prev_hash TEXT,                       -- the previous row's row_hash (see ledger_chain)
+    row_hash TEXT                         -- sha256 of prev_hash and this row's content
 );
 CREATE INDEX measurements_by_key ON measurements (workload, num_devices, strategy, precision,
                                                   batch_placement, global_batch, timestamp);
@@ -108,10 +122,16 @@ CREATE INDEX measurements_by_commit ON measurements (git_commit);
 """ + _append_only("measurements", "id", "measurement_id")
 
 
+CONTENT_COLUMNS = ("measurement_id", "result_id", "run_id", "round_index", "timestamp",
+                   "git_commit", "git_dirty", "host", *KEY_COLUMNS, "config_hash",
+                   "measurement_json")
+"""What a row's hash covers: every column but ``id`` and the two hashes."""
+
+
 def insert_measurement_sql() -> str:
-    """The one INSERT the ledger writes measurements with (17 parameters, ``id`` left to SQLite)."""
-    columns = ("measurement_id", "result_id", "run_id", "round_index", "timestamp", "git_commit",
-               "git_dirty", "host", *KEY_COLUMNS, "config_hash", "measurement_json")
+    """The one INSERT the ledger writes measurements with (the 16 :data:`CONTENT_COLUMNS`, then
+    ``prev_hash`` and ``row_hash``; ``id`` left to SQLite)."""
+    columns = (*CONTENT_COLUMNS, "prev_hash", "row_hash")
     return (f"INSERT INTO measurements ({', '.join(columns)}) "
             f"VALUES ({', '.join('?' for _ in columns)})")
 
@@ -154,12 +174,31 @@ def _from_schema1(conn: sqlite3.Connection) -> None:
 
     _execute_script(conn, _MEASUREMENTS + _no_replace("results", "id"))
     rows = conn.execute("SELECT id, result_json FROM results ORDER BY timestamp, id").fetchall()
+    previous = GENESIS
     for row_id, text in rows:
         old = json.loads(text)
         # Two schema-1 rows of one configuration in one run would share an id: the row id tells them apart.
         m = Measurement.from_schema1({**old, "config_hash": f"{old.get('config_hash', '')}-v1row{row_id}"})
-        conn.execute(insert_measurement_sql(), measurement_row(m))
+        content = measurement_row(m)
+        prev, previous = previous, row_hash(previous, content)
+        conn.execute(insert_measurement_sql(), (*content, prev, previous))
     logger.info("migrated %d schema-1 results to measurements", len(rows))
+
+
+def _seal_schema2(conn: sqlite3.Connection) -> None:
+    # The only rewrite DSpark ever makes: adding the chain to rows that had none (see the docstring).
+    conn.execute("ALTER TABLE measurements ADD COLUMN prev_hash TEXT")
+    conn.execute("ALTER TABLE measurements ADD COLUMN row_hash TEXT")
+    conn.execute("DROP TRIGGER measurements_no_update")
+    previous = GENESIS
+    columns = ", ".join(CONTENT_COLUMNS)
+    rows = conn.execute(f"SELECT id, {columns} FROM measurements ORDER BY id").fetchall()
+    for row_id, *content in rows:
+        prev, previous = previous, row_hash(previous, tuple(content))
+        conn.execute("UPDATE measurements SET prev_hash = ?, row_hash = ? WHERE id = ?",
+                     (prev, previous, row_id))
+    _execute_script(conn, _no_update("measurements"))
+    logger.info("sealed %d schema-2 measurements into a hash chain", len(rows))
 
 
 def measurement_row(m: Measurement) -> tuple[object, ...]:
@@ -170,7 +209,8 @@ def measurement_row(m: Measurement) -> tuple[object, ...]:
 
 
 # from version -> what brings a ledger at that version to SCHEMA_VERSION (0: a new file)
-_MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {0: _create, 1: _from_schema1}
+_MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {
+    0: _create, 1: _from_schema1, 2: _seal_schema2}
 
 
 def _version(conn: sqlite3.Connection, path: Path) -> int:

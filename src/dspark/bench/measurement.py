@@ -71,6 +71,12 @@ class Measurement(Recorded):
     """``dspark bench --micro-batch``; None: the workload's own limit."""
     run_id: str = ""
     round_index: int = 0
+    rounds_planned: int = 0
+    """Rounds the run planned for this configuration (0 in a row written before it was recorded):
+    a round at or beyond it was not measured by that run (see [Note: hash chain])."""
+    injected_faults: dict[str, str] = field(default_factory=dict)
+    """Faults injected on purpose for the lab's own tests (:mod:`dspark.bench.faults`), by the
+    variable that injected them; {} in a real measurement."""
     # time
     step_ms_by_rank: list[list[float]] = field(default_factory=list)
     """Every timed step of every rank (each step starts after a barrier)."""
@@ -273,6 +279,7 @@ def _summarise(rounds: list[Measurement]) -> BenchResult:
         micro_batches=first.micro_batches,
         cpu_malloc=first.cpu_malloc,
         hosts_by_rank=list(first.hosts_by_rank),
+        injected_faults={k: v for m in rounds for k, v in m.injected_faults.items()},
         audit_by_rank=list(probed.audit_by_rank) if probed else [],
         **step_breakdown(rounds))
 

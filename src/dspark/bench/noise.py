@@ -85,8 +85,8 @@ class NoiseModel:
     def from_history(cls, results: Iterable[BenchResult]) -> NoiseModel:
         """The model of every result given (typically all of a ledger's)."""
         reruns: dict[_Group, list[tuple[str, float]]] = {}
-        for r in results:
-            if r.git_commit and not r.git_dirty and r.step_ms > 0:
+        for r in results:  # an injected fault says nothing of the machine ([Note: injected faults])
+            if r.git_commit and not r.git_dirty and r.step_ms > 0 and not r.injected_faults:
                 reruns.setdefault((r.host, r.key, r.git_commit), []).append((r.run_id, r.step_ms))
         return cls(reruns=reruns)
 

@@ -219,6 +219,9 @@ class BenchResult(Recorded):
     recorded."""
     hosts_by_rank: list[str] = field(default_factory=list)
     """Each rank's host name ([] for measurements from before it was recorded)."""
+    injected_faults: dict[str, str] = field(default_factory=dict)
+    """Faults injected on purpose in any round (:mod:`dspark.bench.faults`); such a result is shown
+    as injected in every table and never enters noise history or regression baselines."""
     # inside a step (``dspark bench --profile``; see dspark.bench.breakdown)
     profiled: bool = False
     """Whether the run asked for the step breakdown (``--profile``)."""

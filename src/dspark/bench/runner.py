@@ -16,6 +16,7 @@ import dataclasses
 import datetime as _dt
 import json
 import logging
+import os
 import secrets
 import tempfile
 from collections.abc import Iterator, Sequence
@@ -34,6 +35,7 @@ from rich.progress import (
 )
 
 from dspark.bench.analysis import annotate
+from dspark.bench.faults import injected_faults
 from dspark.bench.ledger import Ledger
 from dspark.bench.measurement import Measurement
 from dspark.bench.result import BenchConfig, BenchResult, ConfigKey
@@ -240,7 +242,9 @@ def run_suite(configs: Sequence[BenchConfig], *, db: Ledger | str | Path,
                                label, outcome.exit_code, outcome.stderr_tail)
                     failed[config] = outcome
                 else:
-                    ledger.append(dataclasses.replace(outcome, run_id=run_id))
+                    ledger.append(dataclasses.replace(
+                        outcome, run_id=run_id, rounds_planned=rounds,
+                        injected_faults=injected_faults(os.environ)))
                     probed.add(config)
                 bar.advance(task)
         except KeyboardInterrupt:

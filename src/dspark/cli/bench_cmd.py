@@ -170,6 +170,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     target.add_argument("--csv", type=Path, metavar="PATH", help="write a CSV file")
     exporting.add_argument("--run", metavar="REF", help="only this run or commit (default: all)")
     _add_db(exporting, default=argparse.SUPPRESS)
+    verifying = actions.add_parser(
+        "verify", help="check the ledger's hash chain; name the first row that fails it")
+    _add_db(verifying, default=argparse.SUPPRESS)
 
 
 def _db_path(args: argparse.Namespace) -> Path:
@@ -186,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
         run(build_parser().parse_args(["bench", "list"]))
     """
     handlers = {None: _run_suite, "list": _list, "compare": _compare, "rerun": _rerun,
-                "report": _report, "export": _export}
+                "report": _report, "export": _export, "verify": _verify}
     return handlers[args.action](args)
 
 
@@ -274,8 +277,12 @@ def _run_and_show(configs: Sequence[Any], args: argparse.Namespace, *, seed_tabl
         written &= _write_after_run(
             "--report", lambda: f"wrote the report to {write_html_report(results, args.report)}",
             out, err, run_id)
+    from dspark.bench.ledger import Ledger
+
+    with Ledger(db) as ledger:
+        head = ledger.head()
     out.print(f"run {run_id}: {len(results)} configurations measured in {args.rounds} round(s) "
-              f"in {wall_s:.0f} s, recorded in {db}")
+              f"in {wall_s:.0f} s, recorded in {db} (hash chain head {head})")
     # Each failure's error output was logged when it happened; this is the summary.
     for failure in failures:
         err.print(f"[bold red]FAILED[/] {_describe(failure.config)} (exit code {failure.exit_code}): "
@@ -375,6 +382,7 @@ def _list(args: argparse.Namespace) -> int:
     from dspark.bench.ledger import Ledger
 
     with Ledger(_db_path(args), create=False) as ledger:
+        chain = ledger.verify()  # rows it finds bad are left out of what is read below
         results = annotate(ledger.results(), history=ledger)
     table = Table(title=f"{len(results)} results in {_db_path(args)}", title_justify="left")
     for header in ("run", "time (UTC)", "commit", "host", "configuration", "rounds", "step ms",
@@ -385,9 +393,23 @@ def _list(args: argparse.Namespace) -> int:
         table.add_row(r.run_id, r.timestamp[:19], r.git_commit[:10] + ("+" if r.git_dirty else ""),
                       r.host, _describe(r.config), str(r.rounds), f"{r.step_ms:.1f}",
                       format_speedup(r),
-                      "\n".join(dict.fromkeys(str(a.get("kind")) for a in r.anomalies)) or "-")
+                      _flags(r, chain))
     _console().print(table)
+    if not chain.ok:
+        _console(stderr=True).print(
+            f"[bold red]TAMPERED[/]: {len(chain.bad)} row(s) fail the hash chain and are left out, "
+            f"first {chain.first_bad}; `dspark bench verify` lists them", highlight=False)
     return 0
+
+
+def _flags(result: Any, chain: Any) -> str:
+    """One anomaly kind per line, then an injected fault, then a tampered run: what voids a row."""
+    from dspark.bench.faults import describe_injected
+
+    flags = list(dict.fromkeys(str(a.get("kind")) for a in result.anomalies))
+    flags += [describe_injected(result)] if result.injected_faults else []
+    flags += ["TAMPERED (rows left out)"] if result.run_id in chain.bad_runs else []
+    return "\n".join(flags) or "-"
 
 
 def _compare(args: argparse.Namespace) -> int:
@@ -397,7 +419,9 @@ def _compare(args: argparse.Namespace) -> int:
     from dspark.bench.report import render_comparison
 
     with Ledger(_db_path(args), create=False) as ledger:
+        chain = ledger.verify()
         a, b = ledger.resolve(args.a), ledger.resolve(args.b)
+        ledger.require_intact(chain, [r.run_id for r in (*a, *b)])
         noise = NoiseModel.from_history(ledger.results())
     render_comparison(compare(a, b, a_label=args.a, b_label=args.b, noise=noise), _console())
     return 0
@@ -410,7 +434,10 @@ def _report(args: argparse.Namespace) -> int:
 
     _check_outputs(args)
     with Ledger(_db_path(args), create=False) as ledger:
-        results = annotate(ledger.resolve(args.run), history=ledger)
+        chain = ledger.verify()
+        chosen = ledger.resolve(args.run)
+        ledger.require_intact(chain, [r.run_id for r in chosen])
+        results = annotate(chosen, history=ledger)
     _console().print(f"wrote the report of {len(results)} results to "
                     f"{write_html_report(results, args.report)}")
     return 0
@@ -423,8 +450,10 @@ def _export(args: argparse.Namespace) -> int:
 
     _check_outputs(args)
     with Ledger(_db_path(args), create=False) as ledger:
-        results = annotate(ledger.resolve(args.run) if args.run else ledger.results(),
-                           history=ledger)
+        chain = ledger.verify()
+        chosen = ledger.resolve(args.run) if args.run else ledger.results()
+        ledger.require_intact(chain, None if not args.run else [r.run_id for r in chosen])
+        results = annotate(chosen, history=ledger)
     rows = [r.to_dict() for r in results]
     if args.json is not None:
         _write_json(args.json, rows)
@@ -442,3 +471,21 @@ def _export(args: argparse.Namespace) -> int:
         path = args.csv
     _console().print(f"wrote {len(rows)} results to {path}")
     return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from dspark.bench.ledger import Ledger
+
+    with Ledger(_db_path(args), create=False) as ledger:
+        report = ledger.verify()
+    out = _console()
+    if report.ok:
+        out.print(f"{ledger.path}: {report.rows} row(s), the hash chain holds; head "
+                  f"{report.head}", highlight=False)
+        return 0
+    err = _console(stderr=True)
+    err.print(f"[bold red]TAMPERED[/]: {ledger.path}: {len(report.bad)} of {report.rows} row(s) "
+              f"fail the hash chain; first {report.first_bad}", highlight=False)
+    for row in report.bad[1:]:
+        err.print(f"  {row}", highlight=False)
+    return EXIT_FAILED
