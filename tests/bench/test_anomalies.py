@@ -247,7 +247,8 @@ def test_regression_beyond_noise_with_what_changed() -> None:
                       git_commit="b" * 40, torch_version="2.13.0")
     (found,) = regression(new, old)
     assert found["message"].startswith("step time rose 18.4% since run run-old (290 ms vs 245 ms),"
-                                       " beyond the noise band of 15.0%; what changed: commit")
+                                       " beyond the noise band of 15.0% (from the 15% default")
+    assert "what changed: commit" in found["message"] and "15% default" in found["noise_band_source"]
     assert "PyTorch '2.12.0' -> '2.13.0'" in found["message"]
     assert found["previous_result_id"] == old.result_id
 

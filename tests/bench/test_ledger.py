@@ -244,13 +244,27 @@ def test_resolve_run_commit_latest_previous(ledger: Ledger) -> None:
     assert [r.step_ms for r in ledger.resolve("latest")] == [230.0, 130.0]
     assert [r.step_ms for r in ledger.resolve("previous")] == [240.0]
     assert [r.step_ms for r in ledger.resolve("20261130T01")] == [250.0]
-    # A commit measured twice: the newest result of each configuration.
+    # A commit measured twice: its newest run, whole.
     assert [r.step_ms for r in ledger.resolve("bbbbbbb")] == [230.0, 130.0]
     assert [r.step_ms for r in ledger.resolve(OLD)] == [250.0]
     with pytest.raises(ValueError, match=r"matches 3 runs: 20261130T01-aa, 20261130T02-bb"):
         ledger.resolve("2026")
     with pytest.raises(ValueError, match=r"ref='zzz' is neither.*runs: 20261130T01-aa"):
         ledger.resolve("zzz")
+
+
+def test_a_commit_resolves_to_its_newest_run_only(ledger: Ledger) -> None:
+    # The finding: a report "at a commit" took the newest result of each configuration, so a
+    # later run of DSpark alone was paired with the earlier run's DDP.
+    def at(run_id: str, strategy: str, hour: int) -> Measurement:
+        return make_measurement(run_id=run_id, strategy=strategy, git_commit=NEW,
+                                timestamp=f"2026-11-30T0{hour}:00:00Z")
+
+    ledger.append([at("peers-run", "replicate", 1), at("peers-run", "torch-ddp", 1),
+                   at("dspark-again", "replicate", 2)])
+    chosen = ledger.resolve(NEW[:7])
+    assert {r.run_id for r in chosen} == {"dspark-again"}
+    assert [r.strategy for r in chosen] == ["replicate"]
 
 
 def test_resolve_ambiguous_commit_and_empty_ledger(ledger: Ledger) -> None:

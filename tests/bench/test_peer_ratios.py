@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 from rich.console import Console
 
+from dspark.bench.formatting import peer_rows
 from dspark.bench.peer_ratios import PAIRINGS, peer_ratios
 from dspark.bench.peers import DEEPSPEED_PEERS, PEERS, TORCH_PEERS
 from dspark.bench.report import render_peer_table, write_html_report
@@ -98,3 +100,36 @@ def test_the_peer_table_in_the_terminal_and_the_html_report(tmp_path: Path) -> N
     page = write_html_report(_pair([90.0, 180.0, 96.0], [100.0, 200.0, 120.0]), tmp_path).read_text()
     assert "<h2>DSpark beside its peers</h2>" in page and "0.900 (0.800-0.900)" in page
     assert "DSpark beside its peers" not in write_html_report([make_result()], tmp_path / "b").read_text()
+
+
+def test_results_of_two_runs_are_never_paired() -> None:
+    # The finding: after a second run of DSpark alone into the same ledger, this run's DSpark was
+    # paired with the earlier run's DDP (0.949 became 0.648, "DSpark faster").
+    peers_run = [dataclasses.replace(r, run_id="peers-run") for r in _pair([95.0, 100.0], [100.0, 100.0])]
+    again = dataclasses.replace(_pair([65.0, 64.0], [1.0, 1.0])[0], run_id="dspark-again")
+    (honest,) = peer_ratios(peers_run)
+    assert honest.run_id == "peers-run" and honest.ratio == pytest.approx(0.975)
+    with pytest.raises(ValueError, match="2 runs \\(peers-run, dspark-again\\)"):
+        peer_ratios([*peers_run, again])
+
+
+def test_a_ratio_on_an_untrustworthy_side_says_so_in_both_tables(tmp_path: Path) -> None:
+    # The finding: a 0.949 ratio built from results all flagged busy_machine ("not trustworthy")
+    # was printed without a caveat.
+    busy = {"kind": "busy_machine", "message": "in round 0, a rank's core spent up to 29% ..."}
+    ours, theirs = _pair([95.0, 90.0], [100.0, 100.0])
+    flagged = [dataclasses.replace(ours, anomalies=[busy]),
+               dataclasses.replace(theirs, injected_faults={"DSPARK_BENCH_SLOW_RANK": "1:100"})]
+    (ratio,) = peer_ratios(flagged)
+    assert ratio.untrustworthy == ("DSpark busy_machine",
+                                   "peer injected DSPARK_BENCH_SLOW_RANK=1:100")
+    (row,) = peer_rows(flagged)
+    assert "NOT TRUSTWORTHY" in row[9] and row[10] == "busy_machine"
+    assert row[11] == "injected DSPARK_BENCH_SLOW_RANK=1:100"
+    console = Console(record=True, width=400)
+    render_peer_table(flagged, console)
+    assert "NOT TRUSTWORTHY (DSpark busy_machine" in console.export_text()
+    page = write_html_report(flagged, tmp_path / "report").read_text()
+    assert "NOT TRUSTWORTHY" in page and "busy_machine" in page
+    (clean,) = peer_rows(_pair([95.0, 90.0], [100.0, 100.0]))
+    assert "NOT TRUSTWORTHY" not in clean[9] and clean[10:] == ["-", "-"]

@@ -434,7 +434,7 @@ def regression(result: BenchResult, previous: BenchResult | None,
     if previous is None or noise.verdict(previous, result) != "slower":
         return []
     rise = result.step_ms / previous.step_ms - 1
-    band = noise.band(previous, result)
+    band, source = noise.band_source(previous, result)
     changed = [f"{label} {_shown(name, previous)!r} -> {_shown(name, result)!r}"
                for name, label in _PROVENANCE if getattr(previous, name) != getattr(result, name)]
     cause = ("what changed: " + "; ".join(changed) if changed else
@@ -442,9 +442,9 @@ def regression(result: BenchResult, previous: BenchResult | None,
              "machine; re-run to confirm")
     message = (f"step time rose {rise:.1%} since run {previous.run_id} "
                f"({format_ms(result.step_ms)} vs {format_ms(previous.step_ms)}), beyond the "
-               f"noise band of {band:.1%}; {cause}")
+               f"noise band of {band:.1%} (from {source}); {cause}")
     return [anomaly("regression", message, step_ms=result.step_ms,
                     previous_step_ms=previous.step_ms, previous_run_id=previous.run_id,
                     previous_result_id=previous.result_id,
                     previous_git_commit=previous.git_commit, relative_change=rise,
-                    noise_band=band)]
+                    noise_band=band, noise_band_source=source)]

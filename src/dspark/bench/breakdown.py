@@ -74,20 +74,20 @@ def step_breakdown(rounds: Sequence[ProfiledRound]) -> dict[str, Any]:
             "compute_ms_range_by_rank": ranges}
 
 
-def compute_band(result: BenchResult, noise: NoiseModel | None = None) -> float:
+def compute_band(result: BenchResult, noise: NoiseModel | None = None) -> tuple[float, str]:
     """The relative noise band the straggler rule allows between ranks' ``compute_ms`` (see
-    [Note: stragglers in the lab]).
+    [Note: stragglers in the lab]), and where it came from, in words.
 
     Example::
 
-        compute_band(result)   # 0.15 for steady ranks on a host with no history
+        compute_band(result)   # (0.15, "the 15% default run-to-run range (...)") with no history
     """
     noise = noise or NoiseModel()
-    spreads = [(high - low) / phases["compute_ms"]
-               for phases, (low, high) in zip(result.phase_ms_by_rank,
-                                              result.compute_ms_range_by_rank, strict=False)
+    spreads = [((high - low) / phases["compute_ms"], f"rank {rank}'s own p10-p90 spread of compute")
+               for rank, (phases, (low, high)) in enumerate(zip(
+                   result.phase_ms_by_rank, result.compute_ms_range_by_rank, strict=False))
                if phases.get("compute_ms", 0.0) > 0]
-    return max(noise.machine_range(result.host), *spreads)
+    return max([noise.machine_range_source(result.host), *spreads], key=lambda c: c[0])
 
 
 def _host(result: BenchResult, rank: int) -> str:
@@ -112,7 +112,7 @@ def straggler(result: BenchResult, noise: NoiseModel | None = None) -> list[dict
     slow = max(range(len(compute)), key=lambda rank: (compute[rank], -rank))
     others = [ms for rank, ms in enumerate(compute) if rank != slow]
     typical = statistics.median(others)
-    band = compute_band(result, noise)
+    band, source = compute_band(result, noise)
     if compute[slow] <= typical * (1 + band) + STRAGGLER_SLACK_MS:
         return []
     waits = [phases.get("comm_exposed_ms", 0.0) for rank, phases in enumerate(ranks) if rank != slow]
@@ -133,10 +133,10 @@ def straggler(result: BenchResult, noise: NoiseModel | None = None) -> list[dict
     message = (f"rank {slow} on host {_host(result, slow)} computes {format_ms(compute[slow])} per "
                f"step (forward + backward + optimizer, waits excluded), "
                f"{format_ratio(compute[slow] / typical)} {who}'s {format_ms(typical)}, beyond the "
-               f"noise band of {band:.0%}; the others wait for it: their exposed communication is "
+               f"noise band of {band:.0%} (from {source}); the others wait for it: their exposed communication is "
                f"{format_ms(others_wait)} per step, its own {format_ms(own_wait)}; likely cause: "
                f"{cause}")
     return [anomaly("straggler", message, rank=slow, host=_host(result, slow),
                     compute_ms_by_rank=compute, compute_ms=compute[slow], core_foreign_share=busy,
-                    others_compute_ms=typical, noise_band=band,
+                    others_compute_ms=typical, noise_band=band, noise_band_source=source,
                     comm_exposed_ms_by_rank=[phases.get("comm_exposed_ms", 0.0) for phases in ranks])]

@@ -31,6 +31,8 @@ class ComparisonRow:
     """One of :data:`ROW_VERDICTS`: how B's step time compares with A's."""
     noise_band: float | None
     """The relative change that counted as noise for this row (None unless in both)."""
+    noise_band_source: str | None = None
+    """Where that band came from (the 15% default, the host's history, a result's own spread)."""
 
     @property
     def a_step_ms(self) -> float | None:
@@ -115,6 +117,7 @@ def compare(a: list[BenchResult], b: list[BenchResult], *, a_label: str = "A",
             rows.append(ComparisonRow(key=key, a=old, b=None, verdict="only in A",
                                       noise_band=None))
         else:
+            band, source = noise.band_source(old, new)
             rows.append(ComparisonRow(key=key, a=old, b=new, verdict=noise.verdict(old, new),
-                                      noise_band=noise.band(old, new)))
+                                      noise_band=band, noise_band_source=source))
     return Comparison(rows=tuple(rows), a_label=a_label, b_label=b_label)

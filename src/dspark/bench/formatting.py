@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from dspark.bench.faults import describe_injected
 from dspark.bench.peer_ratios import peer_ratios
 from dspark.bench.result import BenchResult
 
@@ -90,8 +91,10 @@ TEXT_COLUMNS = frozenset({"workload", "strategy", "precision", "batch", "anomali
 
 
 def anomaly_kinds(result: BenchResult) -> list[str]:
-    """The result's anomaly kinds, each once, in order."""
-    return list(dict.fromkeys(str(a.get("kind", "?")) for a in result.anomalies))
+    """The result's anomaly kinds, each once, in order, then its injected faults (see [Note:
+    injected faults] in :mod:`dspark.bench.faults`): every table that lists anomalies shows them."""
+    kinds = list(dict.fromkeys(str(a.get("kind", "?")) for a in result.anomalies))
+    return kinds + ([describe_injected(result)] if result.injected_faults else [])
 
 
 def result_cells(result: BenchResult) -> list[str]:
@@ -151,8 +154,9 @@ def config_label(result: BenchResult) -> str:
 
         config_label(result)   # "gpt2-cpu, 2 dev, replicate, bf16, batch shard 32"
     """
+    injected = f" [{describe_injected(result)}]" if result.injected_faults else ""
     return (f"{result.workload}, {result.num_devices} dev, {result.strategy}, {result.precision}, "
-            f"batch {batch_label(result)}")
+            f"batch {batch_label(result)}{injected}")
 
 
 def breakdown_rows(result: BenchResult) -> list[list[str]]:
@@ -175,16 +179,20 @@ def breakdown_rows(result: BenchResult) -> list[list[str]]:
 
 
 PEER_COLUMNS = ("workload", "devices", "precision", "batch", "DSpark", "peer", "DSpark step ms",
-                "peer step ms", "step ratio (rounds min-max)", "verdict")
+                "peer step ms", "step ratio (rounds min-max)", "verdict", "DSpark anomalies",
+                "peer anomalies")
 """The columns of the table of DSpark beside its peers, terminal and HTML alike."""
-PEER_TEXT_COLUMNS = ("workload", "precision", "DSpark", "peer", "verdict")
+PEER_TEXT_COLUMNS = ("workload", "precision", "DSpark", "peer", "verdict", "DSpark anomalies",
+                     "peer anomalies")
 """Those of :data:`PEER_COLUMNS` that hold words (left-aligned), the rest numbers."""
 PEER_NOTE = (
     "step ratio: DSpark's step / the peer's, the median of the per-round ratios (each round's "
     "DSpark launch against the same round's peer launch), with the lowest and highest; below 1, "
     "DSpark is faster. Step ms: each engine's median step over every round. verdict: what every "
     "round says; 'rounds disagree' when they fall on both sides of 1 (the machine's noise exceeds "
-    "the gap: more rounds, or benchmarks/side_by_side.py, which alternates the two step by step).")
+    "the gap: more rounds, or benchmarks/side_by_side.py, which alternates the two step by step); "
+    "'NOT TRUSTWORTHY' when either side was flagged busy_machine or ran with a fault injected. "
+    "Both sides always come from one run.")
 """What the peer table's ratio is, printed under it."""
 
 
@@ -198,5 +206,8 @@ def peer_rows(results: Sequence[BenchResult]) -> list[list[str]]:
     """
     return [[p.workload, str(p.num_devices), p.precision, str(p.global_batch), p.ours, p.theirs,
              format_number(p.ours_ms), format_number(p.theirs_ms),
-             f"{p.ratio:.3f} ({p.lowest:.3f}-{p.highest:.3f})", p.verdict]
+             f"{p.ratio:.3f} ({p.lowest:.3f}-{p.highest:.3f})",
+             p.verdict + (f"; NOT TRUSTWORTHY ({', '.join(p.untrustworthy)})" if p.untrustworthy
+                          else ""),
+             ", ".join(p.ours_flags) or "-", ", ".join(p.theirs_flags) or "-"]
             for p in peer_ratios(results)]

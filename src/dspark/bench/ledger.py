@@ -350,8 +350,8 @@ class Ledger:
         """The results a user means by ``ref``, oldest first.
 
         ``ref`` is ``"latest"`` or ``"previous"`` (the newest run, the one before), a run id or
-        unique prefix of one, or a git commit prefix (then the newest result of each
-        configuration measured at that commit). Unknown or ambiguous refs raise ``ValueError``
+        unique prefix of one, or a git commit prefix (then the newest run at that commit). The
+        results are always those of one run. Unknown or ambiguous refs raise ``ValueError``
         listing the candidates.
 
         Example::
@@ -382,10 +382,10 @@ class Ledger:
             raise ValueError(f"ref={ref!r} matches {len(commits)} commits: "
                              f"{', '.join(commits)}; give more characters")
         if commits:
-            latest: dict[ConfigKey, BenchResult] = {}
-            for result in results_from_measurements(self._select("WHERE git_commit = ?", commits)):
-                latest[result.key] = result
-            return sorted(latest.values(), key=lambda r: utc_timestamp(r.timestamp, what=ref))
+            # The newest run at that commit, whole: never one run's results beside another's
+            # (a ratio across two runs would pair launches minutes or days apart).
+            at_commit = [run.run_id for run in runs if commits[0] in run.git_commit.split(",")]
+            return self._run(at_commit[-1])
         known = sorted({row[0] for row in self._conn.execute(
             "SELECT DISTINCT git_commit FROM measurements")})
         raise ValueError(f"ref={ref!r} is neither 'latest', 'previous', a run id nor a commit in "

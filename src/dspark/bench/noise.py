@@ -92,13 +92,32 @@ class NoiseModel:
 
     def machine_range(self, host: str, *, leave_out: Iterable[str] = ()) -> float:
         """The run-to-run range of ``host`` without the runs ``leave_out`` (see [Note: noise rule])."""
+        return self.machine_range_source(host, leave_out=leave_out)[0]
+
+    def machine_range_source(self, host: str, *,
+                             leave_out: Iterable[str] = ()) -> tuple[float, str]:
+        """:meth:`machine_range` and, in words, where it came from: the default or the history.
+
+        Example::
+
+            NoiseModel().machine_range_source("box")
+            # (0.15, "the 15% default run-to-run range (box has 0 configurations rerun on one
+            #  commit; its history replaces the default from 3)")
+        """
         skip = set(leave_out)
         kept = [[ms for run_id, ms in members if run_id not in skip]
                 for (group_host, _, _), members in self.reruns.items() if group_host == host]
         ranges = [relative_range(members) for members in kept if len(members) >= 2]
         if len(ranges) < MIN_CONFIGS_FOR_MACHINE_RANGE:
-            return max([DEFAULT_RUN_TO_RUN, *ranges])
-        return statistics.median(ranges)
+            band = max([DEFAULT_RUN_TO_RUN, *ranges])
+            if band > DEFAULT_RUN_TO_RUN:
+                return band, (f"{host}'s widest same-code rerun range ({len(ranges)} configuration(s) "
+                              f"rerun, above the {DEFAULT_RUN_TO_RUN:.0%} default)")
+            return band, (f"the {DEFAULT_RUN_TO_RUN:.0%} default run-to-run range ({host} has "
+                          f"{len(ranges)} configuration(s) rerun on one commit; its history "
+                          f"replaces the default from {MIN_CONFIGS_FOR_MACHINE_RANGE})")
+        return statistics.median(ranges), (f"{host}'s run-to-run history (median range over "
+                                           f"{len(ranges)} configurations rerun on one commit)")
 
     def config_range(self, host: str, key: ConfigKey, *, leave_out: Iterable[str] = ()) -> float:
         """The widest range of same-code reruns of ``key`` on ``host``, without the runs
@@ -115,11 +134,25 @@ class NoiseModel:
 
             NoiseModel().band(old, new)   # 0.15 for two steady results with no history
         """
-        hosts = {a.host, b.host}
+        return self.band_source(a, b)[0]
+
+    def band_source(self, a: BenchResult, b: BenchResult) -> tuple[float, str]:
+        """:meth:`band` and, in words, which of [Note: noise rule]'s ranges set it, so that every
+        message can say whether its band is the 15% default or came from history.
+
+        Example::
+
+            NoiseModel().band_source(old, new)[1]   # "the 15% default run-to-run range (...)"
+        """
         pair = (a.run_id, b.run_id)
-        return max(*(self.machine_range(host, leave_out=pair) for host in hosts),
-                   *(self.config_range(host, b.key, leave_out=pair) for host in hosts),
-                   observed_range(a), observed_range(b))
+        candidates = [self.machine_range_source(host, leave_out=pair)
+                      for host in sorted({a.host, b.host})]
+        candidates += [(self.config_range(host, b.key, leave_out=pair),
+                        f"this configuration's same-code reruns on {host}")
+                       for host in sorted({a.host, b.host})]
+        candidates += [(observed_range(r), f"{side}'s own spread (p10-p90 of its steps or its "
+                                           "rounds' medians)") for side, r in (("A", a), ("B", b))]
+        return max(candidates, key=lambda c: c[0])
 
     def verdict(self, a: BenchResult, b: BenchResult) -> Verdict:
         """How ``b``'s median step time compares with ``a``'s, under [Note: noise rule].

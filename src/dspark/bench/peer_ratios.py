@@ -9,6 +9,11 @@ be further apart: the ratio is the median of the per-round ratios (DSpark's roun
 peer's, rounds paired by their index), with their lowest and highest, as the speedup is the median
 of the rounds' ratios to their baseline. Below 1, DSpark's step is the shorter. A ratio of the two
 pooled medians can fall outside the rounds' range when the rounds drift; this one cannot.
+
+Ratios are taken within one run only: results from several runs are refused with the runs named,
+since a round index pairs two launches only inside the run that interleaved them. Each ratio carries
+what its two sides were flagged with; a side flagged ``busy_machine`` or run with a fault injected
+is not trustworthy, and neither is a ratio built on it (:attr:`PeerRatio.untrustworthy`).
 """
 
 from __future__ import annotations
@@ -17,9 +22,13 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from dspark.bench.faults import describe_injected
 from dspark.bench.result import BenchResult
 
-__all__ = ["PAIRINGS", "PeerRatio", "peer_ratios"]
+__all__ = ["PAIRINGS", "UNTRUSTWORTHY_KINDS", "PeerRatio", "one_run", "peer_ratios"]
+
+UNTRUSTWORTHY_KINDS = ("busy_machine",)
+"""Anomalies that void a result's step times (other work took time from its ranks)."""
 
 PAIRINGS: tuple[tuple[str, str], ...] = (
     ("replicate", "torch-ddp"),
@@ -52,6 +61,14 @@ class PeerRatio:
     highest: float
     rounds: int
     """Rounds paired (the rounds both were measured in)."""
+    run_id: str = ""
+    """The one run both sides come from."""
+    ours_flags: tuple[str, ...] = ()
+    """DSpark's side: its anomaly kinds, and an injected fault when one was."""
+    theirs_flags: tuple[str, ...] = ()
+    untrustworthy: tuple[str, ...] = ()
+    """Why the ratio cannot be trusted (``"DSpark busy_machine"``, ``"peer injected ..."``); ()
+    when both sides can."""
 
     @property
     def verdict(self) -> str:
@@ -67,21 +84,48 @@ class PeerRatio:
         return "rounds disagree"
 
 
+def one_run(results: Sequence[BenchResult], what: str) -> str:
+    """The run all of ``results`` come from; a ``ValueError`` naming the runs when they are several.
+
+    Example::
+
+        one_run(ledger.resolve("latest"), "peer ratios")   # "20261204T1907Z-3fa9c1"
+    """
+    runs = list(dict.fromkeys(r.run_id for r in results))
+    if len(runs) > 1:
+        raise ValueError(f"{what} pair rounds within one run, and these results come from "
+                         f"{len(runs)} runs ({', '.join(runs)}): a round index pairs two launches "
+                         "only inside the run that interleaved them; report one run (--run REF)")
+    return runs[0] if runs else ""
+
+
+def _flags(result: BenchResult) -> tuple[str, ...]:
+    kinds = tuple(dict.fromkeys(str(a.get("kind")) for a in result.anomalies))
+    return kinds + ((describe_injected(result),) if result.injected_faults else ())
+
+
+def _distrust(side: str, result: BenchResult) -> list[str]:
+    bad = [f"{side} {kind}" for kind in _flags(result) if kind in UNTRUSTWORTHY_KINDS]
+    return bad + ([f"{side} {describe_injected(result)}"] if result.injected_faults else [])
+
+
 def _round_steps(result: BenchResult) -> dict[int, float]:
     indices = result.round_indices or list(range(len(result.round_step_ms)))
     return dict(zip(indices, result.round_step_ms, strict=False))
 
 
 def peer_ratios(results: Sequence[BenchResult], *, min_devices: int = 2) -> list[PeerRatio]:
-    """Every pairing present in ``results`` on ``min_devices`` devices or more, in the order the
-    workloads first appear, then by device count and :data:`PAIRINGS`. A pairing whose results
-    share no round (or have no round figures) is left out.
+    """Every pairing present in ``results`` (one run's: several runs are a ``ValueError``) on
+    ``min_devices`` devices or more, in the order the workloads first appear, then by device count
+    and :data:`PAIRINGS`. A pairing whose results share no round (or have no round figures) is
+    left out.
 
     Example::
 
         for r in peer_ratios(results):
             print(f"{r.workload}: {r.ours} / {r.theirs} = {r.ratio:.2f}")
     """
+    run_id = one_run(results, "peer ratios")
     by_key: dict[tuple[str, int, str, int, str, str], BenchResult] = {}
     for result in results:  # the last result of a configuration wins, as in the results table
         by_key[(result.workload, result.num_devices, result.precision, result.global_batch,
@@ -105,5 +149,7 @@ def peer_ratios(results: Sequence[BenchResult], *, min_devices: int = 2) -> list
                                  global_batch=group[3], ours=ours, theirs=theirs, ours_ms=a.step_ms,
                                  theirs_ms=b.step_ms, ratio=statistics.median(per_round),
                                  lowest=min(per_round), highest=max(per_round),
-                                 rounds=len(per_round)))
+                                 rounds=len(per_round), run_id=run_id, ours_flags=_flags(a),
+                                 theirs_flags=_flags(b),
+                                 untrustworthy=tuple(_distrust("DSpark", a) + _distrust("peer", b))))
     return out

@@ -14,6 +14,7 @@ from rich.text import Text
 
 from dspark.bench.anomalies import devices
 from dspark.bench.compare import Comparison
+from dspark.bench.faults import describe_injected
 from dspark.bench.formatting import (
     BREAKDOWN_COLUMNS,
     BREAKDOWN_NOTE,
@@ -129,7 +130,7 @@ def _find(results: Sequence[BenchResult], group: tuple[str, str, str, int], num_
 def _verdict_line(label: str, result: BenchResult | None) -> Text:
     if result is None:
         return Text(f"{label}: not measured", style="dim")
-    if result.anomalies:
+    if result.anomalies or result.injected_faults:
         return Text.assemble((f"{label}: ", "bold"), ("FLAGGED", "bold red"),
                              f" ({', '.join(anomaly_kinds(result))})")
     if result.speedup is None or result.efficiency is None:
@@ -188,7 +189,7 @@ def render_seed_table(results: Sequence[BenchResult], console: Console | None = 
     console.print(table)
     for line in verdicts:
         console.print(line)
-    flagged = [r for r in results if r.num_devices > 1 and r.anomalies]
+    flagged = [r for r in results if r.num_devices > 1 and (r.anomalies or r.injected_faults)]
     if flagged and messages:
         _print_messages(console, flagged)
 
@@ -207,19 +208,28 @@ def render_comparison(comparison: Comparison, console: Console | None = None) ->
     for header in (f"{a} step ms", f"{b} step ms", "delta", "noise band", "verdict",
                    "peak MB/rank delta"):
         table.add_column(header, justify="right")
+    sources: dict[str, str] = {}
     for row in comparison.rows:
         workload, num_devices, strategy, precision, placement, global_batch = row.key
+        tag = ""
+        if row.noise_band_source:
+            tag = f" [{sources.setdefault(row.noise_band_source, str(len(sources) + 1))}]"
+        injected = ", ".join(describe_injected(r) for r in (row.a, row.b)
+                             if r is not None and r.injected_faults)
         delta = row.delta_pct
         band = row.noise_band
         peak = row.peak_bytes_delta
         table.add_row(
-            f"{workload} {num_devices} dev {strategy} {precision} {placement} {global_batch}",
+            f"{workload} {num_devices} dev {strategy} {precision} {placement} {global_batch}"
+            + (f" [{injected}]" if injected else ""),
             "-" if row.a_step_ms is None else format_number(row.a_step_ms),
             "-" if row.b_step_ms is None else format_number(row.b_step_ms),
             "-" if delta is None else f"{delta:+.1f}%",
-            "-" if band is None else f"±{band:.0%}",
+            "-" if band is None else f"±{band:.0%}{tag}",
             Text(row.verdict, style=_VERDICT_STYLE.get(row.verdict, "")),
             "-" if peak is None else f"{peak / BYTES_PER_MB:+.1f}")
     console.print(table)
+    for source, number in sources.items():
+        console.print(Text(f"noise band [{number}]: {source}", style="dim"))
     counts = {v: len(comparison.by_verdict(v)) for v in _VERDICT_STYLE}
     console.print(", ".join(f"{count} {verdict}" for verdict, count in counts.items()))
