@@ -13,7 +13,6 @@ from dspark.bench.anomalies import (
     below_cost_model,
     is_batch_replicated,
     memory_above_expected,
-    negative_scaling,
     reduction_scratch_bytes,
     regression,
     replicated_batch,
@@ -26,38 +25,6 @@ from tests.bench.factory import MB, MODEL_STATE_BYTES, kinds, make_result, seed_
 def _scaled(result: BenchResult, baseline: BenchResult) -> BenchResult:
     """``result`` with the speedup fields the analysis fills in."""
     return annotate([baseline, result])[1]
-
-
-# -- negative_scaling ------------------------------------------------------------------------
-
-def test_negative_scaling_flags_the_seed_bug_with_its_measured_cause() -> None:
-    one, bug, fixed = seed_results()
-    (found,) = negative_scaling(_scaled(bug, one), one)
-    assert found["message"].startswith("2 devices are 1.14x slower than 1 (280 ms vs 245 ms; "
-                                       "median of 3 rounds, 0.88x-0.88x)")
-    assert "ranks' models received a replicated batch" in found["message"]
-    assert found["speedup"] == pytest.approx(245 / 280)
-    assert negative_scaling(_scaled(fixed, one), one) == []
-    assert negative_scaling(one, one) == []
-    assert negative_scaling(bug, None) == []
-
-
-def test_negative_scaling_causes_and_rounds() -> None:
-    one = make_result()
-    # Slower in the median, but one round was as fast as 1 device: said so.
-    mixed = _scaled(make_result(num_devices=2, step_ms=250.0,
-                                round_step_ms=[250.0, 240.0, 260.0]), one)
-    (found,) = negative_scaling(mixed, one)
-    assert "at least one round was no slower: at best no faster than 1" in found["message"]
-    assert "communication (10.2 ms per step for 102.0 MB on the wire)" in found["message"]
-    state = make_result(num_devices=2, step_ms=300.0, strategy="zero2",
-                        model_state_bytes_expected_per_rank=MODEL_STATE_BYTES // 2)
-    (found,) = negative_scaling(_scaled(state, make_result(strategy="zero2")), one)
-    assert "holds more model state than the zero2 strategy needs" in found["message"]
-    peer = make_result(num_devices=2, step_ms=300.0, comm_wire_bytes_per_step=None,
-                       estimated_comm_wire_bytes_per_step=GRAD)
-    (found,) = negative_scaling(_scaled(peer, one), one)
-    assert "102.0 MB on the wire, estimated)" in found["message"]
 
 
 GRAD = 102 * MB

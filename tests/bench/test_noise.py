@@ -82,3 +82,29 @@ def test_two_runs_are_not_evidence_of_their_own_noise() -> None:
     third = [_run(100.0, workload=w, run_id="r3", result_id=f"r3/{w}") for w in ("a", "b", "c")]
     assert NoiseModel.from_history(history + third).machine_range("box", leave_out=("r3",)) \
         == pytest.approx(0.30)
+
+
+def test_every_band_says_where_it_came_from() -> None:
+    def reruns(workload: str, *ms: float) -> list[BenchResult]:
+        return [_run(m, workload=workload, run_id=f"{workload}-{i}", git_commit="a" * 40)
+                for i, m in enumerate(ms)]
+
+    band, source = NoiseModel().band_source(_run(100.0), _run(100.0))
+    assert band == DEFAULT_RUN_TO_RUN and "15% default" in source and "box has 0" in source
+    history = NoiseModel.from_history(reruns("a", 100.0, 120.0) + reruns("b", 100.0, 121.0)
+                                      + reruns("c", 100.0, 125.0))
+    band, source = history.band_source(_run(100.0, run_id="x"), _run(100.0, run_id="y"))
+    assert band == pytest.approx(0.21) and "box's run-to-run history" in source
+    band, source = history.band_source(_run(100.0, 0.5, run_id="x"), _run(100.0, run_id="y"))
+    assert band == pytest.approx(0.5) and source.startswith("A's own spread")
+
+
+def test_an_injected_fault_is_never_noise_history() -> None:
+    # The finding: a run slowed with DSPARK_BENCH_SLOW_RANK became ordinary history.
+    slowed = {"DSPARK_BENCH_SLOW_RANK": "1:100"}
+    history = [_run(100.0, workload=w, run_id=f"{w}-{i}", git_commit="a" * 40,
+                    injected_faults=slowed if i else {})
+               for w in "abc" for i, _ in enumerate((0, 1))]
+    assert NoiseModel.from_history(history).machine_range("box") == DEFAULT_RUN_TO_RUN
+    assert NoiseModel.from_history(history).reruns == {
+        ("box", r.key, "a" * 40): [(r.run_id, 100.0)] for r in history if not r.injected_faults}

@@ -122,3 +122,26 @@ def test_profile_reaches_every_round_and_a_trace_only_each_first_one(fake: FakeW
     assert [options["trace_dir"] for options in fake.options] == [
         tmp_path / "traces" / "gpt2-cpu-1dev-replicate-bf16-shard8",
         tmp_path / "traces" / "gpt2-cpu-2dev-replicate-bf16-shard8", None, None]
+
+
+def test_an_injected_fault_is_recorded_shown_and_never_a_baseline(
+        fake: FakeWorkers, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The finding: DSPARK_BENCH_SLOW_RANK was recorded nowhere, and the slowed result became
+    # ordinary history for later noise bands and regression checks.
+    from dspark.bench.formatting import anomaly_kinds, config_label
+
+    db = tmp_path / "ledger.sqlite"
+    (clean,) = [r for r in run_suite([ONE], db=db, rounds=1, progress=False, run_id="clean")]
+    monkeypatch.setenv("DSPARK_BENCH_SLOW_RANK", "1:100")
+    (slowed,) = run_suite([ONE], db=db, rounds=1, progress=False, run_id="slowed")
+    assert slowed.injected_faults == {"DSPARK_BENCH_SLOW_RANK": "1:100"}
+    assert clean.injected_faults == {}
+    assert "injected DSPARK_BENCH_SLOW_RANK=1:100" in anomaly_kinds(slowed)
+    assert "injected DSPARK_BENCH_SLOW_RANK=1:100" in config_label(slowed)
+    monkeypatch.delenv("DSPARK_BENCH_SLOW_RANK")
+    (later,) = run_suite([ONE], db=db, rounds=1, progress=False, run_id="later")
+    with Ledger(db) as ledger:
+        asked = dataclasses.replace(later, timestamp="2099-01-01T00:00:00+00:00")
+        assert ledger.previous(asked).run_id == "clean"  # never the slowed one
+        assert [m.rounds_planned for m in ledger.measurements()] == [1, 1, 1]
+        assert ledger.verify().ok

@@ -21,15 +21,16 @@ from typing import TYPE_CHECKING, Any
 from dspark.bench.anomalies import (
     below_cost_model,
     memory_above_expected,
-    negative_scaling,
     regression,
     replicated_batch,
 )
 from dspark.bench.breakdown import straggler
+from dspark.bench.causes import negative_scaling
 from dspark.bench.cost_model import StepPrediction, cost_model_step_ms, predict_step
 from dspark.bench.noise import NoiseModel
 from dspark.bench.off_plan import off_plan, predicted_fields
 from dspark.bench.result import BenchResult
+from dspark.bench.samples import missing_samples
 from dspark.bench.trust import busy_machine, suspect_baseline
 
 if TYPE_CHECKING:
@@ -51,11 +52,11 @@ _Rule = Callable[[BenchResult, BenchResult | None], list[dict[str, Any]]]
 # Order = order in reports: the symptom first, then its causes, then what may void the figures
 # (annotate() puts straggler, which needs the noise model, between the two groups).
 _BASELINE_RULES: tuple[_Rule, ...] = (
-    negative_scaling, suspect_baseline, replicated_batch, memory_above_expected, below_cost_model,
-    off_plan)
+    negative_scaling, suspect_baseline, replicated_batch, missing_samples, memory_above_expected,
+    below_cost_model, off_plan)
 _TRUST_RULES: tuple[_Rule, ...] = (busy_machine,)
 
-ANOMALY_KINDS = ("negative_scaling", "suspect_baseline", "replicated_batch",
+ANOMALY_KINDS = ("negative_scaling", "suspect_baseline", "replicated_batch", "missing_samples",
                  "memory_above_expected", "below_cost_model", "off_plan", "straggler", "busy_machine",
                  "regression")
 
@@ -81,8 +82,9 @@ class Scaling:
 
 
 def scaling(result: BenchResult, baseline: BenchResult) -> Scaling | None:
-    """The per-round speedups of ``result`` over ``baseline``, paired by round index; None when
-    they share no round with a positive median.
+    """The per-round speedups of ``result`` over ``baseline``, paired by round index, each scaled
+    by the samples a step of each trained (the probe's count); None when they share no round with
+    a positive median.
 
     Example::
 
@@ -90,7 +92,10 @@ def scaling(result: BenchResult, baseline: BenchResult) -> Scaling | None:
     """
     mine = dict(zip(result.round_indices, result.round_step_ms, strict=False))
     theirs = dict(zip(baseline.round_indices, baseline.round_step_ms, strict=False))
-    ratios = tuple(theirs[r] / mine[r] for r in sorted(mine.keys() & theirs.keys())
+    # per sample, by the probe's count (see [Note: samples counted] in dspark.bench.samples)
+    work = (result.samples_per_step / baseline.samples_per_step
+            if result.samples_per_step > 0 and baseline.samples_per_step > 0 else 1.0)
+    ratios = tuple(theirs[r] / mine[r] * work for r in sorted(mine.keys() & theirs.keys())
                    if mine[r] > 0 and theirs[r] > 0)
     return Scaling(round_speedups=ratios) if ratios else None
 

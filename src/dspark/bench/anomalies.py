@@ -54,7 +54,7 @@ __all__ = [
     "gathered_bytes",
     "is_batch_replicated",
     "memory_above_expected",
-    "negative_scaling",
+    "model_state_excess",
     "reduction_scratch_bytes",
     "regression",
     "replicated_batch",
@@ -195,56 +195,11 @@ def _expected_activation_bytes(result: BenchResult, baseline: BenchResult | None
             + gathered_bytes(result))
 
 
-def _model_state_excess(result: BenchResult) -> bool:
+def model_state_excess(result: BenchResult) -> bool:
+    """Whether a rank holds more model state than its strategy's formula allows (with tolerance)."""
     expected = result.model_state_bytes_expected_per_rank
     return expected > 0 and result.model_state_bytes_per_rank > (
         expected * (1 + MODEL_STATE_TOLERANCE) + MEMORY_SLACK_BYTES)
-
-
-def _rounds_range(result: BenchResult) -> str:
-    if result.speedup_min is None or result.speedup_max is None or len(result.round_speedups) < 2:
-        return ""
-    return (f"; median of {len(result.round_speedups)} rounds, "
-            f"{format_ratio(result.speedup_min)}-{format_ratio(result.speedup_max)}")
-
-
-def negative_scaling(result: BenchResult, baseline: BenchResult | None) -> list[dict[str, Any]]:
-    """N devices took longer per step than 1 device on the same global batch (the median of the
-    per-round speedups is below 1).
-
-    Flagged whenever the speedup is below 1: N devices no faster than one is an anomaly even when
-    a round reached 1 (the message then says so). Example::
-
-        negative_scaling(two_devices, one_device)   # "2 devices are 1.14x slower than 1 (...)"
-    """
-    if result.num_devices <= 1 or baseline is None or result.speedup is None or result.speedup <= 0:
-        return []
-    speedup = result.speedup
-    if speedup >= 1:
-        return []
-    message = (f"{devices(result.num_devices)} are {format_ratio(1 / speedup)} slower than 1 "
-               f"({format_ms(result.step_ms)} vs {format_ms(baseline.step_ms)}"
-               f"{_rounds_range(result)})")
-    if result.speedup_max is not None and result.speedup_max >= 1:
-        message += ", and at least one round was no slower: at best no faster than 1"
-    if is_batch_replicated(result):
-        cause = ("the ranks' models received a replicated batch (see replicated_batch), so each "
-                 "rank does more than its share of the compute and then communicates on top")
-    elif _model_state_excess(result):
-        cause = (f"a rank holds more model state than the {result.strategy} strategy needs (see "
-                 "memory_above_expected), adding memory traffic and copies")
-    elif (wire := wire_bytes(result))[0] and result.bus_bytes_per_s > 0:
-        comm_ms = wire[0] / result.bus_bytes_per_s * 1e3
-        cause = (f"communication ({format_ms(comm_ms)} per step for {format_mb(wire[0])} on the "
-                 f"wire{', estimated' if wire[1] else ''}) outweighs the compute saved, or ranks "
-                 "wait on each other")
-    else:
-        cause = ("not evident from the numbers: `dspark bench --profile` shows each rank's "
-                 "compute and exposed communication, and flags a straggler")
-    return [anomaly("negative_scaling", f"{message}; likely cause: {cause}",
-                    speedup=speedup, speedup_min=result.speedup_min,
-                    speedup_max=result.speedup_max, step_ms=result.step_ms,
-                    baseline_step_ms=baseline.step_ms, num_devices=result.num_devices)]
 
 
 def replicated_batch(result: BenchResult, baseline: BenchResult | None) -> list[dict[str, Any]]:
@@ -339,7 +294,7 @@ def memory_above_expected(result: BenchResult,
     """
     found = []
     expected_state = result.model_state_bytes_expected_per_rank
-    if _model_state_excess(result):
+    if model_state_excess(result):
         held = result.model_state_bytes_per_rank
         found.append(anomaly(
             "memory_above_expected",

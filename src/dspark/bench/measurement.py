@@ -25,6 +25,7 @@ import numpy as np
 from dspark.bench.breakdown import step_breakdown
 from dspark.bench.cpu_load import RankLoad
 from dspark.bench.result import BenchConfig, BenchResult, ConfigKey, Recorded
+from dspark.bench.samples import counted_samples
 
 __all__ = ["Measurement", "result_id_of", "results_from_measurements", "step_time_summary"]
 
@@ -255,7 +256,9 @@ def _summarise(rounds: list[Measurement]) -> BenchResult:
         step_ms_by_round=[list(s) for s in by_round if s],
         round_step_ms=[_round_median(m) for m in rounds],
         step_ms=median, step_ms_p10=p10, step_ms_p90=p90,
-        samples_per_s=first.global_batch / (median / 1e3) if median > 0 else 0.0,
+        samples_per_step=counted_samples(samples, first.global_batch),
+        samples_per_s=((counted_samples(samples, first.global_batch) or first.global_batch)
+                       / (median / 1e3) if median > 0 else 0.0),
         peak_bytes_per_rank=max(probed.tensor_peak_bytes_by_rank, default=0) if probed else 0,
         peak_rss_bytes_per_rank=max(probed.rss_peak_bytes_by_rank, default=0) if probed else 0,
         rss_scope=probed.rss_scope if probed else "",

@@ -137,7 +137,8 @@ class BenchResult(Recorded):
     step_ms_p10: float
     step_ms_p90: float
     samples_per_s: float
-    """``global_batch`` over the median step."""
+    """The samples a step trained (``samples_per_step``, or ``global_batch`` when not counted)
+    over the median step (see [Note: samples counted] in :mod:`dspark.bench.samples`)."""
     # memory
     peak_bytes_per_rank: int
     """GPU: allocator peak. CPU: tensor bytes the rank held at its peak during one training step
@@ -173,6 +174,9 @@ class BenchResult(Recorded):
     """Whether the batch probe ran (it does in the first round of a configuration)."""
     samples_by_rank: list[int] = field(default_factory=list)
     """Samples each rank's model received per step."""
+    samples_per_step: int = 0
+    """Samples one step trained by the probe's count (their sum, at most the global batch); 0 when
+    not counted."""
     identical_input_ranks: list[list[int]] = field(default_factory=list)
     """Pairs of ranks whose models received the same batch."""
     replicated_modules: list[str] = field(default_factory=list)
