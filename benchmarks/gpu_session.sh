@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one prepared run for a session that is lent a GPU machine (one device, minutes of time):
 # the CUDA tests, then the seed's workloads at real size on one GPU, fp16, AdamW. Every step runs
-# even when one before it failed; each writes its own log under $OUT (at most 8 files come back).
+# even when one before it failed; each writes its own log under $OUT (9 files).
 #
 #   OUT=/tmp/gpu bash benchmarks/gpu_session.sh          # from the repository root
 #
@@ -9,7 +9,14 @@
 # holds that machine's CUDA PyTorch. At 1024 tokens a GPT-2 sequence's fp16 activations and logits
 # take about 1 GB, so 256 of them do not fit one GPU in one pass: the lab and
 # benchmarks/one_device_vs_pytorch.py both run GPT-2 124M's 256 as 8 micro-batches of 32.
-# Worst case 90 + 2 x 100 + 150 + 2 x 50 s = 9 min; about 4 minutes expected. 8 files come back.
+# Peak memory per engine is measured in isolation: the lab runs each configuration (DSpark, DDP) in
+# its own worker process, and one_device_vs_pytorch.py measures each choice's peak alone on the
+# device after the timed rounds (the others freed, the allocator's peak reset); a process-wide peak
+# with all three alive would count two other copies of the model state in each figure.
+# This version (isolated peaks, DDP beside DSpark in the lab) awaits a lent GPU: it has not run on
+# one yet. Keep what it writes under benchmarks/results/<date>-<machine>/ (artifact.json is written
+# for `make figures`).
+# Worst case 90 + 2 x 100 + 150 + 2 x 50 s = 9 min; about 4 minutes expected. 9 files come back.
 set -u
 OUT=${OUT:-gpu-session}
 PY=${PYTHON:-python3}
@@ -63,3 +70,17 @@ SBS=benchmarks/one_device_vs_pytorch.py
     --precision bf16 --clip 1.0 --rounds 3 --steps 6
   echo "exit $?"
 } > "$OUT/side_by_side.txt" 2>&1
+
+# 4. the record `make figures` reads: the lab's exported rows, the command, the commit, the machine
+COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+MACHINE=$(sed -n 3p "$OUT/machine.txt" | tr -d '"')
+cat > "$OUT/artifact.json" <<JSON
+{
+  "title": "One GPU: the lab at real size, fp16, AdamW, DSpark beside DDP, each in its own processes",
+  "command": "dspark bench --workloads W --devices 1 --strategies replicate,torch-ddp --precision fp16 --global-batch 256 --rounds 1 --warmup 3 --steps 10 --profile (benchmarks/gpu_session.sh, W = resnet50, gpt2-124m)",
+  "commit": "$COMMIT",
+  "machine": "$MACHINE (machine.txt)",
+  "headline": false,
+  "results": ["resnet50.json", "gpt2-124m.json"]
+}
+JSON

@@ -19,8 +19,12 @@ favours none):
 * ``torch-fused``: the same with ``AdamW(fused=True)``: the fastest plain-PyTorch optimizer step.
 
 A step is the whole global batch: K forward/backward passes of ``global_batch / K`` samples and one
-optimizer step, timed between two device synchronisations. Peak memory is the allocator's high-water
-mark over each choice's steps (CUDA only). One device has nothing to communicate, so what separates
+optimizer step, timed between two device synchronisations. Peak memory is measured for each choice
+in isolation, after the timed rounds (CUDA only): every choice is freed, then each is built alone,
+the allocator's peak reset, and ``--steps`` steps run; the peak is what that choice allocated above
+the shared input batch (model, gradients, optimizer state, activations, its own buffers). While the
+rounds run, all three choices are alive at once, so a process-wide peak then would count the other
+two choices' model state in every choice's figure. One device has nothing to communicate, so what separates
 ``dspark`` from ``torch`` is the engine's own work per step (hooks, buckets, the loss scaler's
 overflow check, the step observer) against the optimizer kernel it picks.
 """
@@ -121,9 +125,6 @@ def measure(name: str, *, global_batch: int, micro_batch: int, precision: str, r
             step, _ = built[choice]
             for _ in range(warmup if round_index == 0 else 0):
                 step()
-            if device.type == "cuda":
-                _sync(device)
-                torch.cuda.reset_peak_memory_stats(device)
             round_ms = []
             for _ in range(steps):
                 _sync(device)
@@ -131,8 +132,6 @@ def measure(name: str, *, global_batch: int, micro_batch: int, precision: str, r
                 step()
                 _sync(device)
                 round_ms.append((time.perf_counter() - start) * 1e3)
-            if device.type == "cuda":
-                peaks[choice] = max(peaks[choice], torch.cuda.max_memory_allocated(device))
             times[choice].append(round_ms)
             print(f"{name} round {round_index} {choice:<11} median step "
                   f"{statistics.median(round_ms):8.1f} ms", flush=True)
@@ -140,12 +139,38 @@ def measure(name: str, *, global_batch: int, micro_batch: int, precision: str, r
     for _, close in built.values():
         close()
     built.clear()
-    gc.collect()
+    _free(device)
     if device.type == "cuda":
-        torch.cuda.empty_cache()
+        peaks = {choice: _isolated_peak(build, steps=steps, device=device)
+                 for choice, build in builders.items()}
     return {"workload": name, "global_batch": global_batch, "micro_batch": micro_batch,
             "precision": precision, "clip": clip, "times_ms": times, "peak_allocated_bytes": peaks,
             "profiles": profiles}
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+def _isolated_peak(build: Callable[[], tuple[Callable[[], None], Callable[[], None]]], *,
+                   steps: int, device: torch.device) -> int:
+    """One choice's peak, alone on the device: built after every other choice was freed, the
+    allocator's peak reset, ``steps`` steps run; the bytes allocated above what was there before
+    it was built (the shared input batch)."""
+    _free(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    step, close = build()
+    for _ in range(max(steps, 2)):  # the optimizer's state appears at the first step
+        step()
+    _sync(device)
+    peak = torch.cuda.max_memory_allocated(device) - before
+    close()
+    _free(device)
+    return peak
 
 
 _SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
@@ -183,7 +208,7 @@ def summarise(result: dict[str, Any]) -> list[str]:
         peak = result["peak_allocated_bytes"][choice]
         lines.append(f"  {choice:<11} {mid:8.1f} ms/step (rounds {min(per_round):.1f}-"
                      f"{max(per_round):.1f}), {result['global_batch'] / mid * 1e3:8.1f} samples/s"
-                     + (f", peak {peak / 2**30:.2f} GiB allocated" if peak else ""))
+                     + (f", peak {peak / 2**30:.2f} GiB allocated alone" if peak else ""))
     for peer in ("torch", "torch-fused"):
         ratios = [d / p for d, p in zip(medians["dspark"], medians[peer], strict=True)]
         lines.append(f"  dspark / {peer:<11} {statistics.median(ratios):.3f} "
