@@ -42,7 +42,7 @@ _MODEL = layout.model_key("")
 
 
 def load_checkpoint(target: Checkpointable, path: str | os.PathLike[str], *,
-                    extra: Mapping[str, Any] | None = None) -> CheckpointInfo:
+                    extra: Mapping[str, Any] | None = None, optimizer: bool = True) -> CheckpointInfo:
     """Load the checkpoint at ``path`` into ``target`` (an engine): parameters, buffers, optimizer
     state and hyper-parameters, step count, fp16 loss scale, this rank's random state, and the
     ``extra`` objects' states (restored in place with their ``load_state_dict``). Collective: every
@@ -53,9 +53,14 @@ def load_checkpoint(target: Checkpointable, path: str | os.PathLike[str], *,
     differs), lacks a requested extra state, or is partial, damaged or crafted (naming the file); on
     every rank, before anything is changed. A save still writing in the background is waited for first.
 
+    ``optimizer=False`` loads the model's parameters and buffers only (and the ``extra`` objects):
+    the optimizer (any, of any class), the step count, the loss scale and the random state stay as
+    they are; the checkpoint's optimizer is neither read nor checked.
+
     Example::
 
         info = load_checkpoint(engine, "ckpt/latest", extra={"scheduler": sched})
+        load_checkpoint(eval_engine, "ckpt/latest", optimizer=False)   # weights only
         info.step_count == engine.step_count             # True
     """
     background.wait_for_pending_save()
@@ -65,7 +70,7 @@ def load_checkpoint(target: Checkpointable, path: str | os.PathLike[str], *,
         error: Exception | None = None
         info: CheckpointInfo | None = None
         try:
-            info = _load_once(target, path, extra=extra)
+            info = _load_once(target, path, extra=extra, optimizer=optimizer)
         except Exception as exc:  # raised below, once every rank knows whether to load again
             error = exc
         # A save to the same path published a new checkpoint while this one was read (an evaluator
@@ -99,7 +104,7 @@ def _identity(path: str | os.PathLike[str]) -> tuple[int, int, int] | None:
 
 
 def _load_once(target: Checkpointable, path: str | os.PathLike[str], *,
-               extra: Mapping[str, Any] | None) -> CheckpointInfo:
+               extra: Mapping[str, Any] | None, optimizer: bool) -> CheckpointInfo:
     world = target.world
     failure: Exception | None = None
     try:
@@ -112,14 +117,15 @@ def _load_once(target: Checkpointable, path: str | os.PathLike[str], *,
         storage.check_files(directory, metadata)
         template = target.sharded_state_dict()
         names = _match_names(template, metadata.state_dict_metadata, directory)
-        _check_param_groups(template, info, training, directory)
         _check_extra(extra, training, directory)
-        try:
-            extra_state.check_rng_state(world.rank, training.rng.get(str(world.rank), {}),
-                                        metadata.state_dict_metadata)
-        except ValueError as exc:
-            raise CheckpointError(f"checkpoint {str(directory)!r}: {exc}; the checkpoint is damaged "
-                                  "or was crafted") from exc
+        if optimizer:
+            _check_param_groups(template, info, training, directory)
+            try:
+                extra_state.check_rng_state(world.rank, training.rng.get(str(world.rank), {}),
+                                            metadata.state_dict_metadata)
+            except ValueError as exc:
+                raise CheckpointError(f"checkpoint {str(directory)!r}: {exc}; the checkpoint is damaged "
+                                      "or was crafted") from exc
     except Exception as exc:
         failure = exc
     # Ranks could see the directory differently (a file system not shared by all): agree first, so
@@ -127,6 +133,8 @@ def _load_once(target: Checkpointable, path: str | os.PathLike[str], *,
     _agree(failure, path, world.rank)
 
     state = _destination(target, template, metadata.state_dict_metadata, names, training, extra)
+    if not optimizer:  # weights only: DCP reads nothing else
+        state = {key: value for key, value in state.items() if key.startswith(("model/", "extra/"))}
     storage.read_state(state, directory, metadata, distributed=world.is_distributed)
     # The extra objects first, each undone if one refuses its state (a loader built with another
     # batch size): every rank agrees before the engine itself changes.
@@ -137,12 +145,14 @@ def _load_once(target: Checkpointable, path: str | os.PathLike[str], *,
         _undo_extra(undo)
         raise
     try:
-        target.load_sharded_state_dict(_as_sharded_state_dict(template, state, names, training))
+        sharded = _as_sharded_state_dict(template, state, names, training)
+        target.load_sharded_state_dict(sharded if optimizer else {"model": sharded["model"]})
     except Exception:
         _undo_extra(undo)
         raise
-    extra_state.set_rng_tensors(world.rank, state)
-    extra_state.restore_python_rng(training.rng.get(str(world.rank), {}))
+    if optimizer:
+        extra_state.set_rng_tensors(world.rank, state)
+        extra_state.restore_python_rng(training.rng.get(str(world.rank), {}))
     log.info("rank %d: loaded checkpoint %s (step %d, written by %s on %d rank(s))", world.rank,
              directory, info.step_count, info.strategy, info.world_size)
     return info

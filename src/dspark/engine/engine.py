@@ -47,6 +47,7 @@ from dspark.engine.optimizer_guard import check_elementwise, guard_sharded_optim
 from dspark.engine.param_groups import ParamGroupsFn, group_by_overrides
 from dspark.engine.param_slot import ParamSlot
 from dspark.engine.policy import precision_policy, sharding_policy
+from dspark.engine.pretrained import load_from_rank, load_pretrained, save_pretrained
 from dspark.engine.state_dict import IncompatibleKeys, StateDicts
 from dspark.engine.step_observer import StepObserver, observed
 from dspark.engine.trace import TraceSession, check_trace_args
@@ -59,6 +60,7 @@ from dspark.engine.validation import (
     unique_params,
     warn_emulated_bf16,
 )
+from dspark.engine.weights import KeyMap
 from dspark.engine.window import Window
 from dspark.engine.zero3_units import UnitPolicy
 from dspark.tensor import DistTensor, Placement
@@ -387,21 +389,72 @@ class Engine:
         self.sync_buffers()
         return self._states.full(rank0_only=rank0_only, cpu=cpu)
 
-    def load_full_state_dict(self, state_dict: Mapping[str, torch.Tensor], *,
+    def load_full_state_dict(self, state_dict: Mapping[str, torch.Tensor] | None, src_rank: int | None = 0, *,
                              strict: bool = True) -> IncompatibleKeys:
-        """Load a plain ``model.state_dict()`` (pretrained weights, every rank passing the same) into the
-        engine, whatever its strategy: zero3 keeps this rank's rows. Optimizer state is untouched.
-        ``strict=False`` ignores keys the model lacks and leaves missing ones as they are; a state
-        dict none of whose keys is a name of the model is an error even then (nothing would load).
-        Returns the missing and unexpected keys, as ``nn.Module.load_state_dict`` does.
+        """Load a plain ``model.state_dict()`` (pretrained weights) held by rank ``src_rank`` only into
+        the engine, whatever its strategy; the other ranks pass None (or anything: it is not read).
+        It is checked there first, then sent one tensor at a time, each rank keeping what its strategy
+        holds (zero3: its rows), so no rank but the source ever holds the whole model (see [Note:
+        pretrained weights without N copies] in :mod:`dspark.engine.pretrained`). ``src_rank=None``:
+        every rank passes the same state dict and nothing is sent. Optimizer state is untouched.
+        Missing, unexpected and mis-shaped keys are a ``ValueError`` listing them on every rank;
+        ``strict=False`` loads what matches and logs the rest. Returns the missing and unexpected keys,
+        as ``nn.Module.load_state_dict`` does. Collective.
 
         Example::
 
-            engine.load_full_state_dict(torch.load("gpt2.pt", weights_only=True))
+            sd = torch.load("gpt2.pt", weights_only=True) if dspark.get_world().is_main else None
+            engine.load_full_state_dict(sd, src_rank=0)
             missing, unexpected = engine.load_full_state_dict(backbone, strict=False)  # a new head
         """
         self._check_between_steps("load_full_state_dict")
-        return self._states.load_full(state_dict, strict=strict)
+        return IncompatibleKeys(*load_from_rank(self._states.weight_entries(), state_dict, src_rank=src_rank,
+                                                strict=strict, device=self.world.device))
+
+    def load_pretrained(self, path: str | os.PathLike[str], key_map: KeyMap | None = None,
+                        strict: bool = True) -> IncompatibleKeys:
+        """Load pretrained weights from a ``.safetensors`` file or a HuggingFace model directory
+        (``model.safetensors``, or shards + ``model.safetensors.index.json``): every rank reads only
+        what its strategy holds (zero3: its rows, through safetensors slices), so no rank ever holds
+        the whole model. ``key_map`` renames the file's keys to the model's (a dict, or a function
+        returning the name or None to skip the key); a tied parameter loads from whichever of its
+        names the file holds. Missing, unexpected and mis-shaped keys are a ``ValueError`` listing
+        them (``strict=False``: a warning, and the rest loads). Returns the missing and unexpected
+        keys. Collective.
+
+        Example::
+
+            with dspark.meta_init():
+                model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained("gpt2"))
+            engine = dspark.Engine(model, optimizer=opt, strategy="zero3")
+            engine.load_pretrained("/models/gpt2")        # config.json + model.safetensors
+        """
+        self._check_between_steps("load_pretrained")
+        return IncompatibleKeys(*load_pretrained(self._states.weight_entries(), path, key_map=key_map,
+                                                 strict=strict))
+
+    def save_pretrained(self, directory: str | os.PathLike[str], max_shard_size: int | str = "5GB") -> Path:
+        """Write the model's weights as HuggingFace does: safetensors shards of at most
+        ``max_shard_size`` (``"5GB"``, ``"500MB"`` or bytes) + ``model.safetensors.index.json`` (one
+        ``model.safetensors`` when it fits), names as in ``model.state_dict()``, a tied parameter
+        once; the model's ``config`` beside them when it has ``save_pretrained`` (a HuggingFace
+        model), so ``AutoModelForCausalLM.from_pretrained(directory)`` loads it. zero3 gathers one
+        unit at a time and rank 0 writes each shard as soon as it is complete: no rank holds the whole
+        model. Collective; returns the directory.
+
+        Example::
+
+            engine.save_pretrained("out/gpt2-finetuned")
+            model = transformers.AutoModelForCausalLM.from_pretrained("out/gpt2-finetuned")
+        """
+        self._check_between_steps("save_pretrained")
+        self.sync_buffers()
+        zero3 = self._zero3
+        return save_pretrained(self._states.weight_entries(), directory, max_shard_size=max_shard_size,
+                               units=[unit.slots for unit in zero3.units] if zero3 is not None else [],
+                               gather=zero3.gather_slots if zero3 is not None else _nothing,
+                               free=zero3.free_slots if zero3 is not None else _nothing,
+                               config=getattr(self.module, "config", None))
 
     def sync_buffers(self) -> None:
         """Give every rank rank 0's buffers now (collective; done before checkpoints and full state
@@ -461,21 +514,25 @@ class Engine:
 
         return save_checkpoint(self, path, async_save=async_save, extra=extra)
 
-    def load(self, path: str | os.PathLike[str], *, extra: Mapping[str, Any] | None = None) -> CheckpointInfo:
+    def load(self, path: str | os.PathLike[str], *, extra: Mapping[str, Any] | None = None,
+             optimizer: bool = True) -> CheckpointInfo:
         """Load the checkpoint at ``path``, whatever world size and strategy wrote it: parameters,
         buffers, optimizer state (also before the first step), hyper-parameters, step count, fp16
         loss scale, this rank's random state, and each ``extra`` object's state (in place, with its
-        ``load_state_dict``). Collective: call it on every rank, between steps. Returns what the
-        checkpoint's ``dspark.json`` says (step, strategy, world size, versions).
+        ``load_state_dict``). ``optimizer=False`` loads the weights and buffers only (and ``extra``),
+        into an engine with any optimizer: the checkpoint's optimizer state is not read. Collective:
+        call it on every rank, between steps. Returns what the checkpoint's ``dspark.json`` says
+        (step, strategy, world size, versions).
 
         Example::
 
             info = engine.load("ckpt/latest", extra={"scheduler": sched, "loader": loader})
+            eval_engine.load("ckpt/latest", optimizer=False)   # weights only
         """
         self._check_between_steps("load")
         from dspark.checkpoint import load_checkpoint
 
-        return load_checkpoint(self, path, extra=extra)
+        return load_checkpoint(self, path, extra=extra, optimizer=optimizer)
 
     def _check_between_steps(self, what: str) -> None:
         if self._window.micro_step != 0:
@@ -544,6 +601,10 @@ class Engine:
             self._zero3_guard.remove()
         restore_batchnorm(self._batchnorms)
         self._batchnorms = []
+
+
+def _nothing(slots: list[ParamSlot]) -> None:
+    """What gathers and frees parameters where nothing is sharded."""
 
 
 def defers_host_reads(device: torch.device) -> bool:

@@ -1,5 +1,6 @@
-"""The engine's state dicts: the whole model's (``full_state_dict``, ``load_full_state_dict``) and the
-sharded one, the boundary between the engine and anything that saves it.
+"""The engine's state dicts: the whole model's (``full_state_dict``; loading one is in
+:mod:`dspark.engine.pretrained`) and the sharded one, the boundary between the engine and anything
+that saves it.
 
 [Note: sharded state dict] ``engine.sharded_state_dict()`` describes everything the engine holds, as
 PyTorch's distributed checkpoint (DCP) consumes it, with live tensors (no copies)::
@@ -35,6 +36,7 @@ from dspark.comm import World
 from dspark.engine.loss_scaler import LossScaler
 from dspark.engine.param_slot import ParamSlot
 from dspark.engine.policy import PrecisionPolicy, ShardingPolicy
+from dspark.engine.weights import WeightEntry, weight_entries
 from dspark.engine.zero3_guard import Zero3StateDictGuard
 from dspark.engine.zero3_units import Zero3Scheduler
 from dspark.tensor import DistTensor, Shard
@@ -119,6 +121,10 @@ class StateDicts:
         self.world = world
         self.rank = world.rank
 
+    def weight_entries(self) -> list[WeightEntry]:
+        """The model's tensors as this rank holds them (see :mod:`dspark.engine.weights`)."""
+        return weight_entries([*self.slots, *self.frozen_slots], self.module_state_dict())
+
     def module_state_dict(self) -> dict[str, Any]:
         """``module.state_dict(keep_vars=True)`` for walks over names and buffers: under zero3 the
         module refuses it while its parameters are freed (see [Note: state dicts under zero3]); the
@@ -153,55 +159,6 @@ class StateDicts:
         for name, value in self.module_state_dict().items():
             out[name] = values[name] if name in values else own(value)
         return out
-
-    def load_full(self, state_dict: Mapping[str, torch.Tensor], *, strict: bool) -> IncompatibleKeys:
-        """See :meth:`Engine.load_full_state_dict`."""
-        if not isinstance(state_dict, Mapping):
-            raise TypeError(f"state_dict must be a mapping of name -> tensor, got {type(state_dict).__name__}")
-        expected = self.module_state_dict()
-        slot_of = {name: s for s in (*self.slots, *self.frozen_slots) for name in s.names}
-        missing = [k for k in expected if k not in state_dict and not (k in slot_of and any(
-            n in state_dict for n in slot_of[k].names))]
-        unexpected = [k for k in state_dict if k not in expected]
-        if strict and (missing or unexpected):
-            raise ValueError(f"load_full_state_dict: the state dict does not match the model: missing "
-                             f"{missing[:5]}{' ...' if len(missing) > 5 else ''}, unexpected "
-                             f"{unexpected[:5]}{' ...' if len(unexpected) > 5 else ''} (strict=False "
-                             f"skips them){_prefix_fix(list(expected), list(state_dict))}")
-        if state_dict and len(unexpected) == len(state_dict):
-            raise ValueError(f"load_full_state_dict: none of the state dict's {len(state_dict)} keys is a "
-                             f"name of the model (first: {unexpected[:3]}; the model's: "
-                             f"{list(expected)[:3]}), so nothing would load"
-                             f"{_prefix_fix(list(expected), list(state_dict))}")
-        for name, current in expected.items():  # every value checked before any is copied
-            if name not in state_dict:
-                continue
-            value = state_dict[name]
-            if not isinstance(value, torch.Tensor):
-                raise TypeError(f"load_full_state_dict: {name!r} is a {type(value).__name__} in the state "
-                                "dict, not a tensor; nothing was loaded")
-            slot = slot_of.get(name)
-            shape = tuple(slot.shape) if slot is not None else tuple(current.shape)
-            if tuple(value.shape) != shape:
-                raise ValueError(f"load_full_state_dict: {name!r} has shape {tuple(value.shape)} in "
-                                 f"the state dict but {shape} in the model; nothing was loaded")
-        done: set[int] = set()
-        with torch.no_grad():
-            for name, current in expected.items():
-                if name not in state_dict:
-                    continue
-                value = state_dict[name]
-                slot = slot_of.get(name)
-                if slot is not None:
-                    if id(slot) in done:
-                        continue
-                    done.add(id(slot))
-                    if slot.padded_shard is not None:
-                        rows = slot.rows_view(value)[slot.start:slot.stop]
-                        slot.padded_shard[: slot.local_rows].copy_(rows)
-                        continue
-                current.copy_(value)
-        return IncompatibleKeys(missing, unexpected)
 
     # -- sharded ---------------------------------------------------------------------------------
     def sharded(self, *, step_count: int) -> dict[str, Any]:
@@ -347,22 +304,3 @@ def _install_param(slot: ParamSlot, value: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name!r} has shape {tuple(value.shape)} in the state dict but {global_rows} "
                          "in the model (rows view)")
     slot.rows_view(slot.param.detach()).copy_(value.reshape(global_rows))
-
-
-
-def _prefix_fix(expected: list[str], given: list[Any]) -> str:
-    """A hint when the two key sets differ only by a leading name: a checkpoint saved from a DDP or
-    ``torch.compile`` wrapper (``module.``, ``_orig_mod.``) or from a model held inside another."""
-    names = [k for k in given if isinstance(k, str)]
-    if not names or not expected:
-        return ""
-    want = set(expected)
-    for prefix in {k.split(".", 1)[0] + "." for k in names if "." in k}:
-        if all(k.startswith(prefix) for k in names) and {k[len(prefix):] for k in names} <= want:
-            return (f". Every key of the state dict starts with {prefix!r} (saved from a wrapper, e.g. "
-                    f"DDP's 'module.'): strip it, {{k.removeprefix({prefix!r}): v for k, v in sd.items()}}")
-    for prefix in {k.split(".", 1)[0] + "." for k in expected if "." in k}:
-        if all(k.startswith(prefix) for k in expected) and {prefix + k for k in names} <= want:
-            return (f". Every name of the model starts with {prefix!r} (the engine wraps a wrapper, e.g. "
-                    f"torch.compile's '_orig_mod.'): add it, {{{prefix!r} + k: v for k, v in sd.items()}}")
-    return ""

@@ -1,0 +1,164 @@
+"""Peak resident memory per rank while pretrained weights are loaded into a sharded model, three ways:
+
+* ``load_pretrained``: DSpark zero3, every rank reads its rows of the safetensors files;
+* ``from_rank0``: DSpark zero3, rank 0 reads the whole state dict, ``engine.load_full_state_dict(sd,
+  src_rank=0)`` sends it tensor by tensor (the other ranks pass None);
+* ``fsdp2``: PyTorch's FSDP2 (``fully_shard`` per block), rank 0 reads the whole state dict,
+  ``set_model_state_dict(..., StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))``.
+
+The model is HuggingFace's GPT-2 built from a config (default: GPT-2 medium, 355M parameters) on
+the meta device, so it never exists whole on a rank before the load. First write the weights once
+(one process), then measure each method in its own launch (a peak is per process)::
+
+    python benchmarks/pretrained_load_rss.py --prepare /tmp/gpt2-medium
+    dspark run --nproc 2 benchmarks/pretrained_load_rss.py --weights /tmp/gpt2-medium --method load_pretrained
+    dspark run --nproc 2 benchmarks/pretrained_load_rss.py --weights /tmp/gpt2-medium --method from_rank0
+    dspark run --nproc 2 benchmarks/pretrained_load_rss.py --weights /tmp/gpt2-medium --method fsdp2
+
+Each rank prints its RSS before the load, the peak during it (sampled every 2 ms by a thread, with
+``VmHWM`` as a check), and the bytes of parameters it holds after it. Linux only (``/proc``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import dspark
+
+MIB = 2**20
+
+
+def _config(layers: int, width: int) -> Any:
+    from transformers import GPT2Config
+
+    return GPT2Config(n_embd=width, n_layer=layers, n_head=width // 64, n_positions=1024,
+                      vocab_size=50257, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+
+
+def _rss_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+class _PeakSampler:
+    """The largest RSS seen while the ``with`` block runs (a thread samples every 2 ms)."""
+
+    def __enter__(self) -> _PeakSampler:
+        self.peak = _rss_bytes()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, _rss_bytes())
+            time.sleep(0.002)
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _rss_bytes())
+
+
+def prepare(directory: Path, layers: int, width: int) -> None:
+    from transformers import GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(_config(layers, width))
+    model.save_pretrained(directory)
+    count = sum(p.numel() for p in model.parameters())
+    print(f"wrote {directory}: GPT-2 with {layers} layers, width {width}: {count:,} parameters")
+
+
+def _full_state_dict_on_rank0(weights: Path) -> dict[str, torch.Tensor] | None:
+    from safetensors.torch import load_file
+
+    if dspark.get_world().rank != 0:
+        return None
+    files = sorted(weights.glob("*.safetensors"))
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        state.update(load_file(file))
+    state["lm_head.weight"] = state["transformer.wte.weight"]  # tied: stored once
+    return state
+
+
+def measure(weights: Path, method: str, layers: int, width: int) -> None:
+    from transformers import GPT2LMHeadModel
+
+    world = dspark.init(backend="gloo")
+    config = _config(layers, width)
+    if method == "fsdp2":
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+        from torch.distributed.fsdp import fully_shard
+
+        with torch.device("meta"):
+            model = GPT2LMHeadModel(config)
+        for block in model.transformer.h:
+            fully_shard(block)
+        fully_shard(model)
+        model.to_empty(device="cpu")
+        gc.collect()
+        before = _rss_bytes()
+        with _PeakSampler() as sampler:
+            state = _full_state_dict_on_rank0(weights)
+            set_model_state_dict(model, state or {}, options=StateDictOptions(
+                full_state_dict=True, broadcast_from_rank0=True))
+            del state
+        held = sum(p.to_local().numel() * p.element_size() for p in model.parameters())  # type: ignore[attr-defined]
+    else:
+        with dspark.meta_init():
+            model = GPT2LMHeadModel(config)
+        engine = dspark.Engine(model, optimizer=functools.partial(torch.optim.SGD, lr=0.0), strategy="zero3",
+                               batch_check_every=None)
+        gc.collect()
+        before = _rss_bytes()
+        with _PeakSampler() as sampler:
+            if method == "load_pretrained":
+                engine.load_pretrained(weights)
+            else:
+                state = _full_state_dict_on_rank0(weights)
+                engine.load_full_state_dict(state, src_rank=0)
+                del state
+        held = sum(d.local.numel() * d.local.element_size() for d in engine.sharded_parameters().values())
+    num_params = sum(p.numel() for p in GPT2LMHeadModel(config).parameters()) if world.rank == 0 else 0
+    lines = dspark.comm.all_gather_object(
+        f"rank {world.rank}: RSS before {before / MIB:.0f} MiB, peak during the load {sampler.peak / MIB:.0f} MiB "
+        f"(+{(sampler.peak - before) / MIB:.0f} MiB), parameters held after {held / MIB:.0f} MiB")
+    if world.rank == 0:
+        print(f"{method}: GPT-2 {layers} layers, width {width}, {num_params:,} parameters "
+              f"({num_params * 4 / MIB:.0f} MiB in fp32) on {world.world_size} ranks")
+        for line in lines:
+            print("  " + line)
+    dspark.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prepare", type=Path, help="write the model's weights into this directory and exit")
+    parser.add_argument("--weights", type=Path, help="the directory --prepare wrote")
+    parser.add_argument("--method", choices=("load_pretrained", "from_rank0", "fsdp2"), default="load_pretrained")
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--width", type=int, default=1024)
+    args = parser.parse_args()
+    if args.prepare is not None:
+        prepare(args.prepare, args.layers, args.width)
+    elif args.weights is not None:
+        measure(args.weights, args.method, args.layers, args.width)
+    else:
+        parser.error("give --prepare DIR or --weights DIR")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,172 @@
+"""Pretrained weights in and out on 2 ranks, every strategy: save_pretrained -> transformers'
+from_pretrained gives the same logits; load_pretrained and load_full_state_dict(src_rank=0) give
+full_state_dict() equal to the weights loaded; load(path, optimizer=False) takes weights only."""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import dspark
+from dspark.checkpoint.hf_files import SafetensorsSource
+from tests.engine import hf_models
+
+STRATEGIES = ["replicate", "zero1", "zero2", "zero3"]
+ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2)
+SGD = functools.partial(torch.optim.SGD, lr=0.1)
+PROBE = torch.arange(2 * hf_models.SEQ).reshape(2, hf_models.SEQ) % hf_models.VOCAB
+
+
+def _engine(strategy: str, *, seed: int = 0, optimizer: Any = ADAMW) -> dspark.Engine:
+    return dspark.Engine(hf_models.gpt2(seed=seed), optimizer=optimizer, strategy=strategy,
+                         batch_check_every=None)
+
+
+def _train_one_step(engine: dspark.Engine) -> None:
+    x, y = hf_models.token_batch(4, step=0)
+    xl, yl = dspark.distribute_batch((x, y), shard_dim=0)
+    engine.backward(engine(input_ids=xl, labels=yl).loss)
+    engine.step()
+
+
+def _save(directory: str, strategy: str, max_shard_size: str) -> dict[str, Any]:
+    engine = _engine(strategy)
+    _train_one_step(engine)
+    engine.save_pretrained(directory, max_shard_size=max_shard_size)
+    engine.module.eval()
+    with torch.no_grad():
+        logits = engine(input_ids=PROBE).logits
+    state = engine.full_state_dict()
+    engine.close()
+    return {"logits": logits, "state": state}
+
+
+@pytest.mark.parametrize("strategy,max_shard_size", [("zero3", "5GB"), ("replicate", "3KB")])
+def test_save_pretrained_loads_in_transformers_with_the_same_logits(pool, tmp_path: Path, strategy: str,
+                                                                  max_shard_size: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "hf"
+    results = pool.run(_save, str(out), strategy, max_shard_size)
+    sharded = max_shard_size != "5GB"
+    assert (out / "model.safetensors.index.json").is_file() == sharded
+    assert (out / "config.json").is_file()
+    names = set(SafetensorsSource(out).headers)
+    assert "transformer.wte.weight" in names and "lm_head.weight" not in names  # tied: stored once
+    model = AutoModelForCausalLM.from_pretrained(out)
+    model.eval()
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, results[0]["state"][key]), key
+    with torch.no_grad():
+        logits = model(input_ids=PROBE).logits
+    for result in results:
+        torch.testing.assert_close(logits, result["logits"], rtol=1e-5, atol=1e-6)
+
+
+def _load_pretrained(directory: str, strategy: str) -> dict[str, torch.Tensor]:
+    engine = _engine(strategy, seed=7)  # other weights than those saved: the load must replace them
+    engine.load_pretrained(directory)
+    state = engine.full_state_dict()
+    engine.close()
+    return state
+
+
+@pytest.fixture(scope="module")
+def saved_dir(pool, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("pretrained") / "hf"
+    pool.run(_save, str(out), "zero3", "4KB")
+    return out
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_load_pretrained_gives_the_saved_weights(pool, saved_dir: Path, strategy: str) -> None:
+    source = SafetensorsSource(saved_dir)
+    for state in pool.run(_load_pretrained, str(saved_dir), strategy):
+        for key, value in state.items():
+            stored = "transformer.wte.weight" if key == "lm_head.weight" else key
+            if stored in source.headers:
+                assert torch.equal(value, source.read(stored)), key
+
+
+def _load_mismatched(directory: str, strict: bool) -> Any:
+    engine = _engine("zero3")
+    try:
+        return tuple(engine.load_pretrained(directory, strict=strict,
+                                            key_map=lambda k: None if k.endswith("ln_f.bias") else
+                                            k.replace("h.1.", "layer.1.")))
+    except ValueError as exc:
+        return str(exc)
+    finally:
+        engine.close()
+
+
+def test_load_pretrained_lists_missing_and_unexpected_keys(pool, saved_dir: Path) -> None:
+    for message in pool.run(_load_mismatched, str(saved_dir), True):
+        assert "missing ['transformer.h.1.ln_1.weight'" in message, message
+        assert "unexpected [" in message and "'transformer.layer.1.ln_1.weight'" in message, message
+        assert "and 3 more" in message  # 13 missing (12 of block 1 and ln_f.bias), 10 listed
+    for missing, unexpected in pool.run(_load_mismatched, str(saved_dir), False):
+        assert "transformer.ln_f.bias" in missing and "transformer.h.1.mlp.c_fc.weight" in missing
+        assert "transformer.layer.1.mlp.c_fc.weight" in unexpected
+
+
+def _load_from_rank_0(strategy: str) -> dict[str, torch.Tensor]:
+    source = hf_models.gpt2(seed=11).state_dict() if dspark.get_world().rank == 0 else None
+    engine = _engine(strategy)
+    engine.load_full_state_dict(source, src_rank=0)
+    state = engine.full_state_dict()
+    engine.close()
+    return state
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_load_full_state_dict_from_rank_0_only(pool, strategy: str) -> None:
+    want = hf_models.gpt2(seed=11).state_dict()
+    for state in pool.run(_load_from_rank_0, strategy):
+        for key, value in want.items():
+            assert torch.equal(state[key], value), key
+
+
+def _load_from_rank_0_mis_shaped() -> str:
+    source = None
+    if dspark.get_world().rank == 0:
+        source = hf_models.gpt2(seed=11).state_dict()
+        source["transformer.h.0.attn.c_proj.weight"] = torch.zeros(3, 3)
+    engine = _engine("zero3")
+    try:
+        engine.load_full_state_dict(source, src_rank=0)
+    except ValueError as exc:
+        return str(exc)
+    finally:
+        engine.close()
+    return "no error"
+
+
+def test_a_mis_shaped_tensor_on_the_source_rank_fails_every_rank(pool) -> None:
+    for message in pool.run(_load_from_rank_0_mis_shaped):
+        assert "'transformer.h.0.attn.c_proj.weight' has shape (3, 3) in the source" in message, message
+
+
+def _weights_only(path: str) -> dict[str, Any]:
+    saver = _engine("zero3", optimizer=ADAMW)
+    _train_one_step(saver)
+    saver.save(path)
+    want = saver.full_state_dict()
+    saver.close()
+    other = _engine("zero2", seed=5, optimizer=SGD)  # another optimizer class: optimizer=True refuses
+    other.load(path, optimizer=False)
+    got = other.full_state_dict()
+    step = other.step_count
+    other.close()
+    return {"same": all(torch.equal(got[k], want[k]) for k in want), "step": step}
+
+
+def test_load_weights_only_into_an_engine_with_another_optimizer(pool, tmp_path: Path) -> None:
+    for result in pool.run(_weights_only, str(tmp_path / "ckpt")):
+        assert result == {"same": True, "step": 0}
+    assert json.loads((tmp_path / "ckpt" / "dspark.json").read_text())["optimizer"] == "AdamW"
