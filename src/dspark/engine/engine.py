@@ -34,6 +34,7 @@ from torch import nn
 from dspark import comm, cpu_malloc
 from dspark.engine.agreement import agreed
 from dspark.engine.audit import audit_rows
+from dspark.engine.auto import AutoRequest, check_memory_budget, resolve_auto
 from dspark.engine.backward import BackwardPass
 from dspark.engine.batch_check import DEFAULT_BATCH_CHECK_EVERY, BatchCheck
 from dspark.engine.buffer_sync import BufferSync, broadcast_tensors
@@ -100,6 +101,11 @@ class Engine:
     over the window's micro-batches and all ranks. ``engine.backward(loss, weight=n)`` weighs each
     rank's loss by the ``n`` samples (or tokens) it averages over, for unequal local batches.
 
+    ``strategy="auto"`` plans the model on this world and takes the fastest strategy whose predicted
+    peak fits ``memory_budget`` bytes per rank (default: the device's memory less a margin; on a CPU
+    the host's available memory over its local ranks), the same on every rank; rank 0 logs the plan
+    table and ``engine.plan`` keeps it (see :mod:`dspark.plan.auto`).
+
     Keyword arguments beyond the strategy and precision: ``param_groups(name, param) -> dict`` gives
     per-parameter optimizer options (weight-decay groups); ``zero3_units`` picks the modules zero3
     gathers together (module classes or a ``(name, module) -> bool`` predicate); ``sync_batchnorm``
@@ -135,13 +141,23 @@ class Engine:
         batch_check_every: int | None = DEFAULT_BATCH_CHECK_EVERY,
         trace_dir: str | os.PathLike[str] | None = None,
         trace_steps: tuple[int, int] = (1, 2),
+        memory_budget: int | None = None,
     ) -> None:
         check_arguments(model, optimizer, grad_accum_steps, clip_grad_norm, bucket_mb, reduce_dtype,
                         param_groups, zero3_units)
         check_trace_args(trace_dir, trace_steps)
+        self.world = comm.get_world()
+        self.plan: Any = None
+        """``strategy="auto"``: the :class:`dspark.plan.Plan` the strategy was chosen from; else None."""
+        if strategy == "auto":  # see [Note: auto without a circle] in dspark.engine.auto
+            strategy, self.plan = resolve_auto(AutoRequest(
+                model=model, optimizer=optimizer, precision=str(precision), bucket_mb=float(bucket_mb),
+                memory_budget=check_memory_budget(memory_budget), world=self.world))
+        elif memory_budget is not None:
+            raise ValueError(f"memory_budget={memory_budget!r} is what strategy='auto' must fit in; "
+                             f"with strategy={strategy!r} leave it out, or pass strategy='auto'")
         self.strategy = sharding_policy(strategy)
         self.precision = precision_policy(precision)
-        self.world = comm.get_world()
         if self.world.device.type == "cpu":
             cpu_malloc.tune_for_training()  # before the first step allocates: see dspark.cpu_malloc
             if self.precision.compute_dtype == torch.bfloat16 and self.world.rank == 0:

@@ -14,6 +14,7 @@ Example::
     print(plan); plan.best(devices=8)
 """
 
+from dspark.plan import auto as auto  # registers Engine(strategy="auto")'s resolver
 from dspark.plan.cost import ModelShape, RowCost, row_cost
 from dspark.plan.interconnect import INTERCONNECTS, Interconnect, get_interconnect
 from dspark.plan.planner import Plan, PlanRow, default_memory_budget, format_plan, model_shape, plan

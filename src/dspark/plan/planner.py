@@ -137,8 +137,10 @@ def format_plan(plan: Plan) -> str:
     budget = (_mb(plan.memory_budget_bytes) if plan.memory_budget_bytes is not None else
               "default " + ", ".join(sorted({f"{_mb(r.budget_bytes)} on {r.devices}" for r in plan.rows},
                                             key=lambda t: int(t.rsplit(" ", 1)[1]))))
-    lines = [f"plan: global batch {plan.global_batch}, {plan.precision}, interconnect "
-             f"{plan.interconnect}, budget per rank {budget}, probe on {plan.probe.device}"]
+    batch = (f"global batch {plan.global_batch}" if plan.global_batch else
+             "no batch (activations and compute not measured)")
+    lines = [f"plan: {batch}, {plan.precision}, interconnect "
+             f"{plan.interconnect}, budget per rank {budget}, probe: {plan.probe.device}"]
     table = [list(_COLUMNS)]
     for r in plan.rows:
         ref = base.get(r.strategy, one)

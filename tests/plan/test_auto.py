@@ -1,0 +1,66 @@
+"""strategy="auto": the fastest strategy that fits the budget, the same on every rank."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import dspark
+from dspark.plan.auto import auto_plan, choose
+from tests.plan.test_planner import _mlp
+
+ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3)
+
+
+def _plan(budget: int):
+    return auto_plan(_mlp(), optimizer=ADAMW, precision="fp32", bucket_mb=25.0, num_ranks=2,
+                     bus_bytes_per_s=1e9, backend="gloo", memory_budget=budget)
+
+
+def test_everything_fits_replicate_and_a_smaller_budget_shards_more() -> None:
+    roomy = _plan(1 << 40)
+    assert choose(roomy).strategy == "replicate"
+    replicate_peak = roomy.row("replicate", 2).peak_bytes
+    tight = choose(_plan(replicate_peak - 1))
+    assert tight.strategy in ("zero2", "zero3") and tight.peak_bytes < replicate_peak
+    zero2_peak = roomy.row("zero2", 2).peak_bytes
+    assert choose(_plan(min(zero2_peak, replicate_peak) - 1)).strategy == "zero3"
+    with pytest.raises(ValueError, match="no strategy fits on 2"):
+        choose(_plan(1000))
+
+
+def test_the_auto_table_says_what_it_did_not_measure() -> None:
+    text = str(_plan(1 << 40))
+    assert "activations and compute not measured" in text
+
+
+def _auto_engine(budget: int | None) -> dict[str, object]:
+    engine = dspark.Engine(_mlp(), optimizer=ADAMW, strategy="auto", memory_budget=budget)
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(dspark.get_world().rank))
+    engine.backward(engine(x).float().pow(2).mean())
+    engine.step()
+    out = {"strategy": engine.strategy.name,
+           "replicate_peak": engine.plan.row("replicate", 2).peak_bytes}
+    engine.close()
+    return out
+
+
+def test_auto_engine_on_two_ranks(pool) -> None:
+    roomy = pool.run(_auto_engine, None)
+    assert [r["strategy"] for r in roomy] == ["replicate", "replicate"]
+    budget = int(roomy[0]["replicate_peak"]) - 1  # type: ignore[call-overload]
+    tight = pool.run(_auto_engine, budget)
+    assert tight[0]["strategy"] == tight[1]["strategy"] != "replicate"
+    assert tight[0]["strategy"] in ("zero2", "zero3")
+
+
+def test_memory_budget_goes_with_auto_only_and_one_process_gets_replicate(single_process) -> None:
+    with pytest.raises(ValueError, match="memory_budget=1000"):
+        dspark.Engine(_mlp(), optimizer=ADAMW, strategy="zero2", memory_budget=1000)
+    with pytest.raises(ValueError, match="memory_budget=-1"):
+        dspark.Engine(_mlp(), optimizer=ADAMW, strategy="auto", memory_budget=-1)
+    engine = dspark.Engine(_mlp(), optimizer=ADAMW, strategy="auto")
+    assert engine.strategy.name == "replicate" and engine.plan.rows[0].devices == 1
+    engine.close()
