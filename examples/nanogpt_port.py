@@ -28,8 +28,8 @@ args = parser.parse_args()
 gradient_accumulation_steps = args.gradient_accumulation_steps
 
 # various inits, derived attributes, I/O setup
-world = dspark.init()  # rank, world size, device from `dspark run`; one seed everywhere: one model
-master_process, seed_offset, ddp_world_size, device = world.rank == 0, 0, world.world_size, str(world.device)
+world = dspark.init()  # rank, world size, device from `dspark run` (one process without it)
+master_process, seed_offset, ddp_world_size, device = world.rank == 0, world.rank, world.world_size, str(world.device)
 assert gradient_accumulation_steps % ddp_world_size == 0
 gradient_accumulation_steps //= ddp_world_size  # micro-batches per rank and step
 tokens_per_iter = gradient_accumulation_steps * ddp_world_size * args.batch_size * args.block_size
