@@ -130,3 +130,26 @@ def _snapshot(engine: dspark.Engine) -> dict[str, torch.Tensor]:
     tensors.update({f"shard/{s.name}": s.padded_shard.clone() for s in engine.slots
                     if s.padded_shard is not None})
     return tensors
+
+
+def save_at_steps(paths_by_step: dict[int, str], name: str = "mlp", strategy: str = "zero3") -> dict[int, float]:
+    """One run that saves at each step given (``{3: ".../a", 5: ".../b"}``); returns a checksum of
+    the model at each save (the sum of its parameters)."""
+    engine = make_engine(name, strategy)
+    sums, done = {}, 0
+    for step, path in sorted(paths_by_step.items()):
+        train(engine, name, range(done, step))
+        done = step
+        engine.save(path)
+        sums[step] = float(sum(p.double().sum() for p in engine.full_state_dict().values()))
+    engine.close()
+    return sums
+
+
+def load_checksum(path: str, name: str = "mlp", strategy: str = "zero3") -> tuple[int, float]:
+    """Load ``path`` into a fresh engine: (its step count, the checksum :func:`save_at_steps` gives)."""
+    engine = make_engine(name, strategy, seed=1)
+    engine.load(path)
+    out = (engine.step_count, float(sum(p.double().sum() for p in engine.full_state_dict().values())))
+    engine.close()
+    return out

@@ -39,7 +39,7 @@ def test_a_save_replaces_the_old_checkpoint(single_process, copy: Path) -> None:
     info = read_checkpoint_info(copy)
     assert (info.world_size, info.strategy, info.step_count) == (1, "zero1", 1)
     assert sorted(p.name for p in copy.iterdir()) == [".metadata", "__0_0.distcp", "dspark.json",
-                                                   "training_state.json"]
+                                                   "manifest.json", "training_state.json"]
     assert sorted(p.name for p in copy.parent.iterdir()) == ["ckpt"]
 
 
@@ -106,7 +106,7 @@ def test_no_checkpoint_at_the_path(single_process, tmp_path: Path) -> None:
     (lambda d: (d / "__1_0.distcp").unlink(), "partial checkpoint: shard file '__1_0.distcp' is missing"),
     (lambda d: (d / "__0_0.distcp").write_bytes(b"cut"), "shard file '__0_0.distcp' has 3 bytes"),
     (lambda d: (d / ".metadata").unlink(), "has no .metadata file"),
-    (lambda d: (d / ".metadata").write_bytes(b"\x80garbage"), ".metadata' is not DCP metadata"),
+    (lambda d: (d / ".metadata").write_bytes(b"\x80garbage"), ".metadata' is damaged or not this checkpoint's"),
     (lambda d: (d / "dspark.json").write_text("{"), "dspark.json' is damaged"),
 ])
 def test_partial_or_damaged_checkpoints_are_named(single_process, copy: Path, damage, message: str) -> None:

@@ -15,6 +15,7 @@ from dspark.checkpoint import (
     read_checkpoint_info,
 )
 from dspark.checkpoint.info import write_info
+from tests.checkpoint.forge import reseal
 
 
 def _info(**overrides: object) -> CheckpointInfo:
@@ -25,9 +26,10 @@ def _info(**overrides: object) -> CheckpointInfo:
 
 
 def test_round_trip_and_readable_json(tmp_path: Path) -> None:
-    write_info(tmp_path, _info())
+    write_info(tmp_path, _info(save_id="ab" * 16))
+    reseal(tmp_path)   # a save writes the manifest last
     assert is_checkpoint(tmp_path) and not is_checkpoint(tmp_path / "nothing")
-    assert read_checkpoint_info(tmp_path) == _info()
+    assert read_checkpoint_info(tmp_path) == _info(save_id="ab" * 16)
     raw = json.loads((tmp_path / "dspark.json").read_text())
     assert raw["format"] == "dspark-checkpoint" and raw["strategy"] == "zero3" and raw["params"]["w"] == [7, 6]
 

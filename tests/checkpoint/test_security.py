@@ -4,7 +4,11 @@
 
 Every payload would create a marker file if it ran; each test first proves that its payload is
 live (plain ``pickle`` / ``torch.load(weights_only=False)`` does create the marker), then that a
-2-rank load refuses it and the marker does not exist."""
+2-rank load refuses it and the marker does not exist.
+
+The attacker controls every file, ``manifest.json`` included: each test rewrites the manifest to
+match the crafted files (:func:`tests.checkpoint.forge.reseal`), so that what is tested is the
+check below the manifest, which must hold on its own."""
 
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ import torch
 
 import dspark
 from dspark.checkpoint import CheckpointError, storage
+from tests.checkpoint.forge import reseal
 from tests.checkpoint.ranks import load_error_keeping_state
 
 
@@ -68,6 +73,7 @@ def test_a_pickle_in_place_of_a_file_is_refused_and_never_runs(pool, copy: Path,
                                                                file_name: str) -> None:
     marker = tmp_path / "ran"
     (copy / file_name).write_bytes(_pickle_payload(marker))
+    reseal(copy)
     _refused_everywhere(pool, copy, file_name, marker)
 
 
@@ -86,6 +92,7 @@ def test_a_crafted_record_in_a_shard_file_is_refused_and_never_runs(pool, copy: 
         if record.relative_path == file_name:
             record.offset, record.length = 0, len(blob)
     (copy / ".metadata").write_bytes(pickle.dumps(metadata))
+    reseal(copy)
     _refused_everywhere(pool, copy, file_name, marker, why="GLOBAL posix.system")
 
 
@@ -97,6 +104,7 @@ def test_a_pickled_entry_in_the_index_is_refused(pool, copy: Path, tmp_path: Pat
     metadata = storage.read_metadata(copy)
     metadata.state_dict_metadata["optim_groups"] = BytesStorageMetadata()
     (copy / ".metadata").write_bytes(pickle.dumps(metadata))
+    reseal(copy)
     for kind, message, unchanged in pool.run(load_error_keeping_state, str(copy), "mlp", "zero3"):
         assert kind == "CheckpointError" and unchanged
         assert ".metadata" in message and "'optim_groups' is a pickled object (BYTE_IO)" in message
@@ -108,13 +116,15 @@ def test_a_checkpoint_holds_tensors_and_json_only(two_rank_checkpoint: Path) -> 
     assert metadata.state_dict_metadata and all(
         type(entry).__name__ == "TensorStorageMetadata" for entry in metadata.state_dict_metadata.values())
     names = sorted(p.name for p in saved.iterdir())
-    assert names == [".metadata", "__0_0.distcp", "__1_0.distcp", "dspark.json", "training_state.json"]
+    assert names == [".metadata", "__0_0.distcp", "__1_0.distcp", "dspark.json", "manifest.json",
+                     "training_state.json"]
 
 
 def test_an_index_pointing_outside_the_checkpoint_is_refused(single_process, copy: Path) -> None:
     metadata = storage.read_metadata(copy)
     next(iter(metadata.storage_data.values())).relative_path = "../../etc/passwd"
     (copy / ".metadata").write_bytes(pickle.dumps(metadata))
+    reseal(copy)
     with pytest.raises(CheckpointError, match=r"points to '\.\./\.\./etc/passwd', outside the checkpoint"):
         storage.read_metadata(copy)
 
@@ -136,6 +146,7 @@ def test_chunks_that_do_not_tile_a_tensor_are_refused(pool, copy: Path, damage: 
     metadata.state_dict_metadata[key] = dataclasses.replace(metadata.state_dict_metadata[key],
                                                             chunks=damaged[damage])
     (copy / ".metadata").write_bytes(pickle.dumps(metadata))
+    reseal(copy)
     for kind, message, unchanged in pool.run(load_error_keeping_state, str(copy), "mlp", "zero3"):
         assert kind == "CheckpointError" and unchanged, (kind, message)
         assert ".metadata" in message and "do not tile" in message, message
@@ -148,6 +159,7 @@ def test_a_size_its_records_cannot_hold_is_refused(pool, copy: Path) -> None:
     metadata.state_dict_metadata["rng/rank0/torch"] = dataclasses.replace(
         entry, size=huge, chunks=[dataclasses.replace(entry.chunks[0], sizes=huge)])
     (copy / ".metadata").write_bytes(pickle.dumps(metadata))
+    reseal(copy)
     for kind, message, unchanged in pool.run(load_error_keeping_state, str(copy), "mlp", "zero3"):
         assert kind == "CheckpointError" and unchanged, (kind, message)
         assert "its storage records hold" in message, message
@@ -180,6 +192,7 @@ def test_one_ranks_damaged_random_state_fails_every_rank_before_anything_changes
     rank1 = state["rng"]["1"]["__dict__"]   # JSON-encoded dict (see checkpoint.json_values)
     rank1["python"][1] = rank1["python"][1][:10]   # the wrong length
     (copy / "training_state.json").write_text(json.dumps(state))
+    reseal(copy)
     for kind, message, unchanged in pool.run(load_error_keeping_state, str(copy), "mlp", "zero3"):
         assert kind == "CheckpointError" and unchanged, (kind, message)
         assert "rank(s) [1]" in message or "rank 1's saved Python/NumPy random state" in message, message

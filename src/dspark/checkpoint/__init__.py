@@ -12,7 +12,9 @@ Example::
 The layout is described in [Note: checkpoint layout] (:mod:`dspark.checkpoint.layout`), atomic
 publication in [Note: atomic save] (:mod:`dspark.checkpoint.atomic`), background writes in
 [Note: asynchronous save] (:mod:`dspark.checkpoint.background`), and why loading never runs code
-from a checkpoint in [Note: loading runs no code] (:mod:`dspark.checkpoint.safe_metadata`).
+from a checkpoint in [Note: loading runs no code] (:mod:`dspark.checkpoint.safe_metadata`), and how a
+load refuses a file its save did not write in [Note: checkpoint integrity]
+(:mod:`dspark.checkpoint.manifest`).
 
 PyTorch's DCP (``torch.distributed.checkpoint``, with DTensor behind it) takes 1-2 s to import, so
 the functions that need it are imported on first use: ``import dspark`` does not pay for it in a
@@ -23,8 +25,14 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from dspark.checkpoint.background import pending_save_path, wait_for_pending_save
-from dspark.checkpoint.errors import CheckpointError, CheckpointNotFoundError, CheckpointSaveError
+from dspark.checkpoint.errors import (
+    CheckpointError,
+    CheckpointIntegrityError,
+    CheckpointNotFoundError,
+    CheckpointSaveError,
+)
 from dspark.checkpoint.info import CheckpointInfo, is_checkpoint, read_checkpoint_info
+from dspark.checkpoint.verify import VerifyReport, verify_checkpoint
 
 if TYPE_CHECKING:
     from dspark.checkpoint.load import load_checkpoint
@@ -34,14 +42,17 @@ if TYPE_CHECKING:
 __all__ = [
     "CheckpointError",
     "CheckpointInfo",
+    "CheckpointIntegrityError",
     "CheckpointNotFoundError",
     "CheckpointSaveError",
+    "VerifyReport",
     "is_checkpoint",
     "load_checkpoint",
     "pending_save_path",
     "read_checkpoint_info",
     "read_extra",
     "save_checkpoint",
+    "verify_checkpoint",
     "wait_for_pending_save",
 ]
 

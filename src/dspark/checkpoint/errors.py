@@ -5,12 +5,19 @@ from __future__ import annotations
 
 from dspark.errors import DSparkError
 
-__all__ = ["CheckpointError", "CheckpointNotFoundError", "CheckpointSaveError", "first_line"]
+__all__ = ["CheckpointError", "CheckpointIntegrityError", "CheckpointNotFoundError", "CheckpointSaveError",
+           "first_line"]
 
 
 class CheckpointError(DSparkError, ValueError):
     """A checkpoint that cannot be loaded into this engine: another model (a parameter's name or
     shape differs), or a partial or damaged directory. The message names what differs."""
+
+
+class CheckpointIntegrityError(CheckpointError):
+    """A file of a checkpoint is not the one its save wrote: copied or linked from another
+    checkpoint, edited, or damaged since (see [Note: checkpoint integrity] in
+    :mod:`dspark.checkpoint.manifest`). The message names the file."""
 
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):

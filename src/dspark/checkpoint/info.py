@@ -2,27 +2,39 @@
 wrote it, at which step, on how many ranks, with which versions). Loading does not depend on it for
 the data, only to recognise a DSpark checkpoint; DCP's ``.metadata`` is the authority on tensors.
 
-Format 2 (this one) keeps every non-tensor value in JSON; format 1 stored some as pickles inside
-DCP's files and is refused, since loading it could run code."""
+Format 3 (this one) adds ``manifest.json``, against which every file is checked before it is used
+(see [Note: checkpoint integrity] in :mod:`dspark.checkpoint.manifest`); ``dspark.json`` is read only
+once it matches. Format 2 kept every non-tensor value in JSON but had no manifest: it loads, with a
+warning that its files are unverified. Format 1 stored some values as pickles inside DCP's files and
+is refused, since loading it could run code."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dspark.checkpoint.errors import CheckpointError, CheckpointNotFoundError
-from dspark.checkpoint.plain_files import read_plain_file
+from dspark.checkpoint.errors import (
+    CheckpointError,
+    CheckpointIntegrityError,
+    CheckpointNotFoundError,
+)
+from dspark.checkpoint.manifest import MANIFEST_FILE, SUMMARY_FIELDS, read_manifest, read_verified
 from dspark.checkpoint.training_state import write_json
 
-__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "INFO_FILE", "CheckpointInfo", "is_checkpoint",
-           "read_checkpoint_info", "write_info"]
+__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "INFO_FILE", "CheckpointInfo", "check_is_checkpoint",
+           "is_checkpoint", "read_checkpoint_info", "write_info"]
+
+log = logging.getLogger(__name__)
 
 INFO_FILE = "dspark.json"
 FORMAT_NAME = "dspark-checkpoint"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+_UNVERIFIED_VERSION = 2
+"""Written before manifests: loaded with a warning that nothing was checked."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -51,6 +63,9 @@ class CheckpointInfo:
     torch_version: str = ""
     created_utc: str = ""
     """ISO-8601 time of the save."""
+    save_id: str = ""
+    """The save's id, which every file of the checkpoint carries or is listed under in its manifest
+    ("" in a format-2 checkpoint)."""
     format_version: int = FORMAT_VERSION
 
     def __post_init__(self) -> None:
@@ -59,15 +74,16 @@ class CheckpointInfo:
                                   "some values as pickles, which this DSpark refuses to load (loading "
                                   f"a pickle can run code); valid: {FORMAT_VERSION}. Re-save it with "
                                   "the DSpark that wrote it, or start from its weights")
-        if self.format_version != FORMAT_VERSION:
+        if self.format_version not in (FORMAT_VERSION, _UNVERIFIED_VERSION):
             raise CheckpointError(f"checkpoint format_version={self.format_version!r} is not supported "
-                                  f"by this DSpark (valid: {FORMAT_VERSION})")
+                                  f"by this DSpark (valid: {_UNVERIFIED_VERSION}, {FORMAT_VERSION})")
         counts = {"step_count": 0, "world_size": 1, "num_param_groups": 1, "num_params": 0}
         for name, least in counts.items():
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise CheckpointError(f"{name}={value!r} must be an int >= {least}")
-        for name in ("strategy", "precision", "optimizer", "dspark_version", "torch_version", "created_utc"):
+        for name in ("strategy", "precision", "optimizer", "dspark_version", "torch_version", "created_utc",
+                     "save_id"):
             if not isinstance(getattr(self, name), str):
                 raise CheckpointError(f"{name}={getattr(self, name)!r} must be a string")
         if not isinstance(self.params, dict) or not all(
@@ -114,21 +130,11 @@ def read_checkpoint_info(path: str | os.PathLike[str]) -> CheckpointInfo:
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"path={path!r} must be a str or os.PathLike, got {type(path).__name__}")
     directory = Path(path)
-    if not directory.exists():
-        stranded = sorted(p.name for p in directory.parent.glob(f".{directory.name}.old-*"))
-        hint = (f"; a previous checkpoint was left at {stranded[0]!r} by a save interrupted while "
-                "it was being replaced: rename it to restore it") if stranded else ""
-        raise CheckpointNotFoundError(f"no checkpoint at {str(path)!r}: the path does not exist{hint}")
-    if not directory.is_dir():
-        raise CheckpointNotFoundError(f"no checkpoint at {str(path)!r}: it is a file, a checkpoint "
-                                      "is a directory")
+    check_is_checkpoint(directory)
     info_path = directory / INFO_FILE
-    if not info_path.is_file() and not info_path.is_symlink():
-        raise CheckpointNotFoundError(
-            f"no checkpoint at {str(path)!r}: the directory has no {INFO_FILE} (a DSpark checkpoint "
-            f"is written by engine.save(path); it holds {_listing(directory)})")
+    manifest = read_manifest(directory)
     try:
-        raw: Any = json.loads(read_plain_file(info_path).decode("utf-8"))
+        raw: Any = json.loads(read_verified(directory, INFO_FILE, manifest).decode("utf-8"))
     except CheckpointError:
         raise
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
@@ -137,11 +143,48 @@ def read_checkpoint_info(path: str | os.PathLike[str]) -> CheckpointInfo:
         raise CheckpointError(f"{str(info_path)!r} is not a DSpark checkpoint description "
                               f"(no \"format\": {FORMAT_NAME!r})")
     try:
-        return CheckpointInfo(**raw)
+        info = CheckpointInfo(**raw)
     except TypeError as exc:
         raise CheckpointError(f"{str(info_path)!r} has unexpected fields ({exc})") from exc
     except CheckpointError as exc:
         raise CheckpointError(f"{str(info_path)!r}: {exc}") from exc
+    if manifest is None:
+        if info.format_version != _UNVERIFIED_VERSION:
+            raise CheckpointIntegrityError(
+                f"{str(directory)!r} has no {MANIFEST_FILE}, which every format-{info.format_version} "
+                "checkpoint has: it was removed, or the checkpoint was copied in part")
+        log.warning("checkpoint %s was written before DSpark kept manifests (format %d): its files are "
+                    "NOT verified; a foreign or damaged file would load silently. Save it again to "
+                    "get a manifest", directory, info.format_version)
+        return info
+    differ = [k for k in SUMMARY_FIELDS if manifest.summary.get(k) != getattr(info, k)]
+    if info.save_id != manifest.save_id or differ:
+        raise CheckpointIntegrityError(f"{str(directory / MANIFEST_FILE)!r} and {INFO_FILE} disagree "
+                                       f"(in {differ or ['save_id']}): the manifest was edited")
+    return info
+
+
+def check_is_checkpoint(directory: Path) -> None:
+    """:class:`CheckpointNotFoundError`, saying what is there instead, unless ``directory`` is a
+    DSpark checkpoint directory (it holds ``dspark.json``).
+
+    Example::
+
+        check_is_checkpoint(Path("ckpt"))
+    """
+    if not directory.exists():
+        stranded = sorted(p.name for p in directory.parent.glob(f".{directory.name}.old-*"))
+        hint = (f"; a previous checkpoint was left at {stranded[0]!r} by a save interrupted while "
+                "it was being replaced: rename it to restore it") if stranded else ""
+        raise CheckpointNotFoundError(f"no checkpoint at {str(directory)!r}: the path does not exist{hint}")
+    if not directory.is_dir():
+        raise CheckpointNotFoundError(f"no checkpoint at {str(directory)!r}: it is a file, a checkpoint "
+                                      "is a directory")
+    info_path = directory / INFO_FILE
+    if not info_path.is_file() and not info_path.is_symlink():
+        raise CheckpointNotFoundError(
+            f"no checkpoint at {str(directory)!r}: the directory has no {INFO_FILE} (a DSpark checkpoint "
+            f"is written by engine.save(path); it holds {_listing(directory)})")
 
 
 def _listing(directory: Path, limit: int = 5) -> str:

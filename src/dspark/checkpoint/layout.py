@@ -15,10 +15,13 @@ state dict] in :mod:`dspark.engine.state_dict`):
                               tensor scalars (``step``) replicated
     rng/rank<R>/torch, cuda<i>  each rank's torch generators
     extra/<name>/<i>          tensors inside ``engine.save(extra=...)`` objects' states
+    save/rank<R>              the save's id (16 bytes), in the file rank R wrote ([Note: checkpoint
+                              integrity] in :mod:`dspark.checkpoint.manifest`)
 
 Every other value is JSON, beside DCP's files: ``training_state.json`` (step count, fp16 loss
 scaler, param groups' hyper-parameters and members, non-tensor optimizer state, extra states, each
-rank's Python and NumPy random state) and ``dspark.json`` (what wrote the checkpoint). A tied parameter is saved once, under its first name. Because every sharded tensor
+rank's Python and NumPy random state), ``dspark.json`` (what wrote the checkpoint) and
+``manifest.json`` (every file's size and digests, checked by every load). A tied parameter is saved once, under its first name. Because every sharded tensor
 is saved with its global shape, DCP can load it at any world size and into any strategy.
 """
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import io
 import pickle
+from collections.abc import Callable
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
@@ -91,9 +92,10 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError("refused a persistent id: DCP's metadata has none")
 
 
-def load_metadata(path: Path) -> dcp_metadata.Metadata:
+def load_metadata(path: Path, *, check: Callable[[bytes], None] | None = None) -> dcp_metadata.Metadata:
     """DCP's metadata read from the file at ``path`` with the restricted unpickler and checked by
     :func:`validate_metadata`; :class:`CheckpointError` naming the file for anything else.
+    ``check`` sees the file's bytes before they are unpickled (the manifest's digest).
 
     Example::
 
@@ -103,6 +105,8 @@ def load_metadata(path: Path) -> dcp_metadata.Metadata:
         raw = read_plain_file(path, limit=_MAX_METADATA_BYTES)
     except OSError as exc:
         raise CheckpointError(f"{str(path)!r} cannot be read ({type(exc).__name__}: {exc})") from exc
+    if check is not None:
+        check(raw)
     try:
         loaded = _MetadataUnpickler(io.BytesIO(raw)).load()
     except Exception as exc:  # any malformed pickle: refused, never retried with a laxer reader

@@ -14,6 +14,7 @@ failed ranks. No rank is left waiting in a collective that the others skipped.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import datetime as dt
 import logging
 import math
@@ -29,12 +30,12 @@ import torch
 
 from dspark import comm
 from dspark._version import __version__
-from dspark.checkpoint import background, extra_state, json_values, layout, storage
+from dspark.checkpoint import background, extra_state, json_values, layout, manifest, storage
 from dspark.checkpoint.atomic import claim, publish, remove_stale, staging_dir
 from dspark.checkpoint.errors import CheckpointSaveError
 from dspark.checkpoint.info import INFO_FILE, CheckpointInfo, write_info
 from dspark.checkpoint.target import Checkpointable
-from dspark.checkpoint.training_state import TrainingState, write_training_state
+from dspark.checkpoint.training_state import STATE_FILE, TrainingState, write_training_state
 
 __all__ = ["save_checkpoint", "split_state"]
 
@@ -92,6 +93,9 @@ def save_checkpoint(target: Checkpointable, path: str | os.PathLike[str], *, asy
     try:
         state, training, my_values, info = split_state(target.sharded_state_dict(), rank=world.rank,
                                                        extra=extra)
+        state[manifest.save_id_key(world.rank)] = manifest.id_tensor(token)   # in this rank's file
+        info = dataclasses.replace(info, save_id=token)
+        training = dataclasses.replace(training, save_id=token)
         if async_save:
             state = storage.stage_on_cpu(state)
     except Exception as exc:  # agreed on below, so that no rank enters DCP's collectives alone
@@ -133,7 +137,7 @@ def _prepare(final: Path) -> tuple[str, str | None, bool]:
     """Rank 0: refuse to replace what is not a checkpoint, clear stale temporaries, create the
     staging directory. Returns (token, problem or None, whether the problem is the caller's) for
     every rank."""
-    token = uuid.uuid4().hex[:12]
+    token = uuid.uuid4().hex   # the save's id (see [Note: checkpoint integrity])
     try:
         if final.exists() and not ((final / INFO_FILE).is_file() or
                                    (final.is_dir() and not any(final.iterdir()))):
@@ -185,11 +189,19 @@ def _write_and_publish(job: _Job, group: comm.Group) -> Path:
     thread's own): DCP's files, rank 0's JSON files, then rank 0 publishes."""
     rank = group.rank
     failure: BaseException | None = None
+    shards: dict[str, manifest.FileEntry] = {}
     try:
         storage.write_state(job.state, job.staging, distributed=job.distributed, process_group=group.pg)
+        shards = _hash_my_shards(job.staging, rank, group.size)
+    except Exception as exc:
+        failure = exc
+    _raise_if_any_failed(rank, failure, job.final, job.staging, group)
+    everyones = comm.all_gather_object(shards, group=group)
+    try:
         if rank == 0:
             write_training_state(job.staging, job.training)
             write_info(job.staging, job.info)
+            _write_manifest(job, {name: entry for theirs in everyones for name, entry in theirs.items()})
     except Exception as exc:
         failure = exc
     _raise_if_any_failed(rank, failure, job.final, job.staging, group)
@@ -208,6 +220,30 @@ def _write_and_publish(job: _Job, group: comm.Group) -> Path:
                                   "at that path, if any, is untouched", failed_ranks=(0,))
     log.info("rank %d: saved checkpoint %s at step %d", rank, job.final, job.training.step_count)
     return job.final
+
+
+def _hash_my_shards(staging: Path, rank: int, world_size: int) -> dict[str, manifest.FileEntry]:
+    """This rank's share of the shard files DCP wrote (every ``world_size``-th, in name order), with
+    their records as DCP's metadata gives them: the work of hashing is split over the ranks."""
+    metadata = storage.read_metadata(staging)
+    records: dict[str, list[tuple[int, int]]] = {}
+    id_records: dict[str, tuple[int, int]] = {}
+    for index, info in dict(metadata.storage_data or {}).items():
+        where = (int(info.offset), int(info.length))
+        records.setdefault(info.relative_path, []).append(where)
+        if index.fqn.startswith(manifest.save_id_key(0)[:-1]):
+            id_records[info.relative_path] = where
+    mine = {name: records[name] for name in sorted(records)[rank::world_size]}
+    return manifest.hash_files(staging, mine, id_records)
+
+
+def _write_manifest(job: _Job, shards: dict[str, manifest.FileEntry]) -> None:
+    """Rank 0, last before publication: the JSON files and ``.metadata`` hashed beside the shards."""
+    small = manifest.hash_files(job.staging, {name: [] for name in (storage.METADATA_FILE, INFO_FILE,
+                                                                     STATE_FILE)}, {})
+    summary = dataclasses.asdict(job.info)
+    manifest.write_manifest(job.staging, manifest.build_manifest(
+        job.staging, save_id=job.token, summary=summary, files={**shards, **small}))
 
 
 def split_state(state: Mapping[str, Any], *, rank: int, extra: Mapping[str, Any] | None = None
@@ -279,7 +315,4 @@ def _with_everyones_values(training: TrainingState, mine: dict[str, dict[str, An
         for name, values in theirs.items():
             merged.setdefault(name, values)
         rng.update(their_rng)
-    return TrainingState(step_count=training.step_count, loss_scale=training.loss_scale,
-                         loss_scale_good_steps=training.loss_scale_good_steps,
-                         param_groups=training.param_groups, optimizer_values=merged,
-                         extra=training.extra, rng=rng)
+    return dataclasses.replace(training, optimizer_values=merged, rng=rng)

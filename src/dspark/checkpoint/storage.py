@@ -21,6 +21,7 @@ Tensor records are read by DCP itself with ``torch.load(weights_only=True)``.
 from __future__ import annotations
 
 import dataclasses
+import io
 import pickle
 import warnings
 from collections.abc import Mapping
@@ -35,9 +36,16 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
-from dspark.checkpoint.errors import CheckpointError, CheckpointSaveError, first_line
+from dspark.checkpoint.errors import (
+    CheckpointError,
+    CheckpointIntegrityError,
+    CheckpointSaveError,
+    first_line,
+)
+from dspark.checkpoint.manifest import check_bytes, read_manifest
 from dspark.checkpoint.plain_files import check_plain_file
 from dspark.checkpoint.safe_metadata import load_metadata
+from dspark.checkpoint.verify import RecordCheck
 
 __all__ = ["METADATA_FILE", "Metadata", "check_files", "read_metadata", "read_state", "stage_on_cpu",
            "write_state"]
@@ -114,6 +122,12 @@ def read_state(state: dict[str, Any], directory: Path, metadata: Metadata, *,
             warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
             dcp.load(state, storage_reader=reader, planner=planner, no_dist=not distributed)
     except CheckpointException as exc:
+        # every rank learns every rank's failure: a file found foreign on one rank is refused on all
+        foreign = [(rank, error) for rank, (error, _trace) in sorted(exc.failures.items())
+                   if isinstance(error, CheckpointIntegrityError)]
+        if foreign:
+            rank, error = foreign[0]
+            raise CheckpointIntegrityError(f"rank {rank}: {error}") from exc
         raise CheckpointError(f"DCP could not read {str(directory)!r}: {_describe(exc)}") from exc
 
 
@@ -131,7 +145,10 @@ def read_metadata(directory: Path) -> Metadata:
     if not path.is_file():
         raise CheckpointError(f"{str(directory)!r} has no {METADATA_FILE} file: it is not a complete "
                               "checkpoint (a save that did not finish, or files removed)")
-    return load_metadata(path)
+    manifest = read_manifest(directory)
+    if manifest is None:
+        return load_metadata(path)   # a format-2 checkpoint (read_checkpoint_info said so)
+    return load_metadata(path, check=lambda data: check_bytes(manifest, METADATA_FILE, data))
 
 
 def check_files(directory: Path, metadata: Metadata) -> None:
@@ -164,6 +181,15 @@ class _SafeFileSystemReader(dcp.FileSystemReader):
         super().__init__(directory)
         self._directory = directory
         self._metadata = metadata
+        manifest = read_manifest(directory)
+        self._check = None if manifest is None else RecordCheck(manifest)
+
+    def _slice_file(self, file: Any, sinfo: Any) -> Any:
+        # DCP reads every record through here: with a manifest, the bytes it gets are the bytes
+        # hashed (see [Note: checkpoint integrity])
+        if self._check is None:
+            return super()._slice_file(file, sinfo)
+        return io.BytesIO(self._check.read(file, sinfo.relative_path, int(sinfo.offset), int(sinfo.length)))
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if kwargs.get("rank") is not None:  # DCP's fallback to per-rank files, which DSpark never writes
@@ -185,12 +211,21 @@ class _SafeFileSystemReader(dcp.FileSystemReader):
             try:
                 super().read_data(dataclasses.replace(plan, items=items), planner).wait()
             except CheckpointError:
+                if self._check is not None:
+                    self._check.close()
                 raise
             except Exception as exc:  # a crafted or damaged record: weights_only refused it, or junk
+                if self._check is not None:
+                    self._check.finish()   # a record changed since the save: say so, by file
                 raise CheckpointError(
                     f"{str(path)!r} holds a record that is not a plain tensor ({type(exc).__name__}: "
                     f"{_why_refused(exc)}); the file is damaged or was crafted, nothing in it was run"
                 ) from exc
+        if self._check is not None:
+            if self._check.records_read != len(plan.items):   # a PyTorch that reads past _slice_file
+                raise AssertionError(f"{self._check.records_read} of {len(plan.items)} records read from "
+                                     f"{str(self._directory)!r} were checked against its manifest")
+            self._check.finish()
         done: Future[None] = Future()
         done.set_result(None)
         return done

@@ -13,7 +13,7 @@ from typing import Any
 
 from dspark.checkpoint import json_values
 from dspark.checkpoint.errors import CheckpointError
-from dspark.checkpoint.plain_files import read_plain_file
+from dspark.checkpoint.manifest import read_manifest, read_verified
 
 __all__ = ["STATE_FILE", "TrainingState", "read_training_state", "write_json", "write_training_state"]
 
@@ -39,6 +39,8 @@ class TrainingState:
     """``engine.save(extra=...)``: each object's state (its tensors as references into DCP's files)."""
     rng: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Rank (as a string) -> its Python and NumPy generator states."""
+    save_id: str = ""
+    """The save that wrote it (see [Note: checkpoint integrity]); "" in a format-2 checkpoint."""
 
     def __post_init__(self) -> None:
         if isinstance(self.step_count, bool) or not isinstance(self.step_count, int) or self.step_count < 0:
@@ -61,6 +63,7 @@ def write_training_state(directory: Path, state: TrainingState) -> None:
     """
     payload = {
         "format": _FORMAT,
+        "save_id": state.save_id,
         "step_count": state.step_count,
         "loss_scale": json_values.encode(state.loss_scale, "loss_scale"),
         "loss_scale_good_steps": state.loss_scale_good_steps,
@@ -77,7 +80,8 @@ def write_training_state(directory: Path, state: TrainingState) -> None:
 
 def read_training_state(directory: Path) -> TrainingState:
     """The training state saved in ``directory``; :class:`CheckpointError` naming the file when it
-    is missing, not JSON, or holds anything DSpark does not write.
+    is missing, not JSON, or holds anything DSpark does not write; :class:`CheckpointIntegrityError`
+    when it is not the file this checkpoint's save wrote (checked against its manifest).
 
     Example::
 
@@ -85,7 +89,7 @@ def read_training_state(directory: Path) -> TrainingState:
     """
     path = directory / STATE_FILE
     try:
-        raw = json.loads(read_plain_file(path).decode("utf-8"))
+        raw = json.loads(read_verified(directory, STATE_FILE, read_manifest(directory)).decode("utf-8"))
     except CheckpointError:
         raise
     except FileNotFoundError as exc:
@@ -97,7 +101,7 @@ def read_training_state(directory: Path) -> TrainingState:
     try:
         if not isinstance(raw, dict) or raw.get("format") != _FORMAT:
             raise ValueError(f"no \"format\": {_FORMAT!r}")
-        unexpected = set(raw) - {"format", "step_count", "loss_scale", "loss_scale_good_steps",
+        unexpected = set(raw) - {"format", "save_id", "step_count", "loss_scale", "loss_scale_good_steps",
                                  "param_groups", "optimizer_values", "extra", "rng"}
         if unexpected:
             raise ValueError(f"unexpected fields {sorted(unexpected)!r}")
@@ -124,7 +128,7 @@ def read_training_state(directory: Path) -> TrainingState:
                              loss_scale_good_steps=raw["loss_scale_good_steps"],
                              param_groups=decoded_groups, optimizer_values=decoded_values,
                              extra={name: json_values.decode(v, f"extra[{name!r}]") for name, v in extra.items()},
-                             rng=decoded_rng)
+                             rng=decoded_rng, save_id=str(raw.get("save_id", "")))
     except (KeyError, TypeError, ValueError, RecursionError) as exc:
         raise CheckpointError(f"{str(path)!r} is not a training state DSpark wrote "
                               f"({type(exc).__name__}: {str(exc)[:200]})") from exc
