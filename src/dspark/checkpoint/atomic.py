@@ -39,7 +39,7 @@ from pathlib import Path
 
 import psutil
 
-from dspark.checkpoint.training_state import write_json
+from dspark.checkpoint.plain_files import write_json
 
 __all__ = ["OWNER_FILE", "STALE_AFTER_S", "claim", "publish", "remove_stale", "staging_dir",
            "stale_reason", "sync_dir"]

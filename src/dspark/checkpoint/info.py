@@ -23,7 +23,7 @@ from dspark.checkpoint.errors import (
     CheckpointNotFoundError,
 )
 from dspark.checkpoint.manifest import MANIFEST_FILE, SUMMARY_FIELDS, read_manifest, read_verified
-from dspark.checkpoint.training_state import write_json
+from dspark.checkpoint.plain_files import write_json
 
 __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "INFO_FILE", "CheckpointInfo", "check_is_checkpoint",
            "is_checkpoint", "read_checkpoint_info", "write_info"]

@@ -41,7 +41,12 @@ import torch
 
 from dspark.checkpoint import digest
 from dspark.checkpoint.errors import CheckpointError, CheckpointIntegrityError
-from dspark.checkpoint.plain_files import MAX_JSON_BYTES, check_plain_file, read_plain_file
+from dspark.checkpoint.plain_files import (
+    MAX_JSON_BYTES,
+    check_plain_file,
+    read_plain_file,
+    write_json,
+)
 
 __all__ = ["MANIFEST_FILE", "SUMMARY_FIELDS", "FileEntry", "Manifest", "build_manifest", "check_bytes",
            "file_chunks", "hash_files",
@@ -159,8 +164,6 @@ def build_manifest(directory: Path, *, save_id: str, summary: dict[str, Any],
 def write_manifest(directory: Path, payload: dict[str, Any]) -> None:
     """Write ``payload`` (from :func:`build_manifest`) as ``directory/manifest.json`` (rank 0, last
     before publication)."""
-    from dspark.checkpoint.training_state import write_json
-
     write_json(directory / MANIFEST_FILE, payload)
 
 

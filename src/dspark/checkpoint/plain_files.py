@@ -5,18 +5,21 @@ is a symbolic link, it could point anywhere the process can read (another user's
 load would put into the weights, or ``/dev/zero``, which would be read until memory runs out);
 where it is a FIFO, reading it blocks forever. Every file a load opens goes through
 :func:`check_plain_file` first. The checkpoint directory itself may be a link (``latest ->
-step-100`` is a common layout); what it holds may not.
+step-100`` is a common layout); what it holds may not. :func:`write_json` writes DSpark's own JSON
+files, durably.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 from pathlib import Path
+from typing import Any
 
 from dspark.checkpoint.errors import CheckpointError
 
-__all__ = ["MAX_JSON_BYTES", "check_plain_file", "read_plain_file"]
+__all__ = ["MAX_JSON_BYTES", "check_plain_file", "read_plain_file", "write_json"]
 
 MAX_JSON_BYTES = 256 * 2**20
 """The largest JSON file of a checkpoint a load reads (DSpark's own are kilobytes to a few MB)."""
@@ -69,3 +72,17 @@ def read_plain_file(path: Path, *, limit: int = MAX_JSON_BYTES) -> bytes:
     if len(data) > limit:
         raise CheckpointError(f"{str(path)!r} grew past {limit} bytes while it was read")
     return data
+
+
+def write_json(path: Path, payload: Any) -> None:
+    """Write ``payload`` as indented JSON at ``path`` and make it durable (fsync) before returning.
+
+    Example::
+
+        write_json(Path("/tmp/ck.tmp/dspark.json"), {"format": "dspark-checkpoint"})
+    """
+    with open(path, "w", encoding="utf-8") as out:
+        json.dump(payload, out, indent=2, allow_nan=False)
+        out.write("\n")
+        out.flush()
+        os.fsync(out.fileno())

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,8 +13,9 @@ from typing import Any
 from dspark.checkpoint import json_values
 from dspark.checkpoint.errors import CheckpointError
 from dspark.checkpoint.manifest import read_manifest, read_verified
+from dspark.checkpoint.plain_files import write_json
 
-__all__ = ["STATE_FILE", "TrainingState", "read_training_state", "write_json", "write_training_state"]
+__all__ = ["STATE_FILE", "TrainingState", "read_training_state", "write_training_state"]
 
 STATE_FILE = "training_state.json"
 _FORMAT = "dspark-training-state"
@@ -132,17 +132,3 @@ def read_training_state(directory: Path) -> TrainingState:
     except (KeyError, TypeError, ValueError, RecursionError) as exc:
         raise CheckpointError(f"{str(path)!r} is not a training state DSpark wrote "
                               f"({type(exc).__name__}: {str(exc)[:200]})") from exc
-
-
-def write_json(path: Path, payload: Any) -> None:
-    """Write ``payload`` as indented JSON at ``path`` and make it durable (fsync) before returning.
-
-    Example::
-
-        write_json(Path("/tmp/ck.tmp/dspark.json"), {"format": "dspark-checkpoint"})
-    """
-    with open(path, "w", encoding="utf-8") as out:
-        json.dump(payload, out, indent=2, allow_nan=False)
-        out.write("\n")
-        out.flush()
-        os.fsync(out.fileno())
