@@ -151,6 +151,22 @@ def _table(rows: tuple[dict[str, Any], ...], columns: tuple[str, ...] = _COLUMNS
     return lines
 
 
+def _verdicts(rows: tuple[dict[str, Any], ...]) -> str:
+    """One generated line: how many rows the lab flagged, by kind, and what that means for them."""
+    counts: dict[str, int] = {}
+    for row in rows:
+        for kind in dict.fromkeys(a.get("kind", "?") for a in row.get("anomalies", [])):
+            counts[kind] = counts.get(kind, 0) + 1
+    if not counts:
+        return f"The lab flagged none of these {len(rows)} results."
+    flagged = "; ".join(f"`{kind}` on {n} of {len(rows)}" for kind, n in sorted(counts.items()))
+    line = f"The lab's verdicts: {flagged}."
+    if "busy_machine" in counts:
+        line += (" A row flagged `busy_machine` ran while other processes took time from its ranks: "
+                 "its step times are not trustworthy, and neither is a speedup built on it.")
+    return line
+
+
 def render_figures(artifacts: list[Artifact]) -> str:
     """The whole of docs/figures.md."""
     out = ["# Figures", "", "[Back to the README](../README.md#figures)", "",
@@ -171,7 +187,7 @@ def render_figures(artifacts: list[Artifact]) -> str:
                 f"- machine: {artifact.machine}", ""]
         if artifact.notes:
             out += [artifact.notes, ""]
-        out += [*_table(artifact.rows), ""]
+        out += [*_table(artifact.rows), "", _verdicts(artifact.rows), ""]
     out += ["## Not re-measured", "",
             "These figures were published before their output was kept, so they are no longer shown. "
             "Re-measure with the command, keep the export under `benchmarks/results/` with an "
@@ -186,7 +202,7 @@ def headline_block(artifacts: list[Artifact]) -> str:
     for artifact in (a for a in artifacts if a.headline):
         lines += ["", f"{artifact.title} (`{artifact.command}`; "
                       f"[artifact](benchmarks/results/{artifact.name}/)):", ""]
-        lines += _table(artifact.rows, pick=(0, 1, 6, 8, 10))
+        lines += [*_table(artifact.rows, pick=(0, 1, 6, 8, 10)), "", _verdicts(artifact.rows)]
     lines += ["", HEADLINE_END]
     return "\n".join(lines)
 
