@@ -16,6 +16,7 @@ import pytest
 
 from dspark.checkpoint import CheckpointIntegrityError, read_checkpoint_info, verify_checkpoint
 from dspark.checkpoint.manifest import MANIFEST_FILE
+from dspark.cli.main import main
 from tests.checkpoint.ranks import load_checksum, load_error_keeping_state, save_at_steps
 
 
@@ -146,3 +147,48 @@ def test_a_checkpoint_without_manifest_of_format_2_loads_with_a_warning(pool, a_
     assert "NOT verified" in caplog.text
     assert [step for step, _sum in pool.run(load_checksum, str(a))] == [3, 3]
     assert not verify_checkpoint(a).ok
+
+
+def test_ckpt_verify_passes_a_checkpoint_as_saved(run_checkpoints, capsys) -> None:
+    a, _b, _sums = run_checkpoints
+    assert main(["ckpt", "verify", str(a)]) == 0
+    out = capsys.readouterr().out
+    manifest = json.loads((a / MANIFEST_FILE).read_text())
+    assert out.startswith("ok: ") and manifest["save_id"] in out and "5 files" in out
+    assert main(["ckpt", "verify", str(a), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] and report["checkpoint"]["step_count"] == 3 and report["problems"] == []
+    assert report["bytes_checked"] == sum(f.stat().st_size for f in a.iterdir() if f.name != MANIFEST_FILE)
+
+
+@pytest.mark.parametrize("damage", ["shard from b", "edited json", "byte flipped", "stray file"])
+def test_ckpt_verify_names_each_file_that_is_not_the_saves(a_and_b, capsys, damage: str) -> None:
+    a, b = a_and_b
+    if damage == "shard from b":
+        shutil.copyfile(b / "__1_0.distcp", a / "__1_0.distcp")
+        bad = "__1_0.distcp"
+    elif damage == "edited json":
+        raw = json.loads((a / "training_state.json").read_text())
+        raw["step_count"] = 99
+        (a / "training_state.json").write_text(json.dumps(raw))
+        bad = "training_state.json"
+    elif damage == "byte flipped":
+        data = bytearray((a / "__0_0.distcp").read_bytes())
+        data[len(data) // 3] ^= 0x80
+        (a / "__0_0.distcp").write_bytes(bytes(data))
+        bad = "__0_0.distcp"
+    else:
+        (a / "notes.txt").write_text("mine")
+        bad = "notes.txt"
+    assert main(["ckpt", "verify", str(a)]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("FAILED: ") and bad in lines[0], lines
+
+
+def test_ckpt_verify_exit_codes_without_a_manifest_or_a_checkpoint(a_and_b, tmp_path: Path, capsys) -> None:
+    a, _b = a_and_b
+    (a / MANIFEST_FILE).unlink()
+    assert main(["ckpt", "verify", str(a)]) == 1
+    assert f"has no {MANIFEST_FILE}" in capsys.readouterr().out
+    assert main(["ckpt", "verify", str(tmp_path / "nothing")]) == 2
+    assert "no checkpoint at" in capsys.readouterr().err

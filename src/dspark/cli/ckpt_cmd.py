@@ -1,16 +1,20 @@
-"""``dspark ckpt info CKPT`` and ``dspark ckpt export CKPT OUT [--dtype D]``: a DSpark checkpoint,
-read offline (no process group, any strategy and world size that wrote it).
+"""``dspark ckpt info CKPT``, ``dspark ckpt verify CKPT`` and ``dspark ckpt export CKPT OUT
+[--dtype D]``: a DSpark checkpoint, read offline (no process group, any strategy and world size that
+wrote it).
 
 ``info`` prints what the checkpoint holds (step, strategy and world size that wrote it, parameter
 count and bytes, optimizer, the ``extra`` names, size on disk); ``--json`` the same as JSON.
 ``export`` writes the model's weights for inference or another framework (see [Note: offline
 export] in :mod:`dspark.checkpoint.export`): ``OUT`` ending in ``.safetensors`` is one file, in
 ``.pt`` a ``torch.save`` of the state dict, anything else a HuggingFace-style directory of
-safetensors shards.
+safetensors shards. ``verify`` checks every byte of every file against the checkpoint's manifest
+(see [Note: checkpoint integrity] in :mod:`dspark.checkpoint.manifest`): exit code 0 when all match,
+1 naming each file that does not (or a checkpoint without a manifest), 2 when there is no checkpoint.
 
 Example::
 
     dspark ckpt info ckpt/latest
+    dspark ckpt verify ckpt/latest
     dspark ckpt export ckpt/latest gpt2-out/ --dtype bf16
 """
 
@@ -19,7 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 
-__all__ = ["add_parser", "run_export", "run_info"]
+__all__ = ["add_parser", "run_export", "run_info", "run_verify"]
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -35,6 +39,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     info.add_argument("checkpoint", metavar="CKPT", help="checkpoint directory (written by engine.save)")
     info.add_argument("--json", action="store_true", help="print JSON instead of a table")
     info.set_defaults(func=run_info)
+    verify = commands.add_parser(
+        "verify", help="check every file against the checkpoint's manifest",
+        description="Hash every byte of every file and compare with manifest.json, written by the save: "
+                    "a file copied from another checkpoint, edited or damaged is named. Exit code 0: "
+                    "every file is what the save wrote; 1: some file is not (or there is no manifest).")
+    verify.add_argument("checkpoint", metavar="CKPT", help="checkpoint directory (written by engine.save)")
+    verify.add_argument("--json", action="store_true", help="print JSON instead of lines")
+    verify.set_defaults(func=run_verify)
     export = commands.add_parser(
         "export", help="write the model's weights (safetensors directory or file, or .pt)",
         description="OUT ending in .safetensors: one file; ending in .pt: torch.save of the state "
@@ -61,6 +73,27 @@ def run_info(args: argparse.Namespace) -> int:
     for name, value in rows:
         print(f"{name:<{width}}  {value}")
     return 0
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    from dspark.checkpoint import verify_checkpoint
+
+    report = verify_checkpoint(args.checkpoint)
+    if args.json:
+        print(json.dumps({"path": report.path, "ok": report.ok, "problems": report.problems,
+                          "save_id": report.save_id, "checkpoint": report.summary, "files": report.files,
+                          "bytes_checked": report.bytes_checked, "seconds": round(report.seconds, 3),
+                          "manifest_sha256": report.manifest_digest}, indent=2))
+    elif report.ok:
+        summary = report.summary
+        print(f"ok: {report.path}: {report.files} files, {report.bytes_checked:,} bytes match the manifest "
+              f"({report.seconds:.2f} s); save {report.save_id}, step {summary['step_count']}, "
+              f"{summary['strategy']} on {summary['world_size']} rank(s); manifest sha256 "
+              f"{report.manifest_digest}")
+    else:
+        for problem in report.problems:
+            print(f"FAILED: {problem}")
+    return 0 if report.ok else 1
 
 
 def run_export(args: argparse.Namespace) -> int:
