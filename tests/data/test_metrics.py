@@ -32,7 +32,7 @@ def _evaluate(rank: int | None = None, world_size: int | None = None
     accuracy reduced, and a per-class vector metric reduced."""
     model = _model()
     loader = dspark.DataLoader(_dataset(), global_batch_size=GLOBAL_BATCH, shuffle=True, seed=2,
-                               drop_last=False, rank=rank, world_size=world_size)
+                               drop_last=False, allow_uneven=True, rank=rank, world_size=world_size)
     ids, logits = [], []
     loss_sum, correct, seen = 0.0, 0, 0
     with torch.no_grad():
