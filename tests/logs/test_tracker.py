@@ -4,6 +4,7 @@ own reader parses; other ranks write nothing; W&B and MLflow get the same values
 from __future__ import annotations
 
 import csv
+import functools
 import json
 import sys
 import types
@@ -107,3 +108,14 @@ def test_a_backend_whose_package_is_missing_names_the_install(single_process, tm
     with pytest.raises(ModuleNotFoundError, match="needs the 'wandb' package: pip install wandb"):
         dspark.Tracker(tmp_path, backends=("wandb",))
     assert not (tmp_path / "scalars.csv").exists()  # refused before anything is written
+
+
+def test_a_real_engines_step_breakdown_is_logged(single_process, tmp_path: Path) -> None:
+    engine = dspark.Engine(torch.nn.Linear(4, 1), optimizer=functools.partial(torch.optim.SGD, lr=0.1))
+    engine.backward(engine(torch.ones(2, 4)).sum())
+    engine.step()
+    with dspark.Tracker(tmp_path, backends=()) as tracker:
+        tracker.log_step_stats(engine, step=1)
+    line = json.loads((tmp_path / "scalars.jsonl").read_text())
+    assert {f"step/{k}" for k in engine.step_stats()} <= set(line) and line["step/step_ms"] > 0
+    engine.close()
