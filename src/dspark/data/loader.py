@@ -95,7 +95,8 @@ class DataLoader:
     When the place in the world comes from ``dspark.init()``, every pass starts with one small
     all-gather that checks that every rank has the same dataset length, settings and position, and an
     iterable dataset's ranks agree before each batch that their streams go on (see
-    [Note: data agreement] in :mod:`dspark.data.agreement`).
+    [Note: data agreement] in :mod:`dspark.data.agreement`): every rank iterates such a loader. A
+    pass on one rank alone (a plot, a sample dump) takes a loader built with ``rank=0, world_size=1``.
     ``shuffle`` must be False for an iterable dataset (it serves its own order). ``rank`` and
     ``world_size`` default to this process's place in :func:`dspark.init`'s world. Iterating never
     draws from torch's global random generator (worker seeds come from ``seed``, epoch and rank).
