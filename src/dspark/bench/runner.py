@@ -257,6 +257,7 @@ def run_suite(configs: Sequence[BenchConfig], *, db: Ledger | str | Path,
                 "rounds it holds (dspark bench list)", highlight=False)
             raise
         bar.update(task, description=f"done: {len(probed)} measured, {len(failed)} failed", left="")
+        ledger.verify()  # rows the hash chain does not vouch for are no evidence of noise
         results = annotate(ledger.results(run_id=run_id), history=ledger)
     if failures is not None:
         failures.extend(failed.values())
