@@ -64,6 +64,7 @@ def _devices(text: str) -> list[int]:
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Register ``dspark plan``."""
+    from dspark.models import WORKLOADS
     from dspark.plan import INTERCONNECTS
 
     parser = subparsers.add_parser(
@@ -73,7 +74,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
                     "state, activations, communication buffers, runtime) and step time (compute, "
                     "exposed communication, optimizer). See docs/plan.md.")
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--workload", metavar="NAME", help="a benchmark workload (dspark bench list)")
+    source.add_argument("--workload", metavar="NAME",
+                        help=f"a benchmark workload: {', '.join(WORKLOADS)} (the real sizes probe "
+                             "on a GPU; elsewhere pass --probe from a plan made on one)")
     source.add_argument("--model", metavar="MODULE:FACTORY",
                         help="a callable returning (model, sample_batch[, loss_fn])")
     parser.add_argument("--devices", default="1,2,8", type=_devices, help="device counts (default 1,2,8)")
