@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -38,3 +39,14 @@ def test_warnings_alone_pass(tmp_path: Path, capsys: pytest.CaptureFixture[str])
 def test_missing_path_is_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["check", str(tmp_path / "nope.py")]) == 2
     assert "nope.py" in capsys.readouterr().err
+
+
+def test_a_fifo_or_device_is_not_a_regular_file(tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    fifo = tmp_path / "pipe.py"
+    os.mkfifo(fifo)
+    for path, kind in ((str(fifo), "a FIFO"), ("/dev/zero", "a device")):
+        assert main(["check", path]) == 2
+        err = capsys.readouterr().err
+        assert path in err and "not a regular file" in err and kind in err, err
+        assert "does not exist" not in err

@@ -384,7 +384,8 @@ def check_source(source: str, path: str = "<string>") -> list[Finding]:
 def python_files(paths: Sequence[str | Path]) -> list[Path]:
     """The files to check: each file as given, and the ``*.py`` files under each directory
     (skipping hidden directories, ``__pycache__`` and virtual environments). A path that does not
-    exist raises ``ValueError`` naming it.
+    exist, or is neither a regular file nor a directory (a FIFO, ``/dev/zero``), raises
+    ``ValueError`` naming it.
 
     Example::
 
@@ -399,9 +400,20 @@ def python_files(paths: Sequence[str | Path]) -> list[Path]:
             files.append(path)
         elif path.is_dir():
             files += sorted(f for f in path.rglob("*.py") if f.is_file() and not _skipped(f, path))
+        elif path.exists():  # a FIFO, a device, a socket: reading it could block or never end
+            raise ValueError(f"path {str(raw)!r} is not a regular file or a directory "
+                             f"({_kind(path)}); pass Python source files or directories")
         else:
             raise ValueError(f"path {str(raw)!r} does not exist (looked for {str(path.resolve())!r})")
     return files
+
+
+def _kind(path: Path) -> str:
+    if path.is_fifo():
+        return "a FIFO"
+    if path.is_char_device() or path.is_block_device():
+        return "a device"
+    return "a socket" if path.is_socket() else "something else"
 
 
 def _skipped(file: Path, root: Path) -> bool:

@@ -1,8 +1,9 @@
 """``dspark check PATH...``: find risky placements in user code without running it.
 
 Prints ``path:line:col: CODE message`` per finding and a summary line. Exit code 1 when any
-finding is an error, 0 otherwise (warnings alone pass), 2 when a path does not exist. The codes
-and their fixes are documented in :mod:`dspark.check.placement_rules`.
+finding is an error, 0 otherwise (warnings alone pass), 2 when a path does not exist or is
+neither a regular file nor a directory (a FIFO, ``/dev/zero``). The codes and their
+fixes are documented in :mod:`dspark.check.placement_rules`.
 """
 
 from __future__ import annotations
