@@ -4,7 +4,7 @@ four ranks, where the 2-rank pool cannot look (uneven shards over 4: a 13-row em
 model so small that rank 3 owns no row of any parameter, through a checkpoint.
 
 From the repository root, ``PYTHONPATH=. python -m dspark.cli.main run --nproc 4
-tests/engine/four_ranks_worker.py OUT.pt``: rank 0 saves
+--oversubscribe tests/engine/four_ranks_worker.py OUT.pt`` (--oversubscribe: on fewer than 4 cores): rank 0 saves
 ``{"collectives": {...}, "states": {(strategy, optimizer): state_dict}, "rowless": {(strategy,
 optimizer): state_dict}}`` to ``OUT.pt``."""
 

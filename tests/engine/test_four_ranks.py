@@ -26,7 +26,7 @@ def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("four") / "out.pt"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, "-m", "dspark.cli.main", "run", "--nproc", str(N),
-                           str(WORKER), str(out)], cwd=out.parent, env=env, capture_output=True,
+                           "--oversubscribe", str(WORKER), str(out)], cwd=out.parent, env=env, capture_output=True,
                           text=True, timeout=280)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     return torch.load(out, weights_only=False)
