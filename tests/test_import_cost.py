@@ -25,3 +25,23 @@ def test_import_dspark_leaves_dcp_out() -> None:
 def test_a_checkpoint_function_brings_dcp_in() -> None:
     assert _loaded_after("import dspark\nfrom dspark.checkpoint import save_checkpoint") == sorted(HEAVY)
     assert _loaded_after("import dspark\ndspark.checkpoint.load_checkpoint") == sorted(HEAVY)
+
+
+def test_dspark_run_starts_without_importing_torch() -> None:
+    # `dspark run` is in this package: what it imports, every job pays before PyTorch's launcher
+    # (which imports torch itself) even starts ([Note: a lazy package] in dspark/__init__.py)
+    code = ("from dspark.cli.main import main\n"
+            "main(['run', '--dry-run', '--nproc', '1', '-m', 'some.module'])")
+    probe = f"import sys\n{code}\nprint('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                         check=True)
+    assert out.stdout.strip().splitlines()[-1] == "False", out.stdout
+
+
+def test_import_dspark_imports_no_torch_and_names_resolve_on_use() -> None:
+    assert _loaded_after("import dspark\nassert 'torch' not in sys.modules") == []
+    probe = ("import dspark, dspark.plan\n"
+             "assert callable(dspark.plan) and dspark.Engine.__name__ == 'Engine'\n"
+             "assert dspark.print.__name__ == 'rank_print' and dspark.checkpoint.__name__ == 'dspark.checkpoint'\n"
+             "from dspark import *\nassert Shard(0).dim == 0")
+    subprocess.run([sys.executable, "-c", probe], check=True, timeout=120)

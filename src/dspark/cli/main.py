@@ -66,8 +66,10 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: {message} (see {self.prog} --help)")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``dspark`` parser with every subcommand registered.
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The ``dspark`` parser with every subcommand registered, or with ``only`` that one (when it
+    names one): ``dspark run`` then imports no other command's module, nor PyTorch (see [Note: a
+    lazy package] in :mod:`dspark`).
 
     Example::
 
@@ -79,9 +81,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="count", default=0,
                         help="log more (-v: info, -vv: debug)")
     subparsers = parser.add_subparsers(dest="subcommand", metavar="COMMAND", required=True)
-    for name in COMMAND_MODULES:
+    wanted = f"dspark.cli.{only}_cmd"
+    for name in (wanted,) if wanted in COMMAND_MODULES else COMMAND_MODULES:
         importlib.import_module(name).add_parser(subparsers)
     return parser
+
+
+def _subcommand(args: Sequence[str]) -> str | None:
+    """The subcommand ``args`` name: the first word that is not an option (``-v`` may come first)."""
+    return next((arg for arg in args if not arg.startswith("-")), None)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -94,7 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     command = "dspark"
     try:
-        parser = build_parser()
+        parser = build_parser(_subcommand(args_list))
         args = parser.parse_args(args_list)
         command = f"dspark {args.subcommand}"
         logging.basicConfig(level=(logging.WARNING, logging.INFO, logging.DEBUG)[min(args.verbose, 2)],
