@@ -42,7 +42,7 @@ def test_parsing_multi_node_and_module_targets() -> None:
 
 
 def test_dry_run_prints_the_torchrun_command(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["run", "--dry-run", "--nproc", "3", str(EXAMPLE), "--flag"]) == 0
+    assert main(["run", "--dry-run", "--nproc", "3", "--oversubscribe", str(EXAMPLE), "--flag"]) == 0
     out = capsys.readouterr().out
     assert "-m dspark.launch.torchrun_entry" in out and "--nproc-per-node 3" in out
     assert out.rstrip().endswith(f"{EXAMPLE} --flag")
@@ -196,18 +196,23 @@ def test_a_master_port_in_use_is_one_line(tmp_path: Path) -> None:
     assert "EADDRINUSE" in done.stderr and "choose another --master-port" in done.stderr
 
 
-def test_more_workers_than_cores_is_warned(capsys: pytest.CaptureFixture[str],
-                                           monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_more_workers_than_devices_is_refused_unless_oversubscribed(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     from dspark.cli import run_cmd
+    from dspark.launch import devices
 
     script = tmp_path / "noop.py"
     script.write_text("")
-    monkeypatch.setattr(run_cmd, "launch", lambda spec: 0)
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
-    assert main(["run", "--nproc", "6", str(script)]) == 0
-    assert "--nproc 6 starts 6 workers on the 2 CPU core(s)" in capsys.readouterr().err
+    started = []
+    monkeypatch.setattr(run_cmd, "launch", lambda spec: started.append(spec.nproc) or 0)
+    monkeypatch.setattr(devices, "local_devices", lambda: devices.LocalDevices(gpus=0, cores=2))
+    assert main(["run", "--nproc", "100000", str(script)]) == 2
+    err = capsys.readouterr().err
+    assert "--nproc 100000" in err and "2 CPU core(s)" in err and "--nproc 2 or fewer" in err, err
+    assert "--oversubscribe" in err and not started
+    assert main(["run", "--nproc", "6", "--oversubscribe", str(script)]) == 0
     assert main(["run", "--nproc", "2", str(script)]) == 0
-    assert "warning" not in capsys.readouterr().err
+    assert started == [6, 2] and "warning" not in capsys.readouterr().err
 
 
 def test_command_line_messages_speak_in_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -21,6 +21,7 @@ import shlex
 import sys
 from collections.abc import Mapping
 
+from dspark.launch.devices import check_fits
 from dspark.launch.launcher import LaunchSpec, launch, launcher_command
 from dspark.launch.slurm import launch_defaults
 from dspark.launch.supervisor import DEFAULT_GRACE_S
@@ -63,6 +64,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
                         help="after SIGTERM/SIGINT/SIGHUP (passed on to the workers), how long they "
                              "get to save and exit before the whole job is killed "
                              f"(default {DEFAULT_GRACE_S:g})")
+    parser.add_argument("--log-dir", default=None, metavar="DIR",
+                        help="write each rank's stdout and stderr to DIR/rank-<RANK>.log (the "
+                             "workers see DIR in DSPARK_LOG_DIR)")
+    parser.add_argument("--tee", action="store_true",
+                        help="with --log-dir, show the workers' output on the console as well")
+    parser.add_argument("--oversubscribe", action="store_true",
+                        help="allow --nproc above this node's devices (its GPUs, or its CPU cores "
+                             "when it has none): workers then share them")
     parser.add_argument("-m", "--module", action="store_true",
                         help="SCRIPT is a module name, run as `python -m SCRIPT`")
     parser.add_argument("--dry-run", action="store_true",
@@ -119,19 +128,25 @@ def launch_plan(args: argparse.Namespace,
                           nproc=filled.nproc, nnodes=filled.nnodes, node_rank=filled.node_rank,
                           master_addr=filled.master_addr, master_port=args.master_port,
                           rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id or "dspark",
-                          max_restarts=args.max_restarts, grace_period_s=args.grace_period)
+                          max_restarts=args.max_restarts, grace_period_s=args.grace_period,
+                          oversubscribe=args.oversubscribe, log_dir=args.log_dir, tee=args.tee)
     except (ValueError, TypeError) as exc:  # LaunchSpec names its fields; the user typed flags
         message = str(exc).replace("pass module=False for a script path",
                                    "drop -m to run a script path")
-        raise type(exc)(_FIELD.sub(lambda m: _FLAGS[m.group(1)] + (" " if m.group(2) else ""),
-                                   message)) from None
+        raise type(exc)(_FIELD.sub(_flag, message)) from None
     return spec, filled.from_slurm
 
 
 _FLAGS = {"nproc": "--nproc", "nnodes": "--nnodes", "node_rank": "--node-rank", "master_addr": "--master-addr",
           "master_port": "--master-port", "rdzv_endpoint": "--rdzv-endpoint", "max_restarts": "--max-restarts",
-          "grace_period_s": "--grace-period"}
-_FIELD = re.compile(r"\b(" + "|".join(_FLAGS) + r")\b(=?)")
+          "grace_period_s": "--grace-period", "oversubscribe": "--oversubscribe",
+          "log_dir": "--log-dir", "tee": "--tee"}
+_FIELD = re.compile(r"\b(" + "|".join(_FLAGS) + r")\b(=?)(True\b)?")
+
+
+def _flag(match: re.Match[str]) -> str:
+    """``nproc=2`` -> ``--nproc 2``, ``oversubscribe=True`` -> ``--oversubscribe``."""
+    return _FLAGS[match.group(1)] + (" " if match.group(2) and not match.group(3) else "")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -142,12 +157,8 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         sys.stdout.write(shlex.join(launcher_command(spec)) + "\n")
         return 0
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    if cores and spec.nproc > cores:
-        # Allowed (a test of 4 ranks on 2 cores), but a typo (--nproc 800) forks hundreds of
-        # processes, and time-shared workers give step times that mislead.
-        sys.stderr.write(f"dspark run: warning: --nproc {spec.nproc} starts {spec.nproc} workers on "
-                         f"the {cores} CPU core(s) this process may use; each worker expects a core "
-                         "of its own (OMP_NUM_THREADS=1), so they will time-share and run slower "
-                         "than fewer would\n")
+    try:  # launch() checks it too; here its message speaks in flags
+        check_fits(spec.nproc, oversubscribe=spec.oversubscribe)
+    except ValueError as exc:
+        raise ValueError(_FIELD.sub(_flag, str(exc))) from None
     return launch(spec)

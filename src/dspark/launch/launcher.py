@@ -37,6 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, overload
 
+from dspark.launch.devices import check_fits
+from dspark.launch.rank_logs import LOG_DIR_ENV, TEE_ENV
 from dspark.launch.supervisor import DEFAULT_GRACE_S, run_supervised
 
 __all__ = [
@@ -90,6 +92,14 @@ class LaunchSpec:
     ``LOCAL_WORLD_SIZE=1``, a loopback ``MASTER_ADDR``/``MASTER_PORT``), without torchrun's agent
     process: about 1.4 s less start-up, which the benchmark's 1-device launches use. The worker
     joins a real one-rank process group either way."""
+    log_dir: str | None = None
+    """A folder for one log file per rank, ``rank-<RANK>.log``, holding that rank's stdout and
+    stderr (see :mod:`dspark.launch.rank_logs`); the workers see it in ``DSPARK_LOG_DIR``."""
+    tee: bool = False
+    """With ``log_dir``: show the workers' output on the console as well."""
+    oversubscribe: bool = False
+    """Allow ``nproc`` above this node's devices (GPUs, or CPU cores without GPUs): workers then
+    share them. Off, :func:`launch` refuses such a spec (see :mod:`dspark.launch.devices`)."""
 
     def __post_init__(self) -> None:
         _check_int("nproc", self.nproc, low=1)
@@ -122,6 +132,11 @@ class LaunchSpec:
             raise ValueError(f"agent=False runs one process on one node without restarts; got "
                              f"nproc={self.nproc}, nnodes={self.nnodes}, "
                              f"max_restarts={self.max_restarts}, rdzv_endpoint={self.rdzv_endpoint!r}")
+        if self.tee and self.log_dir is None:
+            raise ValueError("tee=True copies the rank log files to the console: give log_dir too")
+        if self.log_dir is not None and not self.agent:
+            raise ValueError(f"log_dir={self.log_dir!r} needs the launcher (agent=True): its process "
+                             "writes the files")
         if self.rdzv_endpoint is not None:
             if self.master_addr is not None or self.master_port is not None:
                 raise ValueError(f"rdzv_endpoint={self.rdzv_endpoint!r} replaces master_addr/master_port: "
@@ -240,7 +255,8 @@ def launch(spec: LaunchSpec, *, env: Mapping[str, str] | None = None,
 
     Returns the launcher's exit code (0 when every worker succeeded, also when they exited 0 after
     a SIGTERM), or with ``capture=True`` the completed process with its ``stdout`` / ``stderr`` as
-    text. ``env`` is the base environment (default: this process's), passed through
+    text. A spec with more workers than this node has devices raises ``ValueError`` unless
+    ``spec.oversubscribe``. ``env`` is the base environment (default: this process's), passed through
     :func:`launcher_env`. Called from the main thread, it passes SIGTERM / SIGINT / SIGHUP on to the
     workers and never leaves a process of the job behind; when the workers did not exit 0, the
     signal is then raised in this process too (SIGINT: ``KeyboardInterrupt``; SIGTERM and SIGHUP:
@@ -252,9 +268,17 @@ def launch(spec: LaunchSpec, *, env: Mapping[str, str] | None = None,
                                  args=("--config", "cfg.json")), capture=True)
         done.returncode, done.stdout
     """
+    warning = check_fits(spec.nproc, oversubscribe=spec.oversubscribe)
+    if warning:
+        _log.warning("%s", warning)
     command = launcher_command(spec)
     _log.info("launching: %s", " ".join(command))
     workers_env = launcher_env(env)
+    if spec.log_dir is not None:
+        folder = Path(spec.log_dir).resolve()
+        folder.mkdir(parents=True, exist_ok=True)
+        workers_env[LOG_DIR_ENV] = str(folder)
+        workers_env[TEE_ENV] = "1" if spec.tee else "0"
     if not spec.agent:
         workers_env.update(_one_rank_env(spec))
     done = run_supervised(command, env=workers_env, capture=capture, grace_s=spec.grace_period_s,

@@ -3,7 +3,7 @@
 [Note: stopping a job] torchrun starts each worker in a session of its own, so a signal sent to
 torchrun's process group never reaches the workers, and a torchrun that dies leaves them running.
 ``dspark run`` therefore starts torchrun in a new session and, while it runs, keeps a list of every
-process below it (pid and start time, from ``/proc``). On SIGTERM, SIGINT or SIGHUP it:
+process below it (pid and start time). On SIGTERM, SIGINT or SIGHUP it:
 
 1. sends SIGTERM to each worker (torchrun's children, not their process groups: a worker's
    DataLoader processes are its own business), whichever of the three it got: each is a request
@@ -21,8 +21,14 @@ process below it (pid and start time, from ``/proc``). On SIGTERM, SIGINT or SIG
    a second SIGINT (Ctrl-C again) kills at once;
 4. after torchrun has exited, kills whatever of that list is still alive.
 
+The handlers are in place before torchrun is started, so no stop is lost while it starts (a stop
+before that starts nothing). If torchrun exits by itself, or is killed (``kill -9``, the OOM killer),
+whatever of its tree is still running gets SIGTERM, then SIGKILL once the grace period is over.
+
 If ``dspark run`` itself is killed with SIGKILL, none of this runs; on Linux the kernel then sends
-torchrun SIGTERM (``PR_SET_PDEATHSIG``), and torchrun stops its workers.
+torchrun SIGTERM (``PR_SET_PDEATHSIG``), and torchrun stops its workers. If torchrun dies first,
+the kernel kills its workers (SIGKILL, armed by :mod:`dspark.launch.torchrun_entry`): see
+:mod:`dspark.launch.parent_death`.
 
 The exit code is 0 when torchrun exited 0 (every worker exited 0), else ``128 + signal``
 (:func:`dspark.launch.launcher.launch` then raises the signal in its own process as well).
@@ -30,20 +36,25 @@ The exit code is 0 when torchrun exited 0 (every worker exited 0), else ``128 + 
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import FrameType
 
-from dspark.launch.process_tree import ProcessInfo, children, descendants, signal_processes
+from dspark.launch.parent_death import stop_with_parent
+from dspark.launch.process_tree import (
+    ProcessInfo,
+    children,
+    descendants,
+    is_running,
+    signal_processes,
+)
 
 __all__ = ["DEFAULT_GRACE_S", "DUPLICATE_S", "SETTLE_S", "STOP_SIGNALS", "Supervised", "run_supervised"]
 
@@ -106,46 +117,32 @@ def run_supervised(command: list[str], *, env: Mapping[str, str], capture: bool,
         done.returncode   # 0 when every worker exited 0, also after a SIGTERM they handled
     """
     pipe = subprocess.PIPE if capture else None
-    child = subprocess.Popen(command, env=dict(env), stdout=pipe, stderr=pipe, text=True,
-                             start_new_session=True, preexec_fn=_stop_with_parent(os.getpid()))
-    supervisor = _Supervisor(child, grace_s, child_is_worker=child_is_worker)
+    supervisor = _Supervisor(grace_s, child_is_worker=child_is_worker)
+    # The handlers go in before the child exists: a stop that arrives while it starts is one the
+    # loop acts on, never a KeyboardInterrupt out of Popen that leaves the child running.
     with supervisor.handling_signals():
-        stdout, stderr = supervisor.wait(capture)
+        if supervisor.received:  # stopped before anything started: start nothing
+            signum = supervisor.received[0][0]
+            return Supervised(returncode=128 + int(signum), stdout=None, stderr=None,
+                              stop_signal=signum)
+        # SIGTERM when this process dies, even by SIGKILL: see [Note: stopping a job]
+        child = subprocess.Popen(command, env=dict(env), stdout=pipe, stderr=pipe, text=True,
+                                 start_new_session=True,
+                                 preexec_fn=stop_with_parent(os.getpid(), signal.SIGTERM))
+        stdout, stderr = supervisor.wait(child, capture)
     return Supervised(returncode=supervisor.returncode(), stdout=stdout, stderr=stderr,
                       stop_signal=supervisor.stop_signal)
 
 
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-
-
-def _stop_with_parent(parent: int) -> Callable[[], None] | None:
-    """For the launcher's child, between fork and exec: the kernel sends it SIGTERM if this
-    process dies first. ``dspark run`` killed by SIGKILL (the OOM killer, ``kill -9``) runs no
-    handler and could not stop its tree: torchrun and the workers, each in a session of its own,
-    kept running, holding their port and devices. With SIGTERM, torchrun stops its workers as on
-    any stop, and a loop polling :func:`dspark.preemption_requested` still saves. Linux only
-    (``prctl``); None elsewhere."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        prctl = libc.prctl
-    except (OSError, AttributeError):
-        return None
-
-    def arm() -> None:
-        prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
-        if os.getppid() != parent:  # the parent died before the call: nothing would come
-            os.kill(os.getpid(), signal.SIGTERM)
-    return arm
 
 
 class _Supervisor:
-    def __init__(self, child: subprocess.Popen[str], grace_s: float, *, child_is_worker: bool = False) -> None:
-        self.child = child
+    child: subprocess.Popen[str]
+    tree: _Tree
+
+    def __init__(self, grace_s: float, *, child_is_worker: bool = False) -> None:
         self.child_is_worker = child_is_worker
         self.grace_s = grace_s
-        self.tree = _Tree(root=child.pid)
         self.received: list[tuple[int, float]] = []  # (signal, when): appended by the handler
         self.stop_at = 0.0
         self.stop_signal: int | None = None
@@ -171,7 +168,9 @@ class _Supervisor:
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self.received.append((signum, time.monotonic()))  # the loop acts on it: a handler must not block
 
-    def wait(self, capture: bool) -> tuple[str | None, str | None]:
+    def wait(self, child: subprocess.Popen[str], capture: bool) -> tuple[str | None, str | None]:
+        self.child = child
+        self.tree = _Tree(root=child.pid)
         out: tuple[str | None, str | None] = (None, None)
         while True:
             try:
@@ -184,12 +183,37 @@ class _Supervisor:
                 self._tick()
         if self.stop_signal is None and self.received:  # it came as torchrun exited by itself
             self.stop_signal = self.received[0][0]
+        self.tree.refresh(time.monotonic(), force=True)
         if self.stop_signal is not None:  # orphans of the tree outlive torchrun: end them too
-            self.tree.refresh(time.monotonic(), force=True)
             leftover = self.tree.kill_all()
             if leftover:
                 _log.warning("killed %d process(es) left behind by the job: %s", len(leftover), leftover)
+        else:
+            self._end_what_the_launcher_left()
         return out
+
+    def _end_what_the_launcher_left(self) -> None:
+        """The launcher exited by itself (or was killed: ``kill -9``, the OOM killer) with
+        processes of its tree still running: they get SIGTERM, then SIGKILL once the grace period
+        is over (at once on a stop signal meanwhile). Nothing of the job outlives ``dspark run``."""
+        alive = [p for p in self.tree.seen.values() if is_running(p.pid, p.started_at)]
+        code = self.child.returncode
+        if code is not None and code < 0 and not self.child_is_worker:
+            _log.warning("PyTorch's launcher (pid %d) was killed by %s; %s", self.child.pid,
+                         _signal_name(-code), f"stopping the {len(alive)} process(es) it left: "
+                         f"{[p.pid for p in alive]}" if alive else "no process of the job is left")
+        elif alive:
+            _log.warning("the launcher exited leaving %d process(es) of the job: %s; SIGTERM, then "
+                         "SIGKILL after %.0f s", len(alive), [p.pid for p in alive], self.grace_s)
+        if not alive:
+            return
+        signal_processes(alive, signal.SIGTERM)
+        deadline = time.monotonic() + self.grace_s
+        while time.monotonic() < deadline and not self.received:
+            if not any(is_running(p.pid, p.started_at) for p in alive):
+                return
+            time.sleep(_POLL_S)
+        signal_processes(alive, signal.SIGKILL)
 
     def _tick(self) -> None:
         now = time.monotonic()
@@ -242,22 +266,25 @@ class _Supervisor:
                 pass
             return
         workers = children(self.child.pid)
-        _log.warning("got %s: passing it to %d worker(s), %.0f s to stop", signal.Signals(signum).name,
-                     len(workers), self.grace_s)
         if workers:
+            _log.warning("got %s: passing it to %d worker(s), %.0f s to stop",
+                         signal.Signals(signum).name, len(workers), self.grace_s)
             self._tell_workers(workers, _PASSED_ON)
         else:  # torchrun is starting (or restarting) them: it stops whatever it has
-            self._tell_launcher("it has no workers right now")
+            _log.info("got %s while the launcher has no workers", signal.Signals(signum).name)
+            self._tell_launcher("it has no workers right now", quiet=not self.tree.seen)
 
     def _tell_workers(self, workers: list[ProcessInfo], signum: int) -> None:
         signal_processes(workers, signum)
         self.signalled.update((w.pid, w.started_at) for w in workers)
 
-    def _tell_launcher(self, why: str) -> None:
+    def _tell_launcher(self, why: str, *, quiet: bool = False) -> None:
+        """SIGTERM to the launcher. ``quiet``: before any worker ever started, a stop is routine
+        (Ctrl-C right after ``dspark run``): the caller's one line says it all."""
         if self.launcher_told or self.stop_signal is None:
             return
         self.launcher_told = True
-        _log.warning("stopping the launcher: %s", why)
+        _log.log(logging.INFO if quiet else logging.WARNING, "stopping the launcher: %s", why)
         try:
             self.child.send_signal(_PASSED_ON)
         except ProcessLookupError:
@@ -279,3 +306,10 @@ class _Supervisor:
         if self.stop_signal is not None:
             return 128 + int(self.stop_signal)
         return code if code > 0 else 128 - code  # died of signal N: the shell's 128 + N
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"

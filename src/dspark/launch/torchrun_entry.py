@@ -19,6 +19,13 @@ exits 0 when all of them did; any other outcome is torchrun's own. Once ``run`` 
 worker exited 0) the stop signals are ignored: torchrun's handler is gone by then, and ``dspark
 run``'s SIGTERM to a torchrun still tearing down would otherwise end a clean stop with 143.
 
+[Note: workers die with the launcher] torchrun starts each worker in a session of its own and
+nothing else ties a worker to it: killed with SIGKILL (or by the OOM killer), torchrun left its
+workers re-parented to PID 1, training on for minutes and saving checkpoints after ``dspark run``
+had reported the job over. Each worker is started with the kernel's parent-death signal armed
+(:mod:`dspark.launch.parent_death`), SIGKILL: with its launcher gone nobody can restart, stop or
+report on the job, and a checkpoint written now would race the job's relaunch.
+
 [Note: a failed worker] When a worker fails (after any restarts), torchrun raises
 ``ChildFailedError`` out of ``run``: its traceback (torchrun's own frames) and a block without the
 worker's error came last on the screen, under the worker's own traceback, and the job exited 1
@@ -30,9 +37,14 @@ code (128 + N for a worker killed by signal N, as a shell reports it).
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
+import threading
 from typing import Any
+
+from dspark.launch import rank_logs
+from dspark.launch.parent_death import stop_with_parent
 
 __all__ = ["describe_failure", "main", "split_argv"]
 
@@ -61,6 +73,32 @@ def _remember_exit_codes() -> bool:
             _closed_exit_codes.update({rank: h.proc.poll() for rank, h in handlers.items()})
 
     SubprocessContext._close = _close  # type: ignore[method-assign]
+    return True
+
+
+def _start_workers_our_way() -> bool:
+    """Make every worker torchrun starts get SIGKILL from the kernel when this process dies (see
+    [Note: workers die with the launcher]) and, with ``--log-dir``, write its output to its rank's
+    file ([Note: rank log files] in :mod:`dspark.launch.rank_logs`); False when this PyTorch starts
+    its workers some other way."""
+    try:
+        from torch.distributed.elastic.multiprocessing.subprocess_handler import (
+            subprocess_handler as handler_module,
+        )
+    except ImportError:
+        return False
+    popen = getattr(handler_module, "Popen", None)
+    if popen is None:
+        return False
+    arm = stop_with_parent(os.getpid(), signal.SIGKILL)
+
+    def popen_armed(*args: Any, **kwargs: Any) -> Any:
+        # the parent-death signal follows the thread that starts the worker: the main thread only
+        if arm is not None and threading.current_thread() is threading.main_thread():
+            kwargs["preexec_fn"] = arm
+        return rank_logs.open_worker(popen, *args, **kwargs)
+
+    handler_module.Popen = popen_armed  # type: ignore[assignment,misc]
     return True
 
 
@@ -130,6 +168,12 @@ def main(argv: list[str] | None = None) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     watching = _remember_exit_codes()
+    if not _start_workers_our_way():
+        if os.environ.get(rank_logs.LOG_DIR_ENV):
+            raise SystemExit("dspark run --log-dir: this PyTorch starts its workers in a way DSpark "
+                             "does not know; run without --log-dir (torchrun's own --log-dir and "
+                             "--redirects are an alternative)")
+        _log.debug("workers are not armed to die with the launcher: dspark run cleans up after it")
     try:
         record(run)(args)
         # Every worker exited 0. A stop signal from here on (dspark run's, once the workers are
@@ -167,4 +211,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:
+        rank_logs.finish()  # what the workers wrote last, through --tee
