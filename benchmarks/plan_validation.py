@@ -1,0 +1,176 @@
+"""The planner against the engine: for each model, what ``dspark.plan`` predicts (one probe on one
+CPU core) beside what ``dspark run`` measures, per strategy on 1 and 2 ranks (and memory on 4),
+written to one JSON artifact that docs/plan.md's table is generated from.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/plan_validation.py \
+        --out benchmarks/results/plan-validation.json
+    .venv/bin/python benchmarks/plan_validation.py --table benchmarks/results/plan-validation.json
+
+Models: the two CPU presets (gpt2-cpu, resnet50-cpu) and a HuggingFace GPT2LMHeadModel built
+from a config (4 layers x 256, vocabulary 2048, 128 tokens). bf16 autocast, AdamW, the
+workloads' global batches (gpt2-cpu 32, resnet50-cpu 128, HF 16). Measured per configuration: the
+median step of ``--steps`` timed steps after one warm-up (the slowest rank's), and the tensor peak
+of one more step (:func:`dspark.plan.peak_memory.measure_peak_bytes`, the lab's measure), the
+largest over ranks. On 1 rank every strategy is the same engine path (nothing to shard or
+communicate), so 1 rank is measured once, as replicate. 4 ranks on a 2-core machine share cores:
+only their memory is compared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+MODELS = ("gpt2-cpu", "resnet50-cpu", "hf-gpt2")
+STRATEGY_NAMES = ("replicate", "zero1", "zero2", "zero3")
+PRECISION = "bf16"
+
+
+def build(name: str) -> tuple[torch.nn.Module, Any, Any, int]:
+    """``(model, global batch, loss_fn or None, global batch size)``, the same on every call."""
+    if name == "hf-gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+        from transformers.utils import logging
+
+        logging.set_verbosity_error()
+        torch.manual_seed(0)
+        config = GPT2Config(vocab_size=2048, n_positions=128, n_embd=256, n_layer=4, n_head=4,
+                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        model = GPT2LMHeadModel(config)
+        tokens = torch.randint(0, 2048, (16, 128), generator=torch.Generator().manual_seed(0))
+        return model, {"input_ids": tokens, "labels": tokens}, None, 16
+    from dspark.models import get_workload
+
+    wl = get_workload(name)
+    return (wl.build_model(seed=0), wl.make_batch(wl.default_global_batch, seed=0), wl.loss,
+            wl.default_global_batch)
+
+
+def _loss(engine: Any, batch: Any, loss_fn: Any) -> torch.Tensor:
+    if loss_fn is None:
+        return engine(**batch).loss
+    inputs, targets = batch
+    return loss_fn(engine(inputs), targets)
+
+
+def worker(name: str, strategy: str, steps: int) -> None:
+    """One configuration on every rank of ``dspark run``; rank 0 prints one JSON line."""
+    import functools
+
+    import dspark
+    from dspark import comm
+    from dspark.plan.peak_memory import measure_peak_bytes
+
+    world = dspark.init()
+    model, batch, loss_fn, _ = build(name)
+    engine = dspark.Engine(model, optimizer=functools.partial(torch.optim.AdamW, lr=1e-4),
+                           strategy=strategy, precision=PRECISION)
+    local = dspark.distribute_batch(batch, shard_dim=0)
+
+    def step() -> None:
+        engine.backward(_loss(engine, local, loss_fn))
+        engine.step()
+
+    step()  # warm-up
+    times = []
+    for _ in range(steps):
+        comm.barrier()
+        start = time.perf_counter()
+        step()
+        comm.barrier()
+        times.append((time.perf_counter() - start) * 1e3)
+    peak = measure_peak_bytes(step, world.device)
+    report = engine.memory_report()
+    everyone = comm.all_gather_object({"step_ms": statistics.median(times), "peak_bytes": peak,
+                                       "model_state_bytes": int(report["total_bytes"])})
+    if world.rank == 0:
+        print("RESULT " + json.dumps({"step_ms": max(e["step_ms"] for e in everyone),
+                                      "peak_bytes": max(e["peak_bytes"] for e in everyone),
+                                      "model_state_bytes": max(e["model_state_bytes"] for e in everyone)}),
+              flush=True)
+    engine.close()
+    dspark.shutdown()
+
+
+def measure(name: str, strategy: str, ranks: int, steps: int) -> dict[str, float]:
+    dspark_cli = str(Path(sys.executable).with_name("dspark"))
+    out = subprocess.run([dspark_cli, "run", "--nproc", str(ranks), __file__, "--worker", name,
+                          strategy, str(steps)], capture_output=True, text=True, check=False,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    for line in out.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return dict(json.loads(line[len("RESULT "):]))
+    raise RuntimeError(f"{name} {strategy} on {ranks}: no result\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
+
+
+def validate(models: list[str], steps: int) -> dict[str, Any]:
+    import dspark
+
+    rows = []
+    for name in models:
+        model, batch, loss_fn, global_batch = build(name)
+        torch.set_num_threads(1)
+        plan = dspark.plan(model, batch, loss_fn, devices=[1, 2, 4], precision=PRECISION,
+                           global_batch=global_batch, interconnect="loopback-gloo")
+        print(plan, flush=True)
+        for ranks in (1, 2, 4):
+            for strategy in (("replicate",) if ranks == 1 else STRATEGY_NAMES):
+                row = plan.row(strategy, ranks)
+                got = measure(name, strategy, ranks, steps if ranks < 4 else 1)
+                rows.append({"model": name, "strategy": strategy, "ranks": ranks,
+                             "predicted_peak_bytes": row.peak_bytes, "measured_peak_bytes": got["peak_bytes"],
+                             "predicted_state_bytes": row.model_state_bytes,
+                             "measured_state_bytes": got["model_state_bytes"],
+                             "predicted_step_ms": row.step_ms, "measured_step_ms": got["step_ms"],
+                             "step_compared": ranks < 4})
+                print(json.dumps(rows[-1]), flush=True)
+    return {"command": "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/plan_validation.py",
+            "machine": f"{os.cpu_count()} CPU cores shared with other work; torch {torch.__version__}",
+            "precision": PRECISION, "steps": steps,
+            "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "rows": rows}
+
+
+def table(data: dict[str, Any]) -> str:
+    """The artifact as a Markdown table: predicted / measured for peak and step."""
+    lines = ["| model | strategy | ranks | peak predicted MB | peak measured MB | ratio | "
+             "step predicted ms | step measured ms | ratio |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in data["rows"]:
+        step = (f"{r['predicted_step_ms']:.0f} | {r['measured_step_ms']:.0f} | "
+                f"{r['predicted_step_ms'] / r['measured_step_ms']:.2f}" if r["step_compared"]
+                else "- | - | -")
+        lines.append(f"| {r['model']} | {r['strategy']} | {r['ranks']} | "
+                     f"{r['predicted_peak_bytes'] / 1e6:.1f} | {r['measured_peak_bytes'] / 1e6:.1f} | "
+                     f"{r['predicted_peak_bytes'] / r['measured_peak_bytes']:.2f} | {step} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--worker", nargs=3, metavar=("MODEL", "STRATEGY", "STEPS"))
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--out", default="benchmarks/results/plan-validation.json")
+    parser.add_argument("--table", metavar="ARTIFACT", help="print the Markdown table of an artifact")
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.worker[0], args.worker[1], int(args.worker[2]))
+        return
+    if args.table:
+        print(table(json.loads(Path(args.table).read_text())))
+        return
+    data = validate(args.models.split(","), args.steps)
+    Path(args.out).write_text(json.dumps(data, indent=2) + "\n")
+    print(table(data))
+
+
+if __name__ == "__main__":
+    main()
