@@ -15,13 +15,16 @@ the meta device, so it never exists whole on a rank before the load. First write
     dspark run --nproc 2 benchmarks/pretrained_load_rss.py --weights /tmp/gpt2-medium --method from_rank0
     dspark run --nproc 2 benchmarks/pretrained_load_rss.py --weights /tmp/gpt2-medium --method fsdp2
 
-Each rank prints its RSS before the load, the peak during it (sampled every 2 ms by a thread, with
-``VmHWM`` as a check), and the bytes of parameters it holds after it. Linux only (``/proc``).
+Each rank prints its RSS with the libraries loaded (before the model), before the load (after
+``malloc_trim``), the peak during it (sampled every 2 ms by a thread), the peak of its anonymous
+memory alone (``RssAnon``: what is not file pages, such as the safetensors files ``safe_open`` maps),
+and the bytes of parameters it holds after it. Linux only (``/proc``).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import functools
 import gc
 import threading
@@ -43,11 +46,22 @@ def _config(layers: int, width: int) -> Any:
                       vocab_size=50257, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
 
 
-def _rss_bytes() -> int:
+def _trim() -> None:
+    """Collect garbage and give the heap's free memory back to the system (glibc), so that "before"
+    is what the process holds, not what materialising the model freed and kept for reuse."""
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def _status_bytes(field: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS in /proc/self/status")
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def _rss_bytes() -> int:
+    return _status_bytes("VmRSS")
 
 
 class _PeakSampler:
@@ -55,6 +69,7 @@ class _PeakSampler:
 
     def __enter__(self) -> _PeakSampler:
         self.peak = _rss_bytes()
+        self.peak_anon = _status_bytes("RssAnon")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -63,6 +78,7 @@ class _PeakSampler:
     def _run(self) -> None:
         while not self._stop.is_set():
             self.peak = max(self.peak, _rss_bytes())
+            self.peak_anon = max(self.peak_anon, _status_bytes("RssAnon"))
             time.sleep(0.002)
 
     def __exit__(self, *exc: object) -> None:
@@ -99,6 +115,7 @@ def measure(weights: Path, method: str, layers: int, width: int) -> None:
 
     world = dspark.init(backend="gloo")
     config = _config(layers, width)
+    libraries = _rss_bytes()  # the interpreter, PyTorch, transformers, the process group
     if method == "fsdp2":
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
         from torch.distributed.fsdp import fully_shard
@@ -109,7 +126,7 @@ def measure(weights: Path, method: str, layers: int, width: int) -> None:
             fully_shard(block)
         fully_shard(model)
         model.to_empty(device="cpu")
-        gc.collect()
+        _trim()
         before = _rss_bytes()
         with _PeakSampler() as sampler:
             state = _full_state_dict_on_rank0(weights)
@@ -122,7 +139,7 @@ def measure(weights: Path, method: str, layers: int, width: int) -> None:
             model = GPT2LMHeadModel(config)
         engine = dspark.Engine(model, optimizer=functools.partial(torch.optim.SGD, lr=0.0), strategy="zero3",
                                batch_check_every=None)
-        gc.collect()
+        _trim()
         before = _rss_bytes()
         with _PeakSampler() as sampler:
             if method == "load_pretrained":
@@ -134,8 +151,11 @@ def measure(weights: Path, method: str, layers: int, width: int) -> None:
         held = sum(d.local.numel() * d.local.element_size() for d in engine.sharded_parameters().values())
     num_params = sum(p.numel() for p in GPT2LMHeadModel(config).parameters()) if world.rank == 0 else 0
     lines = dspark.comm.all_gather_object(
-        f"rank {world.rank}: RSS before {before / MIB:.0f} MiB, peak during the load {sampler.peak / MIB:.0f} MiB "
-        f"(+{(sampler.peak - before) / MIB:.0f} MiB), parameters held after {held / MIB:.0f} MiB")
+        f"rank {world.rank}: RSS with the libraries only {libraries / MIB:.0f} MiB, before the load "
+        f"{before / MIB:.0f} MiB, peak during the load {sampler.peak / MIB:.0f} MiB "
+        f"(+{(sampler.peak - before) / MIB:.0f} MiB; anonymous memory alone peaked at "
+        f"{sampler.peak_anon / MIB:.0f} MiB, the rest is file pages mapped by safetensors), parameters "
+        f"held after {held / MIB:.0f} MiB")
     if world.rank == 0:
         print(f"{method}: GPT-2 {layers} layers, width {width}, {num_params:,} parameters "
               f"({num_params * 4 / MIB:.0f} MiB in fp32) on {world.world_size} ranks")

@@ -180,7 +180,7 @@ class SafetensorsSource:
 
         source = SafetensorsSource("gpt2")          # model.safetensors or shards + index.json
         source.headers["wte.weight"].shape          # (50257, 768)
-        rows = source.read("wte.weight", 0, 100)    # rows 0..99 only
+        rows = source.read("wte.weight", 0, 100)    # rows 0..99 only, read when asked
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
@@ -189,30 +189,30 @@ class SafetensorsSource:
         self.path = Path(path)
         self.files = _files_of(self.path)
         self.headers: dict[str, TensorHeader] = {}
-        self._open: dict[Path, Any] = {}
         for file in self.files:
-            handle = self._handle(file)
-            for name in handle.keys():
-                piece = handle.get_slice(name)
-                self.headers[name] = TensorHeader(file, tuple(piece.get_shape()), _dtype(piece.get_dtype(), file))
-
-    def _handle(self, file: Path) -> Any:
-        if file not in self._open:
-            from safetensors import safe_open
-
-            self._open[file] = safe_open(str(file), framework="pt")
-        return self._open[file]
+            with _open(file) as handle:
+                for name in handle.keys():
+                    piece = handle.get_slice(name)
+                    self.headers[name] = TensorHeader(file, tuple(piece.get_shape()),
+                                                      _dtype(piece.get_dtype(), file))
 
     def read(self, name: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
-        """Rows ``start:stop`` of ``name`` (the whole tensor when both are None; a 0-d tensor whole)."""
+        """Rows ``start:stop`` of ``name`` (the whole tensor when both are None; a 0-d tensor whole).
+        The file is mapped for this read only: the pages read leave the process's memory with it."""
         header = self.headers[name]
-        handle = self._handle(header.file)
-        if (start is None and stop is None) or not header.shape:
-            return handle.get_tensor(name)  # type: ignore[no-any-return]
-        return handle.get_slice(name)[start:stop]  # type: ignore[no-any-return]
+        with _open(header.file) as handle:
+            if (start is None and stop is None) or not header.shape:
+                return handle.get_tensor(name).clone()  # type: ignore[no-any-return]
+            return handle.get_slice(name)[start:stop].clone()  # type: ignore[no-any-return]
 
     def close(self) -> None:
-        self._open.clear()
+        """Nothing stays open between reads; kept so callers can release a source explicitly."""
+
+
+def _open(file: Path) -> Any:
+    from safetensors import safe_open
+
+    return safe_open(str(file), framework="pt")
 
 
 def _files_of(path: Path) -> list[Path]:

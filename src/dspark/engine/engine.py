@@ -93,9 +93,10 @@ class Engine:
             engine.step()
 
     Every rank builds the same model (names, shapes, dtypes, ``requires_grad`` and buffers are
-    checked at construction; parameters and buffers are then broadcast from rank 0), on a real device
-    or under ``with torch.device("meta"):`` (the engine then materialises it with the modules'
-    ``reset_parameters()``; zero3 one module at a time). ``engine.backward(loss)`` is called up to
+    checked at construction; parameters and buffers are then broadcast from rank 0), on a real device,
+    under ``with dspark.meta_init():`` (the engine replays the model's own initialisation exactly,
+    zero3 one parameter at a time) or under ``with torch.device("meta"):`` (materialised with the
+    modules' ``reset_parameters()``, refused when the model initialises elsewhere). ``engine.backward(loss)`` is called up to
     ``grad_accum_steps`` times, then ``engine.step()``: gradients are communicated during the last
     backward of the window (or in ``step()`` when the window ends early), and the update uses the mean
     over the window's micro-batches and all ranks. ``engine.backward(loss, weight=n)`` weighs each
