@@ -170,3 +170,34 @@ def test_load_weights_only_into_an_engine_with_another_optimizer(pool, tmp_path:
     for result in pool.run(_weights_only, str(tmp_path / "ckpt")):
         assert result == {"same": True, "step": 0}
     assert json.loads((tmp_path / "ckpt" / "dspark.json").read_text())["optimizer"] == "AdamW"
+
+
+def _reads_under_zero3(directory: str) -> dict[str, Any]:
+    from unittest import mock
+
+    from dspark.checkpoint.hf_files import SafetensorsSource as Source
+
+    calls: list[tuple[str, int | None, int | None]] = []
+    original = Source.read
+
+    def spy(self: Source, name: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
+        calls.append((name, start, stop))
+        return original(self, name, start, stop)
+
+    engine = _engine("zero3")
+    with mock.patch.object(Source, "read", spy):
+        engine.load_pretrained(directory)
+    rows = {s.name: (s.start, s.stop) for s in engine.slots}
+    engine.close()
+    return {"calls": calls, "rows": rows}
+
+
+def test_under_zero3_each_rank_reads_only_its_rows(pool, saved_dir: Path) -> None:
+    results = pool.run(_reads_under_zero3, str(saved_dir))
+    shapes = {name: h.shape for name, h in SafetensorsSource(saved_dir).headers.items()}
+    for result in results:
+        assert len(result["calls"]) == len(shapes)  # each stored tensor read once (the tie too)
+        for name, start, stop in result["calls"]:
+            if len(shapes[name]) > 0:
+                assert (start, stop) == result["rows"][name], name
+                assert stop - start < shapes[name][0], name  # never the whole tensor
