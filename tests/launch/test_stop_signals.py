@@ -306,3 +306,30 @@ def test_ctrl_c_early_in_dspark_run_ends_with_one_line(tmp_path: Path, delay_s: 
     assert job.returncode == 130, stderr[-3000:]
     assert "Traceback" not in stderr, stderr[-3000:]
     assert stderr.strip().splitlines()[-1] == "dspark: interrupted", stderr[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_workers_die_with_their_launcher_when_dspark_run_dies_too(tmp_path: Path) -> None:
+    """kill -9 of dspark run and of PyTorch's launcher at once: nobody is left to clean up, and the
+    kernel's parent-death signal alone ends the workers."""
+    script, ready = _sleeper(tmp_path)
+    job = subprocess.Popen([sys.executable, "-m", "dspark.cli.main", "run", "--nproc", "2",
+                            str(script), str(ready)],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    tree = []
+    try:
+        _wait_for(lambda: len(list(ready.iterdir())) == 2, 120, "both workers to start")
+        tree = descendants(job.pid)
+        (launcher,) = [p for p in tree if p.ppid == job.pid]
+        workers = [p for p in tree if p.ppid == launcher.pid]
+        assert len(workers) == 2
+        job.kill()
+        os.kill(launcher.pid, signal.SIGKILL)
+        _wait_for(lambda: not any(is_running(p.pid, p.started_at) for p in workers), 5,
+                  "the workers to die with their launcher")
+    finally:
+        job.kill()
+        for p in tree:
+            if is_running(p.pid, p.started_at):
+                os.kill(p.pid, signal.SIGKILL)
