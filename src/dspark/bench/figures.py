@@ -111,7 +111,7 @@ def _speedup(row: dict[str, Any]) -> str:
 
 
 def _flags(row: dict[str, Any]) -> str:
-    kinds = [a.get("kind", "?") for a in row.get("anomalies", [])]
+    kinds = list(dict.fromkeys(a.get("kind", "?") for a in row.get("anomalies", [])))
     injected = row.get("injected_faults") or {}
     words = kinds + [f"injected {name}={value}" for name, value in sorted(injected.items())]
     return ", ".join(words) if words else "none"
