@@ -120,3 +120,12 @@ def test_sgd_without_momentum_plans_no_optimizer_state() -> None:
     plan = dspark.plan(_mlp(), _batch(), F.cross_entropy, devices=[1],
                        optimizer=functools.partial(torch.optim.SGD, lr=0.1))
     assert plan.row("replicate", 1).optimizer_bytes == 0
+
+
+def test_a_model_whose_state_does_not_fit_the_probe_device_is_refused_with_the_numbers(monkeypatch) -> None:
+    from dspark.plan import planner
+
+    monkeypatch.setattr(planner, "default_memory_budget", lambda device, local_ranks=1: 1000)
+    state_mb = f"{16 * sum(p.numel() for p in _mlp().parameters()) / 1e6 + 0.0:,.1f} MB"
+    with pytest.raises(ValueError, match=f"state \\({state_mb}\\) exceeds the 0.0 MB"):
+        dspark.plan(_mlp(), _batch(), F.cross_entropy, devices=[1])

@@ -22,7 +22,7 @@ from torch import nn
 from dspark.engine.policy import STRATEGIES, precision_policy
 from dspark.engine.zero3_units import unit_modules
 from dspark.host.cpu_memory import memory_info
-from dspark.plan.cost import ModelShape, RowCost, row_cost
+from dspark.plan.cost import ModelShape, RowCost, row_cost, state_bytes
 from dspark.plan.interconnect import Interconnect, get_interconnect
 from dspark.plan.probe import LossFn, Probe, batch_size, measure_probe
 
@@ -258,6 +258,7 @@ def plan(model: nn.Module, sample_batch: Any, loss_fn: LossFn | None = None, *,
         smallest = max(1, min(largest // 4, total // counts[-1]))
         if smallest == largest:
             smallest = max(1, largest // 2)
+        _check_probe_fits(model, where)
         units = [name for name, _ in unit_modules(model)]
         probe = measure_probe(model, sample_batch, loss_fn=loss_fn, optimizer=optimizer,
                               precision=precision, device=where,
@@ -274,6 +275,19 @@ def plan(model: nn.Module, sample_batch: Any, loss_fn: LossFn | None = None, *,
                                  max_micro_batch))
     return Plan(rows=tuple(rows), global_batch=total, precision=precision, interconnect=link.name,
                 memory_budget_bytes=memory_budget, probe=probe)
+
+
+def _check_probe_fits(model: nn.Module, device: torch.device) -> None:
+    """The probe trains a whole copy on one device: refuse, with the numbers, where its model state
+    alone (AdamW's 16 bytes per fp32 parameter) would not fit in that device's memory (the
+    per-rank ``memory_budget`` is for the planned ranks, not for the probe)."""
+    state = sum(state_bytes(model_shape(model), "replicate", 1).values())
+    room = default_memory_budget(device)
+    if state > room:
+        raise ValueError(f"the probe trains the whole model on {device} and its one-device model state "
+                         f"({_mb(state)}) exceeds the {_mb(room)} there; probe it on a device where it "
+                         "fits and pass probe= (dspark plan --probe PATH), or build one with "
+                         "Probe.from_one_step from a measured step")
 
 
 def _fit_row(shape: ModelShape, probe: Probe, strategy: str, n: int, local: int, budget: int,
