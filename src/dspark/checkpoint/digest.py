@@ -11,17 +11,17 @@ Chunks follow DCP's records so that a load checks exactly the bytes it reads, in
 reads whole records, each loading rank only those it needs. sha256 runs at about 1 GB/s per core
 with the SHA extensions of current x86 and Arm CPUs (measured: docs/checkpoints.md); ``hashlib``
 releases the GIL while it hashes, so a :class:`Hasher`'s threads hash while the caller's thread
-goes on reading and unpickling tensors.
+goes on reading and unpickling tensors. Each worker reads the range it hashes itself (``pread``
+into a buffer it reuses), so the reading thread keeps DCP's own fast path.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-from collections import deque
+import threading
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import BinaryIO
 
 __all__ = ["HASH_NAME", "PIECE_BYTES", "Hasher", "chunk_digest", "file_digest"]
 
@@ -76,42 +76,53 @@ def _default_threads() -> int:
     return max(1, min(8, cores))
 
 
+_buffers = threading.local()
+
+
+def _hash_piece(fd: int, offset: int, size: int) -> bytes:
+    """sha256 of ``size`` bytes of ``fd`` at ``offset``, read into this thread's own buffer (no
+    allocation per piece: a fresh large buffer costs page faults on every use)."""
+    buffer = getattr(_buffers, "piece", None)
+    if buffer is None:
+        buffer = _buffers.piece = bytearray(PIECE_BYTES)
+    view = memoryview(buffer)[:size]
+    done = 0
+    while done < size:
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got <= 0:
+            raise EOFError(f"the file ends at byte {offset + done}, inside bytes {offset}-{offset + size}")
+        done += got
+    return _sha256(view)
+
+
 class Hasher:
-    """Hashes chunks in worker threads while the caller reads on; :meth:`results` waits for them.
-    At most ``max_pending_bytes`` wait at a time (the caller blocks in :meth:`add` beyond that), so
-    hashing a large file never holds more than that in memory.
+    """Hashes byte ranges of open files in worker threads (each reads its pieces itself, with
+    ``pread``), while the caller goes on; :meth:`results` waits for them.
 
     Example::
 
         with Hasher() as hasher:
-            hasher.add("a", b"bytes of chunk a")
+            hasher.add_range("a", fd, 0, 4096)
             digests = hasher.results()   # {'a': '...'}
     """
 
-    def __init__(self, *, threads: int | None = None, max_pending_bytes: int = 256 * 2**20) -> None:
+    def __init__(self, *, threads: int | None = None) -> None:
         self._pool = ThreadPoolExecutor(max_workers=threads or _default_threads(),
                                         thread_name_prefix="dspark-digest")
-        self._max_pending_bytes = max_pending_bytes
-        self._pending: deque[tuple[int, Future[bytes]]] = deque()
-        self._pending_bytes = 0
         self._chunks: dict[object, list[Future[bytes]]] = {}
 
-    def add(self, key: object, data: bytes | memoryview) -> None:
-        """Hash ``data`` as the next part of chunk ``key`` (any hashable: a name, an offset). A chunk
-        may come in several parts, each but the last a multiple of :data:`PIECE_BYTES` long."""
-        futures = self._chunks.setdefault(key, [])
-        for piece in _pieces(data) if len(data) else [memoryview(b"")]:
-            while self._pending and self._pending_bytes + len(piece) > self._max_pending_bytes:
-                size, oldest = self._pending.popleft()
-                oldest.result()
-                self._pending_bytes -= size
-            future = self._pool.submit(_sha256, piece)
-            futures.append(future)
-            self._pending.append((len(piece), future))
-            self._pending_bytes += len(piece)
+    def add_range(self, key: object, fd: int, offset: int, length: int) -> None:
+        """Start hashing bytes ``offset``..``offset + length`` of the open file ``fd`` as chunk
+        ``key`` (any hashable); ``fd`` must stay open until :meth:`results` returns."""
+        if key in self._chunks:
+            raise AssertionError(f"chunk {key!r} was added twice")
+        starts = range(offset, offset + length, PIECE_BYTES) if length else [offset]
+        self._chunks[key] = [self._pool.submit(_hash_piece, fd, start, min(PIECE_BYTES, offset + length - start))
+                             for start in starts]
 
     def results(self) -> dict[object, str]:
-        """Every chunk's digest, by key, once all are hashed."""
+        """Every chunk's digest, by key, once all are hashed; ``EOFError`` when a file ended
+        before a range did."""
         return {key: _combine([f.result() for f in futures]) for key, futures in self._chunks.items()}
 
     def close(self) -> None:
@@ -124,26 +135,16 @@ class Hasher:
         self.close()
 
 
-def hash_ranges(stream: BinaryIO, ranges: list[tuple[int, int]]) -> dict[tuple[int, int], str]:
-    """The digest of each ``(offset, length)`` byte range of ``stream``, read in file order a piece
-    at a time and hashed in worker threads; ``OSError`` when the file ends before a range does.
+def hash_ranges(fd: int, ranges: list[tuple[int, int]]) -> dict[tuple[int, int], str]:
+    """The digest of each ``(offset, length)`` byte range of the open file ``fd``, hashed in worker
+    threads; ``EOFError`` when the file ends before a range does.
 
     Example::
 
-        with open("ckpt/__0_0.distcp", "rb") as f:
-            hash_ranges(f, [(0, 1024), (1024, 4096)])
+        fd = os.open("ckpt/__0_0.distcp", os.O_RDONLY)
+        hash_ranges(fd, [(0, 1024), (1024, 4096)])
     """
     with Hasher() as hasher:
-        for offset, length in sorted(ranges):
-            stream.seek(offset)
-            done = 0
-            while done < length or (length == 0 and done == 0):
-                data = stream.read(min(PIECE_BYTES, length - done))
-                if len(data) != min(PIECE_BYTES, length - done):
-                    raise OSError(f"{getattr(stream, 'name', 'the file')!r} ended at byte "
-                                  f"{offset + done + len(data)}, inside the range {offset}-{offset + length}")
-                hasher.add((offset, length), data)
-                done += len(data)
-                if length == 0:
-                    break
+        for offset, length in ranges:
+            hasher.add_range((offset, length), fd, offset, length)
         return {key: digest for key, digest in hasher.results().items()}  # type: ignore[misc]

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -145,9 +146,12 @@ def hash_files(directory: Path, records: dict[str, list[tuple[int, int]]],
     entries = {}
     for name, file_records in sorted(records.items()):
         path = directory / name
-        with open(path, "rb") as stream:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        try:
             size_bytes = check_plain_file(path).st_size
-            chunks = digest.hash_ranges(stream, file_chunks(size_bytes, file_records))
+            chunks = digest.hash_ranges(fd, file_chunks(size_bytes, file_records))
+        finally:
+            os.close(fd)
         entries[name] = FileEntry(size_bytes=size_bytes, chunks=chunks, id_record=id_records.get(name),
                                   digest=digest.file_digest([d for _, d in sorted(chunks.items())]))
     return entries

@@ -21,7 +21,6 @@ Tensor records are read by DCP itself with ``torch.load(weights_only=True)``.
 from __future__ import annotations
 
 import dataclasses
-import io
 import pickle
 import warnings
 from collections.abc import Mapping
@@ -185,11 +184,11 @@ class _SafeFileSystemReader(dcp.FileSystemReader):
         self._check = None if manifest is None else RecordCheck(manifest)
 
     def _slice_file(self, file: Any, sinfo: Any) -> Any:
-        # DCP reads every record through here: with a manifest, the bytes it gets are the bytes
-        # hashed (see [Note: checkpoint integrity])
-        if self._check is None:
-            return super()._slice_file(file, sinfo)
-        return io.BytesIO(self._check.read(file, sinfo.relative_path, int(sinfo.offset), int(sinfo.length)))
+        # DCP reads every record through here: with a manifest, the record is hashed beside the
+        # read (see [Note: checkpoint integrity])
+        if self._check is not None:
+            self._check.record(sinfo.relative_path, int(sinfo.offset), int(sinfo.length))
+        return super()._slice_file(file, sinfo)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if kwargs.get("rank") is not None:  # DCP's fallback to per-rank files, which DSpark never writes

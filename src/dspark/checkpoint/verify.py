@@ -10,7 +10,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 from dspark.checkpoint import digest
 from dspark.checkpoint.errors import CheckpointError, CheckpointIntegrityError
@@ -30,70 +30,71 @@ _FOREIGN = ("a file copied or linked from another checkpoint, or one changed sin
 
 
 class RecordCheck:
-    """The records DCP reads from shard files, each hashed in worker threads as it is read and
-    compared with the manifest in :meth:`finish`; each file's size and save id at its first read.
+    """The records DCP reads from shard files, each hashed in worker threads beside the read (from
+    the same file, see :class:`~dspark.checkpoint.digest.Hasher`) and compared with the manifest in
+    :meth:`finish`; each file's size and save id at its first read.
 
     Example::
 
         check = RecordCheck(manifest)
-        data = check.read(stream, "__0_0.distcp", offset, length)   # the record's bytes
-        check.finish()                                               # raises on a mismatch
+        check.record("__0_0.distcp", offset, length)   # as DCP reads it
+        check.finish()                                 # raises on a mismatch
     """
 
     def __init__(self, manifest: Manifest) -> None:
         self._manifest = manifest
         self._hasher = digest.Hasher()
         self._expected: dict[object, tuple[str, int, int, str]] = {}
-        self._files_seen: set[str] = set()
+        self._fds: dict[str, int] = {}
 
     @property
     def records_read(self) -> int:
         return len(self._expected)
 
-    def read(self, stream: BinaryIO, name: str, offset: int, length: int) -> bytes:
-        """The ``length`` bytes at ``offset`` of shard file ``name`` (open as ``stream``), whose
-        digest :meth:`finish` checks."""
+    def record(self, name: str, offset: int, length: int) -> None:
+        """DCP reads the ``length`` bytes at ``offset`` of shard file ``name``: check them."""
         path = self._manifest.directory / name
         entry = self._manifest.entry(name)
-        if name not in self._files_seen:
-            self._check_file(stream, path, entry)
-            self._files_seen.add(name)
+        if name not in self._fds:
+            self._fds[name] = self._open(path, entry)
         expected = entry.chunks.get((offset, length))
         if expected is None:
             raise CheckpointIntegrityError(
                 f"{str(path)!r}: DCP's index points to bytes {offset}-{offset + length}, which is no "
                 "record this save wrote there: .metadata and the shard files come from different saves")
-        stream.seek(offset)
-        data = stream.read(length)
-        if len(data) != length:
-            raise CheckpointIntegrityError(f"{str(path)!r} ends inside the record at bytes "
-                                           f"{offset}-{offset + length}: the file was cut short")
         key = len(self._expected)
         self._expected[key] = (name, offset, length, expected)
-        self._hasher.add(key, data)
-        return data
+        self._hasher.add_range(key, self._fds[name], offset, length)
 
-    def _check_file(self, stream: BinaryIO, path: Path, entry: FileEntry) -> None:
-        size_bytes = os.fstat(stream.fileno()).st_size
-        if size_bytes != entry.size_bytes:
-            raise CheckpointIntegrityError(f"{str(path)!r} has {size_bytes} bytes, the save wrote "
-                                           f"{entry.size_bytes}: {_FOREIGN}")
-        if entry.id_record is None:
-            raise CheckpointIntegrityError(f"{str(path)!r}: {MANIFEST_FILE} gives no save-id record "
-                                           "for this shard file; the manifest is damaged")
-        offset, length = entry.id_record
-        stream.seek(offset)
-        if digest.chunk_digest(stream.read(length)) != entry.chunks.get((offset, length)):
-            raise CheckpointIntegrityError(f"{str(path)!r} does not hold the id of save "
-                                           f"{self._manifest.save_id}: {_FOREIGN}")
+    def _open(self, path: Path, entry: FileEntry) -> int:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        try:
+            size_bytes = os.fstat(fd).st_size
+            if size_bytes != entry.size_bytes:
+                raise CheckpointIntegrityError(f"{str(path)!r} has {size_bytes} bytes, the save wrote "
+                                               f"{entry.size_bytes}: {_FOREIGN}")
+            if entry.id_record is None:
+                raise CheckpointIntegrityError(f"{str(path)!r}: {MANIFEST_FILE} gives no save-id record "
+                                               "for this shard file; the manifest is damaged")
+            offset, length = entry.id_record
+            if digest.chunk_digest(os.pread(fd, length, offset)) != entry.chunks.get((offset, length)):
+                raise CheckpointIntegrityError(f"{str(path)!r} does not hold the id of save "
+                                               f"{self._manifest.save_id}: {_FOREIGN}")
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
 
     def finish(self) -> None:
         """Wait for every record's digest; :class:`CheckpointIntegrityError` naming the first file
         (in file order) whose bytes differ from what the save wrote."""
         try:
             found = self._hasher.results()
+        except EOFError as exc:
+            raise CheckpointIntegrityError(f"a shard file of {str(self._manifest.directory)!r} was cut "
+                                           f"short while it was read: {exc}") from exc
         finally:
-            self._hasher.close()
+            self.close()
         bad = sorted(value[:3] for key, value in self._expected.items() if found[key] != value[3])
         if bad:
             name, offset, length = bad[0]
@@ -104,6 +105,9 @@ class RecordCheck:
 
     def close(self) -> None:
         self._hasher.close()
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
 
 
 @dataclass(slots=True)
@@ -176,11 +180,14 @@ def _check_whole_file(path: Path, entry: FileEntry) -> str | None:
         size_bytes = check_plain_file(path).st_size
         if size_bytes != entry.size_bytes:
             return f"{str(path)!r} has {size_bytes} bytes, the save wrote {entry.size_bytes}: {_FOREIGN}"
-        with open(path, "rb") as stream:
-            found = digest.hash_ranges(stream, list(entry.chunks))
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        try:
+            found = digest.hash_ranges(fd, list(entry.chunks))
+        finally:
+            os.close(fd)
     except FileNotFoundError:
         return f"{str(path)!r} is missing: the checkpoint is partial"
-    except (OSError, CheckpointError) as exc:
+    except (OSError, EOFError, CheckpointError) as exc:
         return f"{str(path)!r} cannot be read ({type(exc).__name__}: {exc})"
     bad = sorted(key for key, d in entry.chunks.items() if found[key] != d)
     if bad:
