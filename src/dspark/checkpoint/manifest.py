@@ -12,9 +12,10 @@ A load checks, before it uses a file, that the file is the one this save wrote:
 
 * ``dspark.json``, ``training_state.json`` and ``.metadata``: the bytes read are hashed and compared
   with the manifest before they are parsed;
-* shard files: every file's size first; then each record DCP reads is hashed as it is read (in
-  worker threads, see :class:`RecordCheck`) and the id record of every file read from is checked;
-  the tensors go into fresh buffers the engine takes only after every rank's check passed.
+* shard files: each file's size and id record when a rank first reads from it; then each record
+  DCP reads is hashed by worker threads that read the same bytes beside DCP's read (see
+  :class:`~dspark.checkpoint.verify.RecordCheck`); the tensors go into fresh buffers the engine
+  takes only after every rank's check passed.
 
 A mismatch is a :class:`CheckpointIntegrityError` naming the file, on every rank, with the engine
 unchanged. ``dspark ckpt verify`` checks every byte of every file offline.
