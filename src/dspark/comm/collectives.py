@@ -488,8 +488,8 @@ def barrier(*, group: Group | None = None) -> None:
     _run("barrier", g, 0, lambda: dist.all_reduce(flag, group=g.pg, async_op=True), False)
 
 
-def all_gather_object(obj: Any, *, group: Group | None = None) -> list[Any]:
-    """Every rank's picklable ``obj``, as a list indexed by rank."""
+def all_gather_object(obj: Any, *, group: Group | None = None, label: str | None = None) -> list[Any]:
+    """Every rank's picklable ``obj``, as a list indexed by rank (``label`` names both gathers)."""
     g = group or default_group()
     if _is_noop(g):
         _stats.record("all_gather_object", 0, 1)
@@ -497,15 +497,16 @@ def all_gather_object(obj: Any, *, group: Group | None = None) -> list[Any]:
     device = g.device or get_world().device
     payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
     size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
-    sizes = all_gather(size, group=g, _kind="all_gather_object")
+    sizes = all_gather(size, group=g, _kind="all_gather_object", label=label)
     longest = int(max(int(s.item()) for s in sizes))
     padded = torch.zeros(longest, dtype=torch.uint8, device=device)
     padded[: payload.numel()] = payload
-    gathered = all_gather(padded, group=g, _kind="all_gather_object")
+    gathered = all_gather(padded, group=g, _kind="all_gather_object", label=label)
     return [pickle.loads(bytes(t[: int(s.item())].cpu().numpy()))
             for t, s in zip(gathered, sizes, strict=True)]
 
 
-def broadcast_object(obj: Any, src: int = 0, *, group: Group | None = None) -> Any:
+def broadcast_object(obj: Any, src: int = 0, *, group: Group | None = None, label: str | None = None) -> Any:
     """``obj`` as rank ``src`` holds it, on every rank."""
-    return all_gather_object(obj if (group or default_group()).rank == src else None, group=group)[src]
+    return all_gather_object(obj if (group or default_group()).rank == src else None, group=group,
+                             label=label)[src]

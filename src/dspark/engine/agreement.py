@@ -33,7 +33,7 @@ def agree(failure: BaseException | None, *, what: str) -> None:
         agree(None, what="building the optimizer")
     """
     mine = None if failure is None else f"{type(failure).__name__}: {failure}"
-    reports = comm.all_gather_object(mine)
+    reports = comm.all_gather_object(mine, label="dspark.agree")
     failed = [(rank, text) for rank, text in enumerate(reports) if text is not None]
     if not failed:
         return

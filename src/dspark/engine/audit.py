@@ -128,7 +128,7 @@ def _batch_rows(batch: ForwardInputs | None, *, rank: int, num_ranks: int,
     holding the same batch as this one divide its expected bytes."""
     mine = (batch.fingerprint() if batch is not None
             else torch.zeros(FINGERPRINT_LEN, dtype=torch.float64))  # no elements: matches nothing
-    everyone = comm.all_gather(mine.to(device=device, dtype=torch.float64))
+    everyone = comm.all_gather(mine.to(device=device, dtype=torch.float64), label="dspark.audit.all_gather")
     if batch is None:
         return []
     same = {rank} | {b if a == rank else a for a, b in identical_ranks(everyone) if rank in (a, b)}

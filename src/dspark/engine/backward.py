@@ -28,7 +28,7 @@ from dspark.engine.loss_scaler import LossScaler
 from dspark.engine.memory import storage_bytes
 from dspark.engine.param_slot import ParamSlot
 from dspark.engine.validation import check_weight
-from dspark.engine.window import Window
+from dspark.engine.window import StepTag, Window
 from dspark.engine.zero3_units import Zero3Scheduler
 
 __all__ = ["BackwardPass"]
@@ -47,14 +47,15 @@ class BackwardPass:
 
         backward = BackwardPass(slots=slots, frozen_params=[], window=Window(), reducer=reducer,
                                 zero3=None, loss_scaler=None, grad_accum_steps=1, shard_grads=False,
-                                world=dspark.get_world())
+                                world=dspark.get_world(), step_count=lambda: 0)
         backward.run(loss, None)        # the window's last backward also reduces (sync)
         backward.end_window()           # after the optimizer step
     """
 
     def __init__(self, *, slots: Sequence[ParamSlot], frozen_params: Sequence[tuple[str, nn.Parameter]],
                  window: Window, reducer: GradReducer | LocalReducer, zero3: Zero3Scheduler | None,
-                 loss_scaler: LossScaler | None, grad_accum_steps: int, shard_grads: bool, world: World) -> None:
+                 loss_scaler: LossScaler | None, grad_accum_steps: int, shard_grads: bool, world: World,
+                 step_count: Callable[[], int]) -> None:
         self.slots = list(slots)
         self.frozen_params = list(frozen_params)
         """Frozen at construction: a gradient on one later means it was unfrozen (not followed)."""
@@ -65,6 +66,7 @@ class BackwardPass:
         self.grad_accum_steps = grad_accum_steps
         self.shard_grads = shard_grads
         self.world = world
+        self.step_count = step_count
 
     def check(self, loss: torch.Tensor, weight: float | int | torch.Tensor | None) -> float | None:
         """Refuse a backward the window cannot take, with nothing changed; returns the checked weight."""
@@ -183,7 +185,7 @@ class BackwardPass:
                 "during training, build a new engine after requires_grad_(True), or build it with the "
                 "parameters trainable and param_groups giving them lr=0 until they are to train")
         try:
-            window.has_grads = self.reducer.end_backward(weights)
+            window.has_grads = self.reducer.end_backward(weights, StepTag.of(window, self.step_count()))
         except BaseException:
             self.end_window()
             raise

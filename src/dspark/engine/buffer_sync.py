@@ -22,15 +22,16 @@ from dspark import comm
 __all__ = ["BufferSync", "broadcast_tensors"]
 
 
-def broadcast_tensors(tensors: list[torch.Tensor], src: int = 0) -> None:
-    """Overwrite ``tensors`` with rank ``src``'s values: one broadcast per dtype (collective)."""
+def broadcast_tensors(tensors: list[torch.Tensor], src: int = 0, *, label: str = "dspark.buffers.broadcast") -> None:
+    """Overwrite ``tensors`` with rank ``src``'s values: one broadcast per dtype (collective), named
+    ``label``."""
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:
         if t.numel():
             by_dtype.setdefault(t.dtype, []).append(t)
     for same in by_dtype.values():
         flat = torch.cat([t.reshape(-1) for t in same]) if len(same) > 1 else same[0].reshape(-1).clone()
-        comm.broadcast(flat, src=src)
+        comm.broadcast(flat, src=src, label=label)
         # one C++ call each way: a ResNet-50 has 159 buffers, copied one by one in Python they cost
         # more than the broadcast itself
         torch._foreach_copy_(same, [v.view_as(t) for v, t in zip(torch.split(flat, [t.numel() for t in same]),
@@ -64,7 +65,7 @@ class BufferSync:
             changed = [name for name, b in buffers.items()
                        if b._version != versions.get(name) or self._values_changed(name, b)]
             self._values = {}
-            union = set().union(*comm.all_gather_object(changed))
+            union = set().union(*comm.all_gather_object(changed, label="dspark.buffers.changed"))
             self._dynamic = [name for name in buffers if name in union]
         broadcast_tensors([buffers[name] for name in self._dynamic if name in buffers])
 

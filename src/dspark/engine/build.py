@@ -47,16 +47,18 @@ def place_model(model: nn.Module, named: Sequence[tuple[list[str], nn.Parameter]
     if has_meta_tensors(model):
         def on_final(name: str, p: nn.Parameter) -> None:
             if n > 1:
-                broadcast_tensors([p.data])  # rank 0's values, whatever each rank's seed
+                # rank 0's values, whatever each rank's seed
+                broadcast_tensors([p.data], label="dspark.construction.broadcast")
             keep(p)
 
         materialize(model, device, on_final)
         if n > 1:
-            broadcast_tensors(list(model.buffers()))
+            broadcast_tensors(list(model.buffers()), label="dspark.construction.broadcast")
         return
     model.to(device)
     if n > 1:
-        broadcast_tensors([p.detach() for _, p in named] + list(model.buffers()))
+        broadcast_tensors([p.detach() for _, p in named] + list(model.buffers()),
+                          label="dspark.construction.broadcast")
     for _, p in named:
         keep(p)
 
@@ -105,13 +107,13 @@ def build_optimizer(factory: OptimizerFactory, slots: Sequence[ParamSlot],
 
 
 def shard_parameters(model: nn.Module, slots: Sequence[ParamSlot], *, strategy: ShardingPolicy, world: World,
-                     policy: UnitPolicy, in_backward: Callable[[], bool]
+                     policy: UnitPolicy, in_backward: Callable[[], bool], window: Callable[[], int]
                      ) -> tuple[Zero3Scheduler | None, Zero3StateDictGuard | None]:
     """zero3 on several ranks: the scheduler that gathers each unit's parameters just in time, and
     the guard that keeps ``model.state_dict()`` from returning freed (empty) tensors (see [Note:
     state dicts under zero3]). Elsewhere a rank's shard of a parameter is the whole parameter."""
     if strategy.shard_params and world.world_size > 1:
-        return (Zero3Scheduler(model, list(slots), policy=policy, in_backward=in_backward),
+        return (Zero3Scheduler(model, list(slots), policy=policy, in_backward=in_backward, window=window),
                 Zero3StateDictGuard(model, slots, rank=world.rank))
     if strategy.shard_optimizer:  # zero1/zero2 (and zero3 on one rank) keep the parameter in place
         for slot in slots:

@@ -62,7 +62,7 @@ from dspark.engine.validation import (
     warn_emulated_bf16,
 )
 from dspark.engine.weights import KeyMap
-from dspark.engine.window import Window
+from dspark.engine.window import StepTag, Window, check_in_step
 from dspark.engine.zero3_units import UnitPolicy
 from dspark.tensor import DistTensor, Placement
 
@@ -143,9 +143,11 @@ class Engine:
         trace_dir: str | os.PathLike[str] | None = None,
         trace_steps: tuple[int, int] = (1, 2),
         memory_budget: int | None = None,
+        skip_nonfinite: bool = True,
+        max_nonfinite_skips: int | None = 20,
     ) -> None:
         check_arguments(model, optimizer, grad_accum_steps, clip_grad_norm, bucket_mb, reduce_dtype,
-                        param_groups, zero3_units)
+                        param_groups, zero3_units, skip_nonfinite, max_nonfinite_skips)
         check_trace_args(trace_dir, trace_steps)
         self.world = comm.get_world()
         self.plan: Any = None
@@ -181,7 +183,8 @@ class Engine:
                     "reduce_dtype": str(reduce_dtype), "loss_scaler": repr(self.loss_scaler),
                     "param_groups": param_groups is not None, "zero3_units": zero3_units is not None,
                     "sync_batchnorm": sync_batchnorm, "broadcast_buffers": broadcast_buffers,
-                    "batch_check_every": batch_check_every}
+                    "batch_check_every": batch_check_every, "skip_nonfinite": skip_nonfinite,
+                    "max_nonfinite_skips": max_nonfinite_skips}
         check_same_model_on_every_rank(model, self.world.rank, settings)
         named = unique_params(model)
         trainable = [(names[0], p) for names, p in named if p.requires_grad]
@@ -207,7 +210,7 @@ class Engine:
 
         self._zero3, self._zero3_guard = shard_parameters(
             model, all_slots, strategy=self.strategy, world=self.world, policy=zero3_units,
-            in_backward=lambda: self._window.in_backward)
+            in_backward=lambda: self._window.in_backward, window=lambda: self._window.index)
         self.optimizer = agreed("building the optimizer", lambda: build_optimizer(
             optimizer, self.slots, groups, module=model, strategy=self.strategy, rank=self.world.rank))
         check_same_optimizer_on_every_rank(self.optimizer, self.world.rank)
@@ -222,14 +225,16 @@ class Engine:
                               loss_scaler=self.loss_scaler, clip_grad_norm=self.clip_grad_norm,
                               device=self.world.device, rank=self.world.rank, num_ranks=n,
                               defer_host_reads=defers_host_reads(self.world.device),
-                              after_optimizer=self._gather_after_optimizer_step)
+                              after_optimizer=self._gather_after_optimizer_step,
+                              skip_nonfinite=skip_nonfinite, max_nonfinite_skips=max_nonfinite_skips)
         self._states = StateDicts(model, self.slots, self._frozen_slots, self.optimizer,
                                   strategy=self.strategy, precision=self.precision, loss_scaler=self.loss_scaler,
                                   zero3=self._zero3, guard=self._zero3_guard, world=self.world)
         self._backward_pass = BackwardPass(
             slots=self.slots, frozen_params=[(names[0], p) for names, p in named if not p.requires_grad],
             window=self._window, reducer=self._reducer, zero3=self._zero3, loss_scaler=self.loss_scaler,
-            grad_accum_steps=grad_accum_steps, shard_grads=self.strategy.shard_grads, world=self.world)
+            grad_accum_steps=grad_accum_steps, shard_grads=self.strategy.shard_grads, world=self.world,
+            step_count=lambda: self.step_count)
         self._hooks = [s.param.register_post_accumulate_grad_hook(self._backward_pass.grad_ready_hook(s))
                        for s in self.slots]
         if self.strategy.shard_optimizer and n > 1:  # see [Note: a rank's optimizer state dict]
@@ -251,13 +256,22 @@ class Engine:
         return torch.autocast(device_type=self.world.device.type, dtype=self.precision.compute_dtype)
 
     def _count_rows(self, inputs: ForwardInputs, args: Any, kwargs: Any) -> None:
+        self._window.forwards += 1
         rows = inputs.rows
         if rows is not None:
             self._window.batch_size = (self._window.batch_size or 0) + rows
 
     @observed("forward")
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the model's forward (under autocast for bf16/fp16)."""
+        """Run the model's forward under the engine's precision: ``torch.autocast`` to bf16/fp16 for
+        ``precision="bf16"``/``"fp16"`` (the parameters stay fp32). ``engine.module(x)`` runs the same
+        module without autocast, in the parameters' dtype; under zero3 either gathers each unit, so
+        every rank must make the same calls (see docs/engine.md).
+
+        Example::
+
+            logits = engine(tokens)            # bf16 matmuls under precision="bf16"
+        """
         try:
             with self._autocast(), self._saving_parameters():
                 return self.module(*args, **kwargs)
@@ -295,14 +309,41 @@ class Engine:
         self.batch_check.before_backward()  # raises on every rank, before any state changes
         self._backward_pass.run(loss, w)
 
+    # -- mode, like nn.Module -------------------------------------------------------------------
+    @property
+    def training(self) -> bool:
+        """Whether the module is in training mode (``engine.module.training``)."""
+        return self.module.training
+
+    def train(self, mode: bool = True) -> Engine:
+        """Put the module in training mode (``mode=False``: evaluation) and return the engine, as
+        ``nn.Module.train`` does. Dropout and BatchNorm follow the mode; the buffer broadcast before
+        each forward runs in training mode only.
+
+        Example::
+
+            engine.eval()
+            with torch.no_grad():
+                val_loss = loss_fn(engine(x), y)
+            engine.train()
+        """
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> Engine:
+        """``engine.train(False)``: evaluation mode, returning the engine."""
+        return self.train(False)
+
     # -- optimizer step --------------------------------------------------------------------------
     @observed("optimizer")
     def step(self) -> bool:
         """Apply the optimizer to the window's averaged gradients (after 1 to ``grad_accum_steps``
         ``backward()`` calls; a shorter window, e.g. at the end of an epoch, is reduced here). Returns
-        False when the step was skipped: an fp16 overflow (inf/nan in the gradients on any rank;
-        parameters and optimizer state untouched, the loss scale lowered), or ``weight=0`` on every
-        rank."""
+        False when the step was skipped on every rank: a global gradient norm that is not finite
+        (an fp16 overflow, which also lowers the loss scale; in fp32 and bf16 with
+        ``skip_nonfinite=True``), parameters and optimizer state untouched; or ``weight=0`` on every
+        rank. ``max_nonfinite_skips`` such skips in a row raise ``FloatingPointError`` (see [Note:
+        non-finite steps] in :mod:`dspark.engine.update`)."""
         if self._window.micro_step == 0:
             raise RuntimeError(f"rank {self.world.rank}: step() before backward(); call "
                                "engine.backward(loss) first")
@@ -332,6 +373,12 @@ class Engine:
                          lambda: check_elementwise(self.optimizer, strategy=self.strategy.name, after_step=True))
         if self.strategy.shard_optimizer and not self._shard_params:
             self._reducer.gather_updated_rows()
+
+    @property
+    def nonfinite_steps(self) -> int:
+        """Steps skipped so far because the global gradient norm was not finite (fp16 overflows
+        included)."""
+        return self._update.nonfinite_steps
 
     @property
     def last_grad_norm(self) -> float | None:
@@ -403,6 +450,7 @@ class Engine:
             if dspark.get_world().is_main:
                 torch.save(sd, "model.pt")
         """
+        self._check_in_step("engine.full_state_dict()")
         self.sync_buffers()
         return self._states.full(rank0_only=rank0_only, cpu=cpu)
 
@@ -490,6 +538,7 @@ class Engine:
             import torch.distributed.checkpoint as dcp
             dcp.save(engine.sharded_state_dict(), checkpoint_id="ckpt/dcp")
         """
+        self._check_in_step("engine.sharded_state_dict()")
         return self._states.sharded(step_count=self.step_count)
 
     def load_sharded_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -551,7 +600,18 @@ class Engine:
 
         return load_checkpoint(self, path, extra=extra, optimizer=optimizer)
 
+    def _check_in_step(self, what: str) -> None:
+        """Collective: raise on every rank unless every rank is at the same point of training (see
+        [Note: ranks in step] in :mod:`dspark.engine.window`)."""
+        if self.world.world_size == 1:
+            return
+        mine = torch.tensor(StepTag.of(self._window, self.step_count).values(), dtype=torch.int64,
+                            device=self.world.device)
+        tags = [StepTag(*map(int, t.tolist())) for t in comm.all_gather(mine, label="dspark.step_check")]
+        check_in_step(tags, rank=self.world.rank, what=what)
+
     def _check_between_steps(self, what: str) -> None:
+        self._check_in_step(f"engine.{what}()")  # first: a refusal on one rank alone would strand the rest
         if self._window.micro_step != 0:
             raise RuntimeError(f"rank {self.world.rank}: {what}() after {self._window.micro_step} of "
                                f"grad_accum_steps={self.grad_accum_steps} backward() calls; call it "

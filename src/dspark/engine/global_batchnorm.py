@@ -40,7 +40,7 @@ class _GlobalBatchNormFn(torch.autograd.Function):
         mean = xf.mean(dims) if count else xf.new_zeros(xf.shape[1])
         m2 = (xf - mean.view(1, -1, *([1] * (x.dim() - 2)))).square().sum(dims)
         local = torch.cat([torch.tensor([float(count)], device=x.device), mean, m2])
-        everyone = torch.stack(comm.all_gather(local))  # (N, 1 + 2C)
+        everyone = torch.stack(comm.all_gather(local, label="dspark.sync_batchnorm.all_gather"))  # (N, 1 + 2C)
         counts, means, m2s = everyone[:, :1], everyone[:, 1: 1 + mean.numel()], everyone[:, 1 + mean.numel():]
         total = counts.sum()
         if total <= 1:
@@ -72,7 +72,7 @@ class _GlobalBatchNormFn(torch.autograd.Function):
         sum_g = g.sum(dims)
         sum_gx = (g * xhat).sum(dims)
         sums = torch.cat([sum_g, sum_gx])
-        comm.all_reduce(sums)
+        comm.all_reduce(sums, label="dspark.sync_batchnorm.all_reduce")
         c = sum_g.numel()
         mean_g, mean_gx = sums[:c] / ctx.total, sums[c:] / ctx.total
         scale = invstd if weight is None else invstd * weight.float()

@@ -16,12 +16,13 @@ the moment its last gradient is complete, and a gradient that arrives after its 
 
 [Note: step extras] Besides the buckets, each window that communicates all-reduces one small float64
 vector: ``[sum of weights, ranks that gave a weight, per rank its local batch size + 1 (0: unknown),
-per rank its backward() calls in the window, per parameter (in bucket order) 1 if a gradient arrived
-on this rank]`` (a per-rank entry is written by its rank alone, zeros elsewhere). It tells whether a
+per rank its backward() calls in the window, per rank its step, window index and training forwards
+(see [Note: ranks in step] in :mod:`dspark.engine.window`), per parameter (in bucket order) 1 if a
+gradient arrived on this rank]`` (a per-rank entry is written by its rank alone, zeros elsewhere). It tells whether a
 parameter got a gradient on any rank (else it keeps ``grad=None``, as in one process), the weights
 for ``engine.backward(loss, weight=n)``, whether unweighted ranks had unequal batches, and whether
-the ranks ran the same number of micro-batches (both errors: the average would not be the mean over
-the samples, or would mix windows).
+the ranks ran the same number of micro-batches and are at the same step of the same window (errors:
+the average would not be the mean over the samples, or would mix windows).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import torch
 from dspark import comm
 from dspark.engine.grad_bucket import BufferPool, GradBucket, make_buckets, memory_order_flat
 from dspark.engine.param_slot import ParamSlot
-from dspark.engine.window import StepWeights, average_factor
+from dspark.engine.window import StepTag, StepWeights, average_factor, check_in_step
 
 __all__ = ["GradReducer", "LocalReducer", "UnequalBatchesError"]
 
@@ -125,10 +126,11 @@ class GradReducer:
     def _pre_scale(self) -> float:
         return 1.0 / self.num_ranks if self.low_precision_wire else 1.0
 
-    def end_backward(self, weights: StepWeights) -> bool:
+    def end_backward(self, weights: StepWeights, tag: StepTag) -> bool:
         """Reduce what is left and average: afterwards each parameter (replicate, zero1) or its shard
         (zero2, zero3) holds the averaged gradient. Returns False when every rank gave ``weight=0``:
-        there is nothing to average and the step should be skipped."""
+        there is nothing to average and the step should be skipped. ``tag`` says where this rank is:
+        ranks whose tags differ raise (see [Note: ranks in step])."""
         for bucket in self.buckets[self._next:]:
             bucket.launch(self._send_pool, self._out_pool, self._pre_scale())
         self._next = len(self.buckets)
@@ -136,15 +138,18 @@ class GradReducer:
         if self.observing and self.sharded:
             self._launch_late()
         n = self.num_ranks
-        # [weight sum, weighted ranks, batch size + 1 per rank, backward() calls per rank, used flags]
-        extras = torch.zeros(2 + 2 * n + len(self.slots), dtype=torch.float64, device=self.device)
+        # [weight sum, weighted ranks, batch size + 1 per rank, backward() calls per rank,
+        #  (step, window, training forwards) per rank, used flags]
+        extras = torch.zeros(2 + 5 * n + len(self.slots), dtype=torch.float64, device=self.device)
         if weights.weight_sum is not None:
             extras[0] = weights.weight_sum
             extras[1] = 1.0
         if weights.batch_size is not None:
             extras[2 + self.rank] = weights.batch_size + 1
         extras[2 + n + self.rank] = weights.micro_steps
-        extras[2 + 2 * n:] = torch.tensor([float(s.used) for s in self._flag_order], dtype=torch.float64)
+        mine = 2 + 2 * n + 3 * self.rank
+        extras[mine: mine + 3] = torch.tensor([tag.step, tag.window, tag.forwards], dtype=torch.float64)
+        extras[2 + 5 * n:] = torch.tensor([float(s.used) for s in self._flag_order], dtype=torch.float64)
         comm.all_reduce(extras, label="dspark.step_extras.all_reduce")
         for bucket in self.buckets:  # every rank launched every bucket: waiting cannot hang
             bucket.collect()
@@ -154,13 +159,16 @@ class GradReducer:
         total_weight, weighted_ranks = values[0], int(values[1])
         sizes = [int(v) - 1 for v in values[2: 2 + n]]
         micro_steps = [int(v) for v in values[2 + n: 2 + 2 * n]]
-        used_anywhere = [v > 0 for v in values[2 + 2 * n:]]
+        tags = [StepTag(step=int(values[i]), window=int(values[i + 1]), micro_step=micro_steps[r],
+                        forwards=int(values[i + 2])) for r, i in enumerate(range(2 + 2 * n, 2 + 5 * n, 3))]
+        used_anywhere = [v > 0 for v in values[2 + 5 * n:]]
         if len(set(micro_steps)) > 1:
             raise ValueError(
                 f"rank {self.rank}: the ranks called engine.backward() a different number of times in "
                 f"this step ({_per_rank(micro_steps)}); every rank must run the same micro-batches "
                 f"(grad_accum_steps={weights.accum_steps}) before engine.step(), or the average mixes "
                 "windows. Give every rank the same number of batches, e.g. with dspark.DataLoader")
+        check_in_step(tags, rank=self.rank, what="the gradient reduction")
         if 0 < weighted_ranks < n:
             raise ValueError(f"rank {self.rank}: engine.backward(loss, weight=...) was given on "
                              f"{weighted_ranks} of {n} ranks; give it on every rank or on none")
@@ -194,7 +202,8 @@ class GradReducer:
         """Observing, sharded: reduce the contributions that arrived after their bucket left, in one
         extra bucket (every rank sends the union of late slots; zeros where it has none)."""
         index_of = {id(s): i for i, s in enumerate(self.slots)}
-        late_ids = sorted(set().union(*comm.all_gather_object([index_of[id(s)] for s in self._late])))
+        late_ids = sorted(set().union(*comm.all_gather_object([index_of[id(s)] for s in self._late],
+                                                                  label="dspark.late_grads.all_gather")))
         self._late = []
         if not late_ids:
             return
@@ -218,8 +227,9 @@ class GradReducer:
         if not self.observing or not self._synced_once:
             return
         index_of = {id(s): i for i, s in enumerate(self.slots)}
-        order_ids = comm.broadcast_object([index_of[id(s)] for s in self._first_arrivals])
-        counts = comm.all_gather_object([s.arrivals for s in self.slots])
+        order_ids = comm.broadcast_object([index_of[id(s)] for s in self._first_arrivals],
+                                          label="dspark.bucket_order.broadcast")
+        counts = comm.all_gather_object([s.arrivals for s in self.slots], label="dspark.grad_counts.all_gather")
         for i, slot in enumerate(self.slots):
             slot.expected_arrivals = max(1, *(c[i] for c in counts))
         seen = set(order_ids)
@@ -286,7 +296,7 @@ class LocalReducer:
     def on_grad(self, slot: ParamSlot) -> None:
         slot.arrivals += 1
 
-    def end_backward(self, weights: StepWeights) -> bool:
+    def end_backward(self, weights: StepWeights, tag: StepTag) -> bool:
         post = average_factor(weights, total_weight=weights.weight_sum, num_ranks=1, pre_divided=False)
         if post is None:
             return False

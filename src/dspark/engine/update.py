@@ -1,11 +1,24 @@
-"""The optimizer update of one window: the global gradient norm, clipping, the fp16 overflow skip and
-the optimizer's step, over the gradients this rank holds once the window is reduced.
+"""The optimizer update of one window: the global gradient norm, clipping, the skip of a step whose
+gradients are not finite, and the optimizer's step, over the gradients this rank holds once the window
+is reduced.
 
 The norm is the one ``torch.nn.utils.clip_grad_norm_`` computes in one process: whole gradients
 (replicate, zero1) are equal on every rank after the all-reduce and need no collective; shards (zero2,
 zero3) sum their squares across ranks (padding rows are zero). On a GPU the step reads the norm on
 the host only after the optimizer's kernels are queued (see [Note: the step's one host read] in
 :mod:`dspark.engine.host_read`).
+
+[Note: non-finite steps] A NaN or an infinity in one rank's loss reaches every rank's gradients
+through the reduction, and one optimizer step with it makes every parameter NaN for good. The global
+gradient norm tells (it is inf or nan then, and equal on every rank, so every rank decides alike):
+fp16 always skips such a step and lowers its loss scale (that is how dynamic loss scaling works);
+with ``Engine(skip_nonfinite=True)``, the default, fp32 and bf16 skip it too (``step()`` returns
+False, parameters and optimizer state untouched). The norm is then measured on every step, also
+without clipping: one fused pass over the gradients, plus an all-reduce of one number under zero2 and
+zero3. Skips are counted (``engine.nonfinite_steps``), and ``max_nonfinite_skips`` skipped steps in
+a row raise ``FloatingPointError``: a loss that stays non-finite is a bug to fix, not a run to keep
+going silently (fp16's first steps may overflow while the loss scale falls, 16 halvings from 2**16
+to 1, so the default, 20, leaves room for them).
 """
 
 from __future__ import annotations
@@ -42,8 +55,8 @@ class Update:
 
     def __init__(self, optimizer: torch.optim.Optimizer, slots: Sequence[ParamSlot], *, shard_grads: bool,
                  loss_scaler: LossScaler | None, clip_grad_norm: float | None, device: torch.device,
-                 rank: int, num_ranks: int, defer_host_reads: bool,
-                 after_optimizer: Callable[[], None]) -> None:
+                 rank: int, num_ranks: int, defer_host_reads: bool, after_optimizer: Callable[[], None],
+                 skip_nonfinite: bool = True, max_nonfinite_skips: int | None = None) -> None:
         self.optimizer = optimizer
         self.slots = list(slots)
         self.shard_grads = shard_grads
@@ -54,8 +67,13 @@ class Update:
         self.num_ranks = num_ranks
         self.defer_host_reads = defer_host_reads
         self.after_optimizer = after_optimizer
+        self.skip_nonfinite = skip_nonfinite
+        self.max_nonfinite_skips = max_nonfinite_skips
         self.last_grad_norm: float | None = None
         """The global gradient norm of the last step that measured it (inf or nan on an overflow)."""
+        self.nonfinite_steps = 0
+        """Steps skipped because the gradient norm was not finite (fp16 overflows included)."""
+        self.nonfinite_in_a_row = 0
 
     def owned_grads(self) -> list[torch.Tensor | None]:
         """The gradient tensors this rank holds: shards (zero2/3) or whole gradients (replicate, zero1;
@@ -71,7 +89,7 @@ class Update:
         if local:  # one fused norm per tensor, as clip_grad_norm_ does; no float64 copies of gradients
             total += torch.stack(torch._foreach_norm(local)).double().pow(2).sum()
         if self.shard_grads and self.num_ranks > 1:
-            comm.all_reduce(total)
+            comm.all_reduce(total, label="dspark.grad_norm.all_reduce")
         return total
 
     def global_grad_norm(self) -> float:
@@ -98,15 +116,16 @@ class Update:
     def apply(self) -> bool:
         """The optimizer step over the reduced gradients. False when an fp16 overflow skipped it (the
         loss scale lowered)."""
-        if self.loss_scaler is None and self.clip_grad_norm is None:
+        guard = self.skip_nonfinite or self.loss_scaler is not None  # see [Note: non-finite steps]
+        if not guard and self.clip_grad_norm is None:
             self.optimizer.step()
             self.after_optimizer()
             return True
-        if self.defer_host_reads and (self.loss_scaler is None or skips_on_found_inf(self.optimizer)):
-            return self._apply_reading_the_norm_after()
+        if self.defer_host_reads and (not guard or skips_on_found_inf(self.optimizer)):
+            return self._apply_reading_the_norm_after(guard)
         norm = self.global_grad_norm()
         self.last_grad_norm = norm  # inf or nan on an overflow, as clip_grad_norm_ after unscale_
-        if self.loss_scaler is not None and self._fp16_overflowed(norm):
+        if self._skips(norm):
             return False
         if self.clip_grad_norm is not None:
             self.clip_to(self.clip_grad_norm, norm)
@@ -114,10 +133,10 @@ class Update:
         self.after_optimizer()
         return True
 
-    def _apply_reading_the_norm_after(self) -> bool:
+    def _apply_reading_the_norm_after(self, guard: bool) -> bool:
         """The step with its one host read after the optimizer's kernels are queued: the clip
-        coefficient stays on the device, an fp16 overflow skips the fused kernel's update on the
-        device, and the host waits only for the norm."""
+        coefficient stays on the device, a non-finite norm (``guard``) skips the fused kernel's
+        update on the device, and the host waits only for the norm."""
         total = self.grad_norm_squared()
         read = DeferredRead(total)
         if self.clip_grad_norm is not None:
@@ -125,7 +144,7 @@ class Update:
             grads = [g for g in self.owned_grads() if g is not None]
             if grads:
                 torch._foreach_mul_(grads, coef)
-        if self.loss_scaler is None:
+        if not guard:
             self.optimizer.step()
         else:  # a fused Adam, AdamW or SGD (skips_on_found_inf): GradScaler's protocol
             self.optimizer.found_inf = (~torch.isfinite(total)).float().reshape(())  # type: ignore[attr-defined]
@@ -139,7 +158,29 @@ class Update:
         self.after_optimizer()
         norm = math.sqrt(read.value())
         self.last_grad_norm = norm
-        return not (self.loss_scaler is not None and self._fp16_overflowed(norm))
+        return not self._skips(norm) if guard else True
+
+    def _skips(self, norm: float) -> bool:
+        """Whether a step with this global gradient ``norm`` is skipped (see [Note: non-finite
+        steps]); counts it, and raises after ``max_nonfinite_skips`` skips in a row."""
+        skip = self.loss_scaler is not None and self._fp16_overflowed(norm)
+        if not skip and self.skip_nonfinite and not math.isfinite(norm):
+            skip = True
+            log.warning("rank %d: the global gradient norm is %s: step skipped on every rank", self.rank, norm)
+        if not skip:
+            self.nonfinite_in_a_row = 0
+            return False
+        self.nonfinite_steps += 1
+        self.nonfinite_in_a_row += 1
+        limit = self.max_nonfinite_skips
+        if limit is not None and self.nonfinite_in_a_row >= limit:
+            raise FloatingPointError(
+                f"rank {self.rank}: the global gradient norm was not finite ({norm}) in {self.nonfinite_in_a_row} "
+                f"steps in a row (max_nonfinite_skips={limit}); each was skipped, and training is not "
+                "progressing. The loss is NaN or infinite: look for a log of 0, a division by zero, an "
+                "input holding NaN, or a learning rate that diverged (fp16: a loss too large for its "
+                "range, try bf16). Pass max_nonfinite_skips=None to keep skipping without a limit")
+        return True
 
     def _fp16_overflowed(self, norm: float) -> bool:
         """Update the loss scale from this step's norm; True (with a warning) on an overflow."""

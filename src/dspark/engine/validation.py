@@ -86,7 +86,7 @@ def check_same_optimizer_on_every_rank(optimizer: torch.optim.Optimizer, rank: i
                                                        else value if isinstance(value, (int, float, str, bool,
                                                                                        type(None), tuple))
                                                        else f"<{type(value).__name__}>")
-    _first_difference("the optimizers", comm.all_gather_object(mine), rank,
+    _first_difference("the optimizers", comm.all_gather_object(mine, label="dspark.same_optimizer"), rank,
                       "Build the optimizer with the same options on every rank")
 
 
@@ -97,7 +97,7 @@ def check_same_model_on_every_rank(model: nn.Module, rank: int, settings: dict[s
     mine = [("parameter", name, tuple(p.shape), str(p.dtype), p.requires_grad)
             for name, p in model.named_parameters()]
     mine += [("buffer", name, tuple(b.shape), str(b.dtype), False) for name, b in model.named_buffers()]
-    gathered = comm.all_gather_object((settings, mine))
+    gathered = comm.all_gather_object((settings, mine), label="dspark.same_model")
     _first_difference("the dspark.Engine arguments", [g[0] for g in gathered], rank,
                       "Pass the same arguments on every rank")
     everyone = [g[1] for g in gathered]
@@ -135,7 +135,14 @@ def check_weight(weight: float | int | torch.Tensor | None) -> float | None:
 
 
 def check_arguments(model: Any, optimizer: Any, grad_accum_steps: Any, clip_grad_norm: Any,
-                     bucket_mb: Any, reduce_dtype: Any, param_groups: Any, zero3_units: Any) -> None:
+                     bucket_mb: Any, reduce_dtype: Any, param_groups: Any, zero3_units: Any,
+                     skip_nonfinite: Any = True, max_nonfinite_skips: Any = None) -> None:
+    if not isinstance(skip_nonfinite, bool):
+        raise TypeError(f"skip_nonfinite={skip_nonfinite!r} must be True or False")
+    if max_nonfinite_skips is not None and (isinstance(max_nonfinite_skips, bool)
+                                            or not isinstance(max_nonfinite_skips, int) or max_nonfinite_skips < 1):
+        raise ValueError(f"max_nonfinite_skips={max_nonfinite_skips!r} must be an int >= 1 (skipped steps "
+                         "in a row before the engine raises), or None for no limit")
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if isinstance(optimizer, torch.optim.Optimizer) or not callable(optimizer):

@@ -14,9 +14,12 @@ same rule with a world size of 1.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["StepWeights", "Window", "average_factor"]
+from dspark.errors import CollectiveError
+
+__all__ = ["StepTag", "StepWeights", "Window", "average_factor", "check_in_step"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -68,8 +71,13 @@ class Window:
         window.reset()                  # after the step (or a failure): the next window starts clean
     """
 
+    index: int = 0
+    """Windows this rank ended before this one: applied or skipped by ``step()``, or ended by a failed
+    backward (see [Note: ranks in step])."""
     micro_step: int = 0
     """``backward()`` calls so far in this window."""
+    forwards: int = 0
+    """Training forwards (autograd on) so far in this window."""
     weight_sum: float | None = None
     """Sum of the window's ``weight=`` values (None: no weights given)."""
     weight_unit: float | None = None
@@ -86,8 +94,12 @@ class Window:
     """Bytes of gradients this rank held at the end of the last reduction (for the memory report)."""
 
     def reset(self) -> None:
-        """Forget the window (``grads_bytes_held`` stays: it reports the last reduction)."""
+        """End the window and start the next one (``grads_bytes_held`` stays: it reports the last
+        reduction). A window with nothing in it is not counted (a failure's reset, then step's)."""
+        if self.micro_step or self.forwards or self.synced:
+            self.index += 1
         self.micro_step = 0
+        self.forwards = 0
         self.weight_sum = None
         self.weight_unit = None
         self.batch_size = None
@@ -98,3 +110,65 @@ class Window:
         return StepWeights(micro_steps=self.micro_step, accum_steps=accum_steps,
                            weight_sum=self.weight_sum, batch_size=self.batch_size,
                            loss_scale=1.0 if loss_scale is None else loss_scale * (self.weight_unit or 1.0))
+
+
+# [Note: ranks in step] Data parallelism pairs each rank's collectives with its peers': the same
+# reduction of the same window, the same gather of the same unit. A rank that skipped a batch (caught
+# an exception in backward and went on) or skipped ``engine.step()`` would pair its window N+1 with
+# its peers' window N, and every sum would be wrong without an error. So the engine's collectives
+# say where each rank is, as a StepTag: the step count, the window's index (windows ended so far,
+# however they ended), its backward() and training-forward counts. The gradient reduction carries
+# every rank's tag in the small vector it all-reduces anyway ([Note: step extras] in
+# :mod:`dspark.engine.grad_reducer`), zero3's gathers carry the window's index in their tags ([Note:
+# gather tags]), and the calls that read or write the whole state (full and sharded state dicts,
+# save, load) all-gather the tags first. Tags that differ are a CollectiveError on every rank, at
+# the first collective after the ranks parted, naming where each rank was.
+
+
+@dataclass(frozen=True, slots=True)
+class StepTag:
+    """Where a rank is in training (see [Note: ranks in step]).
+
+    Example::
+
+        StepTag(step=3, window=3, micro_step=1, forwards=1).describe()
+        # 'step 3, window 3 (1 backward() and 1 training forward in it)'
+    """
+
+    step: int
+    window: int
+    micro_step: int
+    forwards: int
+
+    @classmethod
+    def of(cls, window: Window, step: int) -> StepTag:
+        return cls(step=step, window=window.index, micro_step=window.micro_step, forwards=window.forwards)
+
+    def values(self) -> list[int]:
+        return [self.step, self.window, self.micro_step, self.forwards]
+
+    def describe(self) -> str:
+        return (f"step {self.step}, window {self.window} ({self.micro_step} backward() and "
+                f"{self.forwards} training forward{'s' if self.forwards != 1 else ''} in it)")
+
+
+def check_in_step(tags: Sequence[StepTag], *, rank: int, what: str) -> None:
+    """Raise :class:`dspark.CollectiveError` when ``tags`` (every rank's, by rank) differ: the ranks
+    are at different points of training at ``what``. Every rank sees the same tags, so every rank
+    raises.
+
+    Example::
+
+        check_in_step([StepTag(2, 2, 1, 1), StepTag(2, 3, 1, 1)], rank=0, what="the gradient reduction")
+        # CollectiveError: rank 0: the ranks reached the gradient reduction at different points ...
+    """
+    if len(set(tags)) <= 1:
+        return
+    where = "; ".join(f"rank {r}: {tag.describe()}" for r, tag in enumerate(tags))
+    raise CollectiveError(
+        f"rank {rank}: the ranks reached {what} at different points of training ({where}), so their "
+        "collectives would pair one rank's batch or step with another's. A rank skipped a batch (an "
+        "exception caught around engine.backward() and the loop went on) or skipped engine.step() "
+        "(a condition true on some ranks only). Every rank must run every batch and every step: "
+        "decide to skip on all ranks together (e.g. from a value all-reduced across ranks), or let "
+        "the exception end the run")

@@ -74,9 +74,9 @@ MIN_NESTED_UNIT_BYTES = 1 << 20
 this many parameter bytes; smaller ones stay with the unit around them (see [Note: units])."""
 
 
-_FORWARD, _NO_GRAD, _BACKWARD = 1, 2, 3
+_FORWARD, _NO_GRAD, _BACKWARD, _FULL_STATE_DICT = 1, 2, 3, 4
 _PHASE_NAMES = {_FORWARD: "a training forward", _NO_GRAD: "a forward without grad (evaluation)",
-                _BACKWARD: "backward"}
+                _BACKWARD: "backward", _FULL_STATE_DICT: "engine.full_state_dict()"}
 _DEFERRED_TAG_CHECKS = 256
 """On an accelerator, gather tags are checked at the end of backward or after this many gathers."""
 
@@ -254,7 +254,7 @@ class _AfterUnitBackward(torch.autograd.Function):
 
 class Zero3Scheduler:
     def __init__(self, root: nn.Module, slots: list[ParamSlot], *, policy: UnitPolicy = None,
-                 in_backward: Callable[[], bool]) -> None:
+                 in_backward: Callable[[], bool], window: Callable[[], int] = lambda: 0) -> None:
         by_param = {id(s.param): s for s in slots}
         # the engine has sharded the parameters by now: their whole sizes come from their slots
         modules = unit_modules(root, policy,
@@ -266,6 +266,8 @@ class Zero3Scheduler:
             unit_slots = [by_param[id(p)] for p in owned if id(p) in by_param]
             self.units.append(_Unit(index, name, module, unit_slots))
         self._in_backward = in_backward
+        self._window = window  # in gather tags: see [Note: ranks in step] in dspark.engine.window
+        self._activity: int | None = None  # a call of the engine's own that gathers (full_state_dict)
         self._position = {id(s): i for i, s in enumerate(slots)}  # in gather tags: see [Note: gather tags]
         self._deferred_tags: list[tuple[int, torch.Tensor]] = []
         # on an accelerator, reading a gather's tags would sync the host: check them in batches
@@ -358,14 +360,19 @@ class Zero3Scheduler:
     # purpose; a rank that runs a forward of its own (an evaluation on rank 0 only, one more generated
     # token) would otherwise pair its gathers with its peers' next ones: the same sizes exchange the
     # wrong data, or the job hangs at the first collective that differs, until the timeout. So each
-    # rank's piece of a gather ends with 8 bytes naming its first and last parameter and the phase
-    # (training forward, forward without grad, backward), and every rank compares the tags it
-    # receives: a mismatch is a CollectiveError on every rank, at the gather where the ranks parted.
+    # rank's piece of a gather ends with 8 bytes naming its first and last parameter, the phase
+    # (training forward, forward without grad, backward, or the engine call that gathers, e.g.
+    # engine.full_state_dict()) and the accumulation window's index modulo 128 (so that a rank that
+    # skipped a batch or a step parts from its peers at its next gather), and every rank compares the
+    # tags it receives: a mismatch is a CollectiveError on every rank, at the gather where the ranks
+    # parted. Bits: window << 56 | phase << 48 | first << 24 | last.
     # On CPU the check reads the tags when the gather lands; on an accelerator it is batched to the
     # end of backward (or every _DEFERRED_TAG_CHECKS gathers), so that no gather adds a host sync.
     def _tag(self, group: list[ParamSlot]) -> int:
-        phase = _BACKWARD if self._in_backward() else (_FORWARD if torch.is_grad_enabled() else _NO_GRAD)
-        return (phase << 48) | (self._position[id(group[0])] << 24) | self._position[id(group[-1])]
+        phase = self._activity or (
+            _BACKWARD if self._in_backward() else (_FORWARD if torch.is_grad_enabled() else _NO_GRAD))
+        return (((self._window() % 128) << 56) | (phase << 48) | (self._position[id(group[0])] << 24)
+                | self._position[id(group[-1])])
 
     def _check_tags(self, gather: _Gather, tags: torch.Tensor) -> None:
         if not self.defer_tag_checks:
@@ -387,9 +394,11 @@ class Zero3Scheduler:
         if other is None:
             return
         me = comm.get_world().rank
+        windows = (mine >> 56) != (tags[other] >> 56)
         raise CollectiveError(
             f"rank {me}: under zero3 the ranks gathered different parameters in one all-gather: this "
-            f"rank gathered {self._describe(mine)}, rank {other} {self._describe(tags[other])}. Each "
+            f"rank gathered {self._describe(mine, windows)}, rank {other} "
+            f"{self._describe(tags[other], windows)}. Each "
             "zero3 forward and backward gathers parameters together with every rank, so every rank "
             "must run the same units in the same order. In training, a unit that runs on some ranks "
             "only (an early exit, LayerDrop, expert routing that skips a block on one rank): make "
@@ -400,13 +409,14 @@ class Zero3Scheduler:
             "engine.full_state_dict() into a plain copy of the model. Or train with "
             "strategy='zero2', which runs such models as one process does.")
 
-    def _describe(self, tag: int) -> str:
-        phase, first, last = tag >> 48, (tag >> 24) & 0xFFFFFF, tag & 0xFFFFFF
+    def _describe(self, tag: int, window: bool = False) -> str:
+        phase, first, last = (tag >> 48) & 0xFF, (tag >> 24) & 0xFFFFFF, tag & 0xFFFFFF
         if phase not in _PHASE_NAMES or first >= len(self._slots) or last >= len(self._slots):
             return f"something else (tag {tag:#x}: not a zero3 gather of this model)"
         names = self._slots[first].name if first == last else (
             f"{self._slots[first].name} ... {self._slots[last].name}")
-        return f"{names} for {_PHASE_NAMES[phase]}"
+        where = f" in accumulation window {tag >> 56} (mod 128)" if window else ""
+        return f"{names} for {_PHASE_NAMES[phase]}{where}"
 
     def _gather(self, slots: Iterable[ParamSlot], label: str = "dspark.gather") -> None:
         slots = list(slots)
@@ -547,8 +557,17 @@ class Zero3Scheduler:
             f"{' ...' if len(freed) > 5 else ''}. Move that use into the unit's forward, or use "
             "strategy='zero2'.")
 
-    def gather_slots(self, slots: Iterable[ParamSlot]) -> None:
-        self._gather(slots)
+    def gather_slots(self, slots: Iterable[ParamSlot], *, for_state_dict: bool = False) -> None:
+        """Gather ``slots`` now (``for_state_dict``: for ``engine.full_state_dict()``, which the tags
+        and the collective's label then name)."""
+        if not for_state_dict:
+            self._gather(slots)
+            return
+        self._activity = _FULL_STATE_DICT
+        try:
+            self._gather(slots, label="dspark.full_state_dict.gather")
+        finally:
+            self._activity = None
 
     def free_slots(self, slots: Iterable[ParamSlot]) -> None:
         for slot in slots:

@@ -1,0 +1,118 @@
+"""What the step's guards cost: the non-finite check (``skip_nonfinite=True`` measures the global
+gradient norm on every step, also without clipping) and the step tags the gradient reduction carries
+(see [Note: ranks in step] in dspark.engine.window).
+
+    OMP_NUM_THREADS=1 dspark run --nproc 2 benchmarks/step_guard_cost.py --workload tiny --strategy replicate
+    OMP_NUM_THREADS=1 dspark run --nproc 2 benchmarks/step_guard_cost.py --workload gpt2-cpu --strategy zero2
+
+Two engines train the same model side by side, one with ``skip_nonfinite=True`` and one with it off;
+their steps alternate so that machine noise falls on both alike. The tags add three numbers per rank
+to the small vector the reduction all-reduces anyway; that all-reduce is timed alone at its length
+without them and with them. Rank 0 prints one JSON line. Run from an older checkout (its ``src`` first
+on ``PYTHONPATH``) an engine has no ``skip_nonfinite``: both engines are then the same, and their
+median is that checkout's step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import inspect
+import json
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+import dspark
+from dspark import comm
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workload", default="tiny", help="'tiny' (an MLP: the worst case) or a dspark.models name")
+    parser.add_argument("--strategy", default="replicate")
+    parser.add_argument("--steps", type=int, default=30, help="timed steps of each engine")
+    parser.add_argument("--warmup", type=int, default=3)
+    return parser.parse_args()
+
+
+def _workload(name: str, device: torch.device) -> tuple[Callable[[], nn.Module], Callable[[int], Any],
+                                                         Callable[..., torch.Tensor], str]:
+    if name == "tiny":
+        def build() -> nn.Module:
+            torch.manual_seed(0)
+            return nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 4))
+
+        def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+            g = torch.Generator().manual_seed(step)
+            return torch.randn(16, 32, generator=g), torch.randn(16, 4, generator=g)
+
+        return build, batch, nn.functional.mse_loss, "fp32"
+    from dspark.models import get_workload
+
+    workload = get_workload(name)
+    return (lambda: workload.build_model(seed=0, device=device),
+            lambda step: workload.make_batch(workload.default_global_batch, seed=step, device=device),
+            workload.loss, "fp32")
+
+
+def _timed_ms(fn: Callable[[], Any]) -> float:
+    comm.barrier()
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e3
+
+
+def main() -> None:
+    args = parse_args()
+    world = dspark.init()
+    torch.set_num_threads(1)
+    build, make_batch, loss_fn, precision = _workload(args.workload, world.device)
+    has_guard = "skip_nonfinite" in inspect.signature(dspark.Engine).parameters
+    factory = functools.partial(torch.optim.AdamW, lr=1e-4)
+    engines = {on: dspark.Engine(build(), optimizer=factory, strategy=args.strategy, precision=precision,
+                                 **({"skip_nonfinite": on} if has_guard else {}))
+               for on in (True, False)}
+
+    def step(engine: dspark.Engine, batch: Any) -> None:
+        x, y = batch
+        engine.backward(loss_fn(engine(x), y))
+        engine.step()
+
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for i in range(args.warmup + args.steps):
+        batch = dspark.distribute_batch(make_batch(i), shard_dim=0)
+        for on in ((True, False) if i % 2 else (False, True)):
+            elapsed = _timed_ms(functools.partial(step, engines[on], batch))
+            if i >= args.warmup:
+                times[on].append(elapsed)
+    slots = len(engines[True].slots)
+    for engine in engines.values():
+        engine.close()
+    n = world.world_size
+    extras_us = {}
+    for name, length in (("without_tags", 2 + 2 * n + slots), ("with_tags", 2 + 5 * n + slots)):
+        vector = torch.zeros(length, dtype=torch.float64)
+        runs = [_timed_ms(functools.partial(comm.all_reduce, vector)) for _ in range(200)]
+        extras_us[name] = round(statistics.median(runs) * 1e3, 1)
+    summary = torch.tensor([statistics.median(times[True]), statistics.median(times[False])], dtype=torch.float64)
+    comm.all_reduce(summary, op="max")  # the slowest rank's
+    if world.is_main:
+        on_ms, off_ms = summary.tolist()
+        print(json.dumps({
+            "workload": args.workload, "strategy": args.strategy, "world_size": n, "steps": args.steps,
+            "engine_has_skip_nonfinite": has_guard,
+            "step_ms_skip_nonfinite_on": round(on_ms, 3), "step_ms_skip_nonfinite_off": round(off_ms, 3),
+            "norm_cost_ms": round(on_ms - off_ms, 3),
+            "spread_ms": round(statistics.pstdev(times[True] + times[False]), 3),
+            "extras_all_reduce_us": extras_us,
+        }), flush=True)
+    dspark.shutdown()
+
+
+if __name__ == "__main__":
+    main()

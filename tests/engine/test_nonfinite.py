@@ -1,0 +1,79 @@
+"""Non-finite gradients (see [Note: non-finite steps] in dspark.engine.update): a NaN in one rank's loss
+skips the step on every rank in every precision, parameters untouched, and a run of such steps stops
+with an error naming the limit."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+import torch
+
+import dspark
+from tests.engine import tiny_models as tm
+
+SGD = functools.partial(torch.optim.SGD, lr=0.1)
+
+
+def _nan_on_rank_1(strategy: str, precision: str, nan_steps: list[int], limit: int | None,
+                   skip: bool = True) -> dict[str, Any]:
+    rank = dspark.get_world().rank
+    engine = dspark.Engine(tm.make("mlp"), optimizer=SGD, strategy=strategy, precision=precision,
+                           skip_nonfinite=skip, max_nonfinite_skips=limit)
+    applied, error, unchanged = [], None, []
+    try:
+        for step in range(4):
+            before = engine.full_state_dict()
+            x, y = dspark.distribute_batch(tm.batch("mlp", 8, step), shard_dim=0)
+            loss = tm.loss_fn("mlp", engine(x), y)
+            if rank == 1 and step in nan_steps:
+                loss = loss * float("nan")
+            engine.backward(loss)
+            applied.append(engine.step())
+            after = engine.full_state_dict()
+            unchanged.append(all(torch.equal(before[k], after[k]) for k in before))
+    except FloatingPointError as exc:
+        error = str(exc)
+    finite = all(bool(torch.isfinite(v).all()) for v in engine.full_state_dict().values())
+    out = {"applied": applied, "unchanged": unchanged, "error": error, "finite": finite,
+           "nonfinite_steps": engine.nonfinite_steps, "step_count": engine.step_count}
+    engine.close()
+    return out
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("strategy", ["replicate", "zero2"])
+def test_a_nan_loss_on_one_rank_skips_the_step_on_every_rank(pool, strategy: str, precision: str) -> None:
+    for rank, result in enumerate(pool.run(_nan_on_rank_1, strategy, precision, [1], 5)):
+        assert result["applied"] == [True, False, True, True], (rank, result)
+        assert result["unchanged"] == [False, True, False, False], (rank, result)
+        assert result["finite"] and result["nonfinite_steps"] == 1 and result["step_count"] == 3, result
+
+
+def test_skip_nonfinite_false_applies_the_nan_as_pytorch_does(pool) -> None:
+    for result in pool.run(_nan_on_rank_1, "replicate", "fp32", [1], None, False):
+        assert result["applied"] == [True, True, True, True] and not result["finite"], result
+
+
+@pytest.mark.parametrize("strategy", ["replicate", "zero3"])
+def test_nonfinite_steps_in_a_row_raise_naming_the_limit(pool, strategy: str) -> None:
+    for rank, result in enumerate(pool.run(_nan_on_rank_1, strategy, "fp32", [1, 2, 3], 3)):
+        assert result["applied"] == [True, False, False], (rank, result)
+        assert result["error"] is not None and result["error"].startswith(f"rank {rank}:"), result
+        assert "in 3 steps in a row (max_nonfinite_skips=3)" in result["error"], result
+        assert result["finite"] and result["nonfinite_steps"] == 3, result
+
+
+def test_a_finite_step_resets_the_count_in_a_row(pool) -> None:
+    for result in pool.run(_nan_on_rank_1, "zero1", "fp32", [0, 2], 2):
+        assert result["applied"] == [False, True, False, True] and result["error"] is None, result
+        assert result["nonfinite_steps"] == 2, result
+
+
+def test_the_limit_is_checked(single_process) -> None:
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match=rf"max_nonfinite_skips={bad!r} must be an int >= 1"):
+            dspark.Engine(tm.make("mlp"), optimizer=SGD, max_nonfinite_skips=bad)
+    with pytest.raises(TypeError, match="skip_nonfinite='yes'"):
+        dspark.Engine(tm.make("mlp"), optimizer=SGD, skip_nonfinite="yes")  # type: ignore[arg-type]

@@ -1,0 +1,130 @@
+"""Ranks stay in step or stop (see [Note: ranks in step] in dspark.engine.window): a rank that skipped
+a batch or a step is a CollectiveError on every rank at the next collective, never a reduction that
+pairs one rank's batch with another's, and the whole-state calls refuse ranks at different steps."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+import torch
+
+import dspark
+from tests.engine import tiny_models as tm
+
+SGD = functools.partial(torch.optim.SGD, lr=0.1)
+STRATEGIES = ["replicate", "zero1", "zero2", "zero3"]
+
+
+class _FailInBackward(torch.autograd.Function):
+    """Identity whose backward raises: an error inside engine.backward before any gradient is ready."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("a failure of this rank's backward")
+
+
+def _skip_one_batch(strategy: str) -> dict[str, Any]:
+    """Rank 1 catches an error in its backward at step 1 and goes on with the next batch, as a loop
+    with ``try: ... except RuntimeError: continue`` does."""
+    rank = dspark.get_world().rank
+    engine = dspark.Engine(tm.make("mlp"), optimizer=SGD, strategy=strategy)
+    error, at = None, None
+    for step in range(4):
+        x, y = dspark.distribute_batch(tm.batch("mlp", 8, step), shard_dim=0)
+        try:
+            loss = tm.loss_fn("mlp", engine(x), y)  # zero3 gathers here: the forward may part first
+            if rank == 1 and step == 1:
+                loss = _FailInBackward.apply(loss)
+            engine.backward(loss)
+            engine.step()
+        except dspark.CollectiveError as exc:
+            error, at = str(exc), step
+            break
+        except RuntimeError:
+            continue  # the skipped batch
+    engine.close()
+    return {"error": error, "at": at}
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_rank_that_skips_a_batch_stops_every_rank_at_the_next_collective(pool, strategy: str) -> None:
+    for rank, result in enumerate(pool.run(_skip_one_batch, strategy)):
+        message = result["error"]
+        assert message is not None, f"rank {rank} under {strategy}: trained on out of step"
+        assert result["at"] == (1 if rank == 0 else 2), result  # rank 0's step 1 met rank 1's step 2
+        assert message.startswith(f"rank {rank}:"), message
+        if strategy != "zero3":  # zero3 parts at its first gather, whose tags name the phases
+            assert "rank 0: step 1, window 1" in message and "rank 1: step 1, window 2" in message, message
+
+
+def _skip_one_step(strategy: str, then: str, tmp: str) -> dict[str, Any]:
+    rank = dspark.get_world().rank
+    engine = dspark.Engine(tm.make("mlp"), optimizer=SGD, strategy=strategy)
+    where = "training"
+    try:
+        for step in range(2):
+            x, y = dspark.distribute_batch(tm.batch("mlp", 8, step), shard_dim=0)
+            engine.backward(tm.loss_fn("mlp", engine(x), y))
+            if not (rank == 1 and step == 1):  # rank 1 skips its second engine.step()
+                engine.step()
+        where = then
+        if then == "full_state_dict":
+            engine.full_state_dict(rank0_only=True)
+        else:
+            engine.save(f"{tmp}/ckpt")
+        return {"error": None, "type": None, "where": where}
+    except Exception as exc:
+        return {"error": str(exc), "type": type(exc).__name__, "where": where}
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("then", ["full_state_dict", "save"])
+def test_a_rank_that_skipped_step_is_refused_by_the_whole_state_calls(pool, tmp_path, strategy: str,
+                                                                      then: str) -> None:
+    results = pool.run(_skip_one_step, strategy, then, str(tmp_path))
+    for rank, result in enumerate(results):
+        assert result["type"] == "CollectiveError", (rank, strategy, then, result)
+        message = result["error"]
+        assert message.startswith(f"rank {rank}:"), message
+    if strategy != "replicate":
+        # their step is collective (the norm's all-reduce over shards, zero1's gather of the updated
+        # rows): rank 0's step meets rank 1's state call, and the labels say what each was doing
+        assert results[0]["where"] == "training" and results[1]["where"] == then, results
+        step_label = "dspark.bucket0.all_gather" if strategy == "zero1" else "dspark.grad_norm.all_reduce"
+        for result in results:
+            assert step_label in result["error"] and "dspark.step_check" in result["error"], result
+    else:
+        for result in results:
+            assert result["where"] == then, results
+            assert f"the ranks reached engine.{then}() at different points" in result["error"], result
+            assert "rank 0: step 2, window 2 (0 backward()" in result["error"], result
+            assert "rank 1: step 1, window 1 (1 backward()" in result["error"], result
+    assert not (tmp_path / "ckpt").exists()
+
+
+def _in_step(strategy: str) -> dict[str, Any]:
+    engine = dspark.Engine(tm.make("mlp"), optimizer=SGD, strategy=strategy, grad_accum_steps=2)
+    for step in range(3):
+        for micro in range(2):
+            x, y = dspark.distribute_batch(tm.batch("mlp", 8, 2 * step + micro), shard_dim=0)
+            engine.backward(tm.loss_fn("mlp", engine(x), y))
+        engine.step()
+    with torch.no_grad():  # an evaluation between steps is not a training forward
+        engine(torch.zeros(2, 6))
+    state = engine.full_state_dict()
+    engine.close()
+    return {"steps": engine.step_count, "keys": sorted(state)}
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_ranks_in_step_train_and_export_as_before(pool, strategy: str) -> None:
+    for result in pool.run(_in_step, strategy):
+        assert result["steps"] == 3 and "layers.0.weight" in result["keys"], result
