@@ -1,16 +1,15 @@
-"""What the step's guards cost: the non-finite check (``skip_nonfinite=True`` measures the global
-gradient norm on every step, also without clipping) and the step tags the gradient reduction carries
-(see [Note: ranks in step] in dspark.engine.window).
+"""What the step's guards cost: the non-finite check (``skip_nonfinite=True``: a flag of each loss,
+read with the reduction) and the step tags (see [Note: ranks in step] in dspark.engine.window), both
+carried in the small vector the gradient reduction all-reduces anyway.
 
     OMP_NUM_THREADS=1 dspark run --nproc 2 benchmarks/step_guard_cost.py --workload tiny --strategy replicate
     OMP_NUM_THREADS=1 dspark run --nproc 2 benchmarks/step_guard_cost.py --workload gpt2-cpu --strategy zero2
 
 Two engines train the same model side by side, one with ``skip_nonfinite=True`` and one with it off;
-their steps alternate so that machine noise falls on both alike. The tags add three numbers per rank
-to the small vector the reduction all-reduces anyway; that all-reduce is timed alone at its length
-without them and with them. Rank 0 prints one JSON line. Run from an older checkout (its ``src`` first
-on ``PYTHONPATH``) an engine has no ``skip_nonfinite``: both engines are then the same, and their
-median is that checkout's step.
+their steps alternate so that machine noise falls on both alike. Rank 0 prints one JSON line. Run
+from a checkout before the guards (its ``src`` first on ``PYTHONPATH``), an engine has no
+``skip_nonfinite``: both engines are then the same, and their median is that checkout's step, to
+compare with this one's.
 """
 
 from __future__ import annotations
@@ -90,26 +89,19 @@ def main() -> None:
             elapsed = _timed_ms(functools.partial(step, engines[on], batch))
             if i >= args.warmup:
                 times[on].append(elapsed)
-    slots = len(engines[True].slots)
     for engine in engines.values():
         engine.close()
-    n = world.world_size
-    extras_us = {}
-    for name, length in (("without_tags", 2 + 2 * n + slots), ("with_tags", 2 + 5 * n + slots)):
-        vector = torch.zeros(length, dtype=torch.float64)
-        runs = [_timed_ms(functools.partial(comm.all_reduce, vector)) for _ in range(200)]
-        extras_us[name] = round(statistics.median(runs) * 1e3, 1)
     summary = torch.tensor([statistics.median(times[True]), statistics.median(times[False])], dtype=torch.float64)
     comm.all_reduce(summary, op="max")  # the slowest rank's
     if world.is_main:
         on_ms, off_ms = summary.tolist()
         print(json.dumps({
-            "workload": args.workload, "strategy": args.strategy, "world_size": n, "steps": args.steps,
+            "workload": args.workload, "strategy": args.strategy, "world_size": world.world_size,
+            "steps": args.steps,
             "engine_has_skip_nonfinite": has_guard,
             "step_ms_skip_nonfinite_on": round(on_ms, 3), "step_ms_skip_nonfinite_off": round(off_ms, 3),
-            "norm_cost_ms": round(on_ms - off_ms, 3),
+            "difference_ms": round(on_ms - off_ms, 3),
             "spread_ms": round(statistics.pstdev(times[True] + times[False]), 3),
-            "extras_all_reduce_us": extras_us,
         }), flush=True)
     dspark.shutdown()
 

@@ -60,7 +60,8 @@ def test_a_rank_that_skips_a_batch_stops_every_rank_at_the_next_collective(pool,
         assert result["at"] == (1 if rank == 0 else 2), result  # rank 0's step 1 met rank 1's step 2
         assert message.startswith(f"rank {rank}:"), message
         if strategy != "zero3":  # zero3 parts at its first gather, whose tags name the phases
-            assert "rank 0: step 1, window 1" in message and "rank 1: step 1, window 2" in message, message
+            assert "rank 0: window 1 (1 backward()" in message and "rank 1: window 2 (1 backward()" in message, \
+                message
 
 
 def _skip_one_step(strategy: str, then: str, tmp: str) -> dict[str, Any]:
@@ -94,13 +95,13 @@ def test_a_rank_that_skipped_step_is_refused_by_the_whole_state_calls(pool, tmp_
         assert result["type"] == "CollectiveError", (rank, strategy, then, result)
         message = result["error"]
         assert message.startswith(f"rank {rank}:"), message
-    if strategy != "replicate":
-        # their step is collective (the norm's all-reduce over shards, zero1's gather of the updated
-        # rows): rank 0's step meets rank 1's state call, and the labels say what each was doing
+    if strategy in ("zero1", "zero2"):
+        # their step all-gathers the updated rows: rank 0's step meets rank 1's state call, and the
+        # collectives' labels say what each rank was doing
         assert results[0]["where"] == "training" and results[1]["where"] == then, results
-        step_label = "dspark.bucket0.all_gather" if strategy == "zero1" else "dspark.grad_norm.all_reduce"
+        step_label = "dspark.bucket0.all_gather"
         for result in results:
-            assert step_label in result["error"] and "dspark.step_check" in result["error"], result
+            assert step_label in result["error"] and f"dspark.{then}.step_check" in result["error"], result
     else:
         for result in results:
             assert result["where"] == then, results
@@ -128,3 +129,27 @@ def _in_step(strategy: str) -> dict[str, Any]:
 def test_ranks_in_step_train_and_export_as_before(pool, strategy: str) -> None:
     for result in pool.run(_in_step, strategy):
         assert result["steps"] == 3 and "layers.0.weight" in result["keys"], result
+
+
+def _forward_here_state_dict_there() -> dict[str, Any]:
+    """zero3: rank 0 runs a training forward while rank 1 asks for the full state dict."""
+    rank = dspark.get_world().rank
+    engine = dspark.Engine(tm.make("mlp"), optimizer=SGD, strategy="zero3")
+    try:
+        if rank == 0:
+            engine(torch.zeros(2, 6))
+        else:
+            engine.full_state_dict()
+        return {"error": None}
+    except dspark.CollectiveError as exc:
+        return {"error": str(exc)}
+    finally:
+        engine.close()
+
+
+def test_a_mismatch_names_what_each_rank_was_doing(pool) -> None:
+    forward, state_dict = pool.run(_forward_here_state_dict_there)
+    for message in (forward["error"], state_dict["error"]):
+        assert message is not None and "dspark.full_state_dict.step_check" in message, message
+        assert "dspark.gather." in message, message  # rank 0's gather of a unit for its forward
+    assert "training forward" not in state_dict["error"], state_dict

@@ -110,6 +110,9 @@ class BackwardPass:
             window.weight_sum = (window.weight_sum or 0.0) + w
         if self.loss_scaler is not None:
             scale *= self.loss_scaler.scale * self._fp16_unit(w)
+        if w != 0.0:  # see [Note: non-finite steps]: read with the reduction, no host sync here
+            bad = ~torch.isfinite(loss.detach()).reshape(())
+            window.nonfinite_loss = bad if window.nonfinite_loss is None else window.nonfinite_loss | bad
         self.reducer.begin_backward(sync=sync)
         window.in_backward = True
         try:
@@ -185,7 +188,8 @@ class BackwardPass:
                 "during training, build a new engine after requires_grad_(True), or build it with the "
                 "parameters trainable and param_groups giving them lr=0 until they are to train")
         try:
-            window.has_grads = self.reducer.end_backward(weights, StepTag.of(window, self.step_count()))
+            window.has_grads = self.reducer.end_backward(weights, StepTag.of(window, self.step_count()),
+                                                         window.nonfinite_loss)
         except BaseException:
             self.end_window()
             raise

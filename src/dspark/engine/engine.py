@@ -22,6 +22,7 @@ holds the public API; each concern lives in its own module:
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 from collections.abc import Mapping
@@ -121,6 +122,9 @@ class Engine:
     the last step's time and this rank's memory went. On a CPU device the engine fixes glibc's malloc
     thresholds for the process, so that each step reuses the memory the last one freed instead of
     page-faulting it in again (:mod:`dspark.cpu_malloc`; ``DSPARK_CPU_MALLOC=default`` opts out).
+    ``skip_nonfinite`` (default True) skips a step whose loss or gradient norm is not finite on every
+    rank; ``max_nonfinite_skips`` such steps in a row raise. Every argument, what runs under the
+    engine's precision, and the checks that keep ranks in step: docs/engine.md.
     """
 
     def __init__(
@@ -339,10 +343,10 @@ class Engine:
     def step(self) -> bool:
         """Apply the optimizer to the window's averaged gradients (after 1 to ``grad_accum_steps``
         ``backward()`` calls; a shorter window, e.g. at the end of an epoch, is reduced here). Returns
-        False when the step was skipped on every rank: a global gradient norm that is not finite
-        (an fp16 overflow, which also lowers the loss scale; in fp32 and bf16 with
-        ``skip_nonfinite=True``), parameters and optimizer state untouched; or ``weight=0`` on every
-        rank. ``max_nonfinite_skips`` such skips in a row raise ``FloatingPointError`` (see [Note:
+        False when the step was skipped on every rank, parameters and optimizer state untouched: an
+        fp16 overflow (the loss scale lowered); in fp32 and bf16 with ``skip_nonfinite=True``, a
+        global gradient norm (when clipping measures it) or a loss of the window that was not
+        finite on some rank; or ``weight=0`` on every rank. ``max_nonfinite_skips`` such skips in a row raise ``FloatingPointError`` (see [Note:
         non-finite steps] in :mod:`dspark.engine.update`)."""
         if self._window.micro_step == 0:
             raise RuntimeError(f"rank {self.world.rank}: step() before backward(); call "
@@ -361,7 +365,7 @@ class Engine:
             log.warning("rank %d: every rank gave weight=0: nothing to average, step skipped",
                         self.world.rank)
             return False
-        applied = self._update.apply()
+        applied = self._update.apply(nonfinite_loss=self._reducer.nonfinite_loss)
         if applied:
             self.step_count += 1
         return applied
@@ -450,7 +454,7 @@ class Engine:
             if dspark.get_world().is_main:
                 torch.save(sd, "model.pt")
         """
-        self._check_in_step("engine.full_state_dict()")
+        self._check_in_step("full_state_dict")
         self.sync_buffers()
         return self._states.full(rank0_only=rank0_only, cpu=cpu)
 
@@ -517,7 +521,8 @@ class Engine:
         zero3 = self._zero3
         return save_pretrained(self._states.weight_entries(), directory, max_shard_size=max_shard_size,
                                units=[unit.slots for unit in zero3.units] if zero3 is not None else [],
-                               gather=zero3.gather_slots if zero3 is not None else _nothing,
+                               gather=functools.partial(zero3.gather_slots, purpose="save_pretrained")
+                               if zero3 is not None else _nothing,
                                free=zero3.free_slots if zero3 is not None else _nothing,
                                config=getattr(self.module, "config", None))
 
@@ -538,7 +543,7 @@ class Engine:
             import torch.distributed.checkpoint as dcp
             dcp.save(engine.sharded_state_dict(), checkpoint_id="ckpt/dcp")
         """
-        self._check_in_step("engine.sharded_state_dict()")
+        self._check_in_step("sharded_state_dict")
         return self._states.sharded(step_count=self.step_count)
 
     def load_sharded_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -600,18 +605,19 @@ class Engine:
 
         return load_checkpoint(self, path, extra=extra, optimizer=optimizer)
 
-    def _check_in_step(self, what: str) -> None:
-        """Collective: raise on every rank unless every rank is at the same point of training (see
-        [Note: ranks in step] in :mod:`dspark.engine.window`)."""
+    def _check_in_step(self, call: str) -> None:
+        """Collective: raise on every rank unless every rank is at the same point of training as it
+        enters ``engine.<call>()`` (see [Note: ranks in step] in :mod:`dspark.engine.window`)."""
         if self.world.world_size == 1:
             return
         mine = torch.tensor(StepTag.of(self._window, self.step_count).values(), dtype=torch.int64,
                             device=self.world.device)
-        tags = [StepTag(*map(int, t.tolist())) for t in comm.all_gather(mine, label="dspark.step_check")]
-        check_in_step(tags, rank=self.world.rank, what=what)
+        everyone = comm.all_gather(mine, label=f"dspark.{call}.step_check")
+        check_in_step([StepTag(*map(int, t.tolist())) for t in everyone], rank=self.world.rank,
+                      what=f"engine.{call}()")
 
     def _check_between_steps(self, what: str) -> None:
-        self._check_in_step(f"engine.{what}()")  # first: a refusal on one rank alone would strand the rest
+        self._check_in_step(what)  # first: a refusal on one rank alone would strand the others
         if self._window.micro_step != 0:
             raise RuntimeError(f"rank {self.world.rank}: {what}() after {self._window.micro_step} of "
                                f"grad_accum_steps={self.grad_accum_steps} backward() calls; call it "

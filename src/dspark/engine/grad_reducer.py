@@ -16,13 +16,15 @@ the moment its last gradient is complete, and a gradient that arrives after its 
 
 [Note: step extras] Besides the buckets, each window that communicates all-reduces one small float64
 vector: ``[sum of weights, ranks that gave a weight, per rank its local batch size + 1 (0: unknown),
-per rank its backward() calls in the window, per rank its step, window index and training forwards
-(see [Note: ranks in step] in :mod:`dspark.engine.window`), per parameter (in bucket order) 1 if a
-gradient arrived on this rank]`` (a per-rank entry is written by its rank alone, zeros elsewhere). It tells whether a
-parameter got a gradient on any rank (else it keeps ``grad=None``, as in one process), the weights
-for ``engine.backward(loss, weight=n)``, whether unweighted ranks had unequal batches, and whether
-the ranks ran the same number of micro-batches and are at the same step of the same window (errors:
-the average would not be the mean over the samples, or would mix windows).
+per rank its position, per parameter (in bucket order) 1 if a gradient arrived on this rank]`` (a
+per-rank entry is written by its rank alone, zeros elsewhere). A position is the window's index,
+its training forwards and its backward() calls packed in one integer, with bit 0 set when a loss of
+the window was not finite (:meth:`StepTag.encode`; see [Note: ranks in step] in
+:mod:`dspark.engine.window`). It tells whether a parameter got a gradient on any rank (else it keeps
+``grad=None``, as in one process), the weights for ``engine.backward(loss, weight=n)``, whether
+unweighted ranks had unequal batches, whether the ranks ran the same micro-batches of the same window
+(errors: the average would not be the mean over the samples, or would mix windows), and whether any
+rank's loss was not finite (the step is then skipped: [Note: non-finite steps]).
 """
 
 from __future__ import annotations
@@ -58,6 +60,8 @@ class GradReducer:
         self.device = device
         self.observing = True
         self.sync = False
+        self.nonfinite_loss = False
+        """Whether some rank's loss in the last reduced window was not finite."""
         self._first_arrivals: list[ParamSlot] = []
         self._late: list[ParamSlot] = []  # observing: gradients that arrived after their bucket left
         self._late_bucket: GradBucket | None = None
@@ -126,11 +130,12 @@ class GradReducer:
     def _pre_scale(self) -> float:
         return 1.0 / self.num_ranks if self.low_precision_wire else 1.0
 
-    def end_backward(self, weights: StepWeights, tag: StepTag) -> bool:
+    def end_backward(self, weights: StepWeights, tag: StepTag, nonfinite_loss: torch.Tensor | None = None) -> bool:
         """Reduce what is left and average: afterwards each parameter (replicate, zero1) or its shard
         (zero2, zero3) holds the averaged gradient. Returns False when every rank gave ``weight=0``:
         there is nothing to average and the step should be skipped. ``tag`` says where this rank is:
-        ranks whose tags differ raise (see [Note: ranks in step])."""
+        ranks whose tags differ raise (see [Note: ranks in step]). ``nonfinite_loss`` (a bool tensor:
+        a loss of the window was not finite) is or-ed over ranks into :attr:`nonfinite_loss`."""
         for bucket in self.buckets[self._next:]:
             bucket.launch(self._send_pool, self._out_pool, self._pre_scale())
         self._next = len(self.buckets)
@@ -138,18 +143,18 @@ class GradReducer:
         if self.observing and self.sharded:
             self._launch_late()
         n = self.num_ranks
-        # [weight sum, weighted ranks, batch size + 1 per rank, backward() calls per rank,
-        #  (step, window, training forwards) per rank, used flags]
-        extras = torch.zeros(2 + 5 * n + len(self.slots), dtype=torch.float64, device=self.device)
+        # [weight sum, weighted ranks, batch size + 1 per rank, position per rank, used flags]
+        extras = torch.zeros(2 + 2 * n + len(self.slots), dtype=torch.float64, device=self.device)
         if weights.weight_sum is not None:
             extras[0] = weights.weight_sum
             extras[1] = 1.0
         if weights.batch_size is not None:
             extras[2 + self.rank] = weights.batch_size + 1
-        extras[2 + n + self.rank] = weights.micro_steps
-        mine = 2 + 2 * n + 3 * self.rank
-        extras[mine: mine + 3] = torch.tensor([tag.step, tag.window, tag.forwards], dtype=torch.float64)
-        extras[2 + 5 * n:] = torch.tensor([float(s.used) for s in self._flag_order], dtype=torch.float64)
+        # the window's position and, in bit 0, a non-finite loss: summed on the device, no host sync
+        extras[2 + n + self.rank] = float(tag.encode())
+        if nonfinite_loss is not None:
+            extras[2 + n + self.rank] += nonfinite_loss.to(torch.float64).reshape(())
+        extras[2 + 2 * n:] = torch.tensor([float(s.used) for s in self._flag_order], dtype=torch.float64)
         comm.all_reduce(extras, label="dspark.step_extras.all_reduce")
         for bucket in self.buckets:  # every rank launched every bucket: waiting cannot hang
             bucket.collect()
@@ -158,10 +163,11 @@ class GradReducer:
         values = extras.tolist()  # the step's one host synchronisation
         total_weight, weighted_ranks = values[0], int(values[1])
         sizes = [int(v) - 1 for v in values[2: 2 + n]]
-        micro_steps = [int(v) for v in values[2 + n: 2 + 2 * n]]
-        tags = [StepTag(step=int(values[i]), window=int(values[i + 1]), micro_step=micro_steps[r],
-                        forwards=int(values[i + 2])) for r, i in enumerate(range(2 + 2 * n, 2 + 5 * n, 3))]
-        used_anywhere = [v > 0 for v in values[2 + 5 * n:]]
+        positions = [int(v) for v in values[2 + n: 2 + 2 * n]]
+        tags = [StepTag.decode(p) for p in positions]
+        micro_steps = [t.micro_step for t in tags]
+        self.nonfinite_loss = any(p & 1 for p in positions)
+        used_anywhere = [v > 0 for v in values[2 + 2 * n:]]
         if len(set(micro_steps)) > 1:
             raise ValueError(
                 f"rank {self.rank}: the ranks called engine.backward() a different number of times in "
@@ -288,6 +294,7 @@ class LocalReducer:
         self.slots = list(slots)
         self.sharded = sharded
         self.buckets: list[GradBucket] = []
+        self.nonfinite_loss = False
 
     def begin_backward(self, *, sync: bool) -> None:
         for slot in self.slots:
@@ -296,7 +303,8 @@ class LocalReducer:
     def on_grad(self, slot: ParamSlot) -> None:
         slot.arrivals += 1
 
-    def end_backward(self, weights: StepWeights, tag: StepTag) -> bool:
+    def end_backward(self, weights: StepWeights, tag: StepTag, nonfinite_loss: torch.Tensor | None = None) -> bool:
+        self.nonfinite_loss = bool(nonfinite_loss) if nonfinite_loss is not None else False
         post = average_factor(weights, total_weight=weights.weight_sum, num_ranks=1, pre_divided=False)
         if post is None:
             return False

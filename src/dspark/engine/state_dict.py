@@ -147,7 +147,7 @@ class StateDicts:
         if self.zero3 is not None:
             for unit in self.zero3.units:
                 todo = [s for s in unit.slots if s.names[0] not in values]
-                self.zero3.gather_slots(todo, for_state_dict=True)
+                self.zero3.gather_slots(todo, purpose="full_state_dict")
                 if keep:
                     for slot in todo:
                         for name in slot.names:

@@ -9,16 +9,19 @@ the host only after the optimizer's kernels are queued (see [Note: the step's on
 :mod:`dspark.engine.host_read`).
 
 [Note: non-finite steps] A NaN or an infinity in one rank's loss reaches every rank's gradients
-through the reduction, and one optimizer step with it makes every parameter NaN for good. The global
-gradient norm tells (it is inf or nan then, and equal on every rank, so every rank decides alike):
-fp16 always skips such a step and lowers its loss scale (that is how dynamic loss scaling works);
-with ``Engine(skip_nonfinite=True)``, the default, fp32 and bf16 skip it too (``step()`` returns
-False, parameters and optimizer state untouched). The norm is then measured on every step, also
-without clipping: one fused pass over the gradients, plus an all-reduce of one number under zero2 and
-zero3. Skips are counted (``engine.nonfinite_steps``), and ``max_nonfinite_skips`` skipped steps in
-a row raise ``FloatingPointError``: a loss that stays non-finite is a bug to fix, not a run to keep
-going silently (fp16's first steps may overflow while the loss scale falls, 16 halvings from 2**16
-to 1, so the default, 20, leaves room for them).
+through the reduction, and one optimizer step with it makes every parameter NaN for good. fp16 always
+skips a step whose global gradient norm is not finite and lowers its loss scale (that is how dynamic
+loss scaling works). With ``Engine(skip_nonfinite=True)``, the default, fp32 and bf16 skip it too
+(``step()`` returns False on every rank, parameters and optimizer state untouched): where the norm is
+measured anyway (``clip_grad_norm``), a norm that is not finite; else a loss of the window that was
+not finite on any rank, a flag that rides in the reduction's own small vector ([Note: step extras]
+in :mod:`dspark.engine.grad_reducer`), so the check costs no pass over the gradients and no
+collective. (A non-finite gradient behind a finite loss is then seen only with clipping on:
+``clip_grad_norm=float("inf")`` measures the norm without clipping.) Every rank reads the same norm
+or the same flags, so every rank decides alike. Skips are counted (``engine.nonfinite_steps``), and
+``max_nonfinite_skips`` skipped steps in a row raise ``FloatingPointError``: a loss that stays
+non-finite is a bug to fix, not a run to keep going silently (fp16's first steps may overflow while
+the loss scale falls, 16 halvings from 2**16 to 1, so the default, 20, leaves room for them).
 """
 
 from __future__ import annotations
@@ -113,11 +116,15 @@ class Update:
         self.clip_to(float(max_norm), norm)
         return norm
 
-    def apply(self) -> bool:
-        """The optimizer step over the reduced gradients. False when an fp16 overflow skipped it (the
-        loss scale lowered)."""
-        guard = self.skip_nonfinite or self.loss_scaler is not None  # see [Note: non-finite steps]
-        if not guard and self.clip_grad_norm is None:
+    def apply(self, *, nonfinite_loss: bool = False) -> bool:
+        """The optimizer step over the reduced gradients. False when it was skipped: a loss of the
+        window not finite on some rank, or a global gradient norm not finite (see [Note: non-finite
+        steps])."""
+        guard = self.skip_nonfinite or self.loss_scaler is not None
+        if self.loss_scaler is None and self.clip_grad_norm is None:  # the norm is not measured
+            if nonfinite_loss and self.skip_nonfinite:
+                return not self._skips(math.nan, what="a loss of the window")
+            self.nonfinite_in_a_row = 0
             self.optimizer.step()
             self.after_optimizer()
             return True
@@ -160,13 +167,13 @@ class Update:
         self.last_grad_norm = norm
         return not self._skips(norm) if guard else True
 
-    def _skips(self, norm: float) -> bool:
+    def _skips(self, norm: float, what: str = "the global gradient norm") -> bool:
         """Whether a step with this global gradient ``norm`` is skipped (see [Note: non-finite
         steps]); counts it, and raises after ``max_nonfinite_skips`` skips in a row."""
         skip = self.loss_scaler is not None and self._fp16_overflowed(norm)
         if not skip and self.skip_nonfinite and not math.isfinite(norm):
             skip = True
-            log.warning("rank %d: the global gradient norm is %s: step skipped on every rank", self.rank, norm)
+            log.warning("rank %d: %s is not finite: step skipped on every rank", self.rank, what)
         if not skip:
             self.nonfinite_in_a_row = 0
             return False
@@ -175,7 +182,7 @@ class Update:
         limit = self.max_nonfinite_skips
         if limit is not None and self.nonfinite_in_a_row >= limit:
             raise FloatingPointError(
-                f"rank {self.rank}: the global gradient norm was not finite ({norm}) in {self.nonfinite_in_a_row} "
+                f"rank {self.rank}: {what} was not finite ({norm}) in {self.nonfinite_in_a_row} "
                 f"steps in a row (max_nonfinite_skips={limit}); each was skipped, and training is not "
                 "progressing. The loss is NaN or infinite: look for a log of 0, a division by zero, an "
                 "input holding NaN, or a learning rate that diverged (fp16: a loss too large for its "

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from dspark.errors import CollectiveError
 
@@ -92,6 +93,8 @@ class Window:
     """... and hold something to apply (not every rank gave ``weight=0``)."""
     grads_bytes_held: int = 0
     """Bytes of gradients this rank held at the end of the last reduction (for the memory report)."""
+    nonfinite_loss: Any = None
+    """A bool tensor on the device, True once a loss of this window was not finite (no host sync)."""
 
     def reset(self) -> None:
         """End the window and start the next one (``grads_bytes_held`` stays: it reports the last
@@ -100,6 +103,7 @@ class Window:
             self.index += 1
         self.micro_step = 0
         self.forwards = 0
+        self.nonfinite_loss = None
         self.weight_sum = None
         self.weight_unit = None
         self.batch_size = None
@@ -135,20 +139,32 @@ class StepTag:
         # 'step 3, window 3 (1 backward() and 1 training forward in it)'
     """
 
-    step: int
+    step: int | None
+    """The step count (None where only the window is compared: it counts every step too)."""
     window: int
     micro_step: int
     forwards: int
 
     @classmethod
-    def of(cls, window: Window, step: int) -> StepTag:
+    def of(cls, window: Window, step: int | None) -> StepTag:
         return cls(step=step, window=window.index, micro_step=window.micro_step, forwards=window.forwards)
 
     def values(self) -> list[int]:
-        return [self.step, self.window, self.micro_step, self.forwards]
+        return [-1 if self.step is None else self.step, self.window, self.micro_step, self.forwards]
+
+    def encode(self) -> int:
+        """The window's position as one integer exact in a float64, bit 0 left free: window
+        (mod 2**30), training forwards and backward() calls (mod 2**10 each)."""
+        return (((self.window % 2**30) << 21) | ((self.forwards % 2**10) << 11)
+                | ((self.micro_step % 2**10) << 1))
+
+    @classmethod
+    def decode(cls, value: int) -> StepTag:
+        return cls(step=None, window=value >> 21, forwards=(value >> 11) & 1023, micro_step=(value >> 1) & 1023)
 
     def describe(self) -> str:
-        return (f"step {self.step}, window {self.window} ({self.micro_step} backward() and "
+        step = "" if self.step is None else f"step {self.step}, "
+        return (f"{step}window {self.window} ({self.micro_step} backward() and "
                 f"{self.forwards} training forward{'s' if self.forwards != 1 else ''} in it)")
 
 
@@ -162,7 +178,7 @@ def check_in_step(tags: Sequence[StepTag], *, rank: int, what: str) -> None:
         check_in_step([StepTag(2, 2, 1, 1), StepTag(2, 3, 1, 1)], rank=0, what="the gradient reduction")
         # CollectiveError: rank 0: the ranks reached the gradient reduction at different points ...
     """
-    if len(set(tags)) <= 1:
+    if len(set(tags)) <= 1:  # equal steps, windows and counts (steps None alike)
         return
     where = "; ".join(f"rank {r}: {tag.describe()}" for r, tag in enumerate(tags))
     raise CollectiveError(

@@ -74,9 +74,11 @@ MIN_NESTED_UNIT_BYTES = 1 << 20
 this many parameter bytes; smaller ones stay with the unit around them (see [Note: units])."""
 
 
-_FORWARD, _NO_GRAD, _BACKWARD, _FULL_STATE_DICT = 1, 2, 3, 4
+_FORWARD, _NO_GRAD, _BACKWARD = 1, 2, 3
+_PURPOSES = ("full_state_dict", "save_pretrained")
+"""The engine's own calls that gather parameters outside a forward, each its phase in gather tags."""
 _PHASE_NAMES = {_FORWARD: "a training forward", _NO_GRAD: "a forward without grad (evaluation)",
-                _BACKWARD: "backward", _FULL_STATE_DICT: "engine.full_state_dict()"}
+                _BACKWARD: "backward", **{4 + i: f"engine.{name}()" for i, name in enumerate(_PURPOSES)}}
 _DEFERRED_TAG_CHECKS = 256
 """On an accelerator, gather tags are checked at the end of backward or after this many gathers."""
 
@@ -557,15 +559,15 @@ class Zero3Scheduler:
             f"{' ...' if len(freed) > 5 else ''}. Move that use into the unit's forward, or use "
             "strategy='zero2'.")
 
-    def gather_slots(self, slots: Iterable[ParamSlot], *, for_state_dict: bool = False) -> None:
-        """Gather ``slots`` now (``for_state_dict``: for ``engine.full_state_dict()``, which the tags
-        and the collective's label then name)."""
-        if not for_state_dict:
+    def gather_slots(self, slots: Iterable[ParamSlot], *, purpose: str | None = None) -> None:
+        """Gather ``slots`` now; ``purpose``: the engine call gathering them (one of ``_PURPOSES``,
+        e.g. ``"full_state_dict"``), which the tags and the collective's label then name."""
+        if purpose is None:
             self._gather(slots)
             return
-        self._activity = _FULL_STATE_DICT
+        self._activity = 4 + _PURPOSES.index(purpose)
         try:
-            self._gather(slots, label="dspark.full_state_dict.gather")
+            self._gather(slots, label=f"dspark.{purpose}.gather")
         finally:
             self._activity = None
 
