@@ -32,6 +32,11 @@ def single_process() -> Iterator[object]:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     import torch
 
+    # `make test-quick` leaves out every test that needs real ranks: those marked slow (fresh
+    # processes) and those that use the rank pool, marked here so that no test has to say it twice.
+    for item in items:
+        if "pool" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.pool)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA devices")

@@ -88,6 +88,7 @@ def _probe(env_value: str | None) -> dict[str, object]:
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
+@pytest.mark.slow
 @glibc_linux
 def test_the_engine_serves_a_step_s_tensors_from_the_heap() -> None:
     """A fresh process's first 16 MiB tensor: glibc maps it on its own (its threshold starts at

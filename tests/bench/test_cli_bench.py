@@ -27,7 +27,7 @@ from dspark.cli.main import main
 from dspark.comm.shm_transport import shm_wanted
 from dspark.engine import STEP_STATS_KEYS
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 TINY = ["--workloads", "gpt2-cpu", "--global-batch", "4", "--warmup", "1", "--steps", "2",
         "--rounds", "2", "--no-progress"]

@@ -13,7 +13,7 @@ import pytest
 
 from dspark.bench.cpu_load import CpuSnapshot, core_for_rank, window_load
 
-pytestmark = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux only")
+pytestmark = [pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux only"), pytest.mark.serial]
 
 
 def _python(code: str) -> dict[str, object]:

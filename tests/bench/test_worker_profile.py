@@ -35,6 +35,7 @@ def _measure_with_rank_1_slowed() -> dict[str, Any]:
         del os.environ[SLOW_RANK_ENV]
 
 
+@pytest.mark.serial
 def test_a_rank_slowed_on_purpose_is_flagged_as_the_straggler(pool) -> None:
     first, _ = pool.run(_measure_with_rank_1_slowed)
     m = dataclasses.replace(Measurement.from_dict(first), run_id="slowed")

@@ -6,8 +6,12 @@ from __future__ import annotations
 import ast
 import time
 
+import pytest
+
 from dspark.check.placement_rules import check_source
 from dspark.check.reaching_values import reaching_values
+
+pytestmark = pytest.mark.serial
 
 # One block of module-level code: guarded names, a loop, a try and the calls the rules read. Every
 # block binds new names, so the scope holds ever more of them (what made each call cost more).

@@ -120,6 +120,7 @@ def test_dspark_run_hello_distributed_on_two_ranks_from_another_cwd(tmp_path: Pa
     assert "batch rows [0, 1, 2, 3] of 8" in done.stdout and "batch rows [4, 5, 6, 7] of 8" in done.stdout
 
 
+@pytest.mark.slow
 def test_example_runs_as_a_plain_process() -> None:
     done = subprocess.run([sys.executable, str(EXAMPLE)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 # atexit runs its handlers last-registered first: one registered before dspark.init runs after
 # DSpark's own, and sees what the interpreter's teardown will find.
 _SCRIPT = """
@@ -18,6 +20,7 @@ dspark.init(backend="gloo")
 """
 
 
+@pytest.mark.slow
 def test_the_process_group_is_destroyed_at_exit_without_shutdown() -> None:
     done = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr

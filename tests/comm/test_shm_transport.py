@@ -285,6 +285,7 @@ def _launch(tmp_path, setting: str) -> subprocess.CompletedProcess[str]:
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
 
 
+@pytest.mark.slow
 def test_dspark_shm_0_puts_the_job_on_gloo_and_a_bad_value_is_refused(tmp_path) -> None:
     done = _launch(tmp_path, "0")
     assert done.returncode == 0, done.stderr[-3000:]

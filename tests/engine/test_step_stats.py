@@ -165,6 +165,7 @@ def test_phases_add_up_to_the_step(pool, strategy: str, accum: int) -> None:
         assert _median(steps, "data_ms") >= 20.0
 
 
+@pytest.mark.serial
 def test_a_slow_rank_shows_in_compute_not_in_step_time(pool) -> None:
     sleep_ms = 150.0
     per_rank = pool.run(_train, "replicate", 5, slow_rank=1, sleep_s=sleep_ms / 1e3)
@@ -178,6 +179,7 @@ def test_a_slow_rank_shows_in_compute_not_in_step_time(pool) -> None:
     assert abs(step_fast - step_slow) <= 0.3 * max(step_fast, step_slow), (fast, slow)
 
 
+@pytest.mark.serial
 def test_a_healthy_run_has_alike_compute_on_both_ranks(pool) -> None:
     per_rank = pool.run(_train, "zero2", 5)
     compute = [_median(steps[1:], "compute_ms") for steps in per_rank]

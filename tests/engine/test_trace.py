@@ -124,6 +124,7 @@ for step in range(3):
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ending", ["dspark.shutdown()", ""])
 def test_a_run_shorter_than_the_trace_exits_cleanly_with_what_was_traced(tmp_path: Path, ending: str) -> None:
     """Training that ends before ``trace_steps`` are done, without ``engine.close()``: at

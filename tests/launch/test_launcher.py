@@ -94,6 +94,7 @@ def test_env_sets_omp_threads_only_when_unset() -> None:
     assert launcher_env({"OMP_NUM_THREADS": ""})["OMP_NUM_THREADS"] == "1"
 
 
+@pytest.mark.slow
 def test_a_one_process_job_without_the_agent_joins_a_real_one_rank_group(tmp_path: Path) -> None:
     probe = tmp_path / "probe.py"
     probe.write_text(

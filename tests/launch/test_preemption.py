@@ -83,6 +83,7 @@ def test_the_first_call_must_come_from_the_main_thread(single_process) -> None:
     assert len(errors) == 1 and "main thread" in str(errors[0])
 
 
+@pytest.mark.slow
 def test_a_program_that_never_asks_still_terminates_on_sigterm() -> None:
     code = ("import os, signal, time, dspark\n"
             "dspark.init()\n"

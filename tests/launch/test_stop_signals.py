@@ -134,6 +134,7 @@ print("finished", flush=True)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("disposition", ["default", "ignored"])
 def test_ctrl_c_reaches_a_worker_started_without_torchrun(tmp_path: Path, disposition: str) -> None:
     """The bench's 1-device launches run the worker itself, without torchrun: a SIGINT was passed to
@@ -268,6 +269,7 @@ def test_workers_do_not_outlive_a_launcher_killed_by_sigkill(tmp_path: Path) -> 
     assert "launcher" in stderr and "SIGKILL" in stderr, stderr[-3000:]
 
 
+@pytest.mark.serial
 @pytest.mark.slow
 def test_stops_are_not_lost_under_a_cpu_hog(tmp_path: Path) -> None:
     """The stop tests above failed now and then on a loaded machine. Under a busy-loop process per
