@@ -5,6 +5,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.strategies import STRATEGIES
+
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
@@ -16,6 +18,15 @@ def pool() -> Iterator[object]:
     rank_pool = RankPool()
     yield rank_pool
     rank_pool.close()
+
+
+@pytest.fixture(params=STRATEGIES)
+def strategy(request: pytest.FixtureRequest) -> str:
+    """Each of the engine's strategies in turn (tests/strategies.py): the one list every test uses.
+
+    A test that covers only some of them parametrizes ``strategy`` itself, which overrides this.
+    """
+    return str(request.param)
 
 
 @pytest.fixture

@@ -19,13 +19,11 @@ from tests.engine.harness import (
     train_reference,
 )
 
-STRATEGIES = ["replicate", "zero1", "zero2", "zero3"]
 FORMS = ["checkpoint_inside_non_reentrant", "checkpoint_inside_reentrant", "checkpoint_unit_non_reentrant",
          "checkpoint_unit_reentrant", "repeated_block_non_reentrant"]
 
 
 @pytest.mark.parametrize("form", FORMS)
-@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_activation_checkpointing_trains_like_one_process(pool, strategy: str, form: str) -> None:
     want = train_reference(form, 3, optimizer="sgd")["state"]
     got = run_or_explain_hang(pool, train_engine, form, strategy, 3, optimizer="sgd", timeout_s=60,
@@ -43,7 +41,6 @@ def _train_and_report(case_name: str, strategy: str, bucket_mb: float) -> dict[s
 
 
 @pytest.mark.parametrize("bucket_mb", [1e-4, 25.0])
-@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_a_gradient_arriving_twice_trains_like_one_process_or_fails_on_every_rank(
         pool, strategy: str, bucket_mb: float) -> None:
     """Never silently wrong: either both halves of the gradient count (one-process parity), or every

@@ -26,7 +26,6 @@ from tests.engine.harness import (
     train_steps,
 )
 
-STRATEGIES = ["replicate", "zero1", "zero2", "zero3"]
 STEPS = 3
 SYNC_RTOL = 1e-4
 """Global statistics combine the ranks' sums in another order than one process does (~1e-6). The
@@ -39,7 +38,6 @@ def _buffers(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("case", ["conv_bn", "conv_bn_channels_last"])
-@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_running_statistics_equal_ddp_on_every_rank(pool, strategy: str, case: str) -> None:
     ddp = pool.run(train_ddp, case, STEPS, optimizer="sgd")[0]  # rank 0: what DDP checkpoints
     got = pool.run(train_engine, case, strategy, STEPS, optimizer="sgd", evaluate=True)
@@ -110,7 +108,6 @@ def test_checkpoint_round_trip_keeps_rank_0s_running_statistics(pool, single_pro
                      f"{strategy}: eval output after the load on {where} against rank 0 of 2's")
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_sync_batchnorm_matches_one_process_on_the_whole_batch(pool, strategy: str) -> None:
     want = train_reference("conv_bn", STEPS, optimizer="sgd")
     got = pool.run(train_engine, "conv_bn", strategy, STEPS, optimizer="sgd", evaluate=True, sync_batchnorm=True)

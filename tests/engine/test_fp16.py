@@ -65,7 +65,6 @@ def _overflow_on_rank_1(strategy: str) -> dict:
 
 
 @pytest.mark.parametrize("order", ["host_decides", "device_skips"])
-@pytest.mark.parametrize("strategy", ["replicate", "zero1", "zero2", "zero3"])
 def test_overflow_skips_the_step_on_every_rank(pool, strategy: str, order: str) -> None:
     # device_skips: a GPU's order (the fused AdamW's found_inf skips the update, the host reads the
     # norm afterwards), run on these CPU ranks

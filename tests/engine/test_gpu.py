@@ -27,7 +27,6 @@ def test_auto_backend_picks_nccl_with_a_gpu_per_rank() -> None:
 
 
 _PRECISIONS = [("fp32", 1e-5), ("bf16", 3e-2), ("fp16", 3e-3)]
-_STRATEGIES = ["replicate", "zero1", "zero2", "zero3"]
 
 
 def _train_tied_on_cuda(strategy: str, precision: str, *, optimizer: str = "adamw",
@@ -47,7 +46,6 @@ def _train_tied_on_cuda(strategy: str, precision: str, *, optimizer: str = "adam
         engine.close()
 
 
-@pytest.mark.parametrize("strategy", _STRATEGIES)
 @pytest.mark.parametrize("precision,tolerance", _PRECISIONS)
 def test_engine_on_cuda_matches_cpu_reference(single_process, strategy: str, precision: str,
                                               tolerance: float) -> None:
@@ -68,7 +66,6 @@ def nccl_one_rank() -> Iterator[object]:
     dspark.shutdown()
 
 
-@pytest.mark.parametrize("strategy", _STRATEGIES)
 @pytest.mark.parametrize("precision,tolerance", [_PRECISIONS[0], _PRECISIONS[2]])
 def test_engine_over_nccl_matches_cpu_reference(nccl_one_rank, strategy: str, precision: str,
                                                 tolerance: float) -> None:
@@ -77,7 +74,6 @@ def test_engine_over_nccl_matches_cpu_reference(nccl_one_rank, strategy: str, pr
     assert rel_error(state, reference_state("tied", 3)) <= tolerance
 
 
-@pytest.mark.parametrize("strategy", _STRATEGIES)
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_clipping_on_cuda_matches_autocast_pytorch(single_process, strategy: str,
                                                    precision: str) -> None:
@@ -91,7 +87,6 @@ def test_clipping_on_cuda_matches_autocast_pytorch(single_process, strategy: str
     assert norms == pytest.approx(want["norms"], rel=tolerance)
 
 
-@pytest.mark.parametrize("strategy", _STRATEGIES)
 def test_an_fp16_overflow_on_cuda_skips_the_step_on_the_device(single_process,
                                                                strategy: str) -> None:
     from dspark.engine import LossScaler

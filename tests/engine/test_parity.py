@@ -9,23 +9,18 @@ import dspark
 from tests.engine import tiny_models as tm
 from tests.engine.harness import assert_close, engine_state, parity, rel_error, train_reference
 
-STRATEGIES = ["replicate", "zero1", "zero2", "zero3"]
 
-
-@pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("model", ["mlp", "tied"])
 def test_fp32_parity_with_single_process_pytorch(pool, strategy: str, model: str) -> None:
     for rank, result in enumerate(pool.run(parity, model, strategy)):
         assert result["error"] <= 1e-5, (rank, result["error"])
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_gradient_accumulation_parity(pool, strategy: str) -> None:
     for result in pool.run(parity, "tied", strategy, accum=2):
         assert result["error"] <= 1e-5, result["error"]
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_clipping_parity_uses_the_global_norm(pool, strategy: str) -> None:
     # clip well below the gradient norm so that clipping really acts on every step
     results = pool.run(parity, "mlp", strategy, clip=0.05)
@@ -54,7 +49,6 @@ def _clip_in_the_loop(strategy: str, steps: int, optimizer: str) -> dict:
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
-@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_clip_grad_norm_in_the_loop_matches_torch_clip_grad_norm(pool, strategy: str, optimizer: str) -> None:
     want = train_reference("mlp", 3, optimizer=optimizer, accum=2, clip=0.05)
     for result in pool.run(_clip_in_the_loop, strategy, 3, optimizer):

@@ -14,7 +14,6 @@ import dspark
 from tests.engine import tiny_models as tm
 
 SGD = functools.partial(torch.optim.SGD, lr=0.1)
-STRATEGIES = ["replicate", "zero1", "zero2", "zero3"]
 
 
 class _FailInBackward(torch.autograd.Function):
@@ -52,7 +51,6 @@ def _skip_one_batch(strategy: str) -> dict[str, Any]:
     return {"error": error, "at": at}
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_a_rank_that_skips_a_batch_stops_every_rank_at_the_next_collective(pool, strategy: str) -> None:
     for rank, result in enumerate(pool.run(_skip_one_batch, strategy)):
         message = result["error"]
@@ -86,7 +84,6 @@ def _skip_one_step(strategy: str, then: str, tmp: str) -> dict[str, Any]:
         engine.close()
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("then", ["full_state_dict", "save"])
 def test_a_rank_that_skipped_step_is_refused_by_the_whole_state_calls(pool, tmp_path, strategy: str,
                                                                       then: str) -> None:
@@ -125,7 +122,6 @@ def _in_step(strategy: str) -> dict[str, Any]:
     return {"steps": engine.step_count, "keys": sorted(state)}
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_ranks_in_step_train_and_export_as_before(pool, strategy: str) -> None:
     for result in pool.run(_in_step, strategy):
         assert result["steps"] == 3 and "layers.0.weight" in result["keys"], result

@@ -11,7 +11,6 @@ import pytest
 
 from tests.engine.harness import assert_close, mismatches, train_engine, train_reference
 
-STRATEGIES = ["replicate", "zero1", "zero2", "zero3"]
 STEPS = 3
 CLIP = 1.0
 """Below every step's gradient norm (1.4 to 2.8 for the tied model): clipping acts on every step, so
@@ -33,7 +32,6 @@ def test_sgd_parity_would_catch_a_wrong_factor() -> None:
 
 @pytest.mark.parametrize("bucket", BUCKETS)
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_sgd_parity_with_one_process(pool, strategy: str, mode: str, bucket: str) -> None:
     kwargs = MODES[mode]
     want = train_reference("tied", STEPS, optimizer="sgd", **kwargs)
@@ -48,7 +46,6 @@ def test_sgd_parity_with_one_process(pool, strategy: str, mode: str, bucket: str
                 f"clip_grad_norm_ in one process {want['norms']} ({strategy}, {bucket})")
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_sgd_parity_with_uneven_rows_and_a_0d_parameter(pool, strategy: str) -> None:
     # mlp: 7-row layers split 4 + 3, and a 0-d parameter that rank 1 holds none of
     want = train_reference("mlp", STEPS, optimizer="sgd", clip=CLIP)
@@ -58,7 +55,6 @@ def test_sgd_parity_with_uneven_rows_and_a_0d_parameter(pool, strategy: str) -> 
         assert result["norms"] == pytest.approx(want["norms"], rel=1e-5), (rank, result["norms"], want["norms"])
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_adamw_parity_with_realistic_buckets(pool, strategy: str) -> None:
     # (accumulation and clipping under AdamW: tests/engine/test_parity.py, one parameter per bucket)
     want = train_reference("tied", STEPS, optimizer="adamw")

@@ -17,10 +17,7 @@ from tests.engine.harness import (
     with_deferred_host_reads,
 )
 
-STRATEGIES = ["replicate", "zero1", "zero2", "zero3"]
 
-
-@pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 def test_one_process_with_accumulation_matches_pytorch(single_process, strategy: str,
                                                        optimizer: str) -> None:

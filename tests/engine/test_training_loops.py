@@ -15,7 +15,6 @@ from torch import nn
 import dspark
 from tests.engine import loop_models as lm
 
-STRATEGIES = ["replicate", "zero1", "zero2", "zero3"]
 OPTIMIZERS = {
     "sgd": functools.partial(torch.optim.SGD, lr=0.2, weight_decay=0.1),
     "adamw": functools.partial(torch.optim.AdamW, lr=2e-2, weight_decay=0.1),
@@ -61,7 +60,6 @@ def _train(strategy: str, opt: str, steps: int, *, groups: bool = False, schedul
 
 
 @pytest.mark.parametrize("opt", ["sgd", "adamw"])
-@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_nanogpt_param_groups_and_a_scheduler_match_one_process(pool, strategy: str, opt: str) -> None:
     ref = lm.reference(4, OPTIMIZERS[opt], groups=True, schedule=True)
     results = pool.run(_train, strategy, opt, 4, groups=True, schedule=True)
@@ -80,7 +78,6 @@ def test_nanogpt_param_groups_and_a_scheduler_match_one_process(pool, strategy: 
         assert sizes[0][0] + sizes[1][0] == decay
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_a_shorter_last_window_is_the_mean_of_its_micro_batches(pool, strategy: str) -> None:
     # grad_accum_steps=3, but the step closes after 2 micro-batches of 4 (an epoch's end)
     ref = lm.reference(2, OPTIMIZERS["sgd"], micro_batches=[4, 4])
@@ -88,7 +85,6 @@ def test_a_shorter_last_window_is_the_mean_of_its_micro_batches(pool, strategy: 
         assert lm.max_rel_error(result["state"], ref) <= TOLERANCE
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_a_meta_built_model_trains_like_the_cpu_built_one(pool, strategy: str) -> None:
     ref = lm.reference(3, OPTIMIZERS["sgd"])
     for result in pool.run(_train, strategy, "sgd", 3, meta=True):
@@ -311,7 +307,6 @@ def _load_full_then_train(strategy: str, state: dict[str, torch.Tensor]) -> dict
     return out
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_pretrained_weights_load_into_any_strategy(pool, strategy: str) -> None:
     pretrained = lm.build(seed=0).state_dict()
     ref = lm.reference(2, OPTIMIZERS["sgd"])  # starts from seed 0's weights too

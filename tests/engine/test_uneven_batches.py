@@ -20,7 +20,6 @@ import dspark
 from tests.engine import tiny_models as tm
 from tests.engine.harness import OPTIMIZERS, assert_close, micro_batches, run_or_explain_hang
 
-STRATEGIES = ["replicate", "zero1", "zero2", "zero3"]
 STEPS = 3
 IGNORE = -100
 Loss = Callable[[Callable[..., torch.Tensor], tuple[torch.Tensor, ...]], tuple[torch.Tensor, int]]
@@ -114,7 +113,6 @@ def test_the_kinds_really_are_uneven() -> None:
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_weighted_backward_equals_one_process_on_the_whole_batch(pool, strategy: str, kind: str) -> None:
     want = _reference(kind)
     states = run_or_explain_hang(pool, _engine, kind, strategy, True, timeout_s=30,

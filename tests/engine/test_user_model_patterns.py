@@ -21,8 +21,6 @@ from tests.engine.harness import (
     train_steps,
 )
 
-STRATEGIES = ["replicate", "zero1", "zero2", "zero3"]
-
 
 def _evaluate_between_steps(case_name: str, strategy: str) -> dict[str, Any]:
     engine = build_engine(case_name, strategy, optimizer="sgd")
@@ -37,7 +35,6 @@ def _evaluate_between_steps(case_name: str, strategy: str) -> dict[str, Any]:
     return out
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_evaluation_between_steps_sees_the_trained_model_and_changes_nothing(pool, strategy: str) -> None:
     after_one = train_reference("tied", 1, optimizer="sgd")["eval"]
     want = train_reference("tied", 3, optimizer="sgd")
@@ -50,7 +47,6 @@ def test_evaluation_between_steps_sees_the_trained_model_and_changes_nothing(poo
 
 
 @pytest.mark.parametrize("case", ["repeated_block", "two_forwards", "frozen", "two_outputs"])
-@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_user_model_pattern_trains_like_one_process(pool, strategy: str, case: str) -> None:
     """repeated_block: blocks[0] runs twice per forward; two_forwards: two forwards, one backward;
     frozen: the first layer has requires_grad=False on every rank (it must not move); two_outputs: a
