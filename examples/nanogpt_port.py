@@ -71,7 +71,7 @@ if args.init_from == "resume":  # written at any world size, by any strategy
 @torch.no_grad()
 def estimate_loss():
     out = {}
-    model.module.eval()
+    model.eval()
     for split in ["train", "val"]:
         losses = torch.zeros(args.eval_iters)
         for k in range(args.eval_iters):
@@ -80,7 +80,7 @@ def estimate_loss():
                 _, loss = model(X, Y)
             losses[k] = dspark.reduce_metrics({"loss": loss}, weight=len(X))["loss"]  # all ranks' rows
         out[split] = losses.mean()
-    model.module.train()
+    model.train()
     return out
 
 
