@@ -91,9 +91,9 @@ def test_rerun_measures_the_baseline_beside_a_stale_n_device_result(
 def test_list_computes_the_speedup_when_read(tmp_path: Path,
                                              capsys: pytest.CaptureFixture[str]) -> None:
     db = _ledger_with(tmp_path,
-                      make_measurement(num_devices=1, config_hash="one",
+                      make_measurement(num_devices=1,
                                        step_ms_by_rank=[[300.0, 300.0, 300.0]]),
-                      make_measurement(num_devices=2, config_hash="two",
+                      make_measurement(num_devices=2,
                                        step_ms_by_rank=[[100.0] * 3, [100.0] * 3]))
     assert main(["bench", "list", "--db", db]) == 0
     out = capsys.readouterr().out
