@@ -20,6 +20,7 @@ from dspark.bench.anomalies import (
 from dspark.bench.noise import NoiseModel
 from dspark.bench.result import BenchResult
 from tests.bench.factory import MB, MODEL_STATE_BYTES, kinds, make_result, seed_results
+from tests.messages import assert_line_names, assert_names
 
 
 def _scaled(result: BenchResult, baseline: BenchResult) -> BenchResult:
@@ -39,9 +40,10 @@ def test_replicated_batch_says_what_the_ranks_received() -> None:
         "ranks 0 and 1 fed their models the same batch (equal fingerprints of every input "
         "tensor); the models of ranks 0 and 1 each received 256 samples per step, 2.0x a 1/2 "
         "share of the global batch of 256; each rank holds 2.0x")
-    assert "each rank holds 2.0x the activation memory a sharded batch needs (2000.0 MB vs 1000.0 MB)" \
-        in found["message"]
-    assert "likely cause: the batch is replicated before it reaches the model" in found["message"]
+    assert_line_names(found["message"], "2.0x", "activation memory", "2000.0 MB", "1000.0 MB")
+    # the cause names its fixes: a REPLICATE/None placement, a per-rank sampler, the data seed
+    assert_line_names(found["message"], "likely cause", "REPLICATE", "None", "per-rank sampler",
+                      "seed")
     assert found["identical_input_ranks"] == [[0, 1]]
     assert replicated_batch(fixed, one) == []
 
@@ -54,7 +56,7 @@ def test_the_configuration_label_decides_nothing() -> None:
     labelled_shard = make_result(num_devices=2, identical_input_ranks=[[0, 1]],
                                  samples_by_rank=[128, 128])
     (found,) = replicated_batch(labelled_shard, one)
-    assert "ranks 0 and 1 fed their models the same batch" in found["message"]
+    assert_line_names(found["message"], "ranks 0 and 1", "same batch")
     assert "replicate'" not in found["message"]
 
 
@@ -64,7 +66,7 @@ def test_one_rank_taking_the_whole_batch_is_flagged() -> None:
     (found,) = replicated_batch(lopsided, None)
     assert found["message"].startswith("rank 1's model received 256 samples per step, 2.0x a "
                                        "1/2 share")
-    assert "a rank takes more than its slice of the global batch" in found["message"]
+    assert_names(found["message"], "more than its slice")
     assert "rank 0's" not in found["message"] and "activation_ratio" not in found
 
 
@@ -75,7 +77,7 @@ def test_a_replication_inside_the_model_is_flagged() -> None:
     assert found["message"].startswith(
         "inside the model, 'body' (and 3 more calls) received the same batch-derived input on two "
         "ranks although the model's own inputs differed")
-    assert "the model's code replicates the batch" in found["message"]
+    assert_names(found["message"], "model's code")
     assert not is_batch_replicated(make_result(samples_by_rank=[256]))  # one device: whole batch
 
 
@@ -118,7 +120,7 @@ def test_activations_above_a_sharded_share() -> None:
     assert activation_bytes_per_rank(heavy) == 1600 * MB
     (found,) = memory_above_expected(heavy, one)
     assert found["memory"] == "activations" and found["ratio"] == pytest.approx(1.6)
-    assert "1.6x the 1000.0 MB a 1/2 share" in found["message"]
+    assert_line_names(found["message"], "1.6x", "1000.0 MB", "1/2 share")
     light = make_result(num_devices=2, peak_bytes_per_rank=MODEL_STATE_BYTES + 1400 * MB)
     assert memory_above_expected(light, one) == []
     # The replicated batch has its own rule; memory is not flagged twice for it.

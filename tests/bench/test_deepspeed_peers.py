@@ -98,7 +98,7 @@ def test_chosen_strategies_skip_the_check_and_say_nothing(monkeypatch, caplog) -
 
 def test_an_explicit_deepspeed_peer_without_deepspeed_names_make_peers(monkeypatch) -> None:
     _importable(monkeypatch, "DeepSpeed is not installed")
-    with pytest.raises(ValueError, match=r"deepspeed-zero2 needs DeepSpeed.*not installed.*make peers"):
+    with pytest.raises(ValueError, match=r"deepspeed-zero2.*DeepSpeed.*make peers"):
         build_suite("quick", SuiteOverrides(strategies=("zero2", "deepspeed-zero2")),
                     machine=_TWO_CORES)
     _importable(monkeypatch, None)

@@ -13,6 +13,7 @@ from dspark.bench.peer_ratios import PAIRINGS, peer_ratios
 from dspark.bench.peers import DEEPSPEED_PEERS, PEERS, TORCH_PEERS
 from dspark.bench.report import render_peer_table, write_html_report
 from tests.bench.factory import make_result
+from tests.messages import assert_line_names, assert_names
 
 
 def _pair(ours_rounds: list[float], theirs_rounds: list[float], *, workload: str = "gpt2-cpu",
@@ -94,7 +95,7 @@ def test_the_peer_table_in_the_terminal_and_the_html_report(tmp_path: Path) -> N
     text = console.export_text()
     assert "DSpark beside its peers" in text and "0.900 (0.800-0.900)" in text
     assert "DSpark faster" in text
-    assert "median of the per-round ratios" in " ".join(text.split())
+    assert_names(" ".join(text.split()), "median", "per-round ratios")
     quiet = Console(record=True, width=250, color_system=None)
     assert not render_peer_table([make_result()], quiet) and quiet.export_text() == ""
     page = write_html_report(_pair([90.0, 180.0, 96.0], [100.0, 200.0, 120.0]), tmp_path).read_text()
@@ -128,7 +129,7 @@ def test_a_ratio_on_an_untrustworthy_side_says_so_in_both_tables(tmp_path: Path)
     assert row[11] == "injected DSPARK_BENCH_SLOW_RANK=1:100"
     console = Console(record=True, width=400)
     render_peer_table(flagged, console)
-    assert "NOT TRUSTWORTHY (DSpark busy_machine" in console.export_text()
+    assert_line_names(console.export_text(), "NOT TRUSTWORTHY", "DSpark", "busy_machine")
     page = write_html_report(flagged, tmp_path / "report").read_text()
     assert "NOT TRUSTWORTHY" in page and "busy_machine" in page
     (clean,) = peer_rows(_pair([95.0, 90.0], [100.0, 100.0]))

@@ -9,6 +9,7 @@ import pytest
 from dspark.bench.measurement import Measurement
 from dspark.bench.result import BenchConfig
 from dspark.bench.runner import RunFailure, run_in_workers
+from tests.messages import assert_line_names
 
 pytestmark = pytest.mark.slow
 
@@ -17,7 +18,7 @@ def test_failing_workers_give_their_stderr_tail() -> None:
     outcome = run_in_workers(BenchConfig(workload="no-such-model", num_devices=1))
     assert isinstance(outcome, RunFailure)
     assert outcome.exit_code != 0
-    assert "unknown workload 'no-such-model'" in outcome.stderr_tail
+    assert_line_names(outcome.stderr_tail, "workload", "'no-such-model'")
     assert "USDT" not in outcome.stderr_tail
 
 

@@ -8,6 +8,7 @@ from dspark.bench.analysis import annotate
 from dspark.bench.measurement import results_from_measurements
 from dspark.bench.samples import counted_samples, missing_samples, rank_share
 from tests.bench.factory import kinds, make_measurement
+from tests.messages import assert_line_names
 
 
 def _batch(samples: list[int]) -> dict[str, object]:
@@ -38,7 +39,7 @@ def test_a_run_that_trained_fewer_samples_is_not_a_faster_run() -> None:
     assert "missing_samples" in kinds(short)
     (found,) = missing_samples(short)
     assert found["trained_samples"] == 24 and found["share"] == 16
-    assert "rank 0 trained 12; rank 1 trained 12" in found["message"]
+    assert_line_names(found["message"], "rank 0", "12", "rank 1", "12")
 
 
 def test_counting_rules() -> None:

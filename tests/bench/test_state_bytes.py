@@ -12,6 +12,7 @@ import dspark
 from dspark.bench.anomalies import memory_above_expected
 from dspark.bench.state_bytes import expected_model_state, held_model_state, param_specs
 from tests.bench.factory import make_result
+from tests.messages import assert_line_names
 
 MB = 1_000_000
 
@@ -50,7 +51,7 @@ def test_a_parameter_left_gathered_is_flagged() -> None:
         if keep_whole:
             assert held["params"] == 6 * MB  # the whole weight beside the shard
             (found,) = flagged
-            assert "the parameters (6.0 MB held, 2.0 MB needed)" in found["message"]
+            assert_line_names(found["message"], "parameters", "6.0 MB held", "2.0 MB needed")
         else:
             assert held == {**expected, "buffers": 0}  # exactly what the formula says
             assert flagged == []
