@@ -202,7 +202,7 @@ def test_a_refused_extra_backward_leaves_the_window_and_its_breakdown(single_pro
     one backward, and the breakdown still holds that window's forward and backward."""
     engine = dspark.Engine(_model(), optimizer=functools.partial(torch.optim.SGD, lr=0.1))
     engine.backward(engine(torch.randn(2, 32)).sum())
-    with pytest.raises(RuntimeError, match="backward\\(\\) called 2 times with grad_accum_steps=1"):
+    with pytest.raises(RuntimeError, match=r"backward\(\).*2 times.*grad_accum_steps=1"):
         engine.backward(engine(torch.randn(2, 32)).sum())
     engine.step()
     stats = engine.step_stats()

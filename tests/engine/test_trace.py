@@ -14,6 +14,7 @@ import torch
 import dspark
 from dspark.engine import named_ranges
 from tests.engine import tiny_models as tm
+from tests.messages import assert_line_names, assert_names
 
 
 def _train(name: str, strategy: str, steps: int, **engine_kwargs: Any) -> None:
@@ -137,7 +138,8 @@ def test_a_run_shorter_than_the_trace_exits_cleanly_with_what_was_traced(tmp_pat
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "training stopped after 3 step(s)" in done.stderr and "2 traced step(s)" in done.stderr, done.stderr
+    assert_line_names(done.stderr, "stopped", "3 step(s)")
+    assert_names(done.stderr, "2 traced step(s)")
     assert "dspark.forward" in _names(tmp_path / "t" / "rank0.json")
 
 
