@@ -13,6 +13,7 @@ import dspark
 from dspark.cli.main import build_parser, main
 from dspark.cli.run_cmd import launch_plan, spec_from_args
 from dspark.launch.launcher import LaunchSpec, launch
+from tests.messages import assert_line_names, assert_names
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "hello_distributed.py"
 
@@ -95,7 +96,7 @@ def test_dry_run_under_slurm_prints_what_it_took(capsys: pytest.CaptureFixture[s
                             "(SLURM_GPUS_ON_NODE), node_rank=1 (SLURM_NODEID), master_addr=gpu07 "
                             "(first host of SLURM_JOB_NODELIST=gpu[07-08])\n")
     assert "--nnodes 2 --nproc-per-node 4" in captured.out
-    assert "--node-rank 1 --master-addr gpu07 --master-port 29500" in captured.out
+    assert_names(captured.out, "--node-rank 1", "--master-addr gpu07", "--master-port 29500")
 
 
 def test_nproc_is_required_outside_slurm(capsys: pytest.CaptureFixture[str],
@@ -175,7 +176,7 @@ def test_a_worker_killed_or_raising_on_one_rank_is_named(tmp_path: Path) -> None
     assert killed.returncode == 128 + 9, killed.stderr[-3000:]
     last = killed.stderr.strip().splitlines()[-1]
     assert "rank 0 (local rank 0" in last and "was killed by SIGKILL, the first to fail" in last
-    assert "; rank 1 was stopped by the launcher (SIGTERM)" in last, last
+    assert_line_names(last, "; rank 1", "stopped", "SIGTERM")
 
 
 @pytest.mark.slow
@@ -193,7 +194,7 @@ def test_a_master_port_in_use_is_one_line(tmp_path: Path) -> None:
                               capture_output=True, text=True, timeout=120)
     assert done.returncode == 1, done.stderr[-3000:]
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
-    assert "dspark run: the rendezvous failed before any worker started" in done.stderr
+    assert_line_names(done.stderr, "dspark run:", "rendezvous", "before any worker started")
     assert "EADDRINUSE" in done.stderr and "choose another --master-port" in done.stderr
 
 
@@ -230,7 +231,7 @@ def test_command_line_messages_speak_in_flags(tmp_path: Path, monkeypatch: pytes
     assert _spec("--nproc", "2", str(script)).rdzv_id == "dspark"
     slurm = {"SLURM_JOB_NUM_NODES": "2", "SLURM_NODEID": "1", "SLURM_JOB_NODELIST": "a[1-2]",
              "SLURM_GPUS_ON_NODE": "0"}
-    with pytest.raises(ValueError, match=r"which give no count here: SLURM_GPUS_ON_NODE='0'"):
+    with pytest.raises(ValueError, match=r"no count.*SLURM_GPUS_ON_NODE='0'"):
         spec_from_args(build_parser().parse_args(["run", str(script)]), slurm)
 
 
@@ -248,8 +249,8 @@ def test_a_worker_killed_by_sigterm_is_told_how_to_stop_cleanly() -> None:
     from dspark.launch.torchrun_entry import describe_failure
     line, code = describe_failure(_failures(rank0=-15, rank1=-15))
     assert code == 143
-    assert "rank 0 (local rank 0, pid 100) was killed by SIGTERM" in line
-    assert "rank 1 was stopped by the launcher (SIGTERM)" in line
+    assert_line_names(line, "rank 0", "local rank 0", "pid 100", "killed", "SIGTERM")
+    assert_line_names(line, "rank 1", "stopped", "SIGTERM")
     assert "dspark.preemption_requested()" in line
     line, code = describe_failure(_failures(rank0=3))
     assert code == 3 and "exited with code 3" in line and "preemption_requested" not in line

@@ -102,8 +102,7 @@ def test_single_node_allocation_takes_no_rank_or_master() -> None:
 def test_cpu_nodes_take_nproc_from_tasks_per_node() -> None:
     cpu_job = {k: v for k, v in JOB.items() if k != "SLURM_GPUS_ON_NODE"} | {"SLURM_NTASKS_PER_NODE": "2"}
     cpu_job |= {"SLURM_STEP_NUM_TASKS": "8", "SLURM_STEP_NUM_NODES": "4"}  # two dspark runs per node
-    with pytest.raises(ValueError, match="srun started SLURM_STEP_NUM_TASKS=8 tasks on "
-                                         "SLURM_STEP_NUM_NODES=4 node"):
+    with pytest.raises(ValueError, match=r"SLURM_STEP_NUM_TASKS=8.*SLURM_STEP_NUM_NODES=4"):
         _fill(cpu_job)
     cpu_job |= {"SLURM_STEP_NUM_TASKS": "4"}  # srun --ntasks-per-node=1: one launcher per node
     filled = _fill(cpu_job)
@@ -112,5 +111,5 @@ def test_cpu_nodes_take_nproc_from_tasks_per_node() -> None:
 
 
 def test_a_node_id_outside_the_node_count_is_an_error() -> None:
-    with pytest.raises(ValueError, match="SLURM_NODEID=3 is not a node of nnodes=2"):
+    with pytest.raises(ValueError, match=r"SLURM_NODEID=3.*nnodes=2"):
         _fill({**JOB, "SLURM_NODEID": "3"}, nnodes=2)
