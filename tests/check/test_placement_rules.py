@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dspark.check.placement_rules import CODES, check_source
+from tests.messages import assert_line_names
 
 # One fixture per code: (source, the code it must raise, the 1-based line it must point at).
 FIXTURES: dict[str, tuple[str, int]] = {
@@ -124,7 +125,7 @@ def test_keywords_through_literal_mappings_and_partial(source: str, codes: list[
 def test_a_finding_names_the_assignment_that_reaches_the_call() -> None:
     source = "import dspark\n\ndef g():\n    dim = None\n\ndim = None\nx = dspark.distribute_tensor(t, shard_dim=dim)\n"
     (finding,) = check_source(source)
-    assert "'dim' is None here (assigned at line 6)" in finding.message, finding.message
+    assert_line_names(finding.message, "'dim'", "None", "line 6")
 
 
 

@@ -17,6 +17,7 @@ from tests.checkpoint.ranks import (
     save_with_failing_rank,
     train,
 )
+from tests.messages import assert_line_names, assert_names
 
 
 @pytest.mark.parametrize("failing_rank", [0, 1])
@@ -25,7 +26,8 @@ def test_a_failed_save_keeps_the_old_checkpoint_and_leaves_no_partial_dir(
     before = {p.name: p.read_bytes() for p in copy.iterdir()}
     messages = pool.run(save_with_failing_rank, str(copy), failing_rank)
     for message in messages:  # every rank raised, naming the rank whose write failed
-        assert f"failed on rank(s) [{failing_rank}]" in message and "No space left" in message
+        assert_line_names(message, "failed", f"rank(s) [{failing_rank}]")
+        assert_names(message, "No space left")
     assert {p.name: p.read_bytes() for p in copy.iterdir()} == before
     assert sorted(p.name for p in copy.parent.iterdir()) == ["ckpt"]  # the staging dir is gone
     assert load_then_continue(str(copy), "mlp", "replicate")["step_count"] == 2  # and it still loads
@@ -56,7 +58,7 @@ def test_save_and_load_only_between_steps(single_process, copy: Path) -> None:
     x = torch.randn(4, 6)
     engine.backward(engine(x).square().mean())
     for call in (engine.save, engine.load):
-        with pytest.raises(RuntimeError, match=r"after 1 of grad_accum_steps=1 backward\(\) calls"):
+        with pytest.raises(RuntimeError, match=r"1 of grad_accum_steps=1 backward\(\)"):
             call(copy)
 
 
@@ -64,7 +66,7 @@ def test_another_model_is_refused_on_every_rank_naming_the_first_differing_param
         pool, two_rank_checkpoint: Path) -> None:
     for kind, message in pool.run(load_error, str(two_rank_checkpoint), "tied", "zero2"):
         assert kind == "CheckpointError"
-        assert "'embed.weight' (11, 6) is not in the checkpoint" in message, message
+        assert_line_names(message, "'embed.weight'", "(11, 6)", "not in the checkpoint")
 
 
 def test_a_changed_shape_is_named(single_process, two_rank_checkpoint: Path, monkeypatch) -> None:
@@ -73,7 +75,7 @@ def test_a_changed_shape_is_named(single_process, two_rank_checkpoint: Path, mon
     monkeypatch.setattr(tm.TinyMLP.__init__, "__defaults__", (6, 8, 3))  # hidden 7 -> 8
     kind, message = load_error(str(two_rank_checkpoint), "mlp", "replicate")
     assert kind == "CheckpointError"
-    assert "'layers.0.weight' has shape (8, 6) in the model but (7, 6) in the checkpoint" in message
+    assert_line_names(message, "'layers.0.weight'", "(8, 6)", "model", "(7, 6)", "checkpoint")
 
 
 def test_another_optimizer_is_refused_before_anything_changes(single_process, copy: Path) -> None:

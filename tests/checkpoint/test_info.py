@@ -59,12 +59,12 @@ def test_foreign_or_damaged_descriptions_are_refused(tmp_path: Path, payload: di
 
 
 def test_an_unknown_format_version_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(CheckpointError, match=r"format_version=99 is not supported .*valid: 2"):
+    with pytest.raises(CheckpointError, match=r"format_version=99.*valid: 2"):
         _info(format_version=99)
 
 
 def test_a_format_1_checkpoint_is_refused_with_the_reason(tmp_path: Path) -> None:
-    with pytest.raises(CheckpointError, match=r"format_version=1 .* kept some values as pickles"):
+    with pytest.raises(CheckpointError, match=r"format_version=1.*pickles"):
         _info(format_version=1)
 
 

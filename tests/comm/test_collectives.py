@@ -76,7 +76,7 @@ def test_world_size_one_stand_in_is_noop(single_process) -> None:
     parts = [torch.empty(1), torch.empty(2)]
     comm.all_gather_parts([t[:1], t[1:]], parts)
     assert [p.tolist() for p in parts] == [[0.0], [1.0, 2.0]]
-    with pytest.raises(ValueError, match=r"output 1 has 3 x torch\.float32, expected 1 ranks x 2"):
+    with pytest.raises(ValueError, match=r"output 1.*3 x torch\.float32.*1 ranks x 2"):
         comm.all_gather_parts([t[:1], t[1:]], [torch.empty(1), torch.empty(3)])
     assert comm.all_gather_object("x") == ["x"]
     assert comm.stats()["all_reduce"].bytes == 0

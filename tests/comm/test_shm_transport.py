@@ -18,6 +18,7 @@ import dspark
 from dspark import comm
 from dspark.comm import shm_transport as shm
 from dspark.errors import CollectiveError, CollectiveTimeoutError
+from tests.messages import assert_line_names
 
 pytestmark = pytest.mark.skipif(not shm.shm_wanted(2, 2, "gloo", "cpu"),
                                 reason="needs /dev/shm on x86-64")
@@ -150,7 +151,7 @@ def test_different_collectives_are_named_on_both_ranks_and_the_ranks_go_on() -> 
                          "all_gather of 3 x torch.float32 (dspark.gather.experts.1) on rank 1"), m0
     assert m1.startswith("rank 1: collective #1 is all_gather of 3 x torch.float32 (dspark.gather.experts.1) "
                          "here and all_reduce of 6 x torch.float32 on rank 0"), m1
-    assert "same collectives in the same order" in m0
+    assert_line_names(m0, "same collectives", "same order")
     assert a0 == a1 == 2.0
 
 
@@ -257,9 +258,8 @@ def test_a_rank_that_exited_stops_the_wait_at_once() -> None:
     ranks[0].watch([os.getpid(), gone.pid])
     gone.wait()
     started = time.monotonic()
-    with pytest.raises(CollectiveError, match=r"rank 0: all_reduce of 16 bytes \(collective #1\) "
-                                              r"cannot complete: rank\(s\) 1 exited while this rank "
-                                              r"waited on them"):
+    with pytest.raises(CollectiveError, match=r"rank 0: all_reduce of 16 bytes \(collective #1\)"
+                                              r".*rank\(s\) 1 exited"):
         ranks[0].all_reduce(torch.ones(4), "sum").wait()
     assert time.monotonic() - started < 5
     for t in ranks:
@@ -294,7 +294,7 @@ def test_dspark_shm_0_puts_the_job_on_gloo_and_a_bad_value_is_refused(tmp_path) 
         "rank 0: gloo [3.0, 3.0, 3.0]", "rank 1: gloo [3.0, 3.0, 3.0]"], done.stdout
     refused = _launch(tmp_path, "maybe")
     assert refused.returncode != 0
-    assert "DSPARK_SHM='maybe': use 1 (the default" in refused.stderr + refused.stdout
+    assert_line_names(refused.stderr + refused.stdout, "DSPARK_SHM='maybe'", "use 1", "default")
 
 
 def test_a_small_dev_shm_is_left_to_the_data_loaders(monkeypatch) -> None:
@@ -302,8 +302,7 @@ def test_a_small_dev_shm_is_left_to_the_data_loaders(monkeypatch) -> None:
     from dspark.comm import collectives
 
     monkeypatch.setattr(shm, "shm_free_bytes", lambda: 64 * 2**20)
-    with pytest.warns(RuntimeWarning, match=r"/dev/shm has 64 MiB free, and DSpark takes at most a "
-                                            r"quarter of it\); they go through gloo"):
+    with pytest.warns(RuntimeWarning, match=r"/dev/shm has 64 MiB free.*quarter.*gloo"):
         assert collectives._create_mapping(shm.mapping_bytes(2, 16 * 2**20)) is None
     monkeypatch.setattr(shm, "shm_free_bytes", lambda: 1 << 40)
     path = collectives._create_mapping(shm.mapping_bytes(2, 1 << 20))

@@ -172,11 +172,11 @@ def test_a_stale_iterator_and_a_mismatched_state_are_errors() -> None:
 
 
 def test_user_errors_name_the_numbers_and_the_fix() -> None:
-    with pytest.raises(ValueError, match=r"global_batch_size=10 does not divide by world size 4.*8 or 12"):
+    with pytest.raises(ValueError, match=r"global_batch_size=10.*world size 4.*8 or 12"):
         _loaders(4, global_batch_size=10)
-    with pytest.raises(ValueError, match=r"holds 30 samples, fewer than one global batch of 64.*at most 30 \(a multiple of world size 4: 28\)"):
+    with pytest.raises(ValueError, match=r"30 samples.*global batch of 64.*at most 30.*world size 4: 28"):
         _loaders(4, global_batch_size=64)
-    with pytest.raises(TypeError, match="takes no batch_size=; use global_batch_size="):
+    with pytest.raises(TypeError, match=r"no batch_size=.*global_batch_size="):
         dspark.DataLoader(_dataset(), batch_size=8, rank=0, world_size=1)  # type: ignore[call-arg]
     with pytest.raises(TypeError, match="takes no sampler="):
         dspark.DataLoader(_dataset(), global_batch_size=8, sampler=None, rank=0, world_size=1)  # type: ignore[call-arg]
@@ -228,7 +228,7 @@ def test_iterable_dataset_resumes_mid_epoch_at_another_world_size() -> None:
 
 def test_iterable_dataset_smaller_than_one_global_batch_is_an_error() -> None:
     loader = dspark.DataLoader(_Stream(3), global_batch_size=4, shuffle=False, rank=0, world_size=2)
-    with pytest.raises(ValueError, match="yielded 3 samples in epoch 0, fewer than one global batch of 4"):
+    with pytest.raises(ValueError, match=r"3 samples.*epoch 0.*global batch of 4"):
         list(loader)
 
 
