@@ -21,8 +21,9 @@ def _scaled(result: BenchResult, baseline: BenchResult) -> BenchResult:
 def test_the_seed_bug_is_blamed_on_its_replicated_batch() -> None:
     one, bug, fixed = seed_results()
     (found,) = negative_scaling(_scaled(bug, one), one)
-    assert found["message"].startswith("2 devices are 1.14x slower than 1 (280 ms vs 245 ms; "
-                                       "median of 3 rounds, 0.88x-0.88x)")
+    assert found["message"].startswith("2 devices "), found["message"]
+    assert_line_names(found["message"], "1.14x slower", "280 ms", "245 ms", "3 rounds",
+                      "0.88x-0.88x")
     assert found["causes"][0]["kind"] == "replicated_batch" and found["accounted"]
     assert_line_names(found["message"], "likely cause", "replicated batch")
     assert found["speedup"] == pytest.approx(245 / 280)
