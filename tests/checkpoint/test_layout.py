@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dspark.checkpoint import layout
+from tests.messages import assert_names
 
 
 def test_keys_keep_parameter_names_whole() -> None:
@@ -18,7 +19,8 @@ def test_first_mismatch_names_the_first_differing_parameter_in_model_order() -> 
     assert layout.first_mismatch([("a", (2, 3)), ("b", (5,)), ("c", (6,))], saved) == (
         "parameter 'b' has shape (5,) in the model but (4,) in the checkpoint")
     missing = layout.first_mismatch([("a", (2, 3)), ("z", (1,))], saved)
-    assert missing is not None and missing.startswith("parameter 'z' (1,) is not in the checkpoint")
+    assert missing is not None and missing.startswith("parameter 'z' (1,) "), missing
+    assert_names(missing, "not in the checkpoint")
     extra = layout.first_mismatch([("a", (2, 3)), ("b", (4,))], saved)
     assert extra is not None and "holds parameter 'c' (5,) that the model does not have" in extra
 

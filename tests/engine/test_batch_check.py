@@ -14,6 +14,7 @@ from torch.utils.data import TensorDataset
 import dspark
 from dspark import comm
 from dspark.tensor.fingerprint import FINGERPRINT_LEN
+from tests.messages import assert_line_names
 
 GLOBAL_BATCH = 8
 
@@ -69,8 +70,8 @@ def test_identical_batches_raise_on_every_rank_at_the_first_step(pool, source: s
     for rank, result in enumerate(results):
         assert result["steps"] == 0, result
         message = result["error"]
-        assert message is not None and message.startswith(f"rank {rank}: ranks 0 and 1 fed the model "
-                                                          "identical input batches at step 0")
+        assert message is not None and message.startswith(f"rank {rank}: "), message
+        assert_line_names(message, "ranks 0 and 1", "identical input", "step 0")
         rows = GLOBAL_BATCH // 2 if source == "plain DataLoader" else GLOBAL_BATCH
         assert f"({rows}, 6) float32" in message
         for fix in ("dspark.DataLoader", "DistributedSampler", "same random seed",

@@ -28,7 +28,8 @@ def _mismatched_model() -> str:
 
 def test_model_mismatch_names_the_first_differing_parameter(pool) -> None:
     for rank, message in enumerate(pool.run(_mismatched_model)):
-        assert message.startswith(f"rank {rank}: the model differs between ranks"), message
+        assert message.startswith(f"rank {rank}: "), message
+        assert_names(message, "model differs")
         assert_line_names(message, "layers.0.weight", "(7, 6)", "torch.float32", "requires_grad",
                           "rank 0")
         assert_line_names(message, "layers.0.weight", "(8, 6)", "torch.float32", "requires_grad",
@@ -176,11 +177,11 @@ def _direct_calls() -> dict[str, str]:
 def test_zero3_names_a_submodule_called_with_its_parameters_freed(pool) -> None:
     for found in pool.run(_direct_calls):
         assert found["unit"] == "(2, 4)" and found["again"] == "(2, 3)", found
-        assert found["head"].startswith("zero3: engine.module.head was called while its "
-                                        "parameters are freed (head.weight"), found["head"]
+        assert found["head"].startswith("zero3: engine.module.head "), found["head"]
+        assert_line_names(found["head"], "freed", "(head.weight")
         assert_line_names(found["head"], "root unit", "engine(...)")
         assert "strategy='zero2'" in found["head"] and "mat2" not in found["head"]
-        assert found["inside"].startswith("zero3: engine.module.blocks.1.0 was called"), found
+        assert found["inside"].startswith("zero3: engine.module.blocks.1.0 "), found
         assert_line_names(found["inside"], "unit engine.module.blocks.1", "its forward")
 
 
@@ -245,8 +246,8 @@ def test_zero3_refuses_the_modules_own_state_dict_and_names_the_fix(pool) -> Non
         for what, names in (("save", "0.weight, 0.bias, 1.0.weight, 1.0.bias and 2 more"),
                             ("save_child", "0.weight, 0.bias, 1.weight, 1.bias")):
             message = str(got[what])
-            assert message.startswith(f"rank {rank}: state_dict() of a module trained with "
-                                      "strategy='zero3'"), message
+            assert message.startswith(f"rank {rank}: state_dict() "), message
+            assert_names(message, "strategy='zero3'")
             assert f"freed ({names})" in message, message
             assert "engine.full_state_dict(rank0_only=True, cpu=True)" in message
             assert "engine.save(path" in message and "strategy='zero2'" in message
@@ -287,7 +288,8 @@ def test_zero3_names_an_evaluation_that_ran_on_one_rank_only(pool) -> None:
                               hang_means="the ranks' gathers paired up wrongly and nobody noticed")
     for rank, result in enumerate(got):
         message = str(result["message"])
-        assert message.startswith(f"rank {rank}: under zero3 the ranks gathered different parameters"), message
+        assert message.startswith(f"rank {rank}: "), message
+        assert_line_names(message, "zero3", "gathered different parameters")
         mine, theirs = (("a forward without grad", "a training forward") if rank == 0
                         else ("a training forward", "a forward without grad"))
         assert_line_names(message, "this rank", "scale", mine)
@@ -325,8 +327,8 @@ def test_a_sharded_optimizer_state_dict_refuses_another_ranks_rows(pool, tmp_pat
     r0, r1 = pool.run(_optimizer_state_saved_on_rank_0, str(tmp_path / "optimizer.pt"))
     assert r0["rank0_file"] == "no error" and r0["own"] == r1["own"] == "loaded"
     message = str(r1["rank0_file"])
-    assert message.startswith("rank 1: this optimizer state dict holds the shard of rank 0 of 2 "
-                              "under strategy='zero2'"), message
+    assert message.startswith("rank 1: "), message
+    assert_line_names(message, "optimizer state dict", "shard of rank 0 of 2", "strategy='zero2'")
     assert_names(message, "engine.save(path)", "engine.load(path)")
 
 
