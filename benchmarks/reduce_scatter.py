@@ -27,7 +27,7 @@ import dspark
 from dspark import comm
 from dspark.bench.cpu_load import core_for_rank, pin_all_threads
 from dspark.comm import shm_transport
-from dspark.engine import engine as engine_module
+from dspark.engine import build as build_module
 from dspark.models import get_workload
 
 
@@ -56,7 +56,7 @@ def collectives(sizes: list[float], repeats: int, world: dspark.World) -> None:
 def _step_ms(workload_name: str, strategy: str, precision: str, path: str, steps: int,
              world: dspark.World) -> float:
     # the engine's per-backend choice (a private table, as in tests/engine/test_training_loops.py)
-    engine_module._SHARDED_REDUCE[world.backend] = path
+    build_module._SHARDED_REDUCE[world.backend] = path
     workload = get_workload(workload_name)
     engine = dspark.Engine(workload.build_model(seed=0), strategy=strategy, precision=precision,
                            optimizer=functools.partial(torch.optim.AdamW, lr=3e-4))

@@ -17,7 +17,8 @@ from torch import nn
 
 from dspark.comm import World
 
-__all__ = ["AutoRequest", "AutoResolver", "check_memory_budget", "resolve_auto", "set_auto_resolver"]
+__all__ = ["AutoRequest", "AutoResolver", "check_memory_budget", "resolve_auto", "set_auto_resolver",
+           "strategy_and_plan"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -67,3 +68,25 @@ def resolve_auto(request: AutoRequest) -> tuple[str, Any]:
         raise RuntimeError("strategy='auto' needs the planner: import dspark (or dspark.plan) before "
                            "building the engine, or pass a strategy by name")
     return _resolver[0](request)
+
+
+def strategy_and_plan(strategy: str, memory_budget: Any, *, model: nn.Module,
+                      optimizer: Callable[..., torch.optim.Optimizer], precision: str, bucket_mb: float,
+                      world: World) -> tuple[str, Any]:
+    """The engine's ``strategy`` by name and the plan it came from: ``"auto"`` asks the resolver for
+    the fastest strategy that fits ``memory_budget`` bytes per rank; any other name is kept, with no
+    plan, and refuses a ``memory_budget`` (only ``"auto"`` reads it).
+
+    Example::
+
+        strategy_and_plan("zero2", None, model=m, optimizer=opt, precision="fp32", bucket_mb=25.0,
+                          world=world)   # ("zero2", None)
+    """
+    if strategy == "auto":  # see [Note: auto without a circle]
+        return resolve_auto(AutoRequest(model=model, optimizer=optimizer, precision=precision,
+                                        bucket_mb=bucket_mb, memory_budget=check_memory_budget(memory_budget),
+                                        world=world))
+    if memory_budget is not None:
+        raise ValueError(f"memory_budget={memory_budget!r} is what strategy='auto' must fit in; "
+                         f"with strategy={strategy!r} leave it out, or pass strategy='auto'")
+    return strategy, None

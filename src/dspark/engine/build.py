@@ -1,27 +1,51 @@
 """Building the engine's pieces on each rank: the model placed on its device (equal to rank 0's,
-materialised from the meta device if need be, zero3 keeping only this rank's rows) and the optimizer
-built by the user's factory over the tensors the engine updates."""
+materialised from the meta device if need be, zero3 keeping only this rank's rows), the optimizer
+built by the user's factory over the tensors the engine updates, and the parts that run a step around
+them (:func:`build_parts`, which ``Engine.__init__`` calls once)."""
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from dspark.comm import World
-from dspark.engine.buffer_sync import broadcast_tensors
+from dspark.engine.agreement import agreed
+from dspark.engine.backward import BackwardPass
+from dspark.engine.batch_check import BatchCheck
+from dspark.engine.buffer_sync import BufferSync, broadcast_tensors
+from dspark.engine.global_batchnorm import convert_batchnorm, restore_batchnorm
+from dspark.engine.grad_reducer import GradReducer, LocalReducer
+from dspark.engine.inputs import InputRecorder
+from dspark.engine.loss_scaler import LossScaler
 from dspark.engine.materialize import has_meta_tensors, materialize
+from dspark.engine.optimizer_guard import check_elementwise, guard_sharded_optimizer
 from dspark.engine.optimizer_kernel import prefer_fused_kernel
+from dspark.engine.param_groups import ParamGroupsFn, group_by_overrides
 from dspark.engine.param_slot import ParamSlot
-from dspark.engine.policy import ShardingPolicy
-from dspark.engine.validation import warn_unknown_group_options
+from dspark.engine.policy import PrecisionPolicy, ShardingPolicy
+from dspark.engine.state_dict import StateDicts
+from dspark.engine.step_observer import StepObserver
+from dspark.engine.trace import TraceSession
+from dspark.engine.update import Update
+from dspark.engine.validation import (
+    check_no_sync_batchnorm_on_cpu,
+    check_same_model_on_every_rank,
+    check_same_optimizer_on_every_rank,
+    unique_params,
+    warn_unknown_group_options,
+)
+from dspark.engine.window import Window
 from dspark.engine.zero3_guard import Zero3StateDictGuard
 from dspark.engine.zero3_units import UnitPolicy, Zero3Scheduler
 
-__all__ = ["OptimizerFactory", "build_optimizer", "place_model", "shard_parameters"]
+__all__ = ["EngineParts", "OptimizerFactory", "build_optimizer", "build_parts", "place_model",
+           "shard_parameters"]
 
 log = logging.getLogger(__name__)
 
@@ -120,3 +144,143 @@ def shard_parameters(model: nn.Module, slots: Sequence[ParamSlot], *, strategy: 
             if slot.requires_grad:
                 slot.view_shard_of_full()
     return None, None
+
+
+# How zero2/zero3 reduce gradient shards, per backend: a reduce-scatter where the backend has a good
+# one (gloo's goes through an all-to-all, see [Note: reduce-scatter on gloo] in dspark.comm), else an
+# all-reduce of the whole bucket, each rank keeping its rows.
+_SHARDED_REDUCE = {"nccl": "reduce_scatter", "gloo": "reduce_scatter"}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EngineParts:
+    """What :func:`build_parts` builds for one engine, which keeps it: the slots, the optimizer, and
+    the parts that run its forward, backward, update, state dicts and step breakdown."""
+
+    slots: list[ParamSlot]
+    """The trainable parameters, one slot each (tied parameters share one)."""
+    frozen_slots: list[ParamSlot]
+    shard_params: bool
+    batch_check: BatchCheck
+    batchnorms: list[nn.Module]
+    zero3: Zero3Scheduler | None
+    zero3_guard: Zero3StateDictGuard | None
+    optimizer: torch.optim.Optimizer
+    reducer: GradReducer | LocalReducer
+    update: Update
+    states: StateDicts
+    backward_pass: BackwardPass
+    hooks: list[Any]
+    inputs: InputRecorder
+    observer: StepObserver
+
+    def close(self) -> None:
+        """Remove the hooks (the module works as a plain module again unless zero3), restore the
+        converted BatchNorm layers and stop the trace, if one is still recording."""
+        self.observer.close()
+        self.inputs.remove()
+        for handle in self.hooks:
+            handle.remove()
+        self.hooks.clear()
+        if self.zero3 is not None:
+            self.zero3.remove_hooks()
+        if self.zero3_guard is not None:
+            self.zero3_guard.remove()
+        restore_batchnorm(self.batchnorms)
+        self.batchnorms.clear()
+
+
+def build_parts(model: nn.Module, factory: OptimizerFactory, *, world: World, strategy: ShardingPolicy,
+                precision: PrecisionPolicy, window: Window, loss_scaler: LossScaler | None,
+                grad_accum_steps: int, clip_grad_norm: float | None, bucket_mb: float,
+                reduce_dtype: torch.dtype | None, param_groups: ParamGroupsFn | None, zero3_units: UnitPolicy,
+                sync_batchnorm: bool, broadcast_buffers: bool, batch_check_every: int | None,
+                trace_dir: str | os.PathLike[str] | None, trace_steps: tuple[int, int], skip_nonfinite: bool,
+                max_nonfinite_skips: int | None, defer_host_reads: bool,
+                step_count: Callable[[], int]) -> EngineParts:
+    """Check that every rank has the same model and optimizer, place the model, build the optimizer
+    and wire the parts of a step around them, in the same order on every rank (each check and
+    broadcast is collective). The engine's own state comes in as values: its accumulation ``window``
+    and ``step_count()``, the steps applied so far.
+
+    Example::
+
+        parts = build_parts(model, functools.partial(torch.optim.SGD, lr=0.1), world=world, ...)
+        parts.close()   # the module is a plain module again (unless zero3)
+    """
+    n, rank = world.world_size, world.rank
+    settings = {"strategy": strategy.name, "precision": precision.name, "grad_accum_steps": grad_accum_steps,
+                "clip_grad_norm": clip_grad_norm, "bucket_mb": bucket_mb,
+                "reduce_dtype": str(reduce_dtype), "loss_scaler": repr(loss_scaler),
+                "param_groups": param_groups is not None, "zero3_units": zero3_units is not None,
+                "sync_batchnorm": sync_batchnorm, "broadcast_buffers": broadcast_buffers,
+                "batch_check_every": batch_check_every, "skip_nonfinite": skip_nonfinite,
+                "max_nonfinite_skips": max_nonfinite_skips}
+    check_same_model_on_every_rank(model, rank, settings)
+    named = unique_params(model)
+    trainable = [(names[0], p) for names, p in named if p.requires_grad]
+    groups = agreed("param_groups", lambda: None if param_groups is None else
+                    group_by_overrides(trainable, param_groups))
+    shard_params = strategy.shard_params and n > 1
+    # identical input batches on two ranks raise PlacementError (see engine/batch_check.py)
+    batch_check = BatchCheck(every=batch_check_every, step_count=step_count)
+    slot_of: dict[int, ParamSlot] = {}
+    agreed("placing the model on its device",
+           lambda: place_model(model, named, slot_of, world=world, shard_params=shard_params))
+    all_slots = [slot_of[id(p)] for _, p in named if id(p) in slot_of]
+    slots = [s for s in all_slots if s.requires_grad]
+    check_no_sync_batchnorm_on_cpu(model, world.device)
+    batchnorms = convert_batchnorm(model) if sync_batchnorm else []
+    buffer_sync = None
+    if broadcast_buffers and n > 1:
+        skip = {id(b) for m in batchnorms for b in m.buffers(recurse=False)}
+        buffer_sync = BufferSync(model, skip=skip)
+
+    zero3, zero3_guard = shard_parameters(
+        model, all_slots, strategy=strategy, world=world, policy=zero3_units,
+        in_backward=lambda: window.in_backward, window=lambda: window.index)
+    optimizer = agreed("building the optimizer", lambda: build_optimizer(
+        factory, slots, groups, module=model, strategy=strategy, rank=rank))
+    check_same_optimizer_on_every_rank(optimizer, rank)
+    if strategy.shard_optimizer and n > 1:
+        check_elementwise(optimizer, strategy=strategy.name, after_step=False)
+    sharded = strategy.shard_grads
+    collective = _SHARDED_REDUCE.get(world.backend, "all_reduce") if sharded else "all_reduce"
+    reducer = LocalReducer(slots, sharded=sharded) if n == 1 else GradReducer(
+        slots, sharded=sharded, collective=collective, bucket_mb=bucket_mb,
+        wire_dtype=reduce_dtype, rank=rank, num_ranks=n, device=world.device)
+
+    def after_optimizer() -> None:
+        """zero1/zero2: check the sharded optimizer's state once, and all-gather the updated rows."""
+        if step_count() == 0 and strategy.shard_optimizer and n > 1:
+            agreed("checking the optimizer's state after its first step",  # one small gather, once
+                   lambda: check_elementwise(optimizer, strategy=strategy.name, after_step=True))
+        if strategy.shard_optimizer and not shard_params:
+            reducer.gather_updated_rows()
+
+    update = Update(optimizer, slots, shard_grads=strategy.shard_grads, loss_scaler=loss_scaler,
+                    clip_grad_norm=clip_grad_norm, device=world.device, rank=rank, num_ranks=n,
+                    defer_host_reads=defer_host_reads, after_optimizer=after_optimizer,
+                    skip_nonfinite=skip_nonfinite, max_nonfinite_skips=max_nonfinite_skips)
+    frozen_slots = [s for s in all_slots if not s.requires_grad]
+    states = StateDicts(model, slots, frozen_slots, optimizer, strategy=strategy, precision=precision,
+                        loss_scaler=loss_scaler, zero3=zero3, guard=zero3_guard, world=world)
+    backward_pass = BackwardPass(
+        slots=slots, frozen_params=[(names[0], p) for names, p in named if not p.requires_grad],
+        window=window, reducer=reducer, zero3=zero3, loss_scaler=loss_scaler,
+        grad_accum_steps=grad_accum_steps, shard_grads=strategy.shard_grads, world=world,
+        step_count=step_count)
+    hooks: list[Any] = [s.param.register_post_accumulate_grad_hook(backward_pass.grad_ready_hook(s))
+                        for s in slots]
+    if strategy.shard_optimizer and n > 1:  # see [Note: a rank's optimizer state dict]
+        hooks.extend(guard_sharded_optimizer(optimizer, rank=rank, world_size=n, strategy=strategy.name))
+    inputs = InputRecorder(  # see [Note: forward inputs]
+        model, readers=[window.count_forward, batch_check.record], in_backward=lambda: window.in_backward,
+        before_training_forward=None if buffer_sync is None else buffer_sync.before_forward)
+    trace = None if trace_dir is None else TraceSession(
+        trace_dir, rank=rank, warmup=trace_steps[0], active=trace_steps[1], device=world.device)
+    return EngineParts(
+        slots=slots, frozen_slots=frozen_slots, shard_params=shard_params, batch_check=batch_check,
+        batchnorms=batchnorms, zero3=zero3, zero3_guard=zero3_guard, optimizer=optimizer, reducer=reducer,
+        update=update, states=states, backward_pass=backward_pass, hooks=hooks, inputs=inputs,
+        observer=StepObserver(world.device, rank=rank, trace=trace))

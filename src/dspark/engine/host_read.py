@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["DeferredRead"]
+__all__ = ["DeferredRead", "defers_host_reads"]
 
 
 class DeferredRead:
@@ -51,3 +51,11 @@ class DeferredRead:
         if self._event is not None:
             self._event.synchronize()
         return float(self._host.item())
+
+
+def defers_host_reads(device: torch.device) -> bool:
+    """Whether the step reads the gradient norm only after queueing the optimizer (see [Note: the
+    step's one host read]): on a GPU. A CPU has no queue to keep full, and there the clip's skip when
+    the norm is below ``max_norm`` saves a pass over the gradients. (The tests switch it on for CPU
+    ranks, through the name :mod:`dspark.engine.engine` imports, to run the GPU's order of work.)"""
+    return device.type == "cuda"

@@ -14,12 +14,14 @@ import math
 from collections.abc import Iterable, Sequence
 
 import torch
+from torch import nn
 
 from dspark.engine.param_slot import ParamSlot
 from dspark.engine.policy import ShardingPolicy
+from dspark.engine.validation import unique_params
 from dspark.tensor.shard_math import chunk_size, shard_range
 
-__all__ = ["expected_state_bytes", "memory_report", "optimizer_state_elements", "storage_bytes"]
+__all__ = ["expected_state_bytes", "frozen_held", "memory_report", "optimizer_state_elements", "storage_bytes"]
 
 # Per-element optimizer state tensors, and whether a per-tensor step scalar is kept.
 _KNOWN_STATE: dict[str, tuple[int, bool]] = {
@@ -134,3 +136,18 @@ def memory_report(*, policy: ShardingPolicy, slots: Sequence[ParamSlot],
     report["total_bytes"] = params_actual + grads_bytes + opt_actual
     report["total_bytes_expected"] = exp_params + exp_grads + exp_opt
     return report
+
+
+def frozen_held(frozen_slots: Sequence[ParamSlot], module: nn.Module, *, shard_params: bool
+                ) -> list[tuple[torch.Size, torch.dtype, torch.Tensor]]:
+    """The frozen parameters as :func:`memory_report` reads them: ``(shape, dtype, tensor held)``.
+    They have slots only where zero3 shards them (``shard_params``); elsewhere they stay as built.
+
+    Example::
+
+        memory_report(..., frozen=frozen_held([], model, shard_params=False), ...)
+    """
+    if shard_params:
+        return [(s.shape, s.dtype, s.padded_shard if s.padded_shard is not None else s.param)
+                for s in frozen_slots]
+    return [(p.shape, p.dtype, p) for _, p in unique_params(module) if not p.requires_grad]

@@ -4,8 +4,10 @@ sharded: optimizer state (zero1), + gradients (zero2), + parameters (zero3)."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -57,6 +59,18 @@ class PrecisionPolicy:
 
     def __str__(self) -> str:
         return self.name
+
+    def autocast(self, device_type: str) -> contextlib.AbstractContextManager[Any]:
+        """``torch.autocast`` to ``compute_dtype`` on ``device_type`` (nothing under fp32).
+
+        Example::
+
+            with PRECISIONS["bf16"].autocast("cpu"):
+                y = model(x)   # bf16 matmuls
+        """
+        if self.compute_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=device_type, dtype=self.compute_dtype)
 
 
 PRECISIONS: dict[str, PrecisionPolicy] = {

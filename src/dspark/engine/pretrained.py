@@ -169,10 +169,11 @@ def _check_state_dict(entries: Sequence[WeightEntry], state_dict: Mapping[str, t
 
 def save_pretrained(entries: Sequence[WeightEntry], directory: str | os.PathLike[str], *,
                     max_shard_size: int | str, units: Sequence[Sequence[ParamSlot]],
-                    gather: Callable[[list[ParamSlot]], None], free: Callable[[list[ParamSlot]], None],
-                    config: Any = None) -> Path:
+                    gather: Callable[[list[ParamSlot]], None] | None = None,
+                    free: Callable[[list[ParamSlot]], None] | None = None, config: Any = None) -> Path:
     """Write ``entries`` as safetensors shards + index into ``directory`` on rank 0, gathering the
-    zero3 ``units`` one at a time (collective); ``config.save_pretrained(directory)`` beside them when
+    zero3 ``units`` one at a time with ``gather`` and ``free`` (collective; nothing to gather where
+    ``units`` is empty); ``config.save_pretrained(directory)`` beside them when
     the model has a HuggingFace config. Returns the directory.
 
     Example::
@@ -194,7 +195,7 @@ def save_pretrained(entries: Sequence[WeightEntry], directory: str | os.PathLike
             failure = exc
     agree(failure, what=f"save_pretrained({str(out)!r})")
     for slots, group in groups:
-        if slots:
+        if slots and gather is not None:
             gather(slots)
         try:
             if writer is not None and failure is None:
@@ -203,7 +204,7 @@ def save_pretrained(entries: Sequence[WeightEntry], directory: str | os.PathLike
         except Exception as exc:  # keep gathering with the others; raised on every rank below
             failure = exc
         finally:
-            if slots:
+            if slots and free is not None:
                 free(slots)
     if writer is not None and failure is None:
         try:

@@ -12,11 +12,13 @@ import torch
 from torch import nn
 
 from dspark import comm
+from dspark.engine.loss_scaler import LossScaler
 from dspark.engine.param_slot import ParamSlot
+from dspark.engine.policy import PrecisionPolicy
 
 __all__ = ["check_arguments", "check_no_sync_batchnorm_on_cpu", "check_same_model_on_every_rank",
-           "check_same_optimizer_on_every_rank", "check_weight", "unique_params", "warn_emulated_bf16",
-           "warn_unknown_group_options"]
+           "check_same_optimizer_on_every_rank", "check_weight", "loss_scaler_for", "unique_params",
+           "warn_emulated_bf16", "warn_unknown_group_options"]
 
 
 def unique_params(model: nn.Module) -> list[tuple[list[str], nn.Parameter]]:
@@ -180,3 +182,17 @@ def check_no_sync_batchnorm_on_cpu(model: nn.Module, device: torch.device) -> No
             "refuses CPU tensors): on CPU ranks keep the model's plain BatchNorm layers (leave out "
             "nn.SyncBatchNorm.convert_sync_batchnorm) and pass sync_batchnorm=True to dspark.Engine "
             "for statistics over the global batch")
+
+
+def loss_scaler_for(precision: PrecisionPolicy, loss_scaler: LossScaler | None) -> LossScaler | None:
+    """The engine's loss scaler: ``loss_scaler`` (or a default one) under fp16, None otherwise; one
+    given with a precision that scales nothing is a ``ValueError``.
+
+    Example::
+
+        loss_scaler_for(PRECISIONS["fp16"], None)   # LossScaler(scale=65536.0, ...)
+    """
+    if loss_scaler is not None and not precision.loss_scaling:
+        raise ValueError(f"loss_scaler={loss_scaler!r} with precision={precision.name!r}: only "
+                         "fp16 scales its loss; pass precision='fp16', or leave loss_scaler out")
+    return (loss_scaler or LossScaler()) if precision.loss_scaling else None

@@ -16,11 +16,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import torch
+
+from dspark import comm
 from dspark.errors import CollectiveError
 
-__all__ = ["StepTag", "StepWeights", "Window", "average_factor", "check_in_step"]
+if TYPE_CHECKING:
+    from dspark.comm import World
+    from dspark.engine.inputs import ForwardInputs
+
+__all__ = ["StepTag", "StepWeights", "Window", "average_factor", "check_in_step", "check_ranks_in_step"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -109,6 +116,14 @@ class Window:
         self.batch_size = None
         self.synced = False
 
+    def count_forward(self, inputs: ForwardInputs, args: Any, kwargs: Any) -> None:
+        """A reader of each training forward's inputs (see [Note: forward inputs]): one more forward,
+        and its rows added to ``batch_size`` when they are known."""
+        self.forwards += 1
+        rows = inputs.rows
+        if rows is not None:
+            self.batch_size = (self.batch_size or 0) + rows
+
     def step_weights(self, *, accum_steps: int, loss_scale: float | None) -> StepWeights:
         """The window as the averaging rule reads it; ``loss_scale`` None unless fp16."""
         return StepWeights(micro_steps=self.micro_step, accum_steps=accum_steps,
@@ -188,3 +203,19 @@ def check_in_step(tags: Sequence[StepTag], *, rank: int, what: str) -> None:
         "(a condition true on some ranks only). Every rank must run every batch and every step: "
         "decide to skip on all ranks together (e.g. from a value all-reduced across ranks), or let "
         "the exception end the run")
+
+
+def check_ranks_in_step(window: Window, step_count: int, *, world: World, call: str) -> None:
+    """Collective: raise on every rank unless every rank is at the same point of training (its
+    ``window`` and ``step_count``) as it enters ``engine.<call>()`` (see [Note: ranks in step]).
+
+    Example::
+
+        check_ranks_in_step(Window(), 0, world=dspark.get_world(), call="save")
+    """
+    if world.world_size == 1:
+        return
+    mine = torch.tensor(StepTag.of(window, step_count).values(), dtype=torch.int64, device=world.device)
+    everyone = comm.all_gather(mine, label=f"dspark.{call}.step_check")
+    check_in_step([StepTag(*map(int, t.tolist())) for t in everyone], rank=world.rank,
+                  what=f"engine.{call}()")
