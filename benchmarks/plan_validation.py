@@ -1,10 +1,11 @@
 """The planner against the engine: for each model, what ``dspark.plan`` predicts (one probe on one
 CPU core) beside what ``dspark run`` measures, per strategy on 1 and 2 ranks (and memory on 4),
-written to one JSON artifact that docs/plan.md's table is generated from.
+written to one JSON artifact; with ``--out DIR``, ``DIR/plan-validation.json`` and the table
+docs/figures.md renders (``DIR/table.json``, see [Note: table artifacts]).
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/plan_validation.py \
-        --out benchmarks/results/plan-validation.json
-    .venv/bin/python benchmarks/plan_validation.py --table benchmarks/results/plan-validation.json
+    python -m dspark.bench.record --name DATE-MACHINE-plan-validation --anchor plan-validation \
+        --title "..." -- env OMP_NUM_THREADS=1 .venv/bin/python benchmarks/plan_validation.py
+    .venv/bin/python benchmarks/plan_validation.py --table DIR/plan-validation.json
 
 Models: the two CPU presets (gpt2-cpu, resnet50-cpu) and a HuggingFace GPT2LMHeadModel built
 from a config (4 layers x 256, vocabulary 2048, 128 tokens). bf16 autocast, AdamW, the
@@ -141,18 +142,41 @@ def validate(models: list[str], steps: int) -> dict[str, Any]:
             "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "rows": rows}
 
 
+COLUMNS = ("model", "strategy", "ranks", "peak predicted MB", "peak measured MB", "ratio",
+           "step predicted ms", "step measured ms", "ratio")
+
+
+def table_rows(data: dict[str, Any]) -> list[list[str]]:
+    """The artifact's rows as formatted cells: predicted / measured for peak and step."""
+    rows = []
+    for r in data["rows"]:
+        step = ([f"{r['predicted_step_ms']:.0f}", f"{r['measured_step_ms']:.0f}",
+                 f"{r['predicted_step_ms'] / r['measured_step_ms']:.2f}"] if r["step_compared"]
+                else ["-", "-", "-"])
+        rows.append([r["model"], r["strategy"], str(r["ranks"]), f"{r['predicted_peak_bytes'] / 1e6:.1f}",
+                     f"{r['measured_peak_bytes'] / 1e6:.1f}",
+                     f"{r['predicted_peak_bytes'] / r['measured_peak_bytes']:.2f}", *step])
+    return rows
+
+
 def table(data: dict[str, Any]) -> str:
     """The artifact as a Markdown table: predicted / measured for peak and step."""
-    lines = ["| model | strategy | ranks | peak predicted MB | peak measured MB | ratio | "
-             "step predicted ms | step measured ms | ratio |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in data["rows"]:
-        step = (f"{r['predicted_step_ms']:.0f} | {r['measured_step_ms']:.0f} | "
-                f"{r['predicted_step_ms'] / r['measured_step_ms']:.2f}" if r["step_compared"]
-                else "- | - | -")
-        lines.append(f"| {r['model']} | {r['strategy']} | {r['ranks']} | "
-                     f"{r['predicted_peak_bytes'] / 1e6:.1f} | {r['measured_peak_bytes'] / 1e6:.1f} | "
-                     f"{r['predicted_peak_bytes'] / r['measured_peak_bytes']:.2f} | {step} |")
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(row) + " |" for row in table_rows(data)]
     return "\n".join(lines)
+
+
+def write_artifact(data: dict[str, Any], out: Path) -> None:
+    """``out`` a ``.json`` file: the raw artifact; else a directory: ``plan-validation.json`` and
+    ``table.json`` (what docs/figures.md renders) in it."""
+    if out.suffix == ".json":
+        out.write_text(json.dumps(data, indent=2) + "\n")
+        return
+    from dspark.bench.table_artifact import write_table
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "plan-validation.json").write_text(json.dumps(data, indent=2) + "\n")
+    write_table(out, columns=COLUMNS, rows=table_rows(data))
 
 
 def main() -> None:
@@ -160,7 +184,8 @@ def main() -> None:
     parser.add_argument("--worker", nargs=3, metavar=("MODEL", "STRATEGY", "STEPS"))
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--out", default="benchmarks/results/plan-validation.json")
+    parser.add_argument("--out", type=Path, default=Path("plan-validation.json"),
+                        help="a .json file, or a directory for plan-validation.json and table.json")
     parser.add_argument("--table", metavar="ARTIFACT", help="print the Markdown table of an artifact")
     args = parser.parse_args()
     if args.worker:
@@ -170,7 +195,7 @@ def main() -> None:
         print(table(json.loads(Path(args.table).read_text())))
         return
     data = validate(args.models.split(","), args.steps)
-    Path(args.out).write_text(json.dumps(data, indent=2) + "\n")
+    write_artifact(data, args.out)
     print(table(data))
 
 

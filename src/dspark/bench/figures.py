@@ -4,10 +4,15 @@
 A published figure is only as good as the record behind it. Every number in docs/figures.md and in
 the README's headline table is rendered here from an artifact under ``benchmarks/results/<date>-<machine>/``:
 ``artifact.json`` (the title, the command that measured it, the commit, the machine, and the files
-holding the exported ledger rows, ``dspark bench export --json``) beside those files. Nothing is
-typed by hand: ``tests/bench/test_figures.py`` regenerates both and fails on any difference, and on
-any number in a table that no artifact value renders to. A figure without an artifact is not
+holding the exported ledger rows, ``dspark bench export --json``, under ``"results"``, or a
+benchmark's own tables under ``"tables"``, see [Note: table artifacts]) beside those files. Nothing
+is typed by hand: ``tests/bench/test_figures.py`` regenerates both and fails on any difference, and
+on any number in a table that no artifact value renders to. A figure without an artifact is not
 published; :data:`NOT_REMEASURED` names the command that would measure it again.
+
+Each section has a stable anchor (``"anchor"`` in ``artifact.json``, else the directory's name) that
+the other docs link to (``figures.md#startup-time``); a figure not re-measured yet keeps its anchor
+on its line under "Not re-measured" until an artifact with that anchor is kept, so the links hold.
 
 Example::
 
@@ -25,40 +30,43 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dspark.bench.table_artifact import Table, load_table, markdown_table
+
 __all__ = ["NOT_REMEASURED", "Artifact", "headline_block", "load_artifacts", "main",
            "render_figures", "replace_headline", "unsupported_numbers"]
 
 HEADLINE_START = "<!-- figures:headline:start -->"
 HEADLINE_END = "<!-- figures:headline:end -->"
 
-NOT_REMEASURED: tuple[tuple[str, str], ...] = (
-    ("the peers suite: DSpark beside DDP, FSDP2 and DeepSpeed",
+NOT_REMEASURED: tuple[tuple[str, str, str], ...] = (
+    ("peers", "the peers suite: DSpark beside DDP, FSDP2 and DeepSpeed",
      "make peers; dspark bench --suite peers --json peers.json"),
-    ("GPT-2 124M's memory per rank beside DDP and FSDP2",
+    ("gpt2-124m-memory-per-rank", "GPT-2 124M's memory per rank beside DDP and FSDP2",
      "dspark bench --workloads gpt2-124m --strategies replicate,zero3,torch-ddp,torch-fsdp2 "
      "--devices 2 --global-batch 2 --rounds 1"),
-    ("DSpark and a peer in the same processes, step by step",
+    ("side-by-side", "DSpark and a peer in the same processes, step by step",
      "dspark run --nproc 2 benchmarks/side_by_side.py --workload resnet50-cpu --steps 40"),
-    ("the engine's CPU malloc choices",
+    ("cpu-malloc", "the engine's CPU malloc choices",
      "OMP_NUM_THREADS=1 python benchmarks/cpu_malloc.py --workload gpt2-cpu --batch 16"),
-    ("collectives through shared memory against gloo",
+    ("shm-collectives", "collectives through shared memory against gloo",
      "dspark run --nproc 2 benchmarks/shm_collectives.py"),
-    ("reduce-scatter as one all-to-all on gloo", "dspark run --nproc 2 benchmarks/reduce_scatter.py"),
-    ("the fused optimizer kernel", "OMP_NUM_THREADS=1 python benchmarks/optimizer_kernel.py"),
-    ("ZeRO's saving in real memory", "dspark run --nproc 2 tests/engine/rss_worker.py zero3"),
-    ("a model over one rank's budget, built on meta",
+    ("reduce-scatter", "reduce-scatter as one all-to-all on gloo", "dspark run --nproc 2 benchmarks/reduce_scatter.py"),
+    ("optimizer-kernel", "the fused optimizer kernel", "OMP_NUM_THREADS=1 python benchmarks/optimizer_kernel.py"),
+    ("zero-real-memory", "ZeRO's saving in real memory", "dspark run --nproc 2 tests/engine/rss_worker.py zero3"),
+    ("meta-zero3-rss", "a model over one rank's budget, built on meta",
      "dspark run --nproc 2 benchmarks/meta_zero3_rss.py --budget-gib 3"),
-    ("checkpoint save stall, synchronous and asynchronous",
+    ("save-stall", "checkpoint save stall, synchronous and asynchronous",
      "dspark run --nproc 2 benchmarks/save_stall.py --params-m 8 --saves 5 --ckpt /tmp/stall-ckpt"),
-    ("restart after a killed worker", "python benchmarks/restart_time.py --kills 10"),
-    ("the step observer's and the batch fingerprint's overhead",
+    ("restart-time", "restart after a killed worker", "python benchmarks/restart_time.py --kills 10"),
+    ("observe-overhead", "the step observer's and the batch fingerprint's overhead",
      "dspark run --nproc 2 benchmarks/observe_overhead.py --workload tiny gpt2-cpu --strategy zero2 "
      "--steps 40"),
-    ("the examples on real data",
+    ("examples-on-real-data", "the examples on real data",
      "dspark run --nproc 2 examples/char_gpt.py --steps 200 --out runs/c2"),
-    ("one GPU beside plain PyTorch", "OUT=DIR bash benchmarks/gpu_session.sh"),
+    ("one-gpu-vs-pytorch", "one GPU beside plain PyTorch", "OUT=DIR bash benchmarks/gpu_session.sh"),
 )
-"""Figures published before they had a kept artifact: dropped, with the command that measures them."""
+"""Figures published before they had a kept artifact: ``(anchor, what, command)``, dropped from the
+docs, with the command that measures them. An entry whose anchor a kept artifact has is not listed."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -73,27 +81,43 @@ class Artifact:
     notes: str
     headline: bool
     rows: tuple[dict[str, Any], ...]
+    anchor: str = ""
+    """The section's HTML anchor in docs/figures.md (links: ``figures.md#ANCHOR``)."""
+    tables: tuple[Table, ...] = ()
+    """Tables written by the benchmark itself (see [Note: table artifacts])."""
 
 
 def load_artifacts(results_dir: Path) -> list[Artifact]:
-    """Every ``<results_dir>/*/artifact.json``, by directory name; a file it names that is missing
-    or not a JSON list of result rows is a ``ValueError`` naming it."""
+    """Every ``<results_dir>/*/artifact.json``, by directory name; a file it names that is missing,
+    or not a JSON list of result rows (``"results"``) or a table (``"tables"``), an artifact with
+    neither, and two artifacts with one anchor are ``ValueError``s naming them."""
     artifacts = []
+    anchors: dict[str, str] = {}
     for meta_path in sorted(Path(results_dir).glob("*/artifact.json")):
         meta = json.loads(meta_path.read_text())
+        if not meta.get("results") and not meta.get("tables"):
+            raise ValueError(f"{meta_path}: names no \"results\" (ledger rows) and no \"tables\"")
+        for rel in [*meta.get("results", []), *meta.get("tables", [])]:
+            if not (meta_path.parent / rel).is_file():
+                raise ValueError(f"{meta_path}: file {rel!r} is missing")
+        tables = tuple(load_table(meta_path.parent / rel) for rel in meta.get("tables", []))
         rows: list[dict[str, Any]] = []
-        for rel in meta["results"]:
+        for rel in meta.get("results", []):
             path = meta_path.parent / rel
-            if not path.is_file():
-                raise ValueError(f"{meta_path}: results file {rel!r} is missing")
             data = json.loads(path.read_text())
             if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
                 raise ValueError(f"{path}: not a JSON list of result rows (dspark bench export --json)")
             rows.extend(data)
+        anchor = meta.get("anchor") or meta_path.parent.name
+        if anchor in anchors:
+            raise ValueError(f"{meta_path}: anchor {anchor!r} is already {anchors[anchor]}'s: give one "
+                             f"of them another \"anchor\", or remove the older artifact")
+        anchors[anchor] = meta_path.parent.name
         artifacts.append(Artifact(name=meta_path.parent.name, title=meta["title"],
                                   command=meta["command"], commit=meta["commit"],
                                   machine=meta["machine"], notes=meta.get("notes", ""),
-                                  headline=bool(meta.get("headline", False)), rows=tuple(rows)))
+                                  headline=bool(meta.get("headline", False)), rows=tuple(rows),
+                                  anchor=anchor, tables=tables))
     return artifacts
 
 
@@ -173,7 +197,8 @@ def render_figures(artifacts: list[Artifact]) -> str:
            "<!-- Generated by `make figures` from benchmarks/results/*/artifact.json: do not edit. -->",
            "",
            "Every table here is rendered from a kept artifact: the exported ledger rows "
-           "(`dspark bench export --json`), the command, the commit and the machine, in "
+           "(`dspark bench export --json`) or the table a benchmark wrote (`--out DIR`), the "
+           "command, the commit and the machine, in "
            "`benchmarks/results/<date>-<machine>/`. Step times are medians over every timed step of "
            "every round; a speedup pairs each N-device round with the 1-device round of the same run "
            "(rounds min-max in brackets). Compare ratios measured in one run, not milliseconds across "
@@ -181,18 +206,24 @@ def render_figures(artifacts: list[Artifact]) -> str:
            "`busy_machine` means other processes took time from the ranks, so that row's times are not "
            "trustworthy (see [bench.md](bench.md#what-the-lab-cannot-see)).", ""]
     for artifact in artifacts:
-        out += [f"## {artifact.title}", "",
+        out += [f'<a id="{artifact.anchor}"></a>', "", f"## {artifact.title}", "",
                 f"- artifact: [`benchmarks/results/{artifact.name}/`](../benchmarks/results/{artifact.name}/)",
                 f"- command: `{artifact.command}`",
                 f"- machine: {artifact.machine}", ""]
         if artifact.notes:
             out += [artifact.notes, ""]
-        out += [*_table(artifact.rows), "", _verdicts(artifact.rows), ""]
-    out += ["## Not re-measured", "",
-            "These figures were published before their output was kept, so they are no longer shown. "
-            "Re-measure with the command, keep the export under `benchmarks/results/` with an "
-            "`artifact.json`, and run `make figures`:", ""]
-    out += [f"- {what}: re-measure with `{command}`" for what, command in NOT_REMEASURED]
+        if artifact.rows:
+            out += [*_table(artifact.rows), "", _verdicts(artifact.rows), ""]
+        for table in artifact.tables:
+            out += [*markdown_table(table), ""]
+    kept = {artifact.anchor for artifact in artifacts}
+    out += ['<a id="not-re-measured"></a>', "", "## Not re-measured", "",
+            "These figures were published before their output was kept, or have not been measured "
+            "since, so they are not shown. Re-measure with the command, keep the output under "
+            "`benchmarks/results/` with an `artifact.json` (`python -m dspark.bench.record` writes "
+            "both), and run `make figures`:", ""]
+    out += [f'- <a id="{anchor}"></a>{what}: re-measure with `{command}`'
+            for anchor, what, command in NOT_REMEASURED if anchor not in kept]
     return "\n".join(out) + "\n"
 
 
@@ -232,6 +263,8 @@ def unsupported_numbers(text: str, artifacts: list[Artifact]) -> list[str]:
     known = set(_NUMBER.findall(" ".join(" ".join(_cells(row) + list(_COLUMNS))
                                          for a in artifacts for row in a.rows)))
     known |= set(_NUMBER.findall(" ".join(_COLUMNS)))
+    known |= set(_NUMBER.findall(" ".join(" ".join(t.columns) + " " + " ".join(" ".join(r) for r in t.rows)
+                                          for a in artifacts for t in a.tables)))
     return [number for number in _table_numbers(text) if number not in known]
 
 
