@@ -15,7 +15,8 @@ alternate save by save (A B A B: the machine may be shared):
   group of its own: the DCP write alone (no JSON, manifest or publication), so it is the lower bound
   of what a save built on it could stall.
 
-Each save is waited for before the next one. Rank 0 prints the medians (milliseconds).
+Each save is waited for before the next one. Rank 0 prints the medians (milliseconds); ``--out DIR``
+writes them as ``DIR/table.json`` for docs/figures.md (see [Note: table artifacts]).
 """
 
 from __future__ import annotations
@@ -32,9 +33,11 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 import dspark
+from dspark.bench.table_artifact import write_table
 from dspark.checkpoint import wait_for_pending_save
 
 WIDTH = 1024
+MODE_NAMES = {"dspark": "DSpark `engine.save(async_save=True)`", "dcp": "DCP `async_save` (the write alone)"}
 
 
 def step(engine: dspark.Engine, x: torch.Tensor) -> float:
@@ -51,6 +54,7 @@ def main() -> int:
     parser.add_argument("--saves", type=int, default=5, help="saves measured per mode")
     parser.add_argument("--steps-between", type=int, default=4)
     parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--out", type=Path, default=None, help="write DIR/table.json (rank 0)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -87,10 +91,18 @@ def main() -> int:
     if world.is_main:
         print(f"median step without a save {baseline:.1f} ms, {world.world_size} rank(s)")
         print(f"{'mode':<7} {'save call':>10} {'next step':>10} {'stall':>10}")
+        rows = []
         for mode in ("dspark", "dcp"):
             stall = [c + max(0.0, n - baseline) for c, n in zip(calls[mode], nexts[mode], strict=True)]
-            print(f"{mode:<7} {statistics.median(calls[mode]):>10.1f} "
-                  f"{statistics.median(nexts[mode]):>10.1f} {statistics.median(stall):>10.1f}")
+            rows.append([mode, *(f"{statistics.median(v):.1f}" for v in (calls[mode], nexts[mode], stall))])
+            print(f"{mode:<7} {rows[-1][1]:>10} {rows[-1][2]:>10} {rows[-1][3]:>10}")
+        if args.out is not None:
+            num_params = sum(p.numel() for p in model.parameters())
+            write_table(args.out, columns=["mode", "save call ms", "next step ms", "stall ms"],
+                        rows=[[MODE_NAMES[r[0]], *r[1:]] for r in rows],
+                        caption=f"{num_params / 1e6:.1f}M parameters, AdamW, zero2, {world.world_size} "
+                                f"rank(s); medians of {args.saves} saves per mode, the modes alternating; "
+                                f"median step without a save {baseline:.1f} ms.")
         shutil.rmtree(args.ckpt, ignore_errors=True)
     engine.close()
     dspark.shutdown()

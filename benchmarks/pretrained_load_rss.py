@@ -19,6 +19,12 @@ Each rank prints its RSS with the libraries loaded (before the model), before th
 ``malloc_trim``), the peak during it (sampled every 2 ms by a thread), the peak of its anonymous
 memory alone (``RssAnon``: what is not file pages, such as the safetensors files ``safe_open`` maps),
 and the bytes of parameters it holds after it. Linux only (``/proc``).
+
+``--out DIR`` alone does all of it (the weights in a temporary directory, then each method in its
+own ``dspark run --nproc 2``) and writes the table docs/figures.md publishes as ``DIR/table.json``
+(see [Note: table artifacts])::
+
+    python benchmarks/pretrained_load_rss.py --out DIR
 """
 
 from __future__ import annotations
@@ -27,6 +33,11 @@ import argparse
 import ctypes
 import functools
 import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -37,6 +48,11 @@ import torch
 import dspark
 
 MIB = 2**20
+METHODS = {
+    "load_pretrained": "`engine.load_pretrained(dir)`",
+    "from_rank0": "`engine.load_full_state_dict(sd, src_rank=0)` (rank 0 reads the file whole first)",
+    "fsdp2": "FSDP2 `set_model_state_dict(..., broadcast_from_rank0=True)` (rank 0 reads the file whole first)",
+}
 
 
 def _config(layers: int, width: int) -> Any:
@@ -150,6 +166,8 @@ def measure(weights: Path, method: str, layers: int, width: int) -> None:
                 del state
         held = sum(d.local.numel() * d.local.element_size() for d in engine.sharded_parameters().values())
     num_params = sum(p.numel() for p in GPT2LMHeadModel(config).parameters()) if world.rank == 0 else 0
+    figures = dspark.comm.all_gather_object({"libraries_mib": libraries / MIB, "before_mib": before / MIB,
+                                             "peak_mib": sampler.peak / MIB, "held_mib": held / MIB})
     lines = dspark.comm.all_gather_object(
         f"rank {world.rank}: RSS with the libraries only {libraries / MIB:.0f} MiB, before the load "
         f"{before / MIB:.0f} MiB, peak during the load {sampler.peak / MIB:.0f} MiB "
@@ -161,7 +179,41 @@ def measure(weights: Path, method: str, layers: int, width: int) -> None:
               f"({num_params * 4 / MIB:.0f} MiB in fp32) on {world.world_size} ranks")
         for line in lines:
             print("  " + line)
+        print("RESULT " + json.dumps({"method": method, "num_params": num_params, "ranks": figures}),
+              flush=True)
     dspark.shutdown()
+
+
+def measure_all(out: Path, layers: int, width: int, nproc: int) -> None:
+    """Every method in its own launch on weights written to a temporary directory; ``out/table.json``."""
+    from dspark.bench.table_artifact import write_table
+
+    results = []
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    dspark_cli = str(Path(sys.executable).with_name("dspark"))
+    shape = ["--layers", str(layers), "--width", str(width)]
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([sys.executable, __file__, "--prepare", tmp, *shape], check=True, env=env)
+        for method in METHODS:
+            done = subprocess.run([dspark_cli, "run", "--nproc", str(nproc), __file__, "--weights", tmp,
+                                   "--method", method, *shape], check=True, env=env, text=True,
+                                  stdout=subprocess.PIPE)
+            print(done.stdout, end="", flush=True)
+            results.append(next(json.loads(line[len("RESULT "):]) for line in done.stdout.splitlines()
+                                if line.startswith("RESULT ")))
+    ranks = range(nproc)
+    rows = [[METHODS[r["method"]], *(f"{r['ranks'][k]['before_mib']:.0f} -> {r['ranks'][k]['peak_mib']:.0f}"
+                                     for k in ranks),
+             " / ".join(f"{rank['held_mib']:.0f}" for rank in r["ranks"])] for r in results]
+    num_params = results[0]["num_params"]
+    first = results[0]["ranks"][0]["libraries_mib"]
+    write_table(out, columns=["method (zero3 / FSDP2)", *(f"rank {k}: before the load -> peak MiB" for k in ranks),
+                              "parameters held after, MiB per rank"], rows=rows,
+                caption=f"GPT-2, {layers} layers of width {width}: {num_params:,} parameters "
+                        f"({num_params * 4 / MIB:.0f} MiB in fp32), built on meta, on {nproc} CPU ranks "
+                        f"(gloo). Peak RSS per rank during the load, sampled every 2 ms; each method in "
+                        f"its own launch. The interpreter, PyTorch and `transformers` alone: "
+                        f"{first:.0f} MiB on rank 0.")
 
 
 def main() -> None:
@@ -171,13 +223,17 @@ def main() -> None:
     parser.add_argument("--method", choices=("load_pretrained", "from_rank0", "fsdp2"), default="load_pretrained")
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--nproc", type=int, default=2, help="ranks, with --out")
+    parser.add_argument("--out", type=Path, help="measure every method; write DIR/table.json")
     args = parser.parse_args()
-    if args.prepare is not None:
+    if args.out is not None:
+        measure_all(args.out, args.layers, args.width, args.nproc)
+    elif args.prepare is not None:
         prepare(args.prepare, args.layers, args.width)
     elif args.weights is not None:
         measure(args.weights, args.method, args.layers, args.width)
     else:
-        parser.error("give --prepare DIR or --weights DIR")
+        parser.error("give --out DIR, --prepare DIR or --weights DIR")
 
 
 if __name__ == "__main__":

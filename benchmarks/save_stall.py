@@ -8,8 +8,8 @@ Trains an MLP of about ``--params-m`` million parameters with AdamW under zero2 
 steps, first synchronously, then with ``async_save=True``. For each save it records how long the
 ``engine.save`` call blocked and how long the next step took; the *stall* of a save is the call plus
 the next step's excess over the median step without saves (a background write competes with the
-next step for the CPU and the disk). Rank 0 prints a table (milliseconds) and, with ``--json``,
-writes it.
+next step for the CPU and the disk). Rank 0 prints a table (milliseconds); ``--out DIR`` writes it
+as ``DIR/table.json`` for docs/figures.md (see [Note: table artifacts]), ``--json`` as raw numbers.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 import dspark
+from dspark.bench.table_artifact import write_table
 from dspark.checkpoint import wait_for_pending_save
 
 WIDTH = 1024
@@ -39,6 +40,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps-between", type=int, default=4, help="steps between two saves")
     parser.add_argument("--batch", type=int, default=64, help="global batch")
     parser.add_argument("--json", type=Path, default=None, help="write the results here (rank 0)")
+    parser.add_argument("--out", type=Path, default=None, help="write DIR/table.json (rank 0)")
     return parser.parse_args()
 
 
@@ -102,6 +104,15 @@ def main() -> int:
         if args.json is not None:
             args.json.write_text(json.dumps({"num_params": num_params, "world_size": world.world_size,
                                              "step_ms": baseline_ms, "modes": table}, indent=2) + "\n")
+        if args.out is not None:
+            write_table(args.out, columns=["mode", "save call ms", "next step ms", "stall ms",
+                                           "worst stall ms"],
+                        rows=[[mode, *(f"{row[k]:.1f}" for k in ("save_call_ms", "next_step_ms",
+                                                                  "stall_ms", "stall_max_ms"))]
+                              for mode, row in table.items()],
+                        caption=f"{num_params / 1e6:.1f}M parameters, AdamW, zero2, {world.world_size} "
+                                f"rank(s); medians of {args.saves} saves per mode; median step without a "
+                                f"save {baseline_ms:.1f} ms.")
         shutil.rmtree(args.ckpt, ignore_errors=True)
     engine.close()
     dspark.shutdown()

@@ -9,7 +9,8 @@ Two engines train the same model side by side, one with ``skip_nonfinite=True`` 
 their steps alternate so that machine noise falls on both alike. Rank 0 prints one JSON line. Run
 from a checkout before the guards (its ``src`` first on ``PYTHONPATH``), an engine has no
 ``skip_nonfinite``: both engines are then the same, and their median is that checkout's step, to
-compare with this one's.
+compare with this one's. ``--out DIR`` writes the medians as ``DIR/table.json`` for
+docs/figures.md (see [Note: table artifacts]).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import json
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,6 +38,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--strategy", default="replicate")
     parser.add_argument("--steps", type=int, default=30, help="timed steps of each engine")
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=None, help="write DIR/table.json (rank 0)")
     return parser.parse_args()
 
 
@@ -103,6 +106,16 @@ def main() -> None:
             "difference_ms": round(on_ms - off_ms, 3),
             "spread_ms": round(statistics.pstdev(times[True] + times[False]), 3),
         }), flush=True)
+        if args.out is not None:
+            from dspark.bench.table_artifact import write_table
+
+            write_table(args.out, columns=["workload", "strategy", "`skip_nonfinite=True` step ms",
+                                           "`skip_nonfinite=False` step ms", "spread ms"],
+                        rows=[[args.workload, args.strategy, f"{on_ms:.3f}", f"{off_ms:.3f}",
+                               f"{statistics.pstdev(times[True] + times[False]):.3f}"]],
+                        caption=f"Median step over {args.steps} steps (the slowest rank's), the two "
+                                f"engines alternating, {world.world_size} ranks; spread: the standard "
+                                f"deviation of every step of both.")
     dspark.shutdown()
 
 
