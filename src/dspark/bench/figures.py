@@ -64,6 +64,17 @@ NOT_REMEASURED: tuple[tuple[str, str, str], ...] = (
     ("examples-on-real-data", "the examples on real data",
      "dspark run --nproc 2 examples/char_gpt.py --steps 200 --out runs/c2"),
     ("one-gpu-vs-pytorch", "one GPU beside plain PyTorch", "OUT=DIR bash benchmarks/gpu_session.sh"),
+    ("startup-time", "`dspark run` beside `torchrun --standalone` at start and exit, and `import dspark`",
+     ".venv/bin/python benchmarks/startup_time.py --repeats 5"),
+    ("async-save-vs-dcp", "DSpark's asynchronous save beside DCP's `async_save`",
+     "dspark run --nproc 2 benchmarks/async_save_vs_dcp.py --params-m 8 --saves 5 --ckpt /tmp/stall-ckpt"),
+    ("pretrained-load-rss", "peak RSS per rank while pretrained weights load, three ways",
+     ".venv/bin/python benchmarks/pretrained_load_rss.py"),
+    ("batch-check-cost", "the replicated-batch check's cost per step",
+     "dspark run --nproc 2 benchmarks/batch_check_cost.py --workload gpt2-cpu --steps 20"),
+    ("step-guard-cost", "what the step's guards (`skip_nonfinite`, step tags) cost a step",
+     "OMP_NUM_THREADS=1 dspark run --nproc 2 benchmarks/step_guard_cost.py --workload tiny "
+     "--strategy zero2 --steps 60"),
 )
 """Figures published before they had a kept artifact: ``(anchor, what, command)``, dropped from the
 docs, with the command that measures them. An entry whose anchor a kept artifact has is not listed."""
@@ -220,9 +231,11 @@ def render_figures(artifacts: list[Artifact]) -> str:
     out += ['<a id="not-re-measured"></a>', "", "## Not re-measured", "",
             "These figures were published before their output was kept, or have not been measured "
             "since, so they are not shown. Re-measure with the command, keep the output under "
-            "`benchmarks/results/` with an `artifact.json` (`python -m dspark.bench.record` writes "
-            "both), and run `make figures`:", ""]
-    out += [f'- <a id="{anchor}"></a>{what}: re-measure with `{command}`'
+            "`benchmarks/results/` with an `artifact.json` under the anchor given, and run "
+            "`make figures`. For a benchmark that writes its own table, "
+            "`python -m dspark.bench.record --name DATE-MACHINE-WHAT --anchor ANCHOR --title TITLE "
+            "-- COMMAND` does all of it (it appends `--out DIR`):", ""]
+    out += [f'- <a id="{anchor}"></a>{what}: re-measure with `{command}` (anchor `{anchor}`)'
             for anchor, what, command in NOT_REMEASURED if anchor not in kept]
     return "\n".join(out) + "\n"
 
