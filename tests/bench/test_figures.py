@@ -205,14 +205,13 @@ def test_a_table_artifact_is_rendered_and_its_numbers_are_known(tmp_path):
     assert "re-measure with `.venv/bin/python benchmarks/startup_time.py" not in text  # kept now
 
 
-def test_two_artifacts_with_one_anchor_are_refused(tmp_path):
+def test_the_newest_of_two_artifacts_with_one_anchor_keeps_it(tmp_path):
     for name in ("2026-01-01-a", "2026-01-02-b"):
         write_table(tmp_path / name, columns=["a"], rows=[["1"]])
         (tmp_path / name / "artifact.json").write_text(json.dumps({
             "title": "t", "anchor": "same", "command": "c", "commit": "x", "machine": "m",
             "tables": ["table.json"]}))
-    with pytest.raises(ValueError, match=r"2026-01-01-a"):
-        load_artifacts(tmp_path)
+    assert [a.anchor for a in load_artifacts(tmp_path)] == ["2026-01-01-a", "same"]
 
 
 def test_a_table_with_a_ragged_row_is_refused(tmp_path):

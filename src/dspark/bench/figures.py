@@ -11,8 +11,9 @@ on any number in a table that no artifact value renders to. A figure without an 
 published; :data:`NOT_REMEASURED` names the command that would measure it again.
 
 Each section has a stable anchor (``"anchor"`` in ``artifact.json``, else the directory's name) that
-the other docs link to (``figures.md#startup-time``); a figure not re-measured yet keeps its anchor
-on its line under "Not re-measured" until an artifact with that anchor is kept, so the links hold.
+the other docs link to (``figures.md#startup-time``); a re-measurement kept under the same anchor
+takes it over from the older artifact, and a figure not re-measured yet keeps its anchor on its line
+under "Not re-measured" until an artifact with that anchor is kept, so the links hold.
 
 Example::
 
@@ -26,7 +27,7 @@ import argparse
 import json
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -104,10 +105,11 @@ class Artifact:
 
 def load_artifacts(results_dir: Path) -> list[Artifact]:
     """Every ``<results_dir>/*/artifact.json``, by directory name; a file it names that is missing,
-    or not a JSON list of result rows (``"results"``) or a table (``"tables"``), an artifact with
-    neither, and two artifacts with one anchor are ``ValueError``s naming them."""
+    or not a JSON list of result rows (``"results"``) or a table (``"tables"``), and an artifact with
+    neither are ``ValueError``s naming them. Artifacts that share an anchor are measurements of one
+    thing: the newest (the last directory by name, ``<date>-...``) keeps the anchor, so the docs'
+    links reach the latest figures, and each older one is anchored by its directory's name."""
     artifacts = []
-    anchors: dict[str, str] = {}
     for meta_path in sorted(Path(results_dir).glob("*/artifact.json")):
         meta = json.loads(meta_path.read_text())
         if not meta.get("results") and not meta.get("tables"):
@@ -123,16 +125,17 @@ def load_artifacts(results_dir: Path) -> list[Artifact]:
             if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
                 raise ValueError(f"{path}: not a JSON list of result rows (dspark bench export --json)")
             rows.extend(data)
-        anchor = meta.get("anchor") or meta_path.parent.name
-        if anchor in anchors:
-            raise ValueError(f"{meta_path}: anchor {anchor!r} is already {anchors[anchor]}'s: give one "
-                             f"of them another \"anchor\", or remove the older artifact")
-        anchors[anchor] = meta_path.parent.name
         artifacts.append(Artifact(name=meta_path.parent.name, title=meta["title"],
                                   command=meta["command"], commit=meta["commit"],
                                   machine=meta["machine"], notes=meta.get("notes", ""),
                                   headline=bool(meta.get("headline", False)), rows=tuple(rows),
-                                  anchor=anchor, tables=tables))
+                                  anchor=meta.get("anchor") or meta_path.parent.name, tables=tables))
+    newest = {a.anchor: a.name for a in artifacts}
+    artifacts = [a if newest[a.anchor] == a.name else replace(a, anchor=a.name) for a in artifacts]
+    anchors = [a.anchor for a in artifacts]
+    if len(set(anchors)) != len(anchors):
+        raise ValueError(f"artifacts in {results_dir} share an anchor with another's directory name: "
+                         f"{sorted(x for x in anchors if anchors.count(x) > 1)}")
     return artifacts
 
 
