@@ -249,3 +249,11 @@ def test_record_keeps_a_complete_artifact(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"2026-01-01-box-x"):
         record_module.record(results_dir=tmp_path, name="2026-01-01-box-x", title="X",
                              command=[sys.executable, "-c", script])
+
+
+def test_every_kept_measurement_is_in_an_artifact_directory():
+    """A JSON file loose in benchmarks/results/ renders nowhere: keep it in a directory with an
+    artifact.json (``python -m dspark.bench.record``, or ``--out DIR`` and an artifact.json by hand)."""
+    results = ROOT / "benchmarks" / "results"
+    assert sorted(p.name for p in results.glob("*.json")) == []
+    assert [d.name for d in results.iterdir() if d.is_dir() and not (d / "artifact.json").is_file()] == []
