@@ -14,7 +14,9 @@ median step of ``--steps`` timed steps after one warm-up (the slowest rank's), a
 of one more step (:func:`dspark.plan.peak_memory.measure_peak_bytes`, the lab's measure), the
 largest over ranks. On 1 rank every strategy is the same engine path (nothing to shard or
 communicate), so 1 rank is measured once, as replicate. 4 ranks on a 2-core machine share cores:
-only their memory is compared.
+only their memory is compared. The link is measured first, on 2 ranks through the same transport
+(:func:`dspark.plan.link_probe.measure_link`: all-reduce, reduce-scatter and all-gather apart), and
+the plan is made over it; the artifact keeps it under ``"link"``.
 """
 
 from __future__ import annotations
@@ -102,28 +104,55 @@ def worker(name: str, strategy: str, steps: int) -> None:
     dspark.shutdown()
 
 
-def measure(name: str, strategy: str, ranks: int, steps: int) -> dict[str, float]:
+def link_worker() -> None:
+    """The link probe on every rank of ``dspark run``; rank 0 prints one JSON line."""
+    import dataclasses
+
+    import dspark
+    from dspark.plan.link_probe import measure_link
+
+    world = dspark.init()
+    link = measure_link(world)
+    if world.rank == 0:
+        print("RESULT " + json.dumps(dataclasses.asdict(link)), flush=True)
+    dspark.shutdown()
+
+
+def link_from_dict(data: dict[str, Any]) -> Any:
+    """The :class:`dspark.plan.Interconnect` ``dataclasses.asdict`` wrote."""
+    from dspark.plan.interconnect import Interconnect, LinkCost
+
+    return Interconnect(**{**data, "inter_node": None,
+                           "per_collective": tuple((name, LinkCost(**cost)) for name, cost in data["per_collective"])})
+
+
+def _run_ranks(ranks: int, *args: str) -> dict[str, Any]:
     dspark_cli = str(Path(sys.executable).with_name("dspark"))
     # --oversubscribe: 4 ranks share the 2 cores on purpose (memory only; see above)
-    out = subprocess.run([dspark_cli, "run", "--nproc", str(ranks), "--oversubscribe", __file__,
-                          "--worker", name,
-                          strategy, str(steps)], capture_output=True, text=True, check=False,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    out = subprocess.run([dspark_cli, "run", "--nproc", str(ranks), "--oversubscribe", __file__, *args],
+                         capture_output=True, text=True, check=False, env={**os.environ, "OMP_NUM_THREADS": "1"})
     for line in out.stdout.splitlines():
         if line.startswith("RESULT "):
             return dict(json.loads(line[len("RESULT "):]))
-    raise RuntimeError(f"{name} {strategy} on {ranks}: no result\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
+    raise RuntimeError(f"{args} on {ranks}: no result\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
+
+
+def measure(name: str, strategy: str, ranks: int, steps: int) -> dict[str, float]:
+    return _run_ranks(ranks, "--worker", name, strategy, str(steps))
 
 
 def validate(models: list[str], steps: int) -> dict[str, Any]:
     import dspark
 
     rows = []
+    link_data = _run_ranks(2, "--link-worker")
+    link = link_from_dict(link_data)
+    print(f"link: {link}", flush=True)
     for name in models:
         model, batch, loss_fn, global_batch = build(name)
         torch.set_num_threads(1)
         plan = dspark.plan(model, batch, loss_fn, devices=[1, 2, 4], precision=PRECISION,
-                           global_batch=global_batch, interconnect="loopback-gloo")
+                           global_batch=global_batch, interconnect=link)
         print(plan, flush=True)
         for ranks in (1, 2, 4):
             for strategy in (("replicate",) if ranks == 1 else STRATEGY_NAMES):
@@ -134,11 +163,13 @@ def validate(models: list[str], steps: int) -> dict[str, Any]:
                              "predicted_state_bytes": row.model_state_bytes,
                              "measured_state_bytes": got["model_state_bytes"],
                              "predicted_step_ms": row.step_ms, "measured_step_ms": got["step_ms"],
+                             "predicted_step_parts_ms": {"compute": row.compute_ms, "comm": row.comm_exposed_ms,
+                                                         "optimizer": row.optimizer_ms},
                              "step_compared": ranks < 4})
                 print(json.dumps(rows[-1]), flush=True)
     return {"command": "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/plan_validation.py",
             "machine": f"{os.cpu_count()} CPU cores shared with other work; torch {torch.__version__}",
-            "precision": PRECISION, "steps": steps,
+            "precision": PRECISION, "steps": steps, "link": link_data,
             "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "rows": rows}
 
 
@@ -182,12 +213,16 @@ def write_artifact(data: dict[str, Any], out: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--worker", nargs=3, metavar=("MODEL", "STRATEGY", "STEPS"))
+    parser.add_argument("--link-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--out", type=Path, default=Path("plan-validation.json"),
                         help="a .json file, or a directory for plan-validation.json and table.json")
     parser.add_argument("--table", metavar="ARTIFACT", help="print the Markdown table of an artifact")
     args = parser.parse_args()
+    if args.link_worker:
+        link_worker()
+        return
     if args.worker:
         worker(args.worker[0], args.worker[1], int(args.worker[2]))
         return

@@ -46,3 +46,28 @@ def test_every_profile_names_its_source_and_unknown_names_list_the_valid_ones() 
         get_interconnect("ethernet")
     with pytest.raises(ValueError, match="bytes_per_s"):
         Interconnect(name="bad", bytes_per_s=0, latency_s=0, source="")
+
+
+def test_a_collective_measured_apart_uses_its_own_terms() -> None:
+    from dspark.plan.interconnect import LinkCost
+
+    link = Interconnect(name="apart", bytes_per_s=1e9, latency_s=1e-5, source="by hand",
+                        per_collective=(("all_gather", LinkCost(bytes_per_s=4e9, latency_s=1e-3)),))
+    assert all_gather_s(10**9, 2, link) == pytest.approx(1e-3 + 0.5 / 4)
+    assert reduce_scatter_s(10**9, 2, link) == pytest.approx(1e-5 + 0.5)  # the link's own terms
+    with pytest.raises(ValueError, match="'broadcast'"):
+        Interconnect(name="bad", bytes_per_s=1e9, latency_s=0, source="",
+                     per_collective=(("broadcast", LinkCost(bytes_per_s=1e9, latency_s=0)),))
+
+
+def test_the_link_probe_fit_reads_the_ring_terms_back() -> None:
+    from dspark.plan.link_probe import fit_link_cost
+
+    truth = Interconnect(name="t", bytes_per_s=2e9, latency_s=3e-5, source="by hand")
+    for collective, formula in (("all_reduce", all_reduce_s), ("reduce_scatter", reduce_scatter_s),
+                                ("all_gather", all_gather_s)):
+        points = tuple((s, formula(s, 2, truth)) for s in (1 << 16, 1 << 23))
+        cost = fit_link_cost(collective, 2, points)  # type: ignore[arg-type]
+        assert (cost.bytes_per_s, cost.latency_s) == (pytest.approx(2e9), pytest.approx(3e-5)), collective
+    with pytest.raises(ValueError, match="num_ranks=1"):
+        fit_link_cost("all_reduce", 1, ((1, 1.0), (2, 2.0)))

@@ -4,7 +4,7 @@ strategy that fits the memory budget, the same on every rank.
 [Note: what auto knows] At construction the engine has a model and an optimizer but no batch:
 activations and compute cannot be measured yet. What differs between strategies can: model state
 (exact), communication buffers (the engine's real sizes) and the communication each strategy
-adds, over a bandwidth measured here by a short all-reduce. So auto plans with activations and
+adds, over the link measured here by a short probe of each collective ([Note: the link probe]). So auto plans with activations and
 compute left out (the table says so) and ranks the strategies that fit by their communication
 and optimizer time; with compute the same for every strategy, that order is the step's order.
 Ties (within :data:`TIE_SHARE`) go to the less sharded strategy. Rank 0 measures and decides,
@@ -27,6 +27,7 @@ from dspark.engine.memory import optimizer_state_elements
 from dspark.engine.policy import STRATEGIES
 from dspark.plan.cost import row_cost
 from dspark.plan.interconnect import Interconnect
+from dspark.plan.link_probe import measure_link
 from dspark.plan.planner import Plan, PlanRow, default_memory_budget, model_shape
 from dspark.plan.probe import Probe
 
@@ -68,8 +69,10 @@ def _optimizer_state(factory: object) -> tuple[int, bool]:
 
 
 def auto_plan(model: nn.Module, *, optimizer: object, precision: str, bucket_mb: float,
-              num_ranks: int, bus_bytes_per_s: float, backend: str, memory_budget: int) -> Plan:
-    """Every strategy's row on ``num_ranks`` ranks as auto sees it (see [Note: what auto knows]).
+              num_ranks: int, bus_bytes_per_s: float, backend: str, memory_budget: int,
+              link: Interconnect | None = None) -> Plan:
+    """Every strategy's row on ``num_ranks`` ranks as auto sees it (see [Note: what auto knows]),
+    over ``link`` (:func:`dspark.plan.link_probe.measure_link`'s) or else one all-reduce bandwidth.
 
     Example::
 
@@ -83,9 +86,10 @@ def auto_plan(model: nn.Module, *, optimizer: object, precision: str, bucket_mb:
                                 optimizer_ms=0.0, step_bytes=0.0, num_params=len(shape.trainable),
                                 unit_bytes=unit_bytes, optimizer_state=shape.optimizer_state)
     gloo = backend == "gloo"
-    link = Interconnect(name="measured", bytes_per_s=bus_bytes_per_s or 1e9,
-                        latency_s=50e-6 if gloo else 5e-6, overlaps_compute=not gloo,
-                        source="a short all-reduce on this world")
+    if link is None:
+        link = Interconnect(name="measured", bytes_per_s=bus_bytes_per_s or 1e9,
+                            latency_s=50e-6 if gloo else 5e-6, overlaps_compute=not gloo,
+                            source="a short all-reduce on this world")
     rows = []
     for strategy in STRATEGIES:
         cost = row_cost(shape=shape, probe=probe, strategy=strategy, num_ranks=num_ranks,
@@ -117,7 +121,8 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 def _resolve(request: AutoRequest) -> tuple[str, Plan]:
     world = request.world
-    bandwidth = measure_bus_bytes_per_s(world) if world.world_size > 1 else 0.0
+    link = measure_link(world, repeats=3) if world.world_size > 1 else None
+    bandwidth = link.bytes_per_s if link is not None else 0.0
     budget = request.memory_budget
     if budget is None:
         local = 1 if world.device.type == "cuda" else world.local_world_size
@@ -128,7 +133,7 @@ def _resolve(request: AutoRequest) -> tuple[str, Plan]:
     bandwidth, budget = comm.broadcast_object(decision) if world.world_size > 1 else (bandwidth, budget)
     plan = auto_plan(request.model, optimizer=request.optimizer, precision=request.precision,
                      bucket_mb=request.bucket_mb, num_ranks=world.world_size,
-                     bus_bytes_per_s=bandwidth, backend=world.backend, memory_budget=budget)
+                     bus_bytes_per_s=bandwidth, backend=world.backend, memory_budget=budget, link=link)
     chosen = choose(plan).strategy
     if world.rank == 0:
         log.info("strategy='auto' chose %s on %d rank(s); activations and compute not measured at "

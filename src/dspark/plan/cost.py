@@ -21,14 +21,33 @@
 
 [Note: predicted step] ``compute`` is the probe's forward + backward at the micro-batch, times the
 passes per step; ``optimizer`` is the probe's step, over ``1/N`` of the rows where optimizer state
-is sharded. ``exposed communication`` is what backward does not hide: the gradient buckets are
-reduced one after another on one channel, each starting when its last gradient is complete (the
-probe's ready times) or when the one before it lands; what runs past the end of backward is
-exposed. zero1/zero2's row gather after the step is all exposed. On a link that does not overlap
+is sharded. ``exposed communication`` is every collective of [Note: what each strategy sends]
+that compute does not hide, plus the engine's own copies around them (packing a send buffer,
+landing gathered rows: work on the computing device, at the probe's measured copy bandwidth, never
+hidden). On a link that overlaps compute, the gradient buckets are reduced one after another on one
+channel, each starting when its last gradient is complete (the probe's ready times) or when the one
+before it lands, and what runs past the end of backward is exposed; zero3 gathers each unit while
+the unit before it computes, so a gather longer than that compute stalls by the difference and the
+root's gathers (start of forward, start of backward) stall whole. On a link that does not overlap
 compute (gloo on one CPU core per rank: the core that computes also moves and sums the bytes)
-every collective is exposed. zero3 gathers each unit while
-the unit before it computes: a gather longer than that compute stalls by the difference; the
-root's gathers (start of forward, start of backward) stall whole.
+every collective is exposed, whole.
+
+[Note: what each strategy sends] Per optimizer step on ``N > 1`` ranks, ``S`` a bucket's whole
+gradient bytes, ``U`` a zero3 unit's padded parameter bytes:
+
+* replicate: one all-reduce of ``S`` per bucket, in place;
+* zero1: the same, then one all-gather of ``S`` per bucket for the updated rows (its own rows
+  copied into the send buffer, the others' ``(N-1)/N`` copied out: ``S`` of copies);
+* zero2: one reduce-scatter of ``S`` per bucket, after copying the whole gradients into the send
+  buffer (``S``), then zero1's row gather;
+* zero3: one reduce-scatter of ``S`` per bucket (with its copy), and two all-gathers of ``U`` (+ an
+  8-byte tag) per unit per pass: before its forward and again before its backward;
+* every strategy: one all-reduce of a small vector per step (the loss weights, the window's
+  position, which parameters had gradients).
+
+Each collective costs [Note: collective time] with its own measured terms where the link has them
+(:mod:`dspark.plan.link_probe`): its latency term makes the count of collectives matter, not only
+their bytes.
 """
 
 from __future__ import annotations
@@ -40,7 +59,7 @@ from dataclasses import dataclass
 import torch
 
 from dspark.engine.memory import expected_state_bytes
-from dspark.engine.policy import STRATEGIES
+from dspark.engine.policy import STRATEGIES, ShardingPolicy
 from dspark.engine.zero3_units import SECOND_PREFETCH_MAX_BYTES
 from dspark.plan.interconnect import Interconnect, all_gather_s, all_reduce_s, reduce_scatter_s
 from dspark.plan.probe import Probe
@@ -49,6 +68,8 @@ from dspark.tensor.shard_math import chunk_size
 __all__ = ["ModelShape", "RowCost", "row_cost"]
 
 ParamSpec = tuple[tuple[int, ...], torch.dtype]
+_TAG_BYTES = 8
+"""Each zero3 gather carries an 8-byte tag saying what it gathers (:mod:`dspark.engine.zero3_units`)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -158,6 +179,41 @@ def _gather_stalls(unit_ms: Sequence[float], gather_ms: Sequence[float]) -> floa
     return stall
 
 
+def _copy_ms(probe: Probe, nbytes: float) -> float:
+    return 1e3 * nbytes / probe.copy_bytes_per_s if probe.copy_bytes_per_s > 0 else 0.0
+
+
+def _exposed_comm_ms(shape: ModelShape, probe: Probe, policy: ShardingPolicy, n: int,
+                     grouped: Sequence[tuple[float, int]], passes: int, forward_ms: float,
+                     backward_ms: float, link: Interconnect) -> float:
+    """The step's communication that compute does not hide, on ``n > 1`` ranks (see
+    [Note: predicted step] and [Note: what each strategy sends])."""
+    hidden = link.link_for(n).overlaps_compute
+    reduce = reduce_scatter_s if policy.shard_grads else all_reduce_s
+    # gradient buckets, in backward: (ready ms, wire ms); zero2/zero3 first copy the whole
+    # gradients into the send buffer (compute-side work: never hidden)
+    items = [(ready * backward_ms, 1e3 * reduce(nbytes, n, link)) for ready, nbytes in grouped]
+    local_ms = sum(_copy_ms(probe, nbytes) for _, nbytes in grouped) if policy.shard_grads else 0.0
+    extras_bytes = 8 * (2 + 2 * n + len(shape.trainable))
+    after_ms = 1e3 * all_reduce_s(extras_bytes, n, link)  # the step's one small vector
+    if policy.shard_optimizer and not policy.shard_params:  # the updated rows, after the step
+        after_ms += sum(1e3 * all_gather_s(nbytes, n, link) + _copy_ms(probe, nbytes) for _, nbytes in grouped)
+    if not policy.shard_params:
+        wire = _serial_exposed(items, backward_ms) if hidden else sum(d for _, d in items)
+        return wire + local_ms + after_ms
+    unit_bytes = [sum(_padded_bytes(shape.trainable[i], n) for i in u) + _TAG_BYTES for u in shape.units]
+    gathers = [1e3 * all_gather_s(b, n, link) for b in unit_bytes]
+    if not hidden:
+        return sum(d for _, d in items) + passes * 2 * sum(gathers) + local_ms + after_ms
+    shares = list(probe.unit_forward_share) or [1.0]
+    fwd_units = [s * forward_ms for s in shares]
+    bwd_units = [s * backward_ms for s in shares]
+    # forward: root first, then the blocks in order; backward: root, then blocks reversed
+    stalls = passes * (_gather_stalls(fwd_units, gathers)
+                       + _gather_stalls([bwd_units[0], *bwd_units[:0:-1]], [gathers[0], *gathers[:0:-1]]))
+    return max(stalls, _serial_exposed(items + [(0.0, g) for g in gathers], backward_ms)) + local_ms + after_ms
+
+
 def row_cost(*, shape: ModelShape, probe: Probe, strategy: str, num_ranks: int, micro_batch: int,
              passes: int, bucket_mb: float, link: Interconnect) -> RowCost:
     """One rank's predicted memory and step for ``strategy`` on ``num_ranks`` ranks running
@@ -190,27 +246,8 @@ def row_cost(*, shape: ModelShape, probe: Probe, strategy: str, num_ranks: int, 
     compute_ms = passes * (forward_ms + backward_ms)
     optimizer_ms = probe.optimizer_ms / (n if policy.shard_optimizer and n > 1 else 1)
     exposed = 0.0
-    hidden = link.link_for(n).overlaps_compute
     if n > 1:
-        reduce = reduce_scatter_s if policy.shard_grads else all_reduce_s
-        items = [(ready * backward_ms, 1e3 * reduce(nbytes, n, link)) for ready, nbytes in grouped]
-        if policy.shard_params:
-            unit_bytes = [sum(_padded_bytes(shape.trainable[i], n) for i in u) for u in shape.units]
-            gathers = [1e3 * all_gather_s(b, n, link) for b in unit_bytes]
-            shares = list(probe.unit_forward_share) or [1.0]
-            fwd_units = [s * forward_ms for s in shares]
-            bwd_units = [s * backward_ms for s in shares]
-            # forward: root first, then the blocks in order; backward: root, then blocks reversed
-            stalls = passes * (_gather_stalls(fwd_units, gathers)
-                               + _gather_stalls([bwd_units[0], *bwd_units[:0:-1]],
-                                                [gathers[0], *gathers[:0:-1]]))
-            exposed = max(stalls, _serial_exposed(items + [(0.0, g) for g in gathers], backward_ms))
-            if not hidden:
-                exposed = sum(d for _, d in items) + passes * 2 * sum(gathers)
-        else:
-            exposed = _serial_exposed(items, backward_ms) if hidden else sum(d for _, d in items)
-        if policy.shard_optimizer and not policy.shard_params:
-            exposed += sum(1e3 * all_gather_s(b, n, link) for _, b in grouped)
+        exposed = _exposed_comm_ms(shape, probe, policy, n, grouped, passes, forward_ms, backward_ms, link)
     return RowCost(params_bytes=state["params"], grads_bytes=state["grads"],
                    optimizer_bytes=state["optimizer"], activation_bytes=activations,
                    comm_buffer_bytes=buffers, runtime_bytes=probe.runtime_bytes(),

@@ -6,7 +6,10 @@
 * all-reduce:                 ``2 (N-1) a + 2 (N-1)/N * S / B``
 * reduce-scatter, all-gather: ``(N-1) a + (N-1)/N * S / B``  (``S`` = the whole, gathered size)
 
-A ring's latency term grows with ``N``; at hundreds of ranks NCCL switches to trees, whose
+A profile may give a collective its own ``(B, a)`` (:class:`LinkCost`): a short probe on a real
+world measures each of the three apart (:mod:`dspark.plan.link_probe`), since one transport can move
+an all-gather's bytes faster than an all-reduce's (no sum) and a reduce-scatter may be built from
+another collective. A ring's latency term grows with ``N``; at hundreds of ranks NCCL switches to trees, whose
 all-reduce takes ``2 log2(N) a + 2 S / B`` (reduce up, broadcast down, pipelined). The model takes
 the faster of the two for all-reduce, as NCCL's tuner does. Reduce-scatter and all-gather stay
 rings. ``N = 1`` costs nothing. These are the textbook alpha-beta costs (Thakur, Rabenseifner and
@@ -20,8 +23,27 @@ import math
 from dataclasses import dataclass
 from types import MappingProxyType
 
-__all__ = ["INTERCONNECTS", "Interconnect", "all_gather_s", "all_reduce_s", "get_interconnect",
+__all__ = ["COLLECTIVES", "INTERCONNECTS", "Interconnect", "LinkCost", "all_gather_s", "all_reduce_s", "get_interconnect",
            "reduce_scatter_s"]
+
+
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
+"""The collectives a profile may cost apart, in the order :class:`Interconnect` keeps them."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LinkCost:
+    """One collective's own terms of [Note: collective time]."""
+
+    bytes_per_s: float
+    """Per-rank bandwidth ``B`` in one direction, as the ring formula counts it."""
+    latency_s: float
+    """Per-hop latency ``a``: a 2-rank ring's fixed time is ``2a`` for an all-reduce, ``a`` for the others."""
+
+    def __post_init__(self) -> None:
+        if not (self.bytes_per_s > 0 and self.latency_s >= 0):
+            raise ValueError(f"LinkCost: bytes_per_s={self.bytes_per_s!r} must be > 0 and "
+                             f"latency_s={self.latency_s!r} >= 0")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -43,11 +65,30 @@ class Interconnect:
     overlaps_compute: bool = True
     """Whether communication runs beside compute. False where the compute's own cores move and sum
     the bytes (gloo on one CPU core per rank): every collective's time then adds to the step."""
+    per_collective: tuple[tuple[str, LinkCost], ...] = ()
+    """``(collective, its own terms)`` for those measured apart (names from :data:`COLLECTIVES`);
+    the others take ``bytes_per_s`` and ``latency_s``."""
 
     def __post_init__(self) -> None:
         if not (self.bytes_per_s > 0 and self.latency_s >= 0):
             raise ValueError(f"interconnect {self.name!r}: bytes_per_s={self.bytes_per_s!r} must be "
                              f"> 0 and latency_s={self.latency_s!r} >= 0")
+        unknown = [name for name, _ in self.per_collective if name not in COLLECTIVES]
+        if unknown:
+            raise ValueError(f"interconnect {self.name!r}: per_collective names {unknown!r}; each must "
+                             f"be one of {', '.join(COLLECTIVES)}")
+
+    def cost_of(self, collective: str) -> LinkCost:
+        """``collective``'s ``(B, a)`` on this link: its own where measured apart, else the link's.
+
+        Example::
+
+            get_interconnect("nvlink").cost_of("all_gather").bytes_per_s   # 450e9
+        """
+        for name, cost in self.per_collective:
+            if name == collective:
+                return cost
+        return LinkCost(bytes_per_s=self.bytes_per_s, latency_s=self.latency_s)
 
     def link_for(self, num_ranks: int) -> Interconnect:
         """The link a ring over ``num_ranks`` ranks is bound by: the inter-node one once the ring
@@ -72,7 +113,7 @@ def all_reduce_s(nbytes: int, num_ranks: int, link: Interconnect) -> float:
     _check(nbytes, num_ranks)
     if num_ranks == 1 or nbytes == 0:
         return 0.0
-    hop = link.link_for(num_ranks)
+    hop = link.link_for(num_ranks).cost_of("all_reduce")
     n = num_ranks
     ring = 2 * (n - 1) * hop.latency_s + 2 * (n - 1) / n * nbytes / hop.bytes_per_s
     tree = 2 * math.ceil(math.log2(n)) * hop.latency_s + 2 * nbytes / hop.bytes_per_s
@@ -86,22 +127,26 @@ def reduce_scatter_s(nbytes: int, num_ranks: int, link: Interconnect) -> float:
 
         reduce_scatter_s(100_000_000, 2, get_interconnect("roce-200g"))   # ~0.002
     """
-    _check(nbytes, num_ranks)
-    if num_ranks == 1 or nbytes == 0:
-        return 0.0
-    hop = link.link_for(num_ranks)
-    return (num_ranks - 1) * hop.latency_s + (num_ranks - 1) / num_ranks * nbytes / hop.bytes_per_s
+    return _ring_half("reduce_scatter", nbytes, num_ranks, link)
 
 
 def all_gather_s(nbytes: int, num_ranks: int, link: Interconnect) -> float:
     """Seconds to all-gather ``nbytes`` (the whole output) over ``num_ranks`` ranks (ring): the
-    same traffic as a reduce-scatter.
+    same traffic as a reduce-scatter, over the all-gather's own terms where measured apart.
 
     Example::
 
         all_gather_s(100_000_000, 8, get_interconnect("nvlink"))
     """
-    return reduce_scatter_s(nbytes, num_ranks, link)
+    return _ring_half("all_gather", nbytes, num_ranks, link)
+
+
+def _ring_half(collective: str, nbytes: int, num_ranks: int, link: Interconnect) -> float:
+    _check(nbytes, num_ranks)
+    if num_ranks == 1 or nbytes == 0:
+        return 0.0
+    hop = link.link_for(num_ranks).cost_of(collective)
+    return (num_ranks - 1) * hop.latency_s + (num_ranks - 1) / num_ranks * nbytes / hop.bytes_per_s
 
 
 _IB_NDR = Interconnect(

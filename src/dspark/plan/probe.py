@@ -11,7 +11,9 @@ local batch sizes, so that each cost is a line ``fixed + per_sample * batch``:
   (at the batch) and the *runtime* (the fixed part: scratch that does not shrink with the batch);
 * when, in backward, each parameter's gradient is complete (a fraction of the backward time):
   where each gradient bucket becomes ready, for the overlap of its reduction with backward;
-* each top-level unit's share of the forward time, for zero3's gathers ahead of use.
+* each top-level unit's share of the forward time, for zero3's gathers ahead of use;
+* the device's copy bandwidth over a buffer the size of the gradients (at most 64 MiB): the engine
+  packs send buffers and lands gathered rows with such copies (see [Note: what each strategy sends]).
 
 A model built on the meta device is materialised on this device first (``reset_parameters()``, as
 the engine does): the probe needs real numbers to run. That needs its one-device state in memory;
@@ -39,7 +41,7 @@ from dspark.engine.optimizer_kernel import prefer_fused_kernel
 from dspark.engine.policy import STRATEGIES, precision_policy
 from dspark.plan.peak_memory import measure_peak_bytes
 
-__all__ = ["LossFn", "Probe", "batch_size", "measure_probe", "slice_batch"]
+__all__ = ["LossFn", "Probe", "batch_size", "measure_copy_bytes_per_s", "measure_probe", "slice_batch"]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 """``loss_fn(output, targets) -> loss`` for a batch ``(inputs, targets)``."""
@@ -77,6 +79,9 @@ class Probe:
     """Per zero3 unit (the engine's default units, root first): its share of the forward time."""
     optimizer_state: tuple[int, bool]
     """:func:`dspark.engine.memory.optimizer_state_elements` of the optimizer after a step."""
+    copy_bytes_per_s: float = 0.0
+    """Bytes per second one copy between two buffers of this device moves; 0.0: not measured (the
+    engine's copies then cost nothing in the plan)."""
 
     def activation_bytes(self, batch: float) -> int:
         """Bytes of a step's activations at ``batch`` (without the runtime's fixed part)."""
@@ -126,7 +131,8 @@ class Probe:
                        optimizer_ms=float(data["optimizer_ms"]), step_bytes=Line(**data["step_bytes"]),
                        grad_ready=tuple(map(float, data["grad_ready"])),
                        unit_forward_share=tuple(map(float, data["unit_forward_share"])),
-                       optimizer_state=(int(data["optimizer_state"][0]), bool(data["optimizer_state"][1])))
+                       optimizer_state=(int(data["optimizer_state"][0]), bool(data["optimizer_state"][1])),
+                       copy_bytes_per_s=float(data.get("copy_bytes_per_s", 0.0)))
         except (KeyError, TypeError, IndexError) as exc:
             raise ValueError(f"not a probe written by dspark.plan: {exc!r} (keys: {sorted(data)})") from None
 
@@ -302,9 +308,38 @@ def measure_probe(model: nn.Module, sample_batch: Any, *, loss_fn: LossFn | None
             peaks.append((rows, float(peak - state_bytes)))
     finally:
         runner.close()
+    grad_bytes = sum(p.numel() * p.element_size() for p in runner.params)
     return Probe(device=str(device), batches=batches, forward_ms=_fit(fwd), backward_ms=_fit(bwd),
                  optimizer_ms=1e3 * statistics.median(opt), step_bytes=_fit(peaks),
-                 grad_ready=tuple(ready), unit_forward_share=tuple(shares), optimizer_state=state)
+                 grad_ready=tuple(ready), unit_forward_share=tuple(shares), optimizer_state=state,
+                 copy_bytes_per_s=measure_copy_bytes_per_s(device, min(grad_bytes, _COPY_MAX_BYTES)))
+
+
+_COPY_MAX_BYTES = 64 << 20
+
+
+def measure_copy_bytes_per_s(device: torch.device, nbytes: int, repeats: int = 5) -> float:
+    """Bytes per second of one copy of ``nbytes`` between two buffers already allocated on
+    ``device`` (the median of ``repeats`` after a warm-up; 0.0 for nothing to copy).
+
+    Example::
+
+        measure_copy_bytes_per_s(torch.device("cpu"), 16 << 20)
+    """
+    numel = nbytes // 4
+    if numel < 1:
+        return 0.0
+    src = torch.ones(numel, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return 4 * numel / max(statistics.median(times), 1e-9)
 
 
 def _one_device_state_bytes(model: nn.Module, trainable: Sequence[torch.Tensor],

@@ -1,0 +1,110 @@
+"""The link between this world's ranks, measured: each collective the engine uses, timed apart.
+
+[Note: the link probe] Every rank runs the same short program through :mod:`dspark.comm` (the
+functions, transport and dtype the engine's buckets and zero3 gathers use): all-reduce,
+reduce-scatter and all-gather, each at a small and a large size, ``repeats`` times after a warm-up,
+a barrier before each call so that a call's time is its own and not the wait for a late rank. The
+time of one call is the slowest rank's (a collective ends when its last rank does), the median over
+the repeats (a probe under load keeps its typical call, not its luckiest). Two sizes give each
+collective a line ``fixed + per_byte * S``, read back through [Note: collective time]'s ring terms
+for this ``N``: an all-reduce's fixed time is ``2 (N-1) a`` and its bytes ``2 (N-1)/N * S / B``,
+the others' ``(N-1) a`` and ``(N-1)/N * S / B``. The all-gather's output is allocated for each
+call, as a zero3 gather's is. Rank 0's answer is broadcast, so every rank plans alike.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from dspark import comm
+from dspark.plan.interconnect import COLLECTIVES, Interconnect, LinkCost
+
+__all__ = ["SIZES", "fit_link_cost", "measure_link"]
+
+SIZES = (64 << 10, 8 << 20)
+"""Bytes per call (the whole buffer, as the formulas count ``S``): one latency-bound, one bucket-like."""
+
+
+def fit_link_cost(collective: str, num_ranks: int, points: tuple[tuple[int, float], tuple[int, float]]) -> LinkCost:
+    """``collective``'s ``(B, a)`` from two measured ``(bytes, seconds)`` calls on ``num_ranks`` ranks
+    (see [Note: the link probe]); a time that does not grow with the bytes is read as latency only
+    with a bandwidth of 1 TB/s.
+
+    Example::
+
+        fit_link_cost("all_gather", 2, ((65536, 1e-4), (8388608, 3e-3)))
+    """
+    if collective not in COLLECTIVES or num_ranks < 2:
+        raise ValueError(f"collective={collective!r} must be one of {', '.join(COLLECTIVES)} and "
+                         f"num_ranks={num_ranks!r} >= 2")
+    (s0, t0), (s1, t1) = sorted(points)
+    if s1 <= s0:
+        raise ValueError(f"points={points!r}: two different sizes are needed")
+    per_byte = max((t1 - t0) / (s1 - s0), 0.0)
+    fixed = max(t1 - per_byte * s1, 0.0)
+    share = (num_ranks - 1) / num_ranks * (2 if collective == "all_reduce" else 1)
+    hops = (num_ranks - 1) * (2 if collective == "all_reduce" else 1)
+    return LinkCost(bytes_per_s=share / per_byte if per_byte > 0 else 1e12, latency_s=fixed / hops)
+
+
+def _time_call(call: Callable[[], object], repeats: int, device: torch.device) -> float:
+    """The median over ``repeats`` of the slowest rank's seconds for ``call``."""
+    call()  # warm-up: connections, buffers, the transport's regions
+    mine = []
+    for _ in range(repeats):
+        comm.barrier()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        call()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        mine.append(time.perf_counter() - start)
+    everyone = comm.all_gather_object(mine, label="dspark.link_probe.times")
+    return statistics.median(max(ts) for ts in zip(*everyone, strict=True))
+
+
+def _calls(collective: str, nbytes: int, n: int, device: torch.device) -> Callable[[], object]:
+    numel = max(n, nbytes // 4 // n * n)  # fp32, a multiple of N
+    whole = torch.ones(numel, dtype=torch.float32, device=device)
+    if collective == "all_reduce":
+        return lambda: comm.all_reduce(whole, label="dspark.link_probe.all_reduce")
+    if collective == "reduce_scatter":
+        out = torch.empty(numel // n, dtype=torch.float32, device=device)
+        return lambda: comm.reduce_scatter_tensor(out, whole, label="dspark.link_probe.reduce_scatter")
+    shard = whole[: numel // n].clone()
+    return lambda: comm.all_gather_parts([shard], [torch.empty(numel, dtype=torch.float32, device=device)],
+                                         label="dspark.link_probe.all_gather")
+
+
+def measure_link(world: comm.World, *, sizes: tuple[int, int] = SIZES, repeats: int = 5,
+                 overlaps_compute: bool | None = None) -> Interconnect:
+    """This world's link, each collective measured apart (see [Note: the link probe]); call it on
+    every rank. ``overlaps_compute`` defaults to False on gloo (the computing core moves the bytes).
+    On one rank there is nothing to measure: ``ValueError``.
+
+    Example::
+
+        link = measure_link(dspark.get_world())
+        dspark.plan(model, batch, loss_fn, devices=[2], interconnect=link)
+    """
+    n = world.world_size
+    if n < 2:
+        raise ValueError(f"measure_link needs >= 2 ranks; this world has world_size={n}")
+    costs = []
+    for collective in COLLECTIVES:
+        points = tuple((nbytes, _time_call(_calls(collective, nbytes, n, world.device), repeats, world.device))
+                       for nbytes in sizes)
+        costs.append((collective, fit_link_cost(collective, n, points)))  # type: ignore[arg-type]
+    costs = comm.broadcast_object(costs, label="dspark.link_probe.result")
+    reduce = dict(costs)["all_reduce"]
+    transport = comm.transport()
+    return Interconnect(name=f"measured-{transport}-{n}", bytes_per_s=reduce.bytes_per_s,
+                        latency_s=reduce.latency_s, per_collective=tuple(costs),
+                        overlaps_compute=world.backend != "gloo" if overlaps_compute is None else overlaps_compute,
+                        source=f"measured on {n} ranks through {transport} ({world.device.type}), "
+                               f"{repeats} calls at {sizes[0]} and {sizes[1]} bytes per collective")
