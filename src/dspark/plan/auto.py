@@ -23,13 +23,12 @@ from torch import nn
 
 from dspark import comm
 from dspark.engine.auto import AutoRequest, set_auto_resolver
-from dspark.engine.memory import optimizer_state_elements
 from dspark.engine.policy import STRATEGIES
 from dspark.plan.cost import row_cost
 from dspark.plan.interconnect import Interconnect
 from dspark.plan.link_probe import measure_link
 from dspark.plan.planner import Plan, PlanRow, default_memory_budget, model_shape
-from dspark.plan.probe import Probe
+from dspark.plan.probe import Probe, optimizer_state_of
 
 __all__ = ["TIE_SHARE", "auto_plan", "choose", "measure_bus_bytes_per_s"]
 
@@ -60,14 +59,6 @@ def measure_bus_bytes_per_s(world: comm.World, nbytes: int = _PROBE_BYTES, repea
     return 2 * (n - 1) / n * nbytes / max(best, 1e-9)
 
 
-def _optimizer_state(factory: object) -> tuple[int, bool]:
-    probe = nn.Parameter(torch.empty(2, device="meta"))
-    try:
-        return optimizer_state_elements(factory([probe]))  # type: ignore[operator]
-    except Exception:  # an optimizer that cannot be built on meta: counted from its first step
-        return 0, False
-
-
 def auto_plan(model: nn.Module, *, optimizer: object, precision: str, bucket_mb: float,
               num_ranks: int, bus_bytes_per_s: float, backend: str, memory_budget: int,
               link: Interconnect | None = None) -> Plan:
@@ -79,7 +70,7 @@ def auto_plan(model: nn.Module, *, optimizer: object, precision: str, bucket_mb:
         auto_plan(model, optimizer=torch.optim.AdamW, precision="fp32", bucket_mb=25.0, num_ranks=2,
                   bus_bytes_per_s=1e9, backend="gloo", memory_budget=8 << 30)
     """
-    shape = model_shape(model, _optimizer_state(optimizer))
+    shape = model_shape(model, optimizer_state_of(optimizer))  # type: ignore[arg-type]
     unit_bytes = [sum(shape.trainable[i][1].itemsize * _numel(shape.trainable[i][0]) for i in unit)
                   for unit in shape.units]
     probe = Probe.from_one_step(device="not measured", batch=1, forward_ms=0.0, backward_ms=0.0,

@@ -31,6 +31,7 @@ import gc
 from collections.abc import Callable, Iterable
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 __all__ = ["held_tensor_bytes", "measure_peak_bytes", "peak_of_running_sum"]
 
@@ -81,7 +82,8 @@ def held_tensor_bytes(device: torch.device | str = "cpu") -> int:
         if tensor.is_leaf and tensor.requires_grad and tensor.grad is not None:
             candidates.append(tensor.grad)
         for candidate in candidates:
-            if candidate.device.type != device_type or candidate.is_sparse or candidate.is_meta:
+            if (candidate.device.type != device_type or candidate.is_sparse or candidate.is_meta
+                    or issubclass(type(candidate), FakeTensor)):  # a planner's fake trace: no storage
                 continue
             key = _storage_key(candidate)
             if key is not None:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
+import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -23,10 +25,13 @@ from dspark.engine.policy import STRATEGIES, precision_policy
 from dspark.engine.zero3_units import unit_modules
 from dspark.host.cpu_memory import memory_info
 from dspark.plan.cost import ModelShape, RowCost, row_cost, state_bytes
+from dspark.plan.fake_trace import fake_activation_bytes, fake_probe
 from dspark.plan.interconnect import Interconnect, get_interconnect
-from dspark.plan.probe import LossFn, Probe, batch_size, measure_probe
+from dspark.plan.probe import LossFn, Probe, batch_size, measure_probe, optimizer_state_of
 
 __all__ = ["Plan", "PlanRow", "default_memory_budget", "format_plan", "model_shape", "plan"]
+
+log = logging.getLogger(__name__)
 
 DEFAULT_OPTIMIZER = functools.partial(torch.optim.AdamW, lr=3e-4)
 """What :func:`plan` plans for when given no optimizer: AdamW (two fp32 moments per element)."""
@@ -139,6 +144,8 @@ def format_plan(plan: Plan) -> str:
                                             key=lambda t: int(t.rsplit(" ", 1)[1]))))
     batch = (f"global batch {plan.global_batch}" if plan.global_batch else
              "no batch (activations and compute not measured)")
+    if plan.probe.device.startswith("fake:"):
+        batch += " (activations from a fake trace; compute and optimizer not measured)"
     lines = [f"plan: {batch}, {plan.precision}, interconnect "
              f"{plan.interconnect}, budget per rank {budget}, probe: {plan.probe.device}"]
     table = [list(_COLUMNS)]
@@ -149,7 +156,8 @@ def format_plan(plan: Plan) -> str:
                                                     r.activation_bytes, r.comm_buffer_bytes,
                                                     r.runtime_bytes, r.peak_bytes)),
                       *(f"{t:.1f}" for t in (r.compute_ms, r.comm_exposed_ms, r.optimizer_ms, r.step_ms)),
-                      "-" if ref is None else f"{ref / r.step_ms:.2f}x", "yes" if r.fits else "NO"])
+                      "-" if ref is None or r.step_ms <= 0 else f"{ref / r.step_ms:.2f}x",
+                      "yes" if r.fits else "NO"])
     widths = [max(len(row[i]) for row in table) for i in range(len(_COLUMNS))]
     for row in table:
         lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w)
@@ -212,7 +220,8 @@ def plan(model: nn.Module, sample_batch: Any, loss_fn: LossFn | None = None, *,
          precision: str = "fp32", global_batch: int | None = None,
          memory_budget: int | None = None, interconnect: str | Interconnect | None = None,
          bucket_mb: float = 25.0, max_micro_batch: int | None = None,
-         device: torch.device | str | None = None, probe: Probe | None = None) -> Plan:
+         device: torch.device | str | None = None, probe: Probe | None = None,
+         trace: str = "auto") -> Plan:
     """Predict every strategy's peak memory and step per rank on each device count, from one short
     probe of ``model`` on one device (see :mod:`dspark.plan.probe` and :mod:`dspark.plan.cost`).
 
@@ -223,6 +232,10 @@ def plan(model: nn.Module, sample_batch: Any, loss_fn: LossFn | None = None, *,
     equal micro-batches. ``interconnect`` names a profile (:data:`dspark.plan.INTERCONNECTS`) or is
     one; default ``loopback-gloo`` on a CPU, ``nvlink`` on a GPU. ``probe`` reuses an earlier
     measurement. The model may be built on the meta device: the probe materialises a copy.
+``trace`` says how a new probe is made: ``"measure"`` runs steps on the device, ``"fake"`` traces
+a forward on fake tensors for the activations and measures no time (see [Note: the fake trace]),
+``"auto"`` (default) measures unless the one-device model state and the traced activations at the
+probe's larger batch would not fit on the device (a model larger than this machine is planned).
 
     Example::
 
@@ -258,12 +271,9 @@ def plan(model: nn.Module, sample_batch: Any, loss_fn: LossFn | None = None, *,
         smallest = max(1, min(largest // 4, total // counts[-1]))
         if smallest == largest:
             smallest = max(1, largest // 2)
-        _check_probe_fits(model, where)
-        units = [name for name, _ in unit_modules(model)]
-        probe = measure_probe(model, sample_batch, loss_fn=loss_fn, optimizer=optimizer,
-                              precision=precision, device=where,
-                              batches=(smallest, largest) if smallest != largest else (largest, largest),
-                              units=units)
+        probe = _new_probe(model, sample_batch, loss_fn, optimizer=optimizer, precision=precision,
+                           device=where, trace=trace,
+                           batches=(smallest, largest) if smallest != largest else (largest, largest))
     shape = model_shape(model, probe.optimizer_state)
     rows = []
     for n in counts:
@@ -277,6 +287,35 @@ def plan(model: nn.Module, sample_batch: Any, loss_fn: LossFn | None = None, *,
                 memory_budget_bytes=memory_budget, probe=probe)
 
 
+TRACES = ("auto", "measure", "fake")
+"""How :func:`plan` makes a probe: see its ``trace``."""
+
+
+def _new_probe(model: nn.Module, sample_batch: Any, loss_fn: LossFn | None, *,
+               optimizer: Callable[..., torch.optim.Optimizer], precision: str, device: torch.device,
+               trace: str, batches: tuple[int, int]) -> Probe:
+    if trace not in TRACES:
+        raise ValueError(f"trace={trace!r} is not one of {', '.join(TRACES)}")
+    if trace == "auto":
+        state = sum(state_bytes(model_shape(model), "replicate", 1).values())
+        try:
+            activations = fake_activation_bytes(model, sample_batch, loss_fn=loss_fn, precision=precision,
+                                                device=device, rows=batches[1])
+        except Exception as exc:  # an operator fake tensors cannot run: measure (or refuse) instead
+            log.debug("fake trace failed (%r); measuring", exc)
+            activations = 0
+        trace = "fake" if state + activations > default_memory_budget(device) else "measure"
+    if trace == "fake":
+        shape = model_shape(model, optimizer_state_of(optimizer))
+        unit_bytes = [sum(math.prod(shape.trainable[i][0]) * shape.trainable[i][1].itemsize for i in unit)
+                      for unit in shape.units]
+        return fake_probe(model, sample_batch, loss_fn=loss_fn, precision=precision, device=device,
+                          batches=batches, unit_bytes=unit_bytes, optimizer_state=shape.optimizer_state)
+    _check_probe_fits(model, device)
+    return measure_probe(model, sample_batch, loss_fn=loss_fn, optimizer=optimizer, precision=precision,
+                         device=device, batches=batches, units=[name for name, _ in unit_modules(model)])
+
+
 def _check_probe_fits(model: nn.Module, device: torch.device) -> None:
     """The probe trains a whole copy on one device: refuse, with the numbers, where its model state
     alone (AdamW's 16 bytes per fp32 parameter) would not fit in that device's memory (the
@@ -287,7 +326,7 @@ def _check_probe_fits(model: nn.Module, device: torch.device) -> None:
         raise ValueError(f"the probe trains the whole model on {device} and its one-device model state "
                          f"({_mb(state)}) exceeds the {_mb(room)} there; probe it on a device where it "
                          "fits and pass probe= (dspark plan --probe PATH), or build one with "
-                         "Probe.from_one_step from a measured step")
+                         "Probe.from_one_step from a measured step, or pass trace='fake' for its memory")
 
 
 def _fit_row(shape: ModelShape, probe: Probe, strategy: str, n: int, local: int, budget: int,

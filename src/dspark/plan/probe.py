@@ -41,7 +41,8 @@ from dspark.engine.optimizer_kernel import prefer_fused_kernel
 from dspark.engine.policy import STRATEGIES, precision_policy
 from dspark.plan.peak_memory import measure_peak_bytes
 
-__all__ = ["LossFn", "Probe", "batch_size", "measure_copy_bytes_per_s", "measure_probe", "slice_batch"]
+__all__ = ["Line", "LossFn", "Probe", "batch_size", "loss_of", "measure_copy_bytes_per_s", "measure_probe",
+           "optimizer_state_of", "slice_batch"]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 """``loss_fn(output, targets) -> loss`` for a batch ``(inputs, targets)``."""
@@ -176,7 +177,9 @@ def _to(batch: Any, device: torch.device) -> Any:
     return tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, batch)
 
 
-def _loss(model: nn.Module, batch: Any, loss_fn: LossFn | None) -> torch.Tensor:
+def loss_of(model: Callable[..., Any], batch: Any, loss_fn: LossFn | None) -> torch.Tensor:
+    """The loss of one forward of ``model`` on ``batch``: ``loss_fn(model(inputs), targets)`` for a
+    batch ``(inputs, targets)``, else what the model returns (its ``.loss`` for HuggingFace models)."""
     if loss_fn is not None:
         if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
             raise ValueError("sample_batch must be (inputs, targets) when loss_fn is given; got "
@@ -244,7 +247,7 @@ class _Runner:
         _sync(self.device)
         t0 = time.perf_counter()
         with self.autocast():
-            loss = _loss(self.model, batch, loss_fn)
+            loss = loss_of(self.model, batch, loss_fn)
         _sync(self.device)
         t1 = time.perf_counter()
         loss.backward()
@@ -340,6 +343,22 @@ def measure_copy_bytes_per_s(device: torch.device, nbytes: int, repeats: int = 5
         _sync(device)
         times.append(time.perf_counter() - start)
     return 4 * numel / max(statistics.median(times), 1e-9)
+
+
+def optimizer_state_of(factory: Callable[..., torch.optim.Optimizer]) -> tuple[int, bool]:
+    """:func:`dspark.engine.memory.optimizer_state_elements` of what ``factory`` builds, read from
+    one built over a meta parameter (no memory, no step); ``(0, False)`` for an optimizer that cannot
+    be built on meta (its state is then counted from its first step, where a step runs).
+
+    Example::
+
+        optimizer_state_of(torch.optim.AdamW)   # (2, True)
+    """
+    param = nn.Parameter(torch.empty(2, device="meta"))
+    try:
+        return optimizer_state_elements(factory([param]))
+    except Exception:
+        return 0, False
 
 
 def _one_device_state_bytes(model: nn.Module, trainable: Sequence[torch.Tensor],
