@@ -44,3 +44,8 @@ def test_parse_bytes() -> None:
     assert parse_bytes("24GB") == 24 * 10**9
     assert parse_bytes("1.5GiB") == 1610612736
     assert parse_bytes("1e9") == 10**9
+
+
+def test_trace_fake_plans_memory_without_running_a_step(capsys) -> None:
+    assert main(["plan", "--model", "tests.plan.factories:small_mlp", "--devices", "1,2", "--trace", "fake"]) == 0
+    assert "fake trace" in capsys.readouterr().out

@@ -91,6 +91,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     parser.add_argument("--strategies", default="all", help="comma-separated, or all (default)")
     parser.add_argument("--probe", metavar="PATH", default=None,
                         help="reuse the probe kept in an earlier --json instead of measuring")
+    parser.add_argument("--trace", choices=("auto", "measure", "fake"), default="auto",
+                        help="how the probe is made: measure steps here, fake (activations traced on "
+                             "fake tensors, no time), or auto (fake where a measured step would not fit)")
     parser.add_argument("--json", metavar="PATH", default=None, help="write the plan as JSON")
     parser.add_argument("--plot", metavar="PATH", default=None,
                         help="write predicted speedup against devices per strategy (.png/.svg)")
@@ -140,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
     plan = dspark.plan(model, sample, loss_fn, devices=args.devices, strategies=strategies,
                        precision=precision, global_batch=global_batch,
                        memory_budget=args.memory_budget, interconnect=args.interconnect,
-                       max_micro_batch=max_micro_batch, probe=probe)
+                       max_micro_batch=max_micro_batch, probe=probe, trace=args.trace)
     sys.stdout.write(f"{plan}\n")
     if args.json:
         Path(args.json).write_text(plan.to_json() + "\n")
