@@ -151,6 +151,7 @@ def test_a_meta_model_whose_activations_exceed_the_budget_is_planned_by_its_fake
     assert plan.probe.step_bytes.at(4096) == pytest.approx(19 * 4096 * 1024 * 4, rel=0.02)
     one = plan.row("replicate", 1)
     assert one.fits and one.micro_batch < 4096 and one.passes == 4096 // one.micro_batch  # micro-batches
+    assert f"grad_accum_steps={one.passes}" in str(plan) and f"x.split({one.micro_batch})" in str(plan)
     with pytest.raises(ValueError, match="trace='x'"):
         dspark.plan(_meta_tower(), batch, F.mse_loss, devices=[1], trace="x")
 

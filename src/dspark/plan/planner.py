@@ -29,7 +29,7 @@ from dspark.plan.fake_trace import fake_activation_bytes, fake_probe
 from dspark.plan.interconnect import Interconnect, get_interconnect
 from dspark.plan.probe import LossFn, Probe, batch_size, measure_probe, optimizer_state_of
 
-__all__ = ["Plan", "PlanRow", "default_memory_budget", "format_plan", "model_shape", "plan"]
+__all__ = ["Plan", "PlanRow", "default_memory_budget", "format_plan", "loop_advice", "model_shape", "plan"]
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +164,23 @@ def format_plan(plan: Plan) -> str:
                                for i, (c, w) in enumerate(zip(row, widths, strict=True))))
     lines.append("memory columns in MB per rank (params, grads, optimizer state, activations, "
                  "communication buffers, runtime); times in ms per step")
+    split = sorted({(r.passes, r.micro_batch) for r in plan.rows if r.passes > 1 and r.fits})
+    for passes, micro in split:
+        lines.append(f"micro {micro} x {passes}: " + loop_advice(passes, micro))
     return "\n".join(lines)
+
+
+def loop_advice(passes: int, micro_batch: int) -> str:
+    """What a training loop does to run a row planned in ``passes`` micro-batches of
+    ``micro_batch`` samples per rank: the engine accumulates, the loop splits its batch.
+
+    Example::
+
+        loop_advice(4, 8)   # "Engine(..., grad_accum_steps=4); each step: for xs, ys in ..."
+    """
+    return (f"Engine(..., grad_accum_steps={passes}); each step, split the rank's batch: "
+            f"for xs, ys in zip(x.split({micro_batch}), y.split({micro_batch})): "
+            "engine.backward(loss_fn(engine(xs), ys)), then engine.step()")
 
 
 def default_memory_budget(device: torch.device, local_ranks: int = 1) -> int:
