@@ -141,9 +141,12 @@ def measure(name: str, strategy: str, ranks: int, steps: int) -> dict[str, float
     return _run_ranks(ranks, "--worker", name, strategy, str(steps))
 
 
-def validate(models: list[str], steps: int) -> dict[str, Any]:
+def validate(models: list[str], steps: int, measured: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Plan and measure each configuration; with ``measured`` (an earlier artifact), plan only and
+    take the measured values from it (``--replan``: the current model against kept measurements)."""
     import dspark
 
+    kept = {(r["model"], r["strategy"], r["ranks"]): r for r in (measured or {}).get("rows", [])}
     rows = []
     link_data = _run_ranks(2, "--link-worker")
     link = link_from_dict(link_data)
@@ -157,7 +160,14 @@ def validate(models: list[str], steps: int) -> dict[str, Any]:
         for ranks in (1, 2, 4):
             for strategy in (("replicate",) if ranks == 1 else STRATEGY_NAMES):
                 row = plan.row(strategy, ranks)
-                got = measure(name, strategy, ranks, steps if ranks < 4 else 1)
+                if measured is not None:
+                    if (name, strategy, ranks) not in kept:
+                        continue
+                    old = kept[(name, strategy, ranks)]
+                    got = {"peak_bytes": old["measured_peak_bytes"], "step_ms": old["measured_step_ms"],
+                           "model_state_bytes": old["measured_state_bytes"]}
+                else:
+                    got = measure(name, strategy, ranks, steps if ranks < 4 else 1)
                 rows.append({"model": name, "strategy": strategy, "ranks": ranks,
                              "predicted_peak_bytes": row.peak_bytes, "measured_peak_bytes": got["peak_bytes"],
                              "predicted_state_bytes": row.model_state_bytes,
@@ -167,6 +177,8 @@ def validate(models: list[str], steps: int) -> dict[str, Any]:
                                                          "optimizer": row.optimizer_ms},
                              "step_compared": ranks < 4})
                 print(json.dumps(rows[-1]), flush=True)
+    if measured is not None:
+        return {**measured, "rows": rows, "link": link_data, "replanned": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     return {"command": "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/plan_validation.py",
             "machine": f"{os.cpu_count()} CPU cores shared with other work; torch {torch.__version__}",
             "precision": PRECISION, "steps": steps, "link": link_data,
@@ -219,6 +231,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("plan-validation.json"),
                         help="a .json file, or a directory for plan-validation.json and table.json")
     parser.add_argument("--table", metavar="ARTIFACT", help="print the Markdown table of an artifact")
+    parser.add_argument("--replan", metavar="ARTIFACT",
+                        help="plan again with the current model and compare with ARTIFACT's measurements")
     args = parser.parse_args()
     if args.link_worker:
         link_worker()
@@ -229,7 +243,8 @@ def main() -> None:
     if args.table:
         print(table(json.loads(Path(args.table).read_text())))
         return
-    data = validate(args.models.split(","), args.steps)
+    measured = json.loads(Path(args.replan).read_text()) if args.replan else None
+    data = validate(args.models.split(","), args.steps, measured)
     write_artifact(data, args.out)
     print(table(data))
 
