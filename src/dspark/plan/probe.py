@@ -7,8 +7,9 @@ local batch sizes, so that each cost is a line ``fixed + per_sample * batch``:
 
 * forward, backward and optimizer milliseconds (median over ``steps`` steps after one warm-up);
 * the tensor peak of one step (:func:`dspark.plan.peak_memory.measure_peak_bytes`) less the model
-  state one device holds (parameters, whole gradients, optimizer state): the step's *activations*
-  (at the batch) and the *runtime* (the fixed part: scratch that does not shrink with the batch);
+  state one device holds (parameters, whole gradients, optimizer state) and less the caller's own
+  parameters and buffers where they sit on the same device (held while the copy runs, absent from a
+  real run): the step's *activations* (at the batch) and the *runtime* (the fixed part: scratch that does not shrink with the batch);
 * when, in backward, each parameter's gradient is complete (a fraction of the backward time):
   where each gradient bucket becomes ready, for the overlap of its reduction with backward;
 * each top-level unit's share of the forward time, for zero3's gathers ahead of use;
@@ -279,6 +280,9 @@ def measure_probe(model: nn.Module, sample_batch: Any, *, loss_fn: LossFn | None
     """
     if steps < 1:
         raise ValueError(f"steps={steps!r} must be >= 1")
+    # the caller's own tensors on this device are held while the copy runs, but a trained model has
+    # only one set: not part of the step's peak (they were, as the fixed part: a constant excess)
+    caller_bytes = _storage_bytes([*model.parameters(), *model.buffers()], device)
     work = copy.deepcopy(model)
     if has_meta_tensors(work):
         materialize(work, device, lambda name, p: None)
@@ -308,7 +312,7 @@ def measure_probe(model: nn.Module, sample_batch: Any, *, loss_fn: LossFn | None
                      for i in range(len(runner.params))]
             shares = _unit_shares(runner.unit_times, len(units), runner.forward_span)
             peak = measure_peak_bytes(functools.partial(runner.step, batch, loss_fn), device)
-            peaks.append((rows, float(peak - state_bytes)))
+            peaks.append((rows, float(peak - state_bytes - caller_bytes)))
     finally:
         runner.close()
     grad_bytes = sum(p.numel() * p.element_size() for p in runner.params)
@@ -359,6 +363,16 @@ def optimizer_state_of(factory: Callable[..., torch.optim.Optimizer]) -> tuple[i
         return optimizer_state_elements(factory([param]))
     except Exception:
         return 0, False
+
+
+def _storage_bytes(tensors: Sequence[torch.Tensor], device: torch.device) -> int:
+    """Bytes of the distinct storages of ``tensors`` that live on ``device``'s type (meta: none)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t.device.type == device.type and not t.is_meta:
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
 
 
 def _one_device_state_bytes(model: nn.Module, trainable: Sequence[torch.Tensor],
