@@ -62,5 +62,9 @@ def test_the_engines_copies_cost_what_the_probe_measured() -> None:
                             "step_bytes": {"fixed": 0.0, "per_sample": 1.0}}).copy_bytes_per_s == 1e9
 
 
-def test_sharding_the_optimizer_divides_its_time() -> None:
+def test_sharding_the_optimizer_divides_its_time_but_not_its_fixed_part() -> None:
     assert _cost("zero1", SERIAL).optimizer_ms == pytest.approx(_cost("replicate", SERIAL).optimizer_ms / 2)
+    base = _probe()
+    fixed = Probe(**{**{f: getattr(base, f) for f in base.__dataclass_fields__}, "optimizer_fixed_ms": 10.0})
+    assert _cost("replicate", SERIAL, fixed).optimizer_ms == 40.0
+    assert _cost("zero2", SERIAL, fixed).optimizer_ms == pytest.approx(10.0 + 30.0 / 2)

@@ -20,8 +20,9 @@
   buckets): no buffer.
 
 [Note: predicted step] ``compute`` is the probe's forward + backward at the micro-batch, times the
-passes per step; ``optimizer`` is the probe's step, over ``1/N`` of the rows where optimizer state
-is sharded. ``exposed communication`` is every collective of [Note: what each strategy sends]
+passes per step; ``optimizer`` is the probe's step where optimizer state is whole, and where it is
+sharded its fixed part (per tensor, measured from a step over a quarter of each parameter) plus
+``1/N`` of the rest. ``exposed communication`` is every collective of [Note: what each strategy sends]
 that compute does not hide, plus the engine's own copies around them (packing a send buffer,
 landing gathered rows: work on the computing device, at the probe's measured copy bandwidth, never
 hidden). On a link that overlaps compute, the gradient buckets are reduced one after another on one
@@ -244,7 +245,9 @@ def row_cost(*, shape: ModelShape, probe: Probe, strategy: str, num_ranks: int, 
     forward_ms = probe.forward_ms.at(micro_batch)
     backward_ms = probe.backward_ms.at(micro_batch)
     compute_ms = passes * (forward_ms + backward_ms)
-    optimizer_ms = probe.optimizer_ms / (n if policy.shard_optimizer and n > 1 else 1)
+    optimizer_ms = probe.optimizer_ms
+    if policy.shard_optimizer and n > 1:  # each rank steps 1/N of every parameter's rows
+        optimizer_ms = probe.optimizer_fixed_ms + (probe.optimizer_ms - probe.optimizer_fixed_ms) / n
     exposed = 0.0
     if n > 1:
         exposed = _exposed_comm_ms(shape, probe, policy, n, grouped, passes, forward_ms, backward_ms, link)

@@ -81,6 +81,11 @@ class Probe:
     """Per zero3 unit (the engine's default units, root first): its share of the forward time."""
     optimizer_state: tuple[int, bool]
     """:func:`dspark.engine.memory.optimizer_state_elements` of the optimizer after a step."""
+    optimizer_fixed_ms: float = 0.0
+    """The part of ``optimizer_ms`` that does not shrink with the rows stepped (a kernel launch and
+    the bookkeeping per parameter tensor): a step over ``1/N`` of every parameter's rows takes
+    ``optimizer_fixed_ms + (optimizer_ms - optimizer_fixed_ms) / N``. Measured from a second step over
+    a quarter of every parameter; 0.0: not measured (the step then scales by ``1/N`` whole)."""
     copy_bytes_per_s: float = 0.0
     """Bytes per second one copy between two buffers of this device moves; 0.0: not measured (the
     engine's copies then cost nothing in the plan)."""
@@ -134,7 +139,8 @@ class Probe:
                        grad_ready=tuple(map(float, data["grad_ready"])),
                        unit_forward_share=tuple(map(float, data["unit_forward_share"])),
                        optimizer_state=(int(data["optimizer_state"][0]), bool(data["optimizer_state"][1])),
-                       copy_bytes_per_s=float(data.get("copy_bytes_per_s", 0.0)))
+                       copy_bytes_per_s=float(data.get("copy_bytes_per_s", 0.0)),
+                       optimizer_fixed_ms=float(data.get("optimizer_fixed_ms", 0.0)))
         except (KeyError, TypeError, IndexError) as exc:
             raise ValueError(f"not a probe written by dspark.plan: {exc!r} (keys: {sorted(data)})") from None
 
@@ -316,13 +322,37 @@ def measure_probe(model: nn.Module, sample_batch: Any, *, loss_fn: LossFn | None
     finally:
         runner.close()
     grad_bytes = sum(p.numel() * p.element_size() for p in runner.params)
+    optimizer_ms = 1e3 * statistics.median(opt)
+    quarter_ms = _quarter_optimizer_ms(runner.params, optimizer, device, steps)
+    # full = fixed + per_row_share, quarter = fixed + per_row_share / 4
+    optimizer_fixed_ms = min(optimizer_ms, max(0.0, (4 * quarter_ms - optimizer_ms) / 3))
     return Probe(device=str(device), batches=batches, forward_ms=_fit(fwd), backward_ms=_fit(bwd),
-                 optimizer_ms=1e3 * statistics.median(opt), step_bytes=_fit(peaks),
+                 optimizer_ms=optimizer_ms, step_bytes=_fit(peaks),
                  grad_ready=tuple(ready), unit_forward_share=tuple(shares), optimizer_state=state,
-                 copy_bytes_per_s=measure_copy_bytes_per_s(device, min(grad_bytes, _COPY_MAX_BYTES)))
+                 optimizer_fixed_ms=optimizer_fixed_ms, copy_bytes_per_s=measure_copy_bytes_per_s(device, min(grad_bytes, _COPY_MAX_BYTES)))
 
 
 _COPY_MAX_BYTES = 64 << 20
+
+
+def _quarter_optimizer_ms(params: Sequence[torch.Tensor], optimizer: Callable[..., torch.optim.Optimizer],
+                          device: torch.device, steps: int) -> float:
+    """Milliseconds of one optimizer step over a quarter of every parameter's elements (the same
+    tensor count, as a rank of a sharded strategy steps its rows), median of ``steps`` after one."""
+    quarters = [nn.Parameter(torch.zeros(-(-p.numel() // 4), dtype=p.dtype, device=device)) for p in params]
+    for q in quarters:
+        q.grad = torch.full_like(q, 1e-3)
+    opt = optimizer(quarters)
+    prefer_fused_kernel(opt)
+    opt.step()
+    times = []
+    for _ in range(steps):
+        _sync(device)
+        start = time.perf_counter()
+        opt.step()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
 
 
 def measure_copy_bytes_per_s(device: torch.device, nbytes: int, repeats: int = 5) -> float:
