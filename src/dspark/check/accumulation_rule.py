@@ -26,7 +26,9 @@ import ast
 import re
 from collections.abc import Callable, Iterator
 
-__all__ = ["accumulation_findings"]
+from dspark.check.chunked_parse import statements_by_depth
+
+__all__ = ["AccumulationCheck", "CountSources", "accumulation_findings"]
 
 _ACCUM = re.compile(r"accum", re.IGNORECASE)
 _ENGINE = re.compile(r"engine", re.IGNORECASE)
@@ -57,40 +59,78 @@ def _key(node: ast.expr) -> str | None:
     return None
 
 
+class CountSources:
+    """What the module says about its accumulation counts and engines, gathered a run of top-level
+    statements at a time (see [Note: chunked parse] in chunked_parse.py), in the order
+    ``ast.walk`` over the whole module would meet it; :meth:`counts` then resolves it. Only
+    what the counts need is kept of each run, not its tree."""
+
+    def __init__(self) -> None:
+        self._engine_kwargs: list[tuple[ast.expr, ast.expr]] = []   # (func, grad_accum_steps=...)
+        self._engine_keys: set[str] = set()                # e = pkg.Engine(...): "e"
+        self._called_names: dict[str, set[str]] = {}       # e = Name(...): Name -> {"e"}
+        # (depth, target keys, any read named *accum*, the keys read, the int literals read)
+        self._assigns: list[tuple[int, tuple[str, ...], bool, tuple[str, ...], tuple[int, ...]]] = []
+
+    def add(self, tree: ast.Module, source: str | None = None) -> None:
+        """Note the next run of the module's top-level statements (whose text is ``source``, when
+        known: the run's expressions are walked only when it names ``grad_accum_steps``)."""
+        if source is None or "grad_accum_steps" in source:
+            self._engine_kwargs += [(node.func, kw.value) for node in ast.walk(tree) if isinstance(node, ast.Call)
+                                    for kw in node.keywords if kw.arg == "grad_accum_steps"]
+        for depth, node in statements_by_depth(tree):
+            if isinstance(node, ast.Assign):
+                self._note_assign(depth, node.targets, node.value)
+                if isinstance(node.value, ast.Call):
+                    func, targets = node.value.func, [k for t in node.targets if (k := _key(t)) is not None]
+                    if isinstance(func, ast.Name):   # what it names depends on the imports
+                        self._called_names.setdefault(func.id, set()).update(targets)
+                    elif isinstance(func, ast.Attribute) and func.attr.endswith("Engine") and _key(func):
+                        self._engine_keys.update(targets)
+            elif isinstance(node, (ast.AnnAssign, ast.AugAssign)) and node.value is not None:
+                self._note_assign(depth, [node.target], node.value)
+
+    def _note_assign(self, depth: int, targets: list[ast.expr], value: ast.expr) -> None:
+        keys = tuple(k for t in targets for k in _target_keys(t))
+        reads = [sub for sub in ast.walk(value) if isinstance(sub, (ast.Name, ast.Attribute, ast.Constant))]
+        accum = any((leaf := _leaf(sub)) is not None and _ACCUM.search(leaf) is not None for sub in reads)
+        read_keys = tuple(k for sub in reads if (k := _key(sub)) is not None)
+        ints = tuple(sub.value for sub in reads if isinstance(sub, ast.Constant) and type(sub.value) is int)
+        if keys and (accum or read_keys or ints):   # else it can never make a count
+            self._assigns.append((depth, keys, accum, read_keys, ints))
+
+    def counts(self, origin: Origin) -> _Counts:
+        """The counts and engines, once every run was added; ``origin`` maps a function to its
+        dotted import origin."""
+        counts = _Counts()
+        for func, value in self._engine_kwargs:
+            if (origin(func) or "").split(".")[-1] == "Engine":
+                counts.note_engine_value(value)
+        counts.engines.update(self._engine_keys)
+        for name, targets in self._called_names.items():
+            if (origin(ast.Name(id=name)) or "").endswith("Engine"):
+                counts.engines.update(targets)
+        # the counts spread through the assignments, in the whole module's walk order
+        assigns = sorted(self._assigns, key=lambda assign: assign[0])
+        for _ in range(_PROPAGATION_PASSES):
+            before = len(counts.keys)
+            for _depth, keys, accum, read_keys, ints in assigns:
+                if accum or any(k in counts.keys for k in read_keys) or any(i in counts.literals for i in ints):
+                    counts.keys.update(keys)
+            if len(counts.keys) == before:
+                break
+        return counts
+
+
 class _Counts:
     """What holds the accumulation count in this module (see the module docstring)."""
 
-    def __init__(self, tree: ast.Module, origin: Origin) -> None:
+    def __init__(self) -> None:
         self.keys: set[str] = set()
         self.literals: set[int] = set()
         self.engines: set[str] = set()
-        self.scopes: list[list[ast.stmt]] = [tree.body]
-        assigns: list[tuple[list[ast.expr], ast.expr]] = []
-        for node in ast.walk(tree):  # the one walk over the whole module
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                self.scopes.append(node.body)
-            elif isinstance(node, ast.Call) and (origin(node.func) or "").split(".")[-1] == "Engine":
-                for kw in node.keywords:
-                    if kw.arg == "grad_accum_steps":
-                        self._note_engine_value(kw.value)
-            elif isinstance(node, ast.Assign):
-                assigns.append((node.targets, node.value))
-                if isinstance(node.value, ast.Call) and (origin(node.value.func) or "").endswith("Engine"):
-                    self.engines.update(k for t in node.targets if (k := _key(t)) is not None)
-            elif isinstance(node, (ast.AnnAssign, ast.AugAssign)) and node.value is not None:
-                assigns.append(([node.target], node.value))
-        # each assignment's reads, found once; then the counts spread through them
-        reads = [(targets, [sub for sub in ast.walk(value) if isinstance(sub, (ast.Name, ast.Attribute, ast.Constant))])
-                 for targets, value in assigns]
-        for _ in range(_PROPAGATION_PASSES):
-            before = len(self.keys)
-            for targets, read in reads:
-                if any(self.is_count(sub) for sub in read):
-                    self.keys.update(k for t in targets for k in _target_keys(t))
-            if len(self.keys) == before:
-                break
 
-    def _note_engine_value(self, value: ast.expr) -> None:
+    def note_engine_value(self, value: ast.expr) -> None:
         if isinstance(value, ast.Constant) and isinstance(value.value, int) and value.value > 1:
             self.literals.add(value.value)
         elif (key := _key(value)) is not None:
@@ -148,7 +188,7 @@ class _Scope:
         self.origin = origin
         self.divided: dict[str, ast.AST] = {}   # name -> where it was divided
         self.findings: list[tuple[ast.AST, str]] = []
-        self.reported: set[int] = set()
+        self.reported: set[ast.AST] = set()   # the nodes, not their ids: a dropped run's ids are reused
 
     def walk(self, body: list[ast.stmt]) -> None:
         for stmt in body:
@@ -197,9 +237,9 @@ class _Scope:
                 and self.counts.is_engine(func.value)):
             return
         where = self._carried(call.args[0])
-        if where is None or id(where) in self.reported:
+        if where is None or where in self.reported:
             return
-        self.reported.add(id(where))
+        self.reported.add(where)
         divisor = where.value if isinstance(where, ast.AugAssign) else where
         shown = ast.unparse(divisor) if isinstance(divisor, ast.expr) else "the accumulation count"
         self.findings.append((where, f"the loss passed to {ast.unparse(func)}() at line {call.lineno} "
@@ -221,6 +261,29 @@ def _calls_in(stmt: ast.stmt) -> Iterator[ast.Call]:
         stack.extend(ast.iter_child_nodes(node))
 
 
+class AccumulationCheck:
+    """DSP008 over the module's runs of top-level statements, in order (see [Note: chunked parse]
+    in chunked_parse.py): the module's own scope goes on from one run to the next, each function is
+    walked within its run."""
+
+    def __init__(self, counts: _Counts, origin: Origin) -> None:
+        self._counts = counts
+        self._origin = origin
+        self._module = _Scope(counts, origin)
+
+    def run(self, tree: ast.Module) -> list[tuple[ast.AST, str]]:
+        """The findings in the next run of top-level statements."""
+        self._module.findings = []
+        self._module.walk(tree.body)
+        findings = self._module.findings
+        for _depth, node in statements_by_depth(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                scope = _Scope(self._counts, self._origin)
+                scope.walk(node.body)
+                findings += scope.findings
+        return findings
+
+
 def accumulation_findings(tree: ast.Module, origin: Origin) -> list[tuple[ast.AST, str]]:
     """Each division of a loss by the accumulation count that reaches ``engine.backward``, as
     ``(node to report at, message)``; ``origin`` maps a call's function to its dotted import origin.
@@ -230,10 +293,6 @@ def accumulation_findings(tree: ast.Module, origin: Origin) -> list[tuple[ast.AS
         tree = ast.parse("loss = loss / grad_accum_steps\\nengine.backward(loss)\\n")
         accumulation_findings(tree, lambda f: None)   # [(<Name grad_accum_steps>, "the loss ...")]
     """
-    counts = _Counts(tree, origin)
-    findings: list[tuple[ast.AST, str]] = []
-    for body in counts.scopes:
-        scope = _Scope(counts, origin)
-        scope.walk(body)
-        findings += scope.findings
-    return findings
+    sources = CountSources()
+    sources.add(tree)
+    return AccumulationCheck(sources.counts(origin), origin).run(tree)

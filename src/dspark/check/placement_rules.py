@@ -48,12 +48,13 @@ from __future__ import annotations
 
 import ast
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from dspark.check.accumulation_rule import accumulation_findings
-from dspark.check.reaching_values import Values, reaching_values
+from dspark.check.accumulation_rule import AccumulationCheck, CountSources
+from dspark.check.chunked_parse import Run, parse_run, parser_text, runs, statements_by_depth
+from dspark.check.reaching_values import ModuleFlow, Values, reaching_values
 
 __all__ = ["CODES", "Finding", "check_paths", "check_source", "python_files"]
 
@@ -71,7 +72,6 @@ CODES: dict[str, tuple[str, str]] = {
 """Each code's severity and short title (the module docstring has the fix)."""
 
 _FIX = "use shard_dim=0 to split it, or shard_dim=dspark.REPLICATE to copy it on purpose"
-_SCOPES = (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)
 _BATCH_WORDS = re.compile(r"batch|inputs?|data")
 _IGNORE = re.compile(r"#\s*dspark:\s*ignore(?:\[([\w, ]+)\])?", re.IGNORECASE)
 
@@ -104,20 +104,22 @@ def _dotted(node: ast.expr) -> str | None:
     return None
 
 
-def _imports(tree: ast.Module) -> dict[str, str]:
-    """Local name -> the dotted origin it was imported as (``dt`` -> ``torch.distributed.tensor``)."""
-    names: dict[str, str] = {}
-    for node in ast.walk(tree):
+def _imports(tree: ast.Module) -> list[tuple[int, str, str]]:
+    """(depth, local name, the dotted origin it was imported as: ``dt`` -> ``torch.distributed.tensor``)
+    for each import, in ``ast.walk``'s order; the runs' lists, sorted by depth, make the module's
+    (see :func:`dspark.check.chunked_parse.statements_by_depth`)."""
+    names: list[tuple[int, str, str]] = []
+    for depth, node in statements_by_depth(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 if alias.asname:
-                    names[alias.asname] = alias.name
+                    names.append((depth, alias.asname, alias.name))
                 else:
                     top = alias.name.split(".")[0]
-                    names[top] = top
+                    names.append((depth, top, top))
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             for alias in node.names:
-                names[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+                names.append((depth, alias.asname or alias.name, f"{node.module}.{alias.name}"))
     return names
 
 
@@ -130,7 +132,7 @@ def _origin(func: ast.expr, imports: dict[str, str]) -> str | None:
     return f"{base}.{rest}" if rest else base
 
 
-_Scope = ast.Module | ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda | ast.ClassDef
+_Scope = ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda | ast.ClassDef
 
 
 def _outcomes(node: ast.expr, *, as_none: bool = False) -> list[ast.expr]:
@@ -250,7 +252,20 @@ class _Checker(ast.NodeVisitor):
         self.generic_visit(node)
         self.flows.pop()
 
-    visit_Module = visit_FunctionDef = visit_AsyncFunctionDef = visit_Lambda = visit_ClassDef = visit_scope
+    visit_FunctionDef = visit_AsyncFunctionDef = visit_Lambda = visit_ClassDef = visit_scope
+
+    def visit_run(self, tree: ast.Module, at_call: dict[int, Values]) -> None:
+        """The next run of top-level statements, whose calls see the module's ``at_call``."""
+        self.flows = [at_call]
+        self.generic_visit(tree)
+        self.flows = []
+
+    def read_by_rules(self, expr: ast.expr) -> bool:
+        """Does a rule read ``expr`` where a name bound to it reaches a call? A ``None`` or a
+        replicate on one of its paths, or a literal mapping (see [Note: module flow by chunks])."""
+        return (any(_may_be_none(leaf) for leaf in _outcomes(expr, as_none=True))
+                or any(_is_replicate(leaf, self.imports) for leaf in _outcomes(expr))
+                or _literal_keywords(expr) is not None)
 
     def visit_Call(self, node: ast.Call) -> None:
         origin = _origin(node.func, self.imports) or ""
@@ -263,6 +278,7 @@ class _Checker(ast.NodeVisitor):
                                                    keywords=node.keywords), node)
                 self._alias_calls[id(bound)] = node
                 self.check_shard_dim(bound, target, required=False)
+                del self._alias_calls[id(bound)]   # its id is free again once it is dropped
         if name == "distribute_tensor":
             self.check_distribute_tensor(node, origin)
         elif name == "distribute_batch":
@@ -328,19 +344,24 @@ class _Checker(ast.NodeVisitor):
         # through its name (see dspark.check.reaching_values)
         bound = self._reaching(node, value.id) if isinstance(value, ast.Name) else []
 
-        def because(expr: ast.expr, line: int) -> str:
-            return f"{value.id!r} is {ast.unparse(expr)} here (assigned at line {line})"  # type: ignore[attr-defined]
+        def because(found: tuple[ast.expr | None, int] | None) -> str | None:
+            """Why, for the first outcome found: "" when it is the argument's own (the message
+            is written only for the one found: unparsing every value was half the rule's time)."""
+            if found is None:
+                return None
+            expr, line = found
+            return "" if expr is None else f"{value.id!r} is {ast.unparse(expr)} here (assigned at line {line})"  # type: ignore[attr-defined]
 
-        none = next((reason for leaf, reason in [
-            *((leaf, "") for leaf in _outcomes(value, as_none=True)),
-            *((leaf, because(expr, line)) for expr, line in bound for leaf in _outcomes(expr, as_none=True)),
-        ] if _may_be_none(leaf)), None)
+        none = because(next((found for leaf, found in [
+            *((leaf, (None, 0)) for leaf in _outcomes(value, as_none=True)),
+            *((leaf, (expr, line)) for expr, line in bound for leaf in _outcomes(expr, as_none=True)),
+        ] if _may_be_none(leaf)), None))
         if none is not None:
             self.report(where, "DSP004", f"{func}(shard_dim={ast.unparse(value)}) may be None"
                         f"{': ' + none if none else ''}: {_FIX}")
-        outcomes = [*((leaf, "") for leaf in _outcomes(value)),
-                    *((leaf, because(expr, line)) for expr, line in bound for leaf in _outcomes(expr))]
-        replicated = next((why for leaf, why in outcomes if _is_replicate(leaf, self.imports)), None)
+        outcomes = [*((leaf, (None, 0)) for leaf in _outcomes(value)),
+                    *((leaf, (expr, line)) for expr, line in bound for leaf in _outcomes(expr))]
+        replicated = because(next((found for leaf, found in outcomes if _is_replicate(leaf, self.imports)), None))
         if replicated is not None and (func == "distribute_batch"
                                        or (node.args and _looks_like_batch(node.args[0]))):
             batch = ast.unparse(node.args[0]) if node.args else "..."
@@ -367,15 +388,35 @@ def check_source(source: str, path: str = "<string>") -> list[Finding]:
         check_source("import dspark\\nx = dspark.distribute_tensor(t, shard_dim=None)\\n", "a.py")
         # [Finding(path='a.py', line=2, col=39, code='DSP001', message='distribute_tensor(...')]
     """
-    try:
-        tree = ast.parse(source, filename=path)
-    except SyntaxError as exc:
-        return [Finding(path=path, line=exc.lineno or 1, col=exc.offset or 1, code="DSP000",
-                        message=f"cannot parse: {exc.msg}")]
-    checker = _Checker(path, _imports(tree))
-    checker.visit(tree)
-    for node, message in accumulation_findings(tree, lambda func: _origin(func, checker.imports)):
-        checker.report(node, "DSP008", message)
+    text = parser_text(source)
+    imports: list[tuple[int, str, str]] = []
+    sources = CountSources()
+    done: list[Run] = []
+    try:   # the first walk: what the whole module imports and counts (see [Note: chunked parse])
+        for run, tree in runs(text, path):
+            done.append(run)
+            imports += _imports(tree)
+            sources.add(tree, text[run.start:run.end])
+        trees: Iterator[ast.Module] = (parse_run(text, run, path) for run in done)
+    except SyntaxError:
+        try:
+            whole = ast.parse(source, filename=path)
+        except SyntaxError as exc:
+            return [Finding(path=path, line=exc.lineno or 1, col=exc.offset or 1, code="DSP000",
+                            message=f"cannot parse: {exc.msg}")]
+        # never seen: the runs disagree with the whole file, which is then checked as one run
+        imports, sources = _imports(whole), CountSources()
+        sources.add(whole)
+        trees = iter([whole])
+    imports.sort(key=lambda entry: entry[0])
+    checker = _Checker(path, {local: origin for _depth, local, origin in imports})
+    flow = ModuleFlow(read=checker.read_by_rules)
+    accumulation = AccumulationCheck(sources.counts(lambda func: _origin(func, checker.imports)),
+                                     lambda func: _origin(func, checker.imports))
+    for tree in trees:   # the second walk: each run's findings, then the run is dropped
+        checker.visit_run(tree, flow.run(tree.body))
+        for node, message in accumulation.run(tree):
+            checker.report(node, "DSP008", message)
     lines = source.splitlines()
     kept = [f for f in checker.findings if not _silenced(f, lines)]
     return sorted(kept, key=lambda f: (f.line, f.col, f.code))

@@ -22,14 +22,22 @@ over the state it starts from, holding only the names it binds; where branches m
 they bound are merged, into the state they started from, so layers never pile up beyond the nesting
 depth of the code. Each call keeps the values of the names it mentions, and no others (the rules
 look up only those).
+
+[Note: module flow by chunks] A large file is checked a run of top-level statements at a time, so
+that only that run's syntax tree is alive (see [Note: chunked parse] in placement_rules.py). The
+module's own flow then goes on from one run to the next (:class:`ModuleFlow`): the names bound so
+far, with what they may hold, are all it carries over. The expressions they hold would keep parts of
+every earlier run's tree alive; the caller says which of them its rules read (a ``None``, a
+replicate, a literal mapping), and the others become stand-ins (:class:`Elided`, one per expression)
+that no rule reports on, so the memory carried over stays small.
 """
 
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
-__all__ = ["Values", "reaching_values"]
+__all__ = ["Elided", "ModuleFlow", "Values", "reaching_values"]
 
 Binding = tuple[ast.expr | None, int]
 Values = dict[str, list[Binding]]
@@ -270,3 +278,53 @@ def reaching_values(scope: ast.Module | ast.FunctionDef | ast.AsyncFunctionDef |
     else:
         flow.block(scope.body, state)
     return flow.at_call
+
+
+class Elided(ast.Constant):
+    """A bound expression that no rule reads, kept as ``...`` where a later run of the module looks
+    its name up (see [Note: module flow by chunks])."""
+
+    def __init__(self) -> None:
+        super().__init__(value=...)
+
+
+class ModuleFlow:
+    """The module scope's reaching values, fed one run of top-level statements at a time, in order
+    (see [Note: module flow by chunks]); the same values :func:`reaching_values` gives for the
+    module, as long as ``read`` keeps every expression a rule looks at.
+
+    Example::
+
+        flow = ModuleFlow(read=lambda expr: isinstance(expr, ast.Constant))
+        flow.run(ast.parse("dim = None\\n").body)
+        at_call = flow.run(ast.parse("\\nf(dim)").body)   # {id(call): {"dim": [(<None>, 1)]}}
+    """
+
+    def __init__(self, *, read: Callable[[ast.expr], bool]) -> None:
+        self._read = read
+        self._flow = _Flow()
+        self._names: _Names | None = _Names()   # None: a top-level raise / return ended the module
+
+    def run(self, body: Iterable[ast.stmt]) -> dict[int, Values]:
+        """What each call in ``body`` (the next top-level statements) sees, keyed by ``id(call)``."""
+        self._flow.at_call = {}
+        if self._names is not None:
+            run = self._flow.block(body, self._names.fork())   # this run's names, on their own layer
+            self._names = None if run is None else self._carried(run)
+        return self._flow.at_call
+
+    def _carried(self, run: _Names) -> _Names:
+        """The names after ``run``, folded into its parent, each expression no rule reads elided."""
+        names = run.parent
+        if names is None:
+            raise AssertionError("a run of the module is a layer over the names before it")
+        stand_ins: dict[int, ast.expr] = {}
+
+        def carried(expr: ast.expr | None) -> ast.expr | None:
+            if expr is None or isinstance(expr, Elided) or self._read(expr):
+                return expr
+            return stand_ins.setdefault(id(expr), Elided())
+
+        for name, values in run.own.items():
+            names.own[name] = [(carried(expr), line) for expr, line in values]
+        return names
