@@ -27,6 +27,7 @@ import re
 from collections.abc import Callable, Iterator
 
 from dspark.check.chunked_parse import statements_by_depth
+from dspark.check.tree_walk import child_nodes, walk
 
 __all__ = ["AccumulationCheck", "CountSources", "accumulation_findings"]
 
@@ -76,7 +77,7 @@ class CountSources:
         """Note the next run of the module's top-level statements (whose text is ``source``, when
         known: the run's expressions are walked only when it names ``grad_accum_steps``)."""
         if source is None or "grad_accum_steps" in source:
-            self._engine_kwargs += [(node.func, kw.value) for node in ast.walk(tree) if isinstance(node, ast.Call)
+            self._engine_kwargs += [(node.func, kw.value) for node in walk(tree) if isinstance(node, ast.Call)
                                     for kw in node.keywords if kw.arg == "grad_accum_steps"]
         for depth, node in statements_by_depth(tree):
             if isinstance(node, ast.Assign):
@@ -92,7 +93,7 @@ class CountSources:
 
     def _note_assign(self, depth: int, targets: list[ast.expr], value: ast.expr) -> None:
         keys = tuple(k for t in targets for k in _target_keys(t))
-        reads = [sub for sub in ast.walk(value) if isinstance(sub, (ast.Name, ast.Attribute, ast.Constant))]
+        reads = [sub for sub in walk(value) if isinstance(sub, (ast.Name, ast.Attribute, ast.Constant))]
         accum = any((leaf := _leaf(sub)) is not None and _ACCUM.search(leaf) is not None for sub in reads)
         read_keys = tuple(k for sub in reads if (k := _key(sub)) is not None)
         ints = tuple(sub.value for sub in reads if isinstance(sub, ast.Constant) and type(sub.value) is int)
@@ -143,7 +144,7 @@ class _Counts:
 
     def uses(self, node: ast.expr) -> bool:
         """Does ``node`` read a count anywhere (``cfg.accum // world_size``, ``int(k)``)?"""
-        return any(isinstance(sub, ast.expr) and self.is_count(sub) for sub in ast.walk(node))
+        return any(isinstance(sub, ast.expr) and self.is_count(sub) for sub in walk(node))
 
     def is_engine(self, node: ast.expr) -> bool:
         key, leaf = _key(node), _leaf(node)
@@ -160,7 +161,7 @@ def _target_keys(target: ast.expr) -> Iterator[str]:
 
 def _division(node: ast.expr, counts: _Counts, origin: Origin) -> ast.expr | None:
     """The first division by a count inside ``node`` (the divisor's node), or None."""
-    for sub in ast.walk(node):
+    for sub in walk(node):
         if isinstance(sub, ast.BinOp) and isinstance(sub.op, (ast.Div, ast.FloorDiv)) and counts.uses(sub.right):
             if isinstance(sub.left, ast.Constant) and not isinstance(sub.left.value, bool):
                 continue  # 1 / k alone is a factor, not a divided loss: its product is caught as x * (1 / k)
@@ -199,9 +200,9 @@ class _Scope:
     def _carried(self, value: ast.expr) -> ast.AST | None:
         """Where ``value``'s division happened: in it, or in a divided name it reads."""
         divisor = _division(value, self.counts, self.origin)
-        if divisor is not None:
+        if divisor is not None or not self.divided:
             return divisor
-        for sub in ast.walk(value):
+        for sub in walk(value):
             if isinstance(sub, (ast.Name, ast.Attribute)) and (key := _key(sub)) in self.divided:
                 return self.divided[key]
         return None
@@ -251,14 +252,14 @@ def _calls_in(stmt: ast.stmt) -> Iterator[ast.Call]:
     """The calls in ``stmt``'s own expressions (not in the statements nested in its body)."""
     nested = {id(s) for field in ("body", "orelse", "finalbody", "handlers", "cases")
               for s in (getattr(stmt, field, []) or [])}
-    stack: list[ast.AST] = [child for child in ast.iter_child_nodes(stmt) if id(child) not in nested]
+    stack: list[ast.AST] = [child for child in child_nodes(stmt) if id(child) not in nested]
     while stack:
         node = stack.pop()
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda, ast.stmt)):
             continue
         if isinstance(node, ast.Call):
             yield node
-        stack.extend(ast.iter_child_nodes(node))
+        stack.extend(child_nodes(node))
 
 
 class AccumulationCheck:

@@ -55,6 +55,7 @@ from pathlib import Path
 from dspark.check.accumulation_rule import AccumulationCheck, CountSources
 from dspark.check.chunked_parse import Run, parse_run, parser_text, runs, statements_by_depth
 from dspark.check.reaching_values import ModuleFlow, Values, reaching_values
+from dspark.check.tree_walk import child_nodes
 
 __all__ = ["CODES", "Finding", "check_paths", "check_source", "python_files"]
 
@@ -254,6 +255,10 @@ class _Checker(ast.NodeVisitor):
 
     visit_FunctionDef = visit_AsyncFunctionDef = visit_Lambda = visit_ClassDef = visit_scope
 
+    def generic_visit(self, node: ast.AST) -> None:
+        for child in child_nodes(node):   # ast.NodeVisitor's order, at half its cost
+            self.visit(child)
+
     def visit_run(self, tree: ast.Module, at_call: dict[int, Values]) -> None:
         """The next run of top-level statements, whose calls see the module's ``at_call``."""
         self.flows = [at_call]
@@ -397,7 +402,8 @@ def check_source(source: str, path: str = "<string>") -> list[Finding]:
             done.append(run)
             imports += _imports(tree)
             sources.add(tree, text[run.start:run.end])
-        trees: Iterator[ast.Module] = (parse_run(text, run, path) for run in done)
+        # a file of one run (most files) keeps its tree; a larger one is parsed again, run by run
+        trees: Iterator[ast.Module] = iter([tree]) if len(done) == 1 else (parse_run(text, run, path) for run in done)
     except SyntaxError:
         try:
             whole = ast.parse(source, filename=path)

@@ -37,6 +37,8 @@ from __future__ import annotations
 import ast
 from collections.abc import Callable, Iterable
 
+from dspark.check.tree_walk import child_nodes, walk
+
 __all__ = ["Elided", "ModuleFlow", "Values", "reaching_values"]
 
 Binding = tuple[ast.expr | None, int]
@@ -144,7 +146,7 @@ def _narrowed(state: _Names, test: ast.expr, *, true: bool) -> _Names:
 
 
 def _names_read(call: ast.Call) -> set[str]:
-    return {node.id for node in ast.walk(call) if isinstance(node, ast.Name)}
+    return {node.id for node in walk(call) if isinstance(node, ast.Name)}
 
 
 class _Flow:
@@ -163,7 +165,7 @@ class _Flow:
                     values = state.get(name)
                     if values is not None:
                         seen[name] = _union(seen.get(name), values) if name in seen else values
-            for child in ast.iter_child_nodes(node):
+            for child in child_nodes(node):
                 if not isinstance(child, (ast.stmt, *_SCOPES)):
                     stack.append(child)
 
@@ -208,7 +210,7 @@ class _Flow:
         elif isinstance(stmt, _EXITS):
             return None
         else:   # walrus targets inside an expression statement
-            for node in ast.walk(stmt):
+            for node in walk(stmt):
                 if isinstance(node, ast.NamedExpr):
                     _bind(state, node.target, node.value, stmt.lineno)
         return state
@@ -244,7 +246,7 @@ def _bind(state: _Names, target: ast.expr, value: ast.expr | None, line: int) ->
     if isinstance(target, ast.Name):
         state.own[target.id] = [(value, line)]
     elif isinstance(target, (ast.Tuple, ast.List, ast.Starred)):
-        for name in ast.walk(target):
+        for name in walk(target):
             if isinstance(name, ast.Name):
                 state.own[name.id] = [(None, line)]
 
