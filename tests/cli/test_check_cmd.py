@@ -50,3 +50,12 @@ def test_a_fifo_or_device_is_not_a_regular_file(tmp_path: Path,
         err = capsys.readouterr().err
         assert path in err and "not a regular file" in err and kind in err, err
         assert "does not exist" not in err
+
+
+def test_a_directory_is_walked_without_reading_what_is_not_a_file(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    os.mkfifo(tmp_path / "pipe.py")          # reading it would block forever
+    (tmp_path / "pkg.py").mkdir()            # a directory named like a source file
+    (tmp_path / "pkg.py" / "clean.py").write_text(CLEAN)
+    assert main(["check", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.strip() == "no risky placements in 1 file"
