@@ -1,20 +1,26 @@
 """How `dspark check`'s time and memory grow with the size of the file it checks.
 
     python benchmarks/check_scaling.py                 # 2k, 4k, 8k lines and a 5 MB file
-    python benchmarks/check_scaling.py --lines 2000 20000
+    python benchmarks/check_scaling.py --lines 2000 20000 --mb
+    python benchmarks/check_scaling.py --out DIR       # also DIR/table.json for docs/figures.md
 
 Each size is a generated module of ordinary training-script code (imports, guarded arguments,
 loops, try/except, functions, calls the rules read, some findings), checked in a fresh process
 (``check_paths``, what ``dspark check FILE`` runs) whose peak resident memory is read from the
-kernel. Prints one line per size: lines, bytes, seconds, peak MB, findings; then the time per
-1000 lines, which stays flat when the checker is linear.
+kernel. Prints the command and the load average, then one line per size: lines, bytes, seconds,
+peak MB, findings; then the time per 1000 lines, which stays flat when the checker is linear.
+``--out DIR`` writes the same rows as ``DIR/table.json`` (see [Note: table artifacts] in
+``dspark.bench.table_artifact``); ``python -m dspark.bench.record ... --anchor check-scaling --
+python benchmarks/check_scaling.py`` keeps it as the artifact docs/figures.md renders.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -73,12 +79,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lines", type=int, nargs="*", default=[2000, 4000, 8000])
     parser.add_argument("--mb", type=float, nargs="*", default=[5.0], help="file sizes in MB")
+    parser.add_argument("--out", type=Path, help="also write the table as DIR/table.json")
     parser.add_argument("--one", help=argparse.SUPPRESS)   # the child: check this file, print JSON
     args = parser.parse_args()
     if args.one:
         print(json.dumps(_measure_one(args.one)))
         return
+    print("command:", shlex.join([Path(sys.executable).name, *sys.argv]))
+    print("load average before (1, 5, 15 min): {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
     sizes = [("lines", n) for n in args.lines] + [("bytes", int(mb * 1e6)) for mb in args.mb]
+    rows: list[list[object]] = []
     print(f"{'lines':>8} {'bytes':>10} {'seconds':>8} {'peak MB':>8} {'findings':>8} {'s/1k lines':>10}")
     with tempfile.TemporaryDirectory() as tmp:
         for kind, amount in sizes:
@@ -91,6 +101,23 @@ def main() -> None:
             lines = source.count("\n")
             print(f"{lines:>8} {len(source):>10} {result['seconds']:>8.2f} {result['peak_mb']:>8.0f} "
                   f"{int(result['findings']):>8} {1000 * result['seconds'] / lines:>10.3f}")
+            rows.append([f"{lines:,}", _size(len(source)), f"{result['seconds']:.2f}",
+                         f"{result['peak_mb']:.0f} MB", int(result["findings"]),
+                         f"{1000 * result['seconds'] / lines:.2f}"])
+    print("load average after (1, 5, 15 min): {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
+    if args.out is not None:
+        from dspark.bench.table_artifact import write_table
+
+        path = write_table(args.out, columns=["lines", "bytes", "seconds", "peak memory", "findings",
+                                              "s per 1000 lines"], rows=rows,
+                           caption="`dspark check` on generated training-script code, each size in a "
+                                   "fresh process (`check_paths`, what `dspark check FILE` runs); peak "
+                                   "memory is the process's peak resident set.")
+        print(f"wrote {path}")
+
+
+def _size(num_bytes: int) -> str:
+    return f"{num_bytes / 1e6:.1f} MB" if num_bytes >= 1e6 else f"{num_bytes / 1e3:.0f} KB"
 
 
 if __name__ == "__main__":
