@@ -118,7 +118,6 @@ ALLOWED: tuple[tuple[str, str, str], ...] = (
 # delete an entry once its section is clean.
 PENDING: tuple[tuple[str, str, str], ...] = (
     ("checkpoints.md", "## Integrity", "the check's cost, moving to figures.md#checkpoint-verification-cost"),
-    ("cli.md", "# The command line", "the checker's scaling, moving to figures.md#check-scaling"),
 )
 
 
