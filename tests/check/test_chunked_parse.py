@@ -72,6 +72,7 @@ def test_runs_find_what_the_whole_file_finds(run_chars: int, monkeypatch: pytest
         (10, 35, "DSP004"), (11, 1, "DSP001"), (16, 49, "DSP004"), (23, 42, "DSP006"),
         (25, 19, "DSP008"), (32, 10, "DSP007"), (33, 1, "DSP006")]
     monkeypatch.setattr(chunked_parse, "RUN_CHARS", run_chars)
+    monkeypatch.setattr(chunked_parse, "KEPT_CHARS", 5 * run_chars)   # the later runs parsed twice
     assert len(list(runs(SOURCE, "train.py"))) > 3
     assert check_source(SOURCE, "train.py") == whole
 
@@ -116,8 +117,10 @@ def test_a_large_file_is_never_parsed_whole(monkeypatch: pytest.MonkeyPatch) -> 
 
     monkeypatch.setattr(chunked_parse.ast, "parse", parse)
     monkeypatch.setattr(chunked_parse, "RUN_CHARS", 10_000)
+    monkeypatch.setattr(chunked_parse, "KEPT_CHARS", 40_000)
     assert check_source(source, "big.py") == []
-    assert len(parsed) >= 2 * len(source) // 11_000   # each run twice: two walks
+    runs_count = len(source) // 11_000
+    assert len(parsed) >= 2 * runs_count - 4   # the runs after the first 40 KB twice: two walks
     assert max(parsed) < 11_000
 
 
@@ -127,10 +130,14 @@ def test_statements_come_in_ast_walk_order() -> None:
         node for node in ast.walk(tree) if isinstance(node, ast.stmt)]
 
 
-def test_the_walks_are_asts_walks() -> None:
-    tree = ast.parse(SOURCE + "match x:\n    case {'a': 1, **rest}:\n        global g\n")
-    assert list(walk(tree)) == list(ast.walk(tree))
-    assert all(child_nodes(node) == list(ast.iter_child_nodes(node)) for node in ast.walk(tree))
+def test_the_walks_are_asts_walks_less_the_tokens() -> None:
+    tokens = (ast.expr_context, ast.operator, ast.unaryop, ast.cmpop, ast.boolop)
+    tree = ast.parse(SOURCE + "match x:\n    case {'a': 1, **rest} if not a < b:\n        global g\n"
+                     "async def f(*a, k=1, **kw) -> int:\n    nonlocal_ = [i async for i in a if -i]\n"
+                     "    return f'{x!r:>{w}}', (y := x[1:2]), {**kw}, lambda: (yield), a and b\n")
+    assert list(walk(tree)) == [node for node in ast.walk(tree) if not isinstance(node, tokens)]
+    assert all(child_nodes(node) == [c for c in ast.iter_child_nodes(node) if not isinstance(c, tokens)]
+               for node in ast.walk(tree))
 
 
 def test_parser_text_counts_lines_as_the_parser_does() -> None:

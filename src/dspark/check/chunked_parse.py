@@ -13,8 +13,9 @@ own and every run's tree is the one the whole file's parse would hold for those 
 file that does not parse is parsed whole, once, for the error the whole file gives.
 
 The rules read each run and drop it (the checker walks the runs twice: once for what the whole
-module defines, its imports and accumulation counts, then for the findings); what one run's
-rules need from the runs before it is carried over small (see [Note: module flow by chunks] in
+module defines, its imports and accumulation counts, then for the findings; the trees of a file's
+first ``KEPT_CHARS`` characters are kept from one walk to the next, so most files are parsed
+once); what one run's rules need from the runs before it is carried over small (see [Note: module flow by chunks] in
 reaching_values.py).
 """
 
@@ -26,11 +27,15 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-__all__ = ["RUN_CHARS", "Run", "parse_run", "parser_text", "runs", "statements_by_depth"]
+__all__ = ["KEPT_CHARS", "RUN_CHARS", "Run", "parse_run", "parser_text", "runs", "second_walk",
+           "statements_by_depth", "tree_kept"]
 
 RUN_CHARS = 100_000
 """About how many characters of source each run holds: ~14 MB of syntax tree, and few enough runs
 that cutting costs nothing next to parsing."""
+KEPT_CHARS = 4 * RUN_CHARS
+"""A file's runs within this many characters from its start keep their tree from the checker's
+first walk to its second (~56 MB at the most); the runs after them are parsed again."""
 _BLOCK_ITEMS = (ast.stmt, ast.excepthandler, ast.match_case)   # what a block of statements holds
 _CUT = re.compile(r"^(?!(?:else|elif|except|finally)\b)[^\s#]", re.MULTILINE)
 
@@ -78,6 +83,19 @@ def runs(text: str, path: str, *, run_chars: int | None = None) -> Iterator[tupl
         yield run, tree
         first_line += text.count("\n", run.start, run.end)
         start = run.end
+
+
+def tree_kept(run: Run, tree: ast.Module) -> ast.Module | None:
+    """``tree`` when ``run`` lies within the first :data:`KEPT_CHARS` characters, else None."""
+    return tree if run.end <= KEPT_CHARS else None
+
+
+def second_walk(text: str, path: str, first: list[tuple[Run, ast.Module | None]]) -> Iterator[ast.Module]:
+    """Each run's tree again, in order: the one ``first`` kept (let go of as it is handed out), or
+    parsed anew."""
+    for index, (run, tree) in enumerate(first):
+        first[index] = (run, None)
+        yield tree if tree is not None else parse_run(text, run, path)
 
 
 def _cut(text: str, at: int) -> int:

@@ -53,7 +53,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dspark.check.accumulation_rule import AccumulationCheck, CountSources
-from dspark.check.chunked_parse import Run, parse_run, parser_text, runs, statements_by_depth
+from dspark.check.chunked_parse import (
+    Run,
+    parser_text,
+    runs,
+    second_walk,
+    statements_by_depth,
+    tree_kept,
+)
 from dspark.check.reaching_values import ModuleFlow, Values, reaching_values
 from dspark.check.tree_walk import child_nodes
 
@@ -396,14 +403,13 @@ def check_source(source: str, path: str = "<string>") -> list[Finding]:
     text = parser_text(source)
     imports: list[tuple[int, str, str]] = []
     sources = CountSources()
-    done: list[Run] = []
+    first: list[tuple[Run, ast.Module | None]] = []
     try:   # the first walk: what the whole module imports and counts (see [Note: chunked parse])
         for run, tree in runs(text, path):
-            done.append(run)
+            first.append((run, tree_kept(run, tree)))
             imports += _imports(tree)
             sources.add(tree, text[run.start:run.end])
-        # a file of one run (most files) keeps its tree; a larger one is parsed again, run by run
-        trees: Iterator[ast.Module] = iter([tree]) if len(done) == 1 else (parse_run(text, run, path) for run in done)
+        trees: Iterator[ast.Module] = second_walk(text, path, first)
     except SyntaxError:
         try:
             whole = ast.parse(source, filename=path)
