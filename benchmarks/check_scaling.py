@@ -7,8 +7,10 @@
 Each size is a generated module of ordinary training-script code (imports, guarded arguments,
 loops, try/except, functions, calls the rules read, some findings), checked in a fresh process
 (``check_paths``, what ``dspark check FILE`` runs) whose peak resident memory is read from the
-kernel. Prints the command and the load average, then one line per size: lines, bytes, seconds,
-peak MB, findings; then the time per 1000 lines, which stays flat when the checker is linear.
+kernel. Prints the command and the load average, then one line per size: lines, bytes, seconds
+(wall clock, and the process's CPU time: on a shared machine the wall clock also counts the time
+other jobs held the cores), peak MB, findings; then the wall time per 1000 lines, which stays flat
+when the checker is linear.
 ``--out DIR`` writes the same rows as ``DIR/table.json`` (see [Note: table artifacts] in
 ``dspark.bench.table_artifact``); ``python -m dspark.bench.record ... --anchor check-scaling --
 python benchmarks/check_scaling.py`` keeps it as the artifact docs/figures.md renders.
@@ -68,11 +70,11 @@ def _measure_one(path: str) -> dict[str, float]:
     from dspark.check.placement_rules import check_paths, check_source
 
     check_source(_HEADER + _BLOCK.format(i=0), "warm-up.py")   # imports done before the clock starts
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     findings, _files = check_paths([path])
-    seconds = time.perf_counter() - start
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024   # Linux: kB
-    return {"seconds": seconds, "peak_mb": peak_mb, "findings": len(findings)}
+    return {"seconds": seconds, "cpu_seconds": cpu_seconds, "peak_mb": peak_mb, "findings": len(findings)}
 
 
 def main() -> None:
@@ -89,7 +91,7 @@ def main() -> None:
     print("load average before (1, 5, 15 min): {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
     sizes = [("lines", n) for n in args.lines] + [("bytes", int(mb * 1e6)) for mb in args.mb]
     rows: list[list[object]] = []
-    print(f"{'lines':>8} {'bytes':>10} {'seconds':>8} {'peak MB':>8} {'findings':>8} {'s/1k lines':>10}")
+    print(f"{'lines':>8} {'bytes':>10} {'seconds':>8} {'cpu s':>8} {'peak MB':>8} {'findings':>8} {'s/1k lines':>10}")
     with tempfile.TemporaryDirectory() as tmp:
         for kind, amount in sizes:
             source = generate(lines=amount) if kind == "lines" else generate(size_bytes=amount)
@@ -99,16 +101,17 @@ def main() -> None:
                                  capture_output=True, text=True)
             result = json.loads(out.stdout)
             lines = source.count("\n")
-            print(f"{lines:>8} {len(source):>10} {result['seconds']:>8.2f} {result['peak_mb']:>8.0f} "
+            print(f"{lines:>8} {len(source):>10} {result['seconds']:>8.2f} {result['cpu_seconds']:>8.2f} "
+                  f"{result['peak_mb']:>8.0f} "
                   f"{int(result['findings']):>8} {1000 * result['seconds'] / lines:>10.3f}")
-            rows.append([f"{lines:,}", _size(len(source)), f"{result['seconds']:.2f}",
+            rows.append([f"{lines:,}", _size(len(source)), f"{result['seconds']:.2f}", f"{result['cpu_seconds']:.2f}",
                          f"{result['peak_mb']:.0f} MB", int(result["findings"]),
                          f"{1000 * result['seconds'] / lines:.2f}"])
     print("load average after (1, 5, 15 min): {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
     if args.out is not None:
         from dspark.bench.table_artifact import write_table
 
-        path = write_table(args.out, columns=["lines", "bytes", "seconds", "peak memory", "findings",
+        path = write_table(args.out, columns=["lines", "bytes", "seconds", "CPU seconds", "peak memory", "findings",
                                               "s per 1000 lines"], rows=rows,
                            caption="`dspark check` on generated training-script code, each size in a "
                                    "fresh process (`check_paths`, what `dspark check FILE` runs); peak "

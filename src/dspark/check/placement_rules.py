@@ -55,6 +55,7 @@ from pathlib import Path
 from dspark.check.accumulation_rule import AccumulationCheck, CountSources
 from dspark.check.chunked_parse import (
     Run,
+    collector_paused,
     parser_text,
     runs,
     second_walk,
@@ -357,12 +358,10 @@ class _Checker(ast.NodeVisitor):
         bound = self._reaching(node, value.id) if isinstance(value, ast.Name) else []
 
         def because(found: tuple[ast.expr | None, int] | None) -> str | None:
-            """Why, for the first outcome found: "" when it is the argument's own (the message
-            is written only for the one found: unparsing every value was half the rule's time)."""
+            # why, for the one outcome found ("": the argument's own); unparsed for it alone
             if found is None:
                 return None
-            expr, line = found
-            return "" if expr is None else f"{value.id!r} is {ast.unparse(expr)} here (assigned at line {line})"  # type: ignore[attr-defined]
+            return "" if found[0] is None else f"{value.id!r} is {ast.unparse(found[0])} here (assigned at line {found[1]})"  # type: ignore[attr-defined]
 
         none = because(next((found for leaf, found in [
             *((leaf, (None, 0)) for leaf in _outcomes(value, as_none=True)),
@@ -400,6 +399,11 @@ def check_source(source: str, path: str = "<string>") -> list[Finding]:
         check_source("import dspark\\nx = dspark.distribute_tensor(t, shard_dim=None)\\n", "a.py")
         # [Finding(path='a.py', line=2, col=39, code='DSP001', message='distribute_tensor(...')]
     """
+    with collector_paused():   # see [Note: no cyclic collection while checking]
+        return _findings(source, path)
+
+
+def _findings(source: str, path: str) -> list[Finding]:
     text = parser_text(source)
     imports: list[tuple[int, str, str]] = []
     sources = CountSources()
@@ -416,9 +420,8 @@ def check_source(source: str, path: str = "<string>") -> list[Finding]:
         except SyntaxError as exc:
             return [Finding(path=path, line=exc.lineno or 1, col=exc.offset or 1, code="DSP000",
                             message=f"cannot parse: {exc.msg}")]
-        # never seen: the runs disagree with the whole file, which is then checked as one run
-        imports, sources = _imports(whole), CountSources()
-        sources.add(whole)
+        imports, sources = _imports(whole), CountSources()   # never seen: the runs disagree with
+        sources.add(whole)                                   # the file, then checked as one run
         trees = iter([whole])
     imports.sort(key=lambda entry: entry[0])
     checker = _Checker(path, {local: origin for _depth, local, origin in imports})
