@@ -143,3 +143,9 @@ def test_the_walks_are_asts_walks_less_the_tokens() -> None:
 def test_parser_text_counts_lines_as_the_parser_does() -> None:
     assert parser_text("a\r\nb\rc\n") == "a\nb\nc\n"
     assert ast.parse("a\r\nb\rc\n").body[2].lineno == 3
+
+
+def test_an_engine_keyword_spelled_in_other_letters_is_still_read() -> None:
+    source = ("import dspark\ntrainer = dspark.Engine(m, \uff47rad_accum_steps=k)\n"
+              "loss = loss / k\ntrainer.backward(loss)\n")   # Python reads the fullwidth g as g
+    assert [(f.code, f.line) for f in check_source(source, "train.py")] == [("DSP008", 3)]

@@ -75,8 +75,9 @@ class CountSources:
 
     def add(self, tree: ast.Module, source: str | None = None) -> None:
         """Note the next run of the module's top-level statements (whose text is ``source``, when
-        known: the run's expressions are walked only when it names ``grad_accum_steps``)."""
-        if source is None or "grad_accum_steps" in source:
+        known: the run's expressions are walked only when it names ``grad_accum_steps``, or may
+        spell it in other letters that Python reads as the same name: NFKC, as in ``ｇrad``)."""
+        if source is None or "grad_accum_steps" in source or not source.isascii():
             self._engine_kwargs += [(node.func, kw.value) for node in walk(tree) if isinstance(node, ast.Call)
                                     for kw in node.keywords if kw.arg == "grad_accum_steps"]
         for depth, node in statements_by_depth(tree):
