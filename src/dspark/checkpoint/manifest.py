@@ -4,7 +4,8 @@
 its staging directory). Once DCP has written the shard files, each rank hashes its share of them and
 rank 0 writes ``training_state.json`` and ``dspark.json`` (both carry the id), then
 ``manifest.json``: the id, the step, world size, strategy and the rest of what ``dspark.json``
-reports, and for every file its size, its digest and the digest of each chunk (see [Note: checkpoint
+reports, the hash it used (``"hash": "blake3"``; older manifests say ``"sha256"`` and still verify),
+and for every file its size, its digest and the digest of each chunk (see [Note: checkpoint
 digests] in :mod:`dspark.checkpoint.digest`). Every shard file also holds the id itself, as a small
 tensor ``save/rank<R>`` its rank wrote: two saves never write the same bytes, even of equal weights.
 
@@ -90,8 +91,9 @@ class FileEntry:
     id_record: tuple[int, int] | None = None
     """(offset, length) of the ``save/rank<R>`` record in a shard file."""
 
-    def as_json(self) -> dict[str, Any]:
-        return {"bytes": self.size_bytes, "sha256": self.digest,
+    def as_json(self, hash_name: str) -> dict[str, Any]:
+        """The entry in ``manifest.json``: its digest under the hash's name (``"blake3": ...``)."""
+        return {"bytes": self.size_bytes, hash_name: self.digest,
                 "chunks": [[offset, length, d] for (offset, length), d in sorted(self.chunks.items())],
                 **({"id_record": list(self.id_record)} if self.id_record else {})}
 
@@ -104,6 +106,8 @@ class Manifest:
     summary: dict[str, Any]
     files: dict[str, FileEntry]
     directory: Path
+    hash_name: str
+    """The hash of every digest in it (one of :data:`dspark.checkpoint.digest.HASH_NAMES`)."""
 
     def entry(self, name: str) -> FileEntry:
         if name not in self.files:
@@ -136,9 +140,11 @@ def file_chunks(size_bytes: int, records: list[tuple[int, int]]) -> list[tuple[i
 
 
 def hash_files(directory: Path, records: dict[str, list[tuple[int, int]]],
-               id_records: dict[str, tuple[int, int]]) -> dict[str, FileEntry]:
+               id_records: dict[str, tuple[int, int]], *,
+               hash_name: str = digest.HASH_NAME) -> dict[str, FileEntry]:
     """Each named file's entry: ``records`` maps a file to its records (from DCP's metadata; a
-    JSON file has none), ``id_records`` a shard file to its save-id record.
+    JSON file has none), ``id_records`` a shard file to its save-id record; its digests are
+    ``hash_name``'s (what a save writes, unless a test needs an older manifest).
 
     Example::
 
@@ -150,20 +156,23 @@ def hash_files(directory: Path, records: dict[str, list[tuple[int, int]]],
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
         try:
             size_bytes = check_plain_file(path).st_size
-            chunks = digest.hash_ranges(fd, file_chunks(size_bytes, file_records))
+            chunks = digest.hash_ranges(fd, file_chunks(size_bytes, file_records), hash_name)
         finally:
             os.close(fd)
         entries[name] = FileEntry(size_bytes=size_bytes, chunks=chunks, id_record=id_records.get(name),
-                                  digest=digest.file_digest([d for _, d in sorted(chunks.items())]))
+                                  digest=digest.file_digest([d for _, d in sorted(chunks.items())],
+                                                            hash_name))
     return entries
 
 
 def build_manifest(directory: Path, *, save_id: str, summary: dict[str, Any],
-                   files: dict[str, FileEntry]) -> dict[str, Any]:
-    """The JSON of a manifest (what :func:`write_manifest` writes)."""
-    return {"format": _FORMAT, "version": _VERSION, "save_id": save_id, "hash": digest.HASH_NAME,
-            "piece_bytes": digest.PIECE_BYTES, "checkpoint": {k: summary[k] for k in SUMMARY_FIELDS},
-            "files": {name: entry.as_json() for name, entry in sorted(files.items())}}
+                   files: dict[str, FileEntry], hash_name: str = digest.HASH_NAME) -> dict[str, Any]:
+    """The JSON of a manifest (what :func:`write_manifest` writes); ``hash_name``: the hash of the
+    digests in ``files``."""
+    return {"format": _FORMAT, "version": _VERSION, "save_id": save_id,
+            "hash": digest.check_hash_name(hash_name), "piece_bytes": digest.PIECE_BYTES,
+            "checkpoint": {k: summary[k] for k in SUMMARY_FIELDS},
+            "files": {name: entry.as_json(hash_name) for name, entry in sorted(files.items())}}
 
 
 def write_manifest(directory: Path, payload: dict[str, Any]) -> None:
@@ -197,11 +206,14 @@ def read_manifest(directory: Path) -> Manifest | None:
 def _parse(raw: Any, directory: Path) -> Manifest:
     if not isinstance(raw, dict) or raw.get("format") != _FORMAT:
         raise ValueError(f"no \"format\": {_FORMAT!r}")
-    if raw.get("version") != _VERSION or raw.get("hash") != digest.HASH_NAME \
-            or raw.get("piece_bytes") != digest.PIECE_BYTES:
-        raise ValueError(f"version {raw.get('version')!r}, hash {raw.get('hash')!r}, piece_bytes "
-                         f"{raw.get('piece_bytes')!r}: this DSpark reads version {_VERSION}, "
-                         f"{digest.HASH_NAME}, {digest.PIECE_BYTES}")
+    try:
+        hash_name = digest.check_hash_name(raw.get("hash"))
+    except ValueError as exc:   # no damage to report: this DSpark cannot check the files
+        raise CheckpointIntegrityError(f"{str(directory / MANIFEST_FILE)!r}: {exc}; its files cannot "
+                                       "be verified, so it is not loaded") from exc
+    if raw.get("version") != _VERSION or raw.get("piece_bytes") != digest.PIECE_BYTES:
+        raise ValueError(f"version {raw.get('version')!r}, piece_bytes {raw.get('piece_bytes')!r}: "
+                         f"this DSpark reads version {_VERSION}, {digest.PIECE_BYTES}")
     save_id = raw["save_id"]
     if not isinstance(save_id, str) or len(save_id) != 32 or any(c not in "0123456789abcdef" for c in save_id):
         raise ValueError(f"save_id={save_id!r} is not 32 hex digits")
@@ -217,10 +229,11 @@ def _parse(raw: Any, directory: Path) -> Manifest:
         if file_chunks(size_bytes, list(chunks)) != sorted(chunks):
             raise ValueError(f"the chunks of {name!r} do not cover its {size_bytes} bytes exactly")
         id_record = item.get("id_record")
-        files[name] = FileEntry(size_bytes=size_bytes, digest=_hex(item["sha256"]), chunks=chunks,
+        files[name] = FileEntry(size_bytes=size_bytes, digest=_hex(item[hash_name]), chunks=chunks,
                                 id_record=None if id_record is None else (_count(id_record[0]),
                                                                           _count(id_record[1])))
-    return Manifest(save_id=save_id, summary=summary, files=files, directory=directory)
+    return Manifest(save_id=save_id, summary=summary, files=files, directory=directory,
+                    hash_name=hash_name)
 
 
 def _count(value: Any) -> int:
@@ -231,7 +244,7 @@ def _count(value: Any) -> int:
 
 def _hex(value: Any) -> str:
     if not isinstance(value, str) or len(value) != 64 or any(c not in "0123456789abcdef" for c in value):
-        raise ValueError(f"{value!r} is not a sha256 digest")
+        raise ValueError(f"{value!r} is not a digest (64 hex digits)")
     return value
 
 
@@ -258,7 +271,8 @@ def check_bytes(manifest: Manifest, name: str, data: bytes) -> None:
         check_bytes(manifest, ".metadata", (directory / ".metadata").read_bytes())
     """
     entry = manifest.entry(name)
-    if len(data) != entry.size_bytes or digest.chunk_digest(data) != entry.chunks.get((0, len(data))):
+    if len(data) != entry.size_bytes \
+            or digest.chunk_digest(data, manifest.hash_name) != entry.chunks.get((0, len(data))):
         raise CheckpointIntegrityError(f"{str(manifest.directory / name)!r} is damaged or not this "
                                        f"checkpoint's: {_which_save(data, manifest)}")
 

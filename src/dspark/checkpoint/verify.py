@@ -43,7 +43,7 @@ class RecordCheck:
 
     def __init__(self, manifest: Manifest) -> None:
         self._manifest = manifest
-        self._hasher = digest.Hasher()
+        self._hasher = digest.Hasher(manifest.hash_name, threads=digest.spare_threads())
         self._expected: dict[object, tuple[str, int, int, str]] = {}
         self._fds: dict[str, int] = {}
 
@@ -77,7 +77,8 @@ class RecordCheck:
                 raise CheckpointIntegrityError(f"{str(path)!r}: {MANIFEST_FILE} gives no save-id record "
                                                "for this shard file; the manifest is damaged")
             offset, length = entry.id_record
-            if digest.chunk_digest(os.pread(fd, length, offset)) != entry.chunks.get((offset, length)):
+            found = digest.chunk_digest(os.pread(fd, length, offset), self._manifest.hash_name)
+            if found != entry.chunks.get((offset, length)):
                 raise CheckpointIntegrityError(f"{str(path)!r} does not hold the id of save "
                                                f"{self._manifest.save_id}: {_FOREIGN}")
         except BaseException:
@@ -158,9 +159,10 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> VerifyReport:
                                "manifest was removed); re-save it to get one")
         return report
     report.save_id, report.summary = manifest.save_id, dict(manifest.summary)
-    report.manifest_digest = digest.chunk_digest((directory / MANIFEST_FILE).read_bytes())
+    # sha256 whatever the files' hash: the value users record stays comparable across versions
+    report.manifest_digest = digest.chunk_digest((directory / MANIFEST_FILE).read_bytes(), "sha256")
     for name, entry in sorted(manifest.files.items()):
-        problem = _check_whole_file(directory / name, entry)
+        problem = _check_whole_file(directory / name, entry, manifest.hash_name)
         if problem is not None:
             report.problems.append(problem)
         else:
@@ -175,14 +177,14 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> VerifyReport:
     return report
 
 
-def _check_whole_file(path: Path, entry: FileEntry) -> str | None:
+def _check_whole_file(path: Path, entry: FileEntry, hash_name: str) -> str | None:
     try:
         size_bytes = check_plain_file(path).st_size
         if size_bytes != entry.size_bytes:
             return f"{str(path)!r} has {size_bytes} bytes, the save wrote {entry.size_bytes}: {_FOREIGN}"
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
         try:
-            found = digest.hash_ranges(fd, list(entry.chunks))
+            found = digest.hash_ranges(fd, list(entry.chunks), hash_name)
         finally:
             os.close(fd)
     except FileNotFoundError:
@@ -194,7 +196,7 @@ def _check_whole_file(path: Path, entry: FileEntry) -> str | None:
         offset, length = bad[0]
         return (f"{str(path)!r} is damaged or not this checkpoint's: {len(bad)} of its {len(entry.chunks)} "
                 f"chunk(s) differ, the first at bytes {offset}-{offset + length}: {_FOREIGN}")
-    if digest.file_digest([d for _, d in sorted(found.items())]) != entry.digest:
+    if digest.file_digest([d for _, d in sorted(found.items())], hash_name) != entry.digest:
         return f"{str(path)!r}: its digest in {MANIFEST_FILE} does not follow from its chunks (the manifest is damaged)"
     return None
 
