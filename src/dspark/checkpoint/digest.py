@@ -28,6 +28,7 @@ import os
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Protocol
 
 __all__ = ["HASH_NAME", "HASH_NAMES", "PIECE_BYTES", "Hasher", "check_hash_name", "chunk_digest",
            "file_digest", "spare_threads"]
@@ -38,8 +39,17 @@ HASH_NAMES = ("blake3", "sha256")
 """The hashes a manifest may name: sha256 is what manifests said before BLAKE3."""
 PIECE_BYTES = 8 * 2**20
 """Chunks longer than this are hashed as pieces of this length (see [Note: checkpoint digests])."""
+_READ_BYTES = 2**20
+"""A worker reads its piece this much at a time and hashes each part while it is still in the
+CPU's cache, instead of reading the whole piece first (faster, as measured with BLAKE3)."""
 
-_HashFunction = Callable[["bytes | memoryview"], bytes]
+
+class _HashObject(Protocol):
+    def update(self, data: bytes | memoryview, /) -> object: ...
+    def digest(self) -> bytes: ...
+
+
+_NewHash = Callable[[], _HashObject]
 
 
 def check_hash_name(name: object) -> str:
@@ -55,23 +65,28 @@ def check_hash_name(name: object) -> str:
     return name
 
 
-def _sha256(data: bytes | memoryview) -> bytes:
-    return hashlib.sha256(data).digest()
-
-
-def _hash_function(name: str) -> _HashFunction:
+def _new_hash(name: str) -> _NewHash:
+    """What starts a hash of ``name``, fed with ``update`` in one thread (the pieces are spread
+    over threads already)."""
     if check_hash_name(name) == "sha256":
-        return _sha256
+        return hashlib.sha256
     try:
         from blake3 import blake3  # a dependency of DSpark; imported when a checkpoint is hashed
     except ImportError as exc:
         raise ImportError("checkpoints are hashed with BLAKE3, from the 'blake3' package, which is "
                           "missing: pip install -c constraints.txt -e . (or pip install blake3)") from exc
+    return blake3
 
-    def _blake3(data: bytes | memoryview) -> bytes:
-        return blake3(data).digest()   # one thread: the pieces are spread over threads already
 
-    return _blake3
+def _hash_function(name: str) -> Callable[[bytes | memoryview], bytes]:
+    new = _new_hash(name)
+
+    def hash_bytes(data: bytes | memoryview) -> bytes:
+        hashed = new()
+        hashed.update(data)
+        return hashed.digest()
+
+    return hash_bytes
 
 
 def _pieces(data: bytes | memoryview) -> Iterator[memoryview]:
@@ -135,20 +150,23 @@ def spare_threads() -> int:
 _buffers = threading.local()
 
 
-def _hash_piece(hash_function: _HashFunction, fd: int, offset: int, size: int) -> bytes:
-    """The hash of ``size`` bytes of ``fd`` at ``offset``, read into this thread's own buffer (no
-    allocation per piece: a fresh large buffer costs page faults on every use)."""
-    buffer = getattr(_buffers, "piece", None)
+def _hash_piece(new_hash: _NewHash, fd: int, offset: int, size: int) -> bytes:
+    """The hash of ``size`` bytes of ``fd`` at ``offset``, read :data:`_READ_BYTES` at a time into
+    this thread's own buffer (no allocation per piece: a fresh buffer costs page faults on every
+    use)."""
+    buffer = getattr(_buffers, "part", None)
     if buffer is None:
-        buffer = _buffers.piece = bytearray(PIECE_BYTES)
-    view = memoryview(buffer)[:size]
+        buffer = _buffers.part = bytearray(_READ_BYTES)
+    view = memoryview(buffer)
+    hashed = new_hash()
     done = 0
     while done < size:
-        got = os.preadv(fd, [view[done:]], offset + done)
+        got = os.preadv(fd, [view[:min(_READ_BYTES, size - done)]], offset + done)
         if got <= 0:
             raise EOFError(f"the file ends at byte {offset + done}, inside bytes {offset}-{offset + size}")
+        hashed.update(view[:got])
         done += got
-    return hash_function(view)
+    return hashed.digest()
 
 
 class Hasher:
@@ -164,7 +182,7 @@ class Hasher:
 
     def __init__(self, hash_name: str = HASH_NAME, *, threads: int | None = None) -> None:
         self._hash_name = hash_name
-        self._hash_function = _hash_function(hash_name)
+        self._new_hash = _new_hash(hash_name)
         self._pool = ThreadPoolExecutor(max_workers=threads or _default_threads(),
                                         thread_name_prefix="dspark-digest")
         self._chunks: dict[object, list[Future[bytes]]] = {}
@@ -175,7 +193,7 @@ class Hasher:
         if key in self._chunks:
             raise AssertionError(f"chunk {key!r} was added twice")
         starts = range(offset, offset + length, PIECE_BYTES) if length else [offset]
-        self._chunks[key] = [self._pool.submit(_hash_piece, self._hash_function, fd, start,
+        self._chunks[key] = [self._pool.submit(_hash_piece, self._new_hash, fd, start,
                                                min(PIECE_BYTES, offset + length - start))
                              for start in starts]
 
