@@ -1,29 +1,36 @@
 """What checking a checkpoint against its manifest costs a load: ``engine.load`` of the same ~1 GB
 checkpoint with the check and without it, interleaved, median of several.
 
-    python benchmarks/ckpt_verify_cost.py                  # page cache warm: the worst case
-    python benchmarks/ckpt_verify_cost.py --cold           # files evicted from the page cache first
+    python benchmarks/ckpt_verify_cost.py --repeats 5                  # page cache warm: the worst case
+    python benchmarks/ckpt_verify_cost.py --repeats 5 --cache cold     # files evicted first
+    python benchmarks/ckpt_verify_cost.py --repeats 5 --cache both --sha256 --out DIR
 
 One process (world size 1, CPU). The model is a stack of 4096x4096 linear layers trained one step
 with AdamW, so that parameters and optimizer state make ``--gb`` of checkpoint. "Without" loads a
 twin of the checkpoint that has no manifest (format 2: its files hard links to the same bytes,
 so both read the same page cache), which DSpark loads unverified with a warning: the code path
-is the same but for the check. ``--cold`` evicts the files from the page cache before every load
-(``posix_fadvise(DONTNEED)``), so each load reads from the disk, as a resumed job does.
+is the same but for the check. ``--sha256`` adds a third twin whose manifest holds sha256 digests
+of the same files, as checkpoints saved before BLAKE3 have. ``--cache cold`` evicts the files from
+the page cache before every load (``posix_fadvise(DONTNEED)``), so each load reads from the disk,
+as a resumed job does.
 
-Prints the hash rate of one core, then one line per mode: median load seconds with and without
-the check, and the difference as a share of the load without it.
+Prints the hash rates of one core and the load average, then one line per page-cache mode: median
+load seconds with and without the check, and the difference as a share of the load without it.
+``--out DIR`` also writes the table as ``DIR/table.json`` (``{"columns": [...], "rows": [...]}``,
+rendered into docs/figures.md) and where it came from as ``DIR/run.json``.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import hashlib
 import json
 import logging
 import os
+import platform
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -31,7 +38,11 @@ from pathlib import Path
 import torch
 
 import dspark
+from dspark.checkpoint import digest
 from dspark.checkpoint.manifest import MANIFEST_FILE
+
+COLUMNS = ["page cache", "hash", "checkpoint GB", "load without check s", "load with check s",
+           "check cost %", "load average"]
 
 
 def _engine(layers: int) -> dspark.Engine:
@@ -55,6 +66,27 @@ def _unverified_twin(ckpt: Path, twin: Path) -> None:
             os.link(path, twin / path.name)
 
 
+def _sha256_twin(ckpt: Path, twin: Path) -> None:
+    """``ckpt`` with a manifest of sha256 digests (as saves before BLAKE3 wrote): the same files
+    (hard links), each chunk hashed again."""
+    twin.mkdir()
+    raw = json.loads((ckpt / MANIFEST_FILE).read_text())
+    for path in ckpt.iterdir():
+        if path.name != MANIFEST_FILE:
+            os.link(path, twin / path.name)
+    for name, item in raw["files"].items():
+        fd = os.open(ckpt / name, os.O_RDONLY)
+        try:
+            found = digest.hash_ranges(fd, [(o, n) for o, n, _ in item["chunks"]], "sha256")
+        finally:
+            os.close(fd)
+        item["chunks"] = [[o, n, found[(o, n)]] for (o, n) in sorted(found)]
+        item["sha256"] = digest.file_digest([found[key] for key in sorted(found)], "sha256")
+        del item[raw["hash"]]
+    raw["hash"] = "sha256"
+    (twin / MANIFEST_FILE).write_text(json.dumps(raw))
+
+
 def _evict(directory: Path) -> None:
     for path in directory.iterdir():
         fd = os.open(path, os.O_RDONLY)
@@ -65,50 +97,97 @@ def _evict(directory: Path) -> None:
             os.close(fd)
 
 
-def _hash_rate_gb_s() -> float:
+def _hash_rate_gb_s(hash_name: str) -> float:
     data = os.urandom(256 * 2**20)
     start = time.perf_counter()
-    hashlib.sha256(data).digest()
+    for piece in range(0, len(data), digest.PIECE_BYTES):
+        digest.chunk_digest(memoryview(data)[piece:piece + digest.PIECE_BYTES], hash_name)
     return len(data) / (time.perf_counter() - start) / 1e9
+
+
+def _provenance(args: argparse.Namespace, loadavg: tuple[float, ...]) -> dict[str, object]:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                check=True, cwd=Path(__file__).parent).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = None
+    from importlib.metadata import version
+
+    return {"command": " ".join([Path(sys.executable).name, *sys.argv]), "commit": commit,
+            "torch": torch.__version__, "blake3": version("blake3"), "python": platform.python_version(),
+            "cpu": platform.processor() or platform.machine(), "cores": len(os.sched_getaffinity(0)),
+            "load_average_1_5_15_min": list(loadavg), "repeats": args.repeats, "gb": args.gb,
+            "hash_gb_s_one_core": {name: round(_hash_rate_gb_s(name), 2) for name in digest.HASH_NAMES}}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gb", type=float, default=1.0, help="checkpoint size to aim for")
     parser.add_argument("--repeats", type=int, default=5, help="loads of each kind")
-    parser.add_argument("--cold", action="store_true", help="evict the files from the page cache before each load")
+    parser.add_argument("--cache", choices=["warm", "cold", "both"], default="warm",
+                        help="page cache before each load: warm, cold (files evicted), or both in turn")
+    parser.add_argument("--cold", action="store_true", help="the same as --cache cold")
+    parser.add_argument("--sha256", action="store_true",
+                        help="also load a twin whose manifest holds sha256 digests (saves before BLAKE3)")
     parser.add_argument("--dir", default=None, help="where to write the checkpoint (default: a temporary directory)")
+    parser.add_argument("--out", default=None, help="write table.json and run.json into this directory")
     args = parser.parse_args()
+    caches = ["cold"] if args.cold else ["warm", "cold"] if args.cache == "both" else [args.cache]
     logging.getLogger("dspark.checkpoint.info").setLevel(logging.ERROR)   # the twin's warning, each load
+    load_before = os.getloadavg()
     dspark.init(backend="gloo")
     layers = max(1, round(args.gb * 1e9 / (4096 * 4096 * 4 * 3)))   # parameter + two AdamW moments
     engine = _engine(layers)
     engine.backward(engine(torch.randn(8, 4096)).square().mean())
     engine.step()
+    rows: list[list[object]] = []
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         ckpt, twin = Path(tmp) / "ckpt", Path(tmp) / "twin"
         engine.save(ckpt)
         _unverified_twin(ckpt, twin)
+        kinds = {"without": twin, digest.HASH_NAME: ckpt}
+        if args.sha256:
+            _sha256_twin(ckpt, Path(tmp) / "sha256")
+            kinds["sha256"] = Path(tmp) / "sha256"
         size = sum(p.stat().st_size for p in ckpt.iterdir())
-        engine.load(ckpt)   # warm-up: allocator, first-touch of the destination buffers
-        times: dict[str, list[float]] = {"with": [], "without": []}
-        for i in range(args.repeats):
-            order = [("with", ckpt), ("without", twin)]
-            for kind, path in order if i % 2 == 0 else order[::-1]:   # interleaved: noise falls on both
-                if args.cold:
-                    _evict(path)
-                start = time.perf_counter()
-                engine.load(path)
-                times[kind].append(time.perf_counter() - start)
-    with_s, without_s = statistics.median(times["with"]), statistics.median(times["without"])
-    print(f"sha256 on one core: {_hash_rate_gb_s():.2f} GB/s; threads for the check: "
-          f"{min(8, len(os.sched_getaffinity(0)))}; checkpoint {size / 1e9:.2f} GB ({layers} layers), "
-          f"{'cold' if args.cold else 'warm'} page cache, {args.repeats} loads each")
-    print(f"load with check {with_s:.3f} s, without {without_s:.3f} s (medians; all with: "
-          f"{[round(t, 3) for t in times['with']]}, without: {[round(t, 3) for t in times['without']]}); "
-          f"the check costs {100 * (with_s - without_s) / without_s:+.1f}% of the load")
+        for path in kinds.values():
+            engine.load(path)   # warm-up: allocator, first-touch of the destination buffers
+        for cache in caches:
+            times: dict[str, list[float]] = {kind: [] for kind in kinds}
+            for i in range(args.repeats):
+                order = list(kinds.items())
+                for kind, path in order if i % 2 == 0 else order[::-1]:   # interleaved: noise falls on all
+                    if cache == "cold":
+                        _evict(path)
+                    start = time.perf_counter()
+                    engine.load(path)
+                    times[kind].append(time.perf_counter() - start)
+            without_s = statistics.median(times["without"])
+            loadavg = os.getloadavg()[0]
+            print(f"{cache} page cache, {args.repeats} loads each, load average {loadavg:.2f}; all loads: "
+                  f"{ {kind: [round(t, 3) for t in ts] for kind, ts in times.items()} }")
+            for kind in kinds:
+                if kind == "without":
+                    continue
+                with_s = statistics.median(times[kind])
+                cost = 100 * (with_s - without_s) / without_s
+                rows.append([cache, kind, round(size / 1e9, 2), round(without_s, 3), round(with_s, 3),
+                             round(cost, 1), round(loadavg, 2)])
+                print(f"  {kind}: load with check {with_s:.3f} s, without {without_s:.3f} s (medians); "
+                      f"the check costs {cost:+.1f}% of the load")
     engine.close()
     dspark.shutdown()
+    load_after = os.getloadavg()
+    provenance = _provenance(args, load_after)
+    print(f"checkpoint {size / 1e9:.2f} GB ({layers} layers); hash on one core (GB/s): "
+          f"{provenance['hash_gb_s_one_core']}; hash threads beside a load: {digest.spare_threads()}; "
+          f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f}")
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "table.json").write_text(json.dumps({"columns": COLUMNS, "rows": rows}, indent=1) + "\n")
+        (out / "run.json").write_text(json.dumps(provenance, indent=1) + "\n")
+        print(f"wrote {out / 'table.json'} and {out / 'run.json'}")
 
 
 if __name__ == "__main__":
