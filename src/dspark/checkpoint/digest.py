@@ -8,7 +8,7 @@ pieces (so that the pieces of one large tensor are hashed on several cores at on
 digest is the hash of its chunks' digests in file order. The hash is the manifest's ``"hash"``:
 BLAKE3 for every save (:data:`HASH_NAME`); sha256 in manifests written before, which still verify
 (:data:`HASH_NAMES`). Both are cryptographic, so the manifest stays a tamper-evident record of every
-byte; BLAKE3 hashes several times faster per core than sha256 with the SHA extensions (its SIMD
+byte; BLAKE3 hashes much faster per core than sha256 even with the SHA extensions (its SIMD
 code runs 8 or 16 blocks at once with AVX2/AVX-512), which is what lets a load's check overlap the
 load instead of adding to it.
 
