@@ -16,8 +16,9 @@ as a resumed job does.
 
 Prints the hash rates of one core and the load average, then one line per page-cache mode: median
 load seconds with and without the check, and the difference as a share of the load without it.
-``--out DIR`` also writes the table as ``DIR/table.json`` (``{"columns": [...], "rows": [...]}``,
-rendered into docs/figures.md) and where it came from as ``DIR/run.json``.
+``--out DIR`` also writes the table as ``DIR/table.json`` (see [Note: table artifacts] in
+:mod:`dspark.bench.table_artifact`), the rows as published and the conditions in its caption; keep
+it with ``python -m dspark.bench.record ... -- python benchmarks/ckpt_verify_cost.py ... --out DIR``.
 """
 
 from __future__ import annotations
@@ -27,10 +28,7 @@ import functools
 import json
 import logging
 import os
-import platform
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -38,11 +36,12 @@ from pathlib import Path
 import torch
 
 import dspark
+from dspark.bench.table_artifact import write_table
 from dspark.checkpoint import digest
 from dspark.checkpoint.manifest import MANIFEST_FILE
 
-COLUMNS = ["page cache", "hash", "checkpoint GB", "load without check s", "load with check s",
-           "check cost %", "load average"]
+COLUMNS = ["page cache", "manifest hash", "load without check s", "load with check s", "check's cost",
+           "load average"]
 
 
 def _engine(layers: int) -> dspark.Engine:
@@ -105,21 +104,6 @@ def _hash_rate_gb_s(hash_name: str) -> float:
     return len(data) / (time.perf_counter() - start) / 1e9
 
 
-def _provenance(args: argparse.Namespace, loadavg: tuple[float, ...]) -> dict[str, object]:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                check=True, cwd=Path(__file__).parent).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = None
-    from importlib.metadata import version
-
-    return {"command": " ".join([Path(sys.executable).name, *sys.argv]), "commit": commit,
-            "torch": torch.__version__, "blake3": version("blake3"), "python": platform.python_version(),
-            "cpu": platform.processor() or platform.machine(), "cores": len(os.sched_getaffinity(0)),
-            "load_average_1_5_15_min": list(loadavg), "repeats": args.repeats, "gb": args.gb,
-            "hash_gb_s_one_core": {name: round(_hash_rate_gb_s(name), 2) for name in digest.HASH_NAMES}}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gb", type=float, default=1.0, help="checkpoint size to aim for")
@@ -130,7 +114,7 @@ def main() -> None:
     parser.add_argument("--sha256", action="store_true",
                         help="also load a twin whose manifest holds sha256 digests (saves before BLAKE3)")
     parser.add_argument("--dir", default=None, help="where to write the checkpoint (default: a temporary directory)")
-    parser.add_argument("--out", default=None, help="write table.json and run.json into this directory")
+    parser.add_argument("--out", default=None, help="write DIR/table.json")
     args = parser.parse_args()
     caches = ["cold"] if args.cold else ["warm", "cold"] if args.cache == "both" else [args.cache]
     logging.getLogger("dspark.checkpoint.info").setLevel(logging.ERROR)   # the twin's warning, each load
@@ -171,23 +155,21 @@ def main() -> None:
                     continue
                 with_s = statistics.median(times[kind])
                 cost = 100 * (with_s - without_s) / without_s
-                rows.append([cache, kind, round(size / 1e9, 2), round(without_s, 3), round(with_s, 3),
-                             round(cost, 1), round(loadavg, 2)])
+                rows.append([cache, kind, f"{without_s:.3f}", f"{with_s:.3f}", f"{cost:+.1f}%",
+                             f"{loadavg:.2f}"])
                 print(f"  {kind}: load with check {with_s:.3f} s, without {without_s:.3f} s (medians); "
                       f"the check costs {cost:+.1f}% of the load")
     engine.close()
     dspark.shutdown()
     load_after = os.getloadavg()
-    provenance = _provenance(args, load_after)
-    print(f"checkpoint {size / 1e9:.2f} GB ({layers} layers); hash on one core (GB/s): "
-          f"{provenance['hash_gb_s_one_core']}; hash threads beside a load: {digest.spare_threads()}; "
-          f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f}")
+    rates = ", ".join(f"{name} {_hash_rate_gb_s(name):.2f} GB/s" for name in digest.HASH_NAMES)
+    conditions = (f"{size / 1e9:.2f} GB checkpoint ({layers} linear layers of 4096x4096 with AdamW state), "
+                  f"one process, {os.cpu_count()} cores, {digest.spare_threads()} hash thread(s) beside "
+                  f"the load; {args.repeats} loads of each kind interleaved, medians; hash on one core: "
+                  f"{rates}; load average {load_before[0]:.2f} before, {load_after[0]:.2f} after")
+    print(conditions)
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "table.json").write_text(json.dumps({"columns": COLUMNS, "rows": rows}, indent=1) + "\n")
-        (out / "run.json").write_text(json.dumps(provenance, indent=1) + "\n")
-        print(f"wrote {out / 'table.json'} and {out / 'run.json'}")
+        print(f"wrote {write_table(args.out, columns=COLUMNS, rows=rows, caption=conditions)}")
 
 
 if __name__ == "__main__":
