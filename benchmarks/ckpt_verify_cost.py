@@ -14,8 +14,10 @@ of the same files, as checkpoints saved before BLAKE3 have. ``--cache cold`` evi
 the page cache before every load (``posix_fadvise(DONTNEED)``), so each load reads from the disk,
 as a resumed job does.
 
-Prints the hash rates of one core and the load average, then one line per page-cache mode: median
-load seconds with and without the check, and the difference as a share of the load without it.
+Prints one line per page-cache mode and hash: median load seconds with and without the check, the
+difference as a share of the load without it, and the CPU seconds of the loading thread and of the
+hash threads (a load's check can run beside it on one spare core when the second is below the
+first, whatever else loads the machine), then the conditions: hash rates of one core, load average.
 ``--out DIR`` also writes the table as ``DIR/table.json`` (see [Note: table artifacts] in
 :mod:`dspark.bench.table_artifact`), the rows as published and the conditions in its caption; keep
 it with ``python -m dspark.bench.record ... -- python benchmarks/ckpt_verify_cost.py ... --out DIR``.
@@ -28,6 +30,7 @@ import functools
 import json
 import logging
 import os
+import resource
 import statistics
 import tempfile
 import time
@@ -41,7 +44,12 @@ from dspark.checkpoint import digest
 from dspark.checkpoint.manifest import MANIFEST_FILE
 
 COLUMNS = ["page cache", "manifest hash", "load without check s", "load with check s", "check's cost",
-           "load average"]
+           "reading thread CPU s", "hash threads CPU s", "load average"]
+
+
+def _process_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _engine(layers: int) -> dspark.Engine:
@@ -138,14 +146,20 @@ def main() -> None:
             engine.load(path)   # warm-up: allocator, first-touch of the destination buffers
         for cache in caches:
             times: dict[str, list[float]] = {kind: [] for kind in kinds}
+            # CPU seconds of the load's own thread and of every other thread (the hash workers): where
+            # the second is below the first, one spare core is enough for the check to run beside it
+            reading_cpu: dict[str, list[float]] = {kind: [] for kind in kinds}
+            other_cpu: dict[str, list[float]] = {kind: [] for kind in kinds}
             for i in range(args.repeats):
                 order = list(kinds.items())
                 for kind, path in order if i % 2 == 0 else order[::-1]:   # interleaved: noise falls on all
                     if cache == "cold":
                         _evict(path)
-                    start = time.perf_counter()
+                    start, thread_start, process_start = time.perf_counter(), time.thread_time(), _process_cpu_s()
                     engine.load(path)
                     times[kind].append(time.perf_counter() - start)
+                    reading_cpu[kind].append(time.thread_time() - thread_start)
+                    other_cpu[kind].append(_process_cpu_s() - process_start - reading_cpu[kind][-1])
             without_s = statistics.median(times["without"])
             loadavg = os.getloadavg()[0]
             print(f"{cache} page cache, {args.repeats} loads each, load average {loadavg:.2f}; all loads: "
@@ -155,10 +169,12 @@ def main() -> None:
                     continue
                 with_s = statistics.median(times[kind])
                 cost = 100 * (with_s - without_s) / without_s
+                reading_s, hashing_s = statistics.median(reading_cpu[kind]), statistics.median(other_cpu[kind])
                 rows.append([cache, kind, f"{without_s:.3f}", f"{with_s:.3f}", f"{cost:+.1f}%",
-                             f"{loadavg:.2f}"])
+                             f"{reading_s:.3f}", f"{hashing_s:.3f}", f"{loadavg:.2f}"])
                 print(f"  {kind}: load with check {with_s:.3f} s, without {without_s:.3f} s (medians); "
-                      f"the check costs {cost:+.1f}% of the load")
+                      f"the check costs {cost:+.1f}% of the load; CPU of the reading thread {reading_s:.3f} s, "
+                      f"of the hash threads {hashing_s:.3f} s")
     engine.close()
     dspark.shutdown()
     load_after = os.getloadavg()
