@@ -22,7 +22,7 @@ import torch
 
 import dspark
 from dspark.comm import shm_transport
-from dspark.engine import grad_reducer, param_slot, zero3_units
+from dspark.engine import grad_reducer, param_slot, zero3_gather, zero3_saved
 from dspark.models import get_workload
 
 _spent: collections.defaultdict[str, float] = collections.defaultdict(float)
@@ -53,11 +53,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args()
     for owner, method, label in (
-            (zero3_units._Gather, "__init__", "gather launch"),
-            (zero3_units._Gather, "finish", "gather landing (with its wait)"),
+            (zero3_gather.Gather, "__init__", "gather launch"),
+            (zero3_gather.Gather, "finish", "gather landing (with its wait)"),
             (shm_transport.ShmTransport, "_spin", "transport wait loop (every collective)"),
-            (zero3_units.Zero3Scheduler, "_pack", "saved-tensor pack"),
-            (zero3_units.Zero3Scheduler, "_unpack", "saved-tensor unpack"),
+            (zero3_saved.SavedParams, "pack", "saved-tensor pack"),
+            (zero3_saved.SavedParams, "unpack", "saved-tensor unpack"),
             (param_slot.ParamSlot, "free_full", "free a parameter"),
             (grad_reducer.GradReducer, "on_grad", "gradient into its bucket")):
         _time(owner, method, label)

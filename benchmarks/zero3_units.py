@@ -3,7 +3,7 @@
 * ``every container child``: every child of an ``nn.ModuleList`` / ``nn.Sequential`` at any depth
   (DSpark's default until a unit nested in another needed 1 MiB of parameters): on resnet50-cpu 31
   units, 22 of them under 100 KB (a BatchNorm of 32 parameters is its own all-gather);
-* ``default``: DSpark's default units (see [Note: units] in ``dspark.engine.zero3_units``);
+* ``default``: DSpark's default units (see [Note: units] in ``dspark.engine.zero3_plan``);
 * ``coarse``: only the modules ``--coarse`` names (default: resnet50-cpu's four stages).
 
 Each round builds the model and an engine per choice, in alternating order, and times ``--steps``

@@ -338,19 +338,19 @@ def _deferred_tag_checks() -> dict[str, object]:
     torch.manual_seed(0)
     engine = dspark.Engine(tm.TinyMLP(), optimizer=ADAMW, strategy="zero3")
     scheduler = engine._zero3
-    assert scheduler is not None and scheduler.defer_tag_checks is False  # CPU parameters
-    scheduler.defer_tag_checks = True
+    assert scheduler is not None and scheduler.tags.defer is False  # CPU parameters
+    scheduler.tags.defer = True
     x = dspark.distribute_batch(torch.randn(4, 6), shard_dim=0)
     engine(x)  # a forward alone: its tags wait
-    pending = len(scheduler._deferred_tags)
+    pending = len(scheduler.tags.deferred)
     engine.backward(engine(x).square().mean())
     engine.step()
-    left = len(scheduler._deferred_tags)
+    left = len(scheduler.tags.deferred)
     forward_tag = (1 << 48) | (0 << 24) | 0  # a training forward of the first parameter
     no_grad_tag = (2 << 48) | (0 << 24) | 0
-    scheduler._deferred_tags = [(forward_tag, torch.tensor([forward_tag, no_grad_tag]))]
+    scheduler.tags.deferred = [(forward_tag, torch.tensor([forward_tag, no_grad_tag]))]
     try:
-        scheduler._verify_deferred_tags()
+        scheduler.tags.verify_deferred()
         message = "no error"
     except dspark.CollectiveError as exc:
         message = str(exc)

@@ -117,12 +117,12 @@ def test_default_units_that_merge_and_keep_nested_pieces_train_like_one_process(
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 def test_a_gather_tag_travels_exactly_in_any_parameter_dtype(dtype: torch.dtype) -> None:
-    from dspark.engine.zero3_units import _tag_tensor, _tags_of
+    from dspark.engine.zero3_gather import tag_tensor, tags_of
 
     tags = [(3 << 48) | (17 << 24) | 16_777_215, (1 << 48) | 5]  # all-ones low bits: NaN patterns
-    rows = torch.stack([_tag_tensor(tag, dtype, torch.device("cpu")) for tag in tags])
+    rows = torch.stack([tag_tensor(tag, dtype, torch.device("cpu")) for tag in tags])
     assert rows.dtype == dtype and rows.numel() * rows.element_size() == 2 * 8
-    assert _tags_of(rows).tolist() == tags
+    assert tags_of(rows).tolist() == tags
 
 
 def _units_started_ahead(max_bytes: int) -> list[int]:
