@@ -30,6 +30,7 @@ from torch import nn
 
 import dspark
 from dspark import comm
+from dspark.engine.engine import engine_parts
 from dspark.engine.inputs import ForwardInputs
 from dspark.engine.step_observer import StepObserver
 
@@ -37,17 +38,12 @@ _BLOCK = 2
 _DIRECT_REPEATS = 2000
 
 
-class _Off:
-    """The engine without observation: phases and waits cost nothing."""
+def _enter_off(self: StepObserver, phase: int) -> None:
+    """The engine without observation: phases (and so waits) cost nothing."""
 
-    def enter(self, phase: int) -> None:
-        pass
 
-    def leave(self, *, failed: bool = False, ends_step: bool = False) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
+def _leave_off(self: StepObserver, *, failed: bool = False, ends_step: bool = False) -> None:
+    pass
 
 
 def _tiny() -> tuple[nn.Module, Callable[[int], tuple[torch.Tensor, torch.Tensor]], Callable[..., Any]]:
@@ -106,22 +102,25 @@ def measure(name: str, strategy: str, steps: int) -> dict[str, float]:
     model, make_batch, loss_fn, precision = _workload(name)
     engine = dspark.Engine(model, optimizer=functools.partial(torch.optim.AdamW, lr=1e-4),
                            strategy=strategy, precision=precision)
-    on, record = engine._observer, ForwardInputs.__dict__["of"]  # the classmethod itself
+    observer = engine_parts(engine).observer
+    enter, leave = StepObserver.enter, StepObserver.leave
+    record = ForwardInputs.__dict__["of"]  # the classmethod itself
     off = staticmethod(lambda batch: ForwardInputs(()))  # nothing recorded
     for step in range(2):  # warm-up; the first step also learns the bucket order
         _time_step(engine, make_batch(step), loss_fn)
-    window = on._done[-1]
-    phases, waits = len(window.phases), len(window.waits)
+    phases, waits = observer.last_step_counts()
     times: dict[bool, list[float]] = {True: [], False: []}
     try:
         for block in range(steps // _BLOCK):
             observing = block % 2 == 0
-            engine._observer = on if observing else _Off()  # type: ignore[assignment]
+            StepObserver.enter = enter if observing else _enter_off  # type: ignore[method-assign]
+            StepObserver.leave = leave if observing else _leave_off  # type: ignore[method-assign]
             ForwardInputs.of = record if observing else off  # type: ignore[method-assign]
             for step in range(_BLOCK):
                 times[observing].append(_time_step(engine, make_batch(100 + block * _BLOCK + step), loss_fn))
     finally:
-        engine._observer, ForwardInputs.of = on, record  # type: ignore[method-assign]
+        StepObserver.enter, StepObserver.leave = enter, leave  # type: ignore[method-assign]
+        ForwardInputs.of = record  # type: ignore[method-assign]
     x, _ = dspark.distribute_batch(make_batch(0), shard_dim=0)
     observer_us, fingerprint_us = _direct_us(StepObserver(torch.device("cpu"), rank=0), phases, waits, [x])
     engine.close()

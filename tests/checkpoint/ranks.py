@@ -16,6 +16,7 @@ import torch
 import dspark
 import dspark.checkpoint
 from dspark.checkpoint import CheckpointSaveError
+from dspark.engine.engine import engine_parts
 from tests.engine import tiny_models as tm
 from tests.engine.harness import GLOBAL_BATCH, LR
 
@@ -122,7 +123,8 @@ def load_error_keeping_state(path: str, name: str, strategy: str) -> tuple[str, 
 def _snapshot(engine: dspark.Engine) -> dict[str, torch.Tensor]:
     # the engine's own walk: under zero3 the module refuses state_dict() while its parameters are
     # freed (their shards are compared below)
-    tensors = {f"model/{k}": v.detach().clone() for k, v in engine._states.module_state_dict().items()}
+    states = engine_parts(engine).states
+    tensors = {f"model/{k}": v.detach().clone() for k, v in states.module_state_dict().items()}
     for slot in engine.slots:
         param = slot.opt_param if engine.strategy.shard_optimizer else slot.param
         for key, value in engine.optimizer.state.get(param, {}).items() if param is not None else ():

@@ -14,6 +14,7 @@ import torch
 import dspark
 from dspark.engine import above_share, format_audit
 from dspark.engine.audit import AUDIT_KINDS
+from dspark.engine.engine import engine_parts
 from tests.engine import tiny_models as tm
 from tests.engine.test_memory_report import _by_hand
 from tests.messages import assert_line_names
@@ -32,7 +33,7 @@ def _audited(strategy: str, *, shard_dim: Any = 0, gather: str | None = None,
         engine.step()
     if gather is not None:  # a zero3 parameter left whole on purpose, as a bug would leave it
         slot = next(s for s in engine.slots if s.name == gather)
-        engine._zero3.gather_slots([slot])
+        engine_parts(engine).zero3.gather_slots([slot])
     if mid_window:  # between backward and step: the reduced gradients are held
         x, y = dspark.distribute_batch(tm.batch("mlp", 8, 2), shard_dim=shard_dim)
         engine.backward(tm.loss_fn("mlp", engine(x), y))

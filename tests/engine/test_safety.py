@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import dspark
+from dspark.engine.engine import engine_parts
 from tests.engine import tiny_models as tm
 from tests.engine.harness import run_or_explain_hang
 from tests.messages import assert_line_names, assert_names
@@ -337,7 +338,7 @@ def _deferred_tag_checks() -> dict[str, object]:
     step leaves nothing pending, and a mismatched batch of tags names both sides."""
     torch.manual_seed(0)
     engine = dspark.Engine(tm.TinyMLP(), optimizer=ADAMW, strategy="zero3")
-    scheduler = engine._zero3
+    scheduler = engine_parts(engine).zero3
     assert scheduler is not None and scheduler.tags.defer is False  # CPU parameters
     scheduler.tags.defer = True
     x = dspark.distribute_batch(torch.randn(4, 6), shard_dim=0)

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import dspark
+from dspark.engine.engine import engine_parts
 from tests.engine import loop_models as lm
 from tests.messages import assert_line_names
 
@@ -210,7 +211,8 @@ def _two_steps(engine: dspark.Engine) -> None:
 
 def _zero3_units(policy: Any) -> dict[str, Any]:
     engine = dspark.Engine(lm.build(), optimizer=OPTIMIZERS["sgd"], strategy="zero3", zero3_units=policy)
-    names = [u.name for u in engine._zero3.units] if engine._zero3 is not None else []
+    zero3 = engine_parts(engine).zero3
+    names = [u.name for u in zero3.units] if zero3 is not None else []
     _two_steps(engine)
     state = engine.full_state_dict()
     engine.close()
@@ -246,7 +248,7 @@ def _frozen_memory(strategy: str) -> dict[str, Any]:
     engine = dspark.Engine(model, optimizer=OPTIMIZERS["sgd"], strategy=strategy)
     frozen_held = sum(p.numel() for p in engine.module.blocks.parameters())
     _two_steps(engine)
-    shards = sum(s.shard_flat.numel() for s in engine._frozen_slots if s.shard_flat is not None)
+    shards = sum(s.shard_flat.numel() for s in engine_parts(engine).frozen_slots if s.shard_flat is not None)
     state = engine.full_state_dict()
     engine.close()
     return {"frozen_held": frozen_held, "frozen_shards": shards, "state": state}
@@ -270,10 +272,10 @@ def _full_state_dict_options() -> dict[str, Any]:
     most = [0]
 
     def count(*_: object) -> None:
-        most[0] = max(most[0], sum(s.numel for s in (*engine.slots, *engine._frozen_slots) if s.gathered))
+        most[0] = max(most[0], sum(s.numel for s in (*engine.slots, *engine_parts(engine).frozen_slots) if s.gathered))
 
     originals = {}
-    for slot in (*engine.slots, *engine._frozen_slots):
+    for slot in (*engine.slots, *engine_parts(engine).frozen_slots):
         originals[id(slot)] = slot.set_full
 
         def traced(flat: torch.Tensor, _slot: Any = slot) -> None:

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import dspark
+from dspark.engine.engine import engine_parts
 from dspark.models.gpt import GPT, GPTConfig
 from tests.engine.harness import ATOL, ATOL_ADAMW, SGD_LR, assert_close
 
@@ -58,8 +59,9 @@ def _train(optimizer: str) -> dict[str, Any]:
         x, y = dspark.distribute_batch(_batch(step), shard_dim=0)
         logits = engine(x)
         whole_after_forward += [name for name, p in engine.module.named_parameters() if p.numel()]
-        assert engine._zero3 is not None
-        in_flight_after_forward += sum(s.pending is not None for s in engine._zero3._slots)
+        zero3 = engine_parts(engine).zero3
+        assert zero3 is not None
+        in_flight_after_forward += sum(s.pending is not None for s in zero3.slots)
         engine.backward(_loss(logits, y))
         engine.step()
     state = engine.full_state_dict()

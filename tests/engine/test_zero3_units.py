@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import dspark
+from dspark.engine.engine import engine_parts
 from dspark.engine.zero3_units import MIN_NESTED_UNIT_BYTES, unit_modules
 
 
@@ -93,7 +94,8 @@ def _reference(opt: str) -> dict[str, torch.Tensor]:
 def _zero3(opt: str) -> dict[str, Any]:
     model = _mixed_model()
     engine = dspark.Engine(model, optimizer=OPTIMIZERS[opt], strategy="zero3")
-    units = [unit.name for unit in engine._zero3.units] if engine._zero3 is not None else []
+    zero3 = engine_parts(engine).zero3
+    units = [unit.name for unit in zero3.units] if zero3 is not None else []
     for step in range(STEPS):
         x, y = dspark.distribute_batch(_batch(step), shard_dim=0)
         engine.backward(nn.functional.cross_entropy(engine(x), y))
@@ -140,8 +142,9 @@ def _units_started_ahead(max_bytes: int) -> list[int]:
         for _ in range(2):  # the first step observes the order that prefetching follows
             engine.backward(engine(x).square().mean())
             engine.step()
-        assert engine._zero3 is not None
-        slots_of = {id(unit.module): unit.slots for unit in engine._zero3.units}
+        zero3 = engine_parts(engine).zero3
+        assert zero3 is not None
+        slots_of = {id(unit.module): unit.slots for unit in zero3.units}
         ahead: list[int] = []
 
         def count(module: nn.Module, args: Any) -> None:

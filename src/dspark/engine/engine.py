@@ -10,7 +10,6 @@ state dicts (:mod:`~dspark.engine.state_dict`). The map of every module: docs/en
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import os
 from collections.abc import Mapping
@@ -25,13 +24,13 @@ from dspark.engine.audit import audit_rows
 from dspark.engine.auto import strategy_and_plan
 from dspark.engine.batch_check import DEFAULT_BATCH_CHECK_EVERY
 from dspark.engine.buffer_sync import broadcast_tensors
-from dspark.engine.build import OptimizerFactory, build_parts
+from dspark.engine.build import EngineParts, OptimizerFactory, build_parts
 from dspark.engine.host_read import defers_host_reads
 from dspark.engine.loss_scaler import LossScaler
 from dspark.engine.memory import frozen_held, memory_report
 from dspark.engine.param_groups import ParamGroupsFn
 from dspark.engine.policy import precision_policy, sharding_policy
-from dspark.engine.pretrained import load_from_rank, load_pretrained, save_pretrained
+from dspark.engine.pretrained import load_from_rank, load_pretrained
 from dspark.engine.state_dict import IncompatibleKeys
 from dspark.engine.step_observer import observed
 from dspark.engine.trace import check_trace_args
@@ -44,7 +43,7 @@ from dspark.tensor import DistTensor, Placement
 if TYPE_CHECKING:
     from dspark.checkpoint import CheckpointInfo
 
-__all__ = ["Engine", "IncompatibleKeys"]
+__all__ = ["Engine", "IncompatibleKeys", "engine_parts"]
 
 log = logging.getLogger(__name__)
 
@@ -119,14 +118,10 @@ class Engine:
         self.optimizer = parts.optimizer
         self.batch_check = parts.batch_check
         """Compares the ranks' input batches (identical ones raise :class:`dspark.PlacementError`)."""
-        self._parts = parts  # its fields, by the names the methods read:
-        self._frozen_slots, self._shard_params, self._zero3 = parts.frozen_slots, parts.shard_params, parts.zero3
-        self._reducer = parts.reducer
-        self._update, self._states, self._backward_pass = parts.update, parts.states, parts.backward_pass
-        self._inputs, self._observer = parts.inputs, parts.observer
+        self._parts = parts  # the parts a step runs: engine_parts(engine) for tests and benchmarks
 
     # -- forward / backward ----------------------------------------------------------------------
-    @observed("forward")
+    @observed("forward", lambda engine: engine._parts.observer)
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the model's forward under the engine's precision: ``torch.autocast`` to bf16/fp16 for
         ``precision="bf16"``/``"fp16"`` (the parameters stay fp32); ``engine.module(x)`` runs without
@@ -136,21 +131,17 @@ class Engine:
 
             logits = engine(tokens)            # bf16 matmuls under precision="bf16"
         """
+        zero3 = self._parts.zero3
+        saving = (contextlib.nullcontext() if zero3 is None or not torch.is_grad_enabled()
+                  else zero3.saving_parameters_by_reference())
         try:
-            with self.precision.autocast(self.world.device.type), self._saving_parameters():
+            with self.precision.autocast(self.world.device.type), saving:
                 return self.module(*args, **kwargs)
         except RuntimeError as exc:
-            if self._zero3 is None:
-                raise
-            explained = self._zero3.after_failed_forward(exc)
+            explained = None if zero3 is None else zero3.after_failed_forward(exc)
             if explained is None:
                 raise
             raise explained from exc
-
-    def _saving_parameters(self) -> contextlib.AbstractContextManager[Any]:
-        if self._zero3 is None or not torch.is_grad_enabled():
-            return contextlib.nullcontext()
-        return self._zero3.saving_parameters_by_reference()
 
     def backward(self, loss: torch.Tensor, *, weight: float | int | torch.Tensor | None = None) -> None:
         """Backpropagate ``loss`` (the mean loss of this rank's micro-batch). The update averages the
@@ -163,14 +154,14 @@ class Engine:
 
             engine.backward(loss, weight=int((labels != -100).sum()))
         """
-        w = self._backward_pass.check(loss, weight)
+        w = self._parts.backward_pass.check(loss, weight)
         # Refused above with nothing changed: the window goes on, and so does its step breakdown.
         self._backward(loss, w)
 
-    @observed("backward")
+    @observed("backward", lambda engine: engine._parts.observer)
     def _backward(self, loss: torch.Tensor, w: float | None) -> None:
         self.batch_check.before_backward()  # raises on every rank, before any state changes
-        self._backward_pass.run(loss, w)
+        self._parts.backward_pass.run(loss, w)
 
     # -- mode, like nn.Module -------------------------------------------------------------------
     @property
@@ -197,7 +188,7 @@ class Engine:
         return self.train(False)
 
     # -- optimizer step --------------------------------------------------------------------------
-    @observed("optimizer")
+    @observed("optimizer", lambda engine: engine._parts.observer)
     def step(self) -> bool:
         """Apply the optimizer to the window's averaged gradients (after 1 to ``grad_accum_steps``
         ``backward()`` calls; a shorter window is reduced here). Returns False when the step was
@@ -216,19 +207,19 @@ class Engine:
                                "engine.backward(loss) first")
         try:
             if not self._window.synced:
-                self._backward_pass.sync()
+                self._parts.backward_pass.sync()
             applied = self._apply_update()
-            self._reducer.after_step()
+            self._parts.reducer.after_step()
             return applied
         finally:
-            self._backward_pass.end_window()
+            self._parts.backward_pass.end_window()
 
     def _apply_update(self) -> bool:
         if not self._window.has_grads:
             log.warning("rank %d: every rank gave weight=0: nothing to average, step skipped",
                         self.world.rank)
             return False
-        applied = self._update.apply(nonfinite_loss=self._reducer.nonfinite_loss)
+        applied = self._parts.update.apply(nonfinite_loss=self._parts.reducer.nonfinite_loss)
         if applied:
             self.step_count += 1
         return applied
@@ -237,14 +228,14 @@ class Engine:
     def nonfinite_steps(self) -> int:
         """Steps skipped so far because the global gradient norm was not finite (fp16 overflows
         included)."""
-        return self._update.nonfinite_steps
+        return self._parts.update.nonfinite_steps
 
     @property
     def last_grad_norm(self) -> float | None:
         """The global gradient norm (before clipping) of the last step that measured it: with
         ``clip_grad_norm=``, under fp16, or through :meth:`clip_grad_norm_`; inf or nan when a
         gradient held one. None before any such step."""
-        return self._update.last_grad_norm
+        return self._parts.update.last_grad_norm
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Scale the window's reduced gradients to a global L2 norm of at most ``max_norm`` and
@@ -267,7 +258,7 @@ class Engine:
                 f"rank {self.world.rank}: clip_grad_norm_() before the window's gradients are reduced "
                 f"({self._window.micro_step} of grad_accum_steps={self.grad_accum_steps} backward() calls "
                 "so far); call it after the window's last engine.backward() and before engine.step()")
-        return self._update.clip(max_norm)
+        return self._parts.update.clip(max_norm)
 
     # -- state -----------------------------------------------------------------------------------
     @property
@@ -307,7 +298,7 @@ class Engine:
         """
         self._check_in_step("full_state_dict")
         self.sync_buffers()
-        return self._states.full(rank0_only=rank0_only, cpu=cpu)
+        return self._parts.states.full(rank0_only=rank0_only, cpu=cpu)
 
     def load_full_state_dict(self, state_dict: Mapping[str, torch.Tensor] | None, src_rank: int | None = 0, *,
                              strict: bool = True) -> IncompatibleKeys:
@@ -326,8 +317,8 @@ class Engine:
             missing, unexpected = engine.load_full_state_dict(backbone, strict=False)  # a new head
         """
         self._check_between_steps("load_full_state_dict")
-        return IncompatibleKeys(*load_from_rank(self._states.weight_entries(), state_dict, src_rank=src_rank,
-                                                strict=strict, device=self.world.device))
+        return IncompatibleKeys(*load_from_rank(self._parts.states.weight_entries(), state_dict,
+                                                src_rank=src_rank, strict=strict, device=self.world.device))
 
     def load_pretrained(self, path: str | os.PathLike[str], key_map: KeyMap | None = None,
                         strict: bool = True) -> IncompatibleKeys:
@@ -346,7 +337,7 @@ class Engine:
             engine.load_pretrained("/models/gpt2")        # config.json + model.safetensors
         """
         self._check_between_steps("load_pretrained")
-        return IncompatibleKeys(*load_pretrained(self._states.weight_entries(), path, key_map=key_map,
+        return IncompatibleKeys(*load_pretrained(self._parts.states.weight_entries(), path, key_map=key_map,
                                                  strict=strict))
 
     def save_pretrained(self, directory: str | os.PathLike[str], max_shard_size: int | str = "5GB") -> Path:
@@ -363,13 +354,8 @@ class Engine:
         """
         self._check_between_steps("save_pretrained")
         self.sync_buffers()
-        zero3 = self._zero3
-        return save_pretrained(self._states.weight_entries(), directory, max_shard_size=max_shard_size,
-                               units=[unit.slots for unit in zero3.units] if zero3 is not None else [],
-                               gather=functools.partial(zero3.gather_slots, purpose="save_pretrained")
-                               if zero3 is not None else None,
-                               free=zero3.free_slots if zero3 is not None else None,
-                               config=getattr(self.module, "config", None))
+        return self._parts.states.save_pretrained(directory, max_shard_size=max_shard_size,
+                                                  config=getattr(self.module, "config", None))
 
     def sync_buffers(self) -> None:
         """Give every rank rank 0's buffers now (collective; done before checkpoints and full state
@@ -387,7 +373,7 @@ class Engine:
             dcp.save(engine.sharded_state_dict(), checkpoint_id="ckpt/dcp")   # torch.distributed.checkpoint
         """
         self._check_in_step("sharded_state_dict")
-        return self._states.sharded(step_count=self.step_count)
+        return self._parts.states.sharded(step_count=self.step_count)
 
     def load_sharded_state_dict(self, state: Mapping[str, Any]) -> None:
         """Install a structure like :meth:`sharded_state_dict`'s (each tensor this rank's rows or the
@@ -400,7 +386,7 @@ class Engine:
             engine.load_sharded_state_dict(sd)
         """
         self._check_between_steps("load_sharded_state_dict")
-        step_count = self._states.load_sharded(state)
+        step_count = self._parts.states.load_sharded(state)
         if step_count is not None:
             self.step_count = step_count
 
@@ -458,10 +444,10 @@ class Engine:
         of the last backward) and optimizer state, measured from the tensors, next to what the
         strategy should hold. Frozen parameters count in ``params_bytes`` only: they have no gradient
         and no optimizer state (zero3 shards them too)."""
-        frozen = frozen_held(self._frozen_slots, self.module, shard_params=self._shard_params)
+        frozen = frozen_held(self._parts.frozen_slots, self.module, shard_params=self._parts.shard_params)
         return memory_report(policy=self.strategy, slots=self.slots, frozen=frozen, optimizer=self.optimizer,
                              grads_bytes=self._window.grads_bytes_held,
-                             comm_buffer_bytes=self._reducer.comm_buffer_bytes(),
+                             comm_buffer_bytes=self._parts.reducer.comm_buffer_bytes(),
                              rank=self.world.rank, num_ranks=self.world.world_size)
 
     def step_stats(self) -> dict[str, float]:
@@ -474,7 +460,7 @@ class Engine:
 
             stats = engine.step_stats()   # {"step_ms": 41.8, "forward_ms": 12.1, ...}
         """
-        return self._observer.step_stats()
+        return self._parts.observer.step_stats()
 
     def audit(self) -> list[dict[str, Any]]:
         """Every tensor this rank holds (parameters, gradients, optimizer state, the last input batch)
@@ -487,12 +473,25 @@ class Engine:
             from dspark.engine.audit import format_audit
             print(format_audit(engine.audit()))  # input batch: 2.0x a 1/2 share, replicated on every rank
         """
-        return audit_rows(module=self.module, slots=(*self.slots, *self._frozen_slots), strategy=self.strategy,
-                          params_sharded=self._shard_params, buckets=self._reducer.buckets, optimizer=self.optimizer,
-                          batch=self._inputs.last, rank=self.world.rank, num_ranks=self.world.world_size,
-                          device=self.world.device)
+        parts = self._parts
+        return audit_rows(module=self.module, slots=(*self.slots, *parts.frozen_slots), strategy=self.strategy,
+                          params_sharded=parts.shard_params, buckets=parts.reducer.buckets,
+                          optimizer=self.optimizer, batch=parts.inputs.last, rank=self.world.rank,
+                          num_ranks=self.world.world_size, device=self.world.device)
 
     def close(self) -> None:
         """Remove the engine's hooks (the module keeps working as a plain module unless zero3) and stop
         its trace, if one is still recording."""
         self._parts.close()
+
+
+def engine_parts(engine: Engine) -> EngineParts:
+    """The parts ``engine`` drives (its zero3 scheduler, reducer, update, state dicts, step
+    observer...), for DSpark's own tests and benchmarks that look inside a step. Not the user API:
+    the parts change as the engine does.
+
+    Example::
+
+        scheduler = engine_parts(engine).zero3   # None unless strategy="zero3"
+    """
+    return engine._parts

@@ -25,7 +25,10 @@ checkpoints (``engine.save``/``engine.load``, :mod:`dspark.checkpoint`) work onl
 from __future__ import annotations
 
 import contextlib
+import functools
+import os
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
@@ -36,6 +39,7 @@ from dspark.comm import World
 from dspark.engine.loss_scaler import LossScaler
 from dspark.engine.param_slot import ParamSlot
 from dspark.engine.policy import PrecisionPolicy, ShardingPolicy
+from dspark.engine.pretrained import save_pretrained
 from dspark.engine.weights import WeightEntry, weight_entries
 from dspark.engine.zero3_guard import Zero3StateDictGuard
 from dspark.engine.zero3_units import Zero3Scheduler
@@ -159,6 +163,17 @@ class StateDicts:
         for name, value in self.module_state_dict().items():
             out[name] = values[name] if name in values else own(value)
         return out
+
+    def save_pretrained(self, directory: str | os.PathLike[str], *, max_shard_size: int | str,
+                        config: Any) -> Path:
+        """See :meth:`Engine.save_pretrained` (buffers already synchronised): zero3 gathers one unit
+        at a time."""
+        zero3 = self.zero3
+        return save_pretrained(self.weight_entries(), directory, max_shard_size=max_shard_size,
+                               units=[unit.slots for unit in zero3.units] if zero3 is not None else [],
+                               gather=functools.partial(zero3.gather_slots, purpose="save_pretrained")
+                               if zero3 is not None else None,
+                               free=zero3.free_slots if zero3 is not None else None, config=config)
 
     # -- sharded ---------------------------------------------------------------------------------
     def sharded(self, *, step_count: int) -> dict[str, Any]:

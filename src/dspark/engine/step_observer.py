@@ -165,6 +165,18 @@ class StepObserver:
             window.stats = self._resolve(window)
         return dict(window.stats)
 
+    def last_step_counts(self) -> tuple[int, int]:
+        """How many phases and how many communication waits the last completed step had.
+
+        Example::
+
+            phases, waits = observer.last_step_counts()   # (3, 4): forward, backward, optimizer
+        """
+        if not self._done:
+            raise RuntimeError(f"rank {self.rank}: last_step_counts() before the first engine.step()")
+        window = self._done[-1]
+        return len(window.phases), len(window.waits)
+
     def _resolve(self, window: _Window) -> dict[str, float]:
         elapsed = self._clock.elapsed_ms
         inside = [0.0] * len(PHASES)
@@ -184,18 +196,15 @@ class StepObserver:
             self.trace.close()
 
 
-class _HasObserver:
-    _observer: StepObserver
-
-
-def observed(phase: str) -> Callable[[Callable[Concatenate[Any, P], R]], Callable[Concatenate[Any, P], R]]:
+def observed(phase: str, observer_of: Callable[[Any], StepObserver],
+             ) -> Callable[[Callable[Concatenate[Any, P], R]], Callable[Concatenate[Any, P], R]]:
     """Decorate an engine method as one of the step's phases (``"forward"``, ``"backward"``,
-    ``"optimizer"``; the last ends the step). The object keeps its :class:`StepObserver` in
-    ``_observer``. A forward with grad disabled (evaluation) is not observed.
+    ``"optimizer"``; the last ends the step), observed by ``observer_of(self)``. A forward with grad
+    disabled (evaluation) is not observed.
 
     Example::
 
-        @observed("backward")
+        @observed("backward", lambda engine: engine.observer)
         def backward(self, loss): ...
     """
     index = PHASES.index(phase)
@@ -203,8 +212,8 @@ def observed(phase: str) -> Callable[[Callable[Concatenate[Any, P], R]], Callabl
 
     def decorate(method: Callable[Concatenate[Any, P], R]) -> Callable[Concatenate[Any, P], R]:
         @functools.wraps(method)
-        def run(self: _HasObserver, *args: P.args, **kwargs: P.kwargs) -> R:
-            observer = self._observer
+        def run(self: Any, *args: P.args, **kwargs: P.kwargs) -> R:
+            observer = observer_of(self)
             if index == 0 and not torch.is_grad_enabled():
                 return method(self, *args, **kwargs)
             observer.enter(index)
