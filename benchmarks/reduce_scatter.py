@@ -55,8 +55,8 @@ def collectives(sizes: list[float], repeats: int, world: dspark.World) -> None:
 
 def _step_ms(workload_name: str, strategy: str, precision: str, path: str, steps: int,
              world: dspark.World) -> float:
-    # the engine's per-backend choice (a private table, as in tests/engine/test_training_loops.py)
-    build_module._SHARDED_REDUCE[world.backend] = path
+    # the engine's per-backend choice (as tests/engine/test_training_loops.py sets it)
+    build_module.SHARDED_REDUCE[world.backend] = path
     workload = get_workload(workload_name)
     engine = dspark.Engine(workload.build_model(seed=0), strategy=strategy, precision=precision,
                            optimizer=functools.partial(torch.optim.AdamW, lr=3e-4))

@@ -108,11 +108,11 @@ def load_error_keeping_state(path: str, name: str, strategy: str) -> tuple[str, 
     parameters, buffers and optimizer state are all exactly as before the load)."""
     engine = make_engine(name, strategy)
     train(engine, name, range(1))
-    before = _snapshot(engine)
+    before = snapshot(engine)
     try:
         engine.load(path)
     except Exception as exc:
-        after = _snapshot(engine)
+        after = snapshot(engine)
         same = before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
         return type(exc).__name__, str(exc), same and engine.step_count == 1
     finally:
@@ -120,7 +120,7 @@ def load_error_keeping_state(path: str, name: str, strategy: str) -> tuple[str, 
     raise AssertionError("the load did not fail")
 
 
-def _snapshot(engine: dspark.Engine) -> dict[str, torch.Tensor]:
+def snapshot(engine: dspark.Engine) -> dict[str, torch.Tensor]:
     # the engine's own walk: under zero3 the module refuses state_dict() while its parameters are
     # freed (their shards are compared below)
     states = engine_parts(engine).states

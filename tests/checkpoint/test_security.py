@@ -200,7 +200,7 @@ def test_one_ranks_damaged_random_state_fails_every_rank_before_anything_changes
 
 def _load_with_another_loader(path: str) -> tuple[str, bool, dict[str, Any]]:
     """A resumed run that builds its loader with another global batch size than the saved one."""
-    from tests.checkpoint.ranks import _snapshot, make_engine
+    from tests.checkpoint.ranks import make_engine, snapshot
 
     engine = make_engine("mlp", "zero3")
     loader = dspark.DataLoader(torch.utils.data.TensorDataset(torch.arange(64.0)), global_batch_size=8)
@@ -214,11 +214,11 @@ def _load_with_another_loader(path: str) -> tuple[str, bool, dict[str, Any]]:
     engine.save(path, extra={"loader": loader, "sched": sched})
     sched.step()
     sched_before = sched.state_dict()
-    before = _snapshot(engine)
+    before = snapshot(engine)
     try:
         engine.load(path, extra={"sched": sched, "loader": other})
     except Exception as exc:
-        after = _snapshot(engine)
+        after = snapshot(engine)
         same = all(torch.equal(before[k], after[k]) for k in before)
         return f"{type(exc).__name__}: {exc}", same, {"sched": sched.state_dict() == sched_before,
                                                        "loader": loader.state_dict() == before_loader}

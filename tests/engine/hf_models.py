@@ -18,7 +18,7 @@ MASKED_PER_SEQUENCE = 2
 number of tokens (unequal counts are the uneven-batch tests' subject, not these)."""
 
 
-def _quiet_transformers() -> None:
+def quiet_transformers() -> None:
     from transformers.utils import logging
 
     logging.set_verbosity_error()  # config warnings about token ids outside the tiny vocabulary
@@ -26,7 +26,7 @@ def _quiet_transformers() -> None:
 
 def gpt2(seed: int = 0) -> nn.Module:
     """GPT2LMHeadModel, 2 layers, width 16: the output head is tied to the token embedding."""
-    _quiet_transformers()
+    quiet_transformers()
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(seed)
@@ -46,7 +46,7 @@ def _bert_config() -> object:
 
 def bert(seed: int = 0) -> nn.Module:
     """BertForMaskedLM, 2 layers, width 16: the decoder is tied to the word embedding."""
-    _quiet_transformers()
+    quiet_transformers()
     from transformers import BertForMaskedLM
 
     torch.manual_seed(seed)
@@ -56,7 +56,7 @@ def bert(seed: int = 0) -> nn.Module:
 def bert_classifier(seed: int = 0) -> nn.Module:
     """BertForSequenceClassification with its default 2 labels (a binary fine-tune): the head's
     2-element bias is one element per rank on 2 ranks."""
-    _quiet_transformers()
+    quiet_transformers()
     from transformers import BertForSequenceClassification
 
     torch.manual_seed(seed)
@@ -65,7 +65,7 @@ def bert_classifier(seed: int = 0) -> nn.Module:
 
 def resnet(seed: int = 0) -> nn.Module:
     """ResNetForImageClassification, two basic stages: convolutions with BatchNorm everywhere."""
-    _quiet_transformers()
+    quiet_transformers()
     from transformers import ResNetConfig, ResNetForImageClassification
 
     torch.manual_seed(seed)

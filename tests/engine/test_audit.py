@@ -16,7 +16,7 @@ from dspark.engine import above_share, format_audit
 from dspark.engine.audit import AUDIT_KINDS
 from dspark.engine.engine import engine_parts
 from tests.engine import tiny_models as tm
-from tests.engine.test_memory_report import _by_hand
+from tests.engine.test_memory_report import by_hand
 from tests.messages import assert_line_names
 
 ROW_KEYS = {"name", "kind", "placement", "bytes", "expected_bytes", "factor"}
@@ -55,7 +55,7 @@ def test_a_healthy_run_holds_nothing_above_its_share(pool, strategy: str, mid_wi
         assert {r["kind"] for r in rows} == set(AUDIT_KINDS)
         assert above_share(rows) == [], rows
         assert result["text"].startswith("nothing above its share"), result["text"]
-        want = _by_hand(strategy, rank)  # the ZeRO formulas, written out in test_memory_report
+        want = by_hand(strategy, rank)  # the ZeRO formulas, written out in test_memory_report
         if not mid_window:
             want["grads"] = 0  # a rank frees its reduced gradients after the step
         assert {"params": _total(rows, "param"), "grads": _total(rows, "grad"),

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import dspark
-from dspark.comm.world import _choose_backend
+from dspark.comm.world import choose_backend
 from tests.engine import tiny_models as tm
 from tests.engine.harness import OPTIMIZERS, reference_state, rel_error, train_reference
 
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.gpu
 def test_auto_backend_picks_nccl_with_a_gpu_per_rank() -> None:
     if "nccl" not in dspark.comm.available_backends():
         pytest.skip("this PyTorch has no NCCL")
-    assert _choose_backend("auto", local_world_size=1) == "nccl"
+    assert choose_backend("auto", local_world_size=1) == "nccl"
 
 
 _PRECISIONS = [("fp32", 1e-5), ("bf16", 3e-2), ("fp16", 3e-3)]

@@ -11,7 +11,7 @@ from tests.engine.cases import get_case
 from tests.engine.harness import engine_state
 
 
-def _by_hand(strategy: str, rank: int, case: str = "mlp", num_ranks: int = 2) -> dict[str, int]:
+def by_hand(strategy: str, rank: int, case: str = "mlp", num_ranks: int = 2) -> dict[str, int]:
     """The ZeRO formulas written out independently of the engine: every parameter split by rows
     (0-d = one row) in chunks of ceil(rows / N); AdamW keeps 2 fp32 moments + a 4-byte step. A frozen
     parameter is held (sharded by zero3 like the others) and has no gradient nor optimizer state."""
@@ -47,7 +47,7 @@ def test_memory_report_is_exact_per_rank(pool, strategy: str, case: str) -> None
     ones left out of the count only if they held nothing: the by-hand count keeps them in."""
     for rank, result in enumerate(pool.run(engine_state, case, strategy, 2)):
         report = result["memory"]
-        want = _by_hand(strategy, rank, case)
+        want = by_hand(strategy, rank, case)
         for part in ("params", "grads", "optimizer"):
             assert report[f"{part}_bytes"] == want[part], (rank, part, report)
             assert report[f"{part}_bytes_expected"] == want[part], (rank, part, report)

@@ -21,7 +21,7 @@ SGD = functools.partial(torch.optim.SGD, lr=0.1)
 
 
 def _llama() -> nn.Module:
-    hf_models._quiet_transformers()
+    hf_models.quiet_transformers()
     from transformers import LlamaConfig, LlamaForCausalLM
 
     return LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,

@@ -354,13 +354,13 @@ def test_a_mismatched_pretrained_state_dict_names_the_keys(single_process) -> No
 def _train_with_all_reduce(strategy: str) -> dict[str, Any]:
     from dspark.engine import build as build_module
 
-    saved = dict(build_module._SHARDED_REDUCE)
-    build_module._SHARDED_REDUCE["gloo"] = "all_reduce"  # the path of a backend without reduce-scatter
+    saved = dict(build_module.SHARDED_REDUCE)
+    build_module.SHARDED_REDUCE["gloo"] = "all_reduce"  # the path of a backend without reduce-scatter
     try:
         return _train(strategy, "sgd", 3, bucket_mb=1e-4)
     finally:
-        build_module._SHARDED_REDUCE.clear()
-        build_module._SHARDED_REDUCE.update(saved)
+        build_module.SHARDED_REDUCE.clear()
+        build_module.SHARDED_REDUCE.update(saved)
 
 
 @pytest.mark.parametrize("strategy", ["zero2", "zero3"])

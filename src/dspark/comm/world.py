@@ -21,8 +21,8 @@ import torch.distributed as dist
 from dspark.comm import collectives
 from dspark.comm.world_state import World, get_world, is_initialized, set_world
 
-__all__ = ["BACKENDS", "World", "add_shutdown_hook", "available_backends", "get_world", "init",
-           "is_initialized", "shutdown"]
+__all__ = ["BACKENDS", "World", "add_shutdown_hook", "available_backends", "choose_backend", "get_world",
+           "init", "is_initialized", "shutdown"]
 
 BACKENDS = ("auto", "gloo", "nccl", "mpi")
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE")
@@ -53,7 +53,14 @@ def _env_int(name: str, default: int) -> int:
         raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
 
 
-def _choose_backend(backend: str, local_world_size: int) -> str:
+def choose_backend(backend: str, local_world_size: int) -> str:
+    """The backend ``init(backend=...)`` uses with ``local_world_size`` ranks on this machine:
+    ``"auto"`` resolved, any other choice checked.
+
+    Example::
+
+        choose_backend("auto", local_world_size=1)   # "nccl" with a GPU per rank
+    """
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {', '.join(map(repr, BACKENDS))}")
     have = available_backends()
@@ -117,7 +124,7 @@ def init(backend: str = "auto", *, timeout: float | _dt.timedelta = 300.0) -> Wo
         set_world(alone)
         return alone
 
-    chosen = _choose_backend(backend, local_world_size)
+    chosen = choose_backend(backend, local_world_size)
     if chosen == "nccl":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)

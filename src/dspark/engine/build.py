@@ -44,8 +44,8 @@ from dspark.engine.window import Window
 from dspark.engine.zero3_guard import Zero3StateDictGuard
 from dspark.engine.zero3_units import UnitPolicy, Zero3Scheduler
 
-__all__ = ["EngineParts", "OptimizerFactory", "build_optimizer", "build_parts", "place_model",
-           "shard_parameters"]
+__all__ = ["SHARDED_REDUCE", "EngineParts", "OptimizerFactory", "build_optimizer", "build_parts",
+           "place_model", "shard_parameters"]
 
 log = logging.getLogger(__name__)
 
@@ -148,8 +148,9 @@ def shard_parameters(model: nn.Module, slots: Sequence[ParamSlot], *, strategy: 
 
 # How zero2/zero3 reduce gradient shards, per backend: a reduce-scatter where the backend has a good
 # one (gloo's goes through an all-to-all, see [Note: reduce-scatter on gloo] in dspark.comm), else an
-# all-reduce of the whole bucket, each rank keeping its rows.
-_SHARDED_REDUCE = {"nccl": "reduce_scatter", "gloo": "reduce_scatter"}
+# all-reduce of the whole bucket, each rank keeping its rows. Tests and benchmarks set an entry to
+# run the other path on their backend.
+SHARDED_REDUCE = {"nccl": "reduce_scatter", "gloo": "reduce_scatter"}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -245,7 +246,7 @@ def build_parts(model: nn.Module, factory: OptimizerFactory, *, world: World, st
     if strategy.shard_optimizer and n > 1:
         check_elementwise(optimizer, strategy=strategy.name, after_step=False)
     sharded = strategy.shard_grads
-    collective = _SHARDED_REDUCE.get(world.backend, "all_reduce") if sharded else "all_reduce"
+    collective = SHARDED_REDUCE.get(world.backend, "all_reduce") if sharded else "all_reduce"
     reducer = LocalReducer(slots, sharded=sharded) if n == 1 else GradReducer(
         slots, sharded=sharded, collective=collective, bucket_mb=bucket_mb,
         wire_dtype=reduce_dtype, rank=rank, num_ranks=n, device=world.device)
