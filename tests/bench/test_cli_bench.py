@@ -24,7 +24,7 @@ from dspark.bench.analysis import annotate
 from dspark.bench.ledger import Ledger
 from dspark.bench.provenance import source_commit
 from dspark.cli.main import main
-from dspark.comm.shm_transport import shm_wanted
+from dspark.comm.shm_setup import shm_wanted
 from dspark.engine import STEP_STATS_KEYS
 from tests.messages import assert_line_names, assert_names
 

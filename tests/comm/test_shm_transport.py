@@ -16,17 +16,18 @@ import torch
 
 import dspark
 from dspark import comm
+from dspark.comm import shm_setup
 from dspark.comm import shm_transport as shm
 from dspark.errors import CollectiveError, CollectiveTimeoutError
 from tests.messages import assert_line_names
 
-pytestmark = pytest.mark.skipif(not shm.shm_wanted(2, 2, "gloo", "cpu"),
+pytestmark = pytest.mark.skipif(not shm_setup.shm_wanted(2, 2, "gloo", "cpu"),
                                 reason="needs /dev/shm on x86-64")
 
 
 def _pair(region: int = 1 << 20, timeout_s: float = 20.0) -> list[shm.ShmTransport]:
-    path = shm.new_path()
-    shm.create_file(path, shm.mapping_bytes(2, region))
+    path = shm_setup.new_path()
+    shm_setup.create_file(path, shm.mapping_bytes(2, region))
     try:
         return [shm.ShmTransport(path, r, 2, region, timeout_s) for r in range(2)]
     finally:
@@ -189,21 +190,21 @@ def test_a_rank_that_never_joins_times_out_with_its_number() -> None:
 
 
 def test_the_settings_are_checked() -> None:
-    assert not shm.shm_wanted(2, 1, "gloo", "cpu")      # ranks on two machines
-    assert not shm.shm_wanted(1, 1, "gloo", "cpu")
-    assert not shm.shm_wanted(2, 2, "nccl", "cuda")
+    assert not shm_setup.shm_wanted(2, 1, "gloo", "cpu")      # ranks on two machines
+    assert not shm_setup.shm_wanted(1, 1, "gloo", "cpu")
+    assert not shm_setup.shm_wanted(2, 2, "nccl", "cuda")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(shm.SHM_ENV, "0")
-        assert not shm.shm_wanted(2, 2, "gloo", "cpu")
+        assert not shm_setup.shm_wanted(2, 2, "gloo", "cpu")
         mp.setenv(shm.SHM_ENV, "sometimes")
         with pytest.raises(ValueError, match="DSPARK_SHM='sometimes': use 1"):
-            shm.shm_wanted(2, 2, "gloo", "cpu")
+            shm_setup.shm_wanted(2, 2, "gloo", "cpu")
         mp.setenv(shm.SHM_MB_ENV, "0.5")
         with pytest.raises(ValueError, match="at least 1 MiB"):
-            shm.region_bytes()
+            shm_setup.region_bytes()
         mp.setenv(shm.SHM_MB_ENV, "lots")
         with pytest.raises(ValueError, match="is not a number of MiB"):
-            shm.region_bytes()
+            shm_setup.region_bytes()
 
 
 # -- through the pool: the default group of a real gloo job -----------------------------------------
@@ -234,7 +235,7 @@ def _shm_against_gloo() -> dict[str, object]:
         comm.broadcast(b_gloo, src=0, group=gloo)
         strided = torch.ones(4, 6)[:, ::2]   # not contiguous: gloo's way, the same on every rank
         comm.all_reduce(strided.contiguous())
-        shared = dspark.comm.collectives._shm
+        shared = shm_setup.active_transport()
         return {"transport": comm.transport(),
                 "file_left": shared is not None and os.path.exists(shared.path),
                 "sum": torch.equal(via_shm, via_gloo), "gather": torch.equal(g_shm, g_gloo),
@@ -301,13 +302,11 @@ def test_dspark_shm_0_puts_the_job_on_gloo_and_a_bad_value_is_refused(tmp_path) 
 
 def test_a_small_dev_shm_is_left_to_the_data_loaders(monkeypatch) -> None:
     """A container's 64 MB /dev/shm: the mapping would take more than a quarter, so gloo it is."""
-    from dspark.comm import collectives
-
-    monkeypatch.setattr(shm, "shm_free_bytes", lambda: 64 * 2**20)
+    monkeypatch.setattr(shm_setup, "shm_free_bytes", lambda: 64 * 2**20)
     with pytest.warns(RuntimeWarning, match=r"/dev/shm has 64 MiB free.*quarter.*gloo"):
-        assert collectives._create_mapping(shm.mapping_bytes(2, 16 * 2**20)) is None
-    monkeypatch.setattr(shm, "shm_free_bytes", lambda: 1 << 40)
-    path = collectives._create_mapping(shm.mapping_bytes(2, 1 << 20))
+        assert shm_setup.create_mapping(shm.mapping_bytes(2, 16 * 2**20)) is None
+    monkeypatch.setattr(shm_setup, "shm_free_bytes", lambda: 1 << 40)
+    path = shm_setup.create_mapping(shm.mapping_bytes(2, 1 << 20))
     assert path is not None and os.path.getsize(path) == shm.mapping_bytes(2, 1 << 20)
     os.unlink(path)
 
@@ -315,5 +314,5 @@ def test_a_small_dev_shm_is_left_to_the_data_loaders(monkeypatch) -> None:
 def test_a_label_travels_whole_or_cut_at_48_bytes() -> None:
     """The header's label words: what the peer's error message names."""
     for label in ["", "dspark.bucket3.all_reduce", "dspark.gather.transformer.h.11.attn", "ü" * 30]:
-        text = shm._label_text(shm._label_words(label))
+        text = shm.label_text(shm.label_words(label))
         assert text == label.encode()[:48].decode(errors="replace"), (label, text)

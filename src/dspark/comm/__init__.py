@@ -16,9 +16,9 @@ from dspark.comm.collectives import (
     device_mesh,
     new_group,
     reduce_scatter_tensor,
-    transport,
 )
 from dspark.comm.observer import CommObserver, current_observer, set_observer
+from dspark.comm.shm_setup import transport
 from dspark.comm.stats import CollectiveStats, reset_stats, stats
 from dspark.comm.world import (
     BACKENDS,

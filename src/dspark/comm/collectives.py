@@ -9,10 +9,7 @@ is already complete."""
 from __future__ import annotations
 
 import datetime as _dt
-import os
 import pickle
-import socket
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -20,10 +17,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dspark.comm import shm_transport as _shm_mod
 from dspark.comm import stats as _stats
 from dspark.comm.observer import current_observer
-from dspark.comm.shm_transport import ShmTransport
+from dspark.comm.shm_setup import stop_shm_transport, through_shm
 from dspark.comm.world_state import get_world
 from dspark.errors import CollectiveError, CollectiveTimeoutError
 
@@ -44,8 +40,6 @@ __all__ = [
     "new_group",
     "reduce_scatter_tensor",
     "release_groups",
-    "start_shm_transport",
-    "transport",
 ]
 
 # PyTorch renamed the flat collectives (``*_into_tensor`` / ``*_tensor`` -> ``*_single``); this is
@@ -110,7 +104,7 @@ def release_groups() -> None:
     ``shutdown`` before the default group goes)."""
     global _mesh
     _mesh = None
-    _stop_shm()
+    stop_shm_transport()
     for group in list(_subgroups):
         destroy_group(group)
 
@@ -191,103 +185,6 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-_shm: ShmTransport | None = None
-
-
-def _through_shm(group: Group, *tensors: torch.Tensor) -> ShmTransport | None:
-    """The shared-memory transport when it can carry this collective: the default group of a job on
-    one machine, contiguous CPU tensors of a dtype it knows. Every rank decides alike (the same
-    tensors' dtypes and devices in a correct program)."""
-    shm = _shm
-    if shm is None or group.pg is not None:
-        return None
-    for t in tensors:
-        if t.device.type != "cpu" or not t.is_contiguous() or t.dtype not in _shm_mod.DTYPE_CODES:
-            return None
-    return shm
-
-
-def transport() -> str:
-    """How the default group's tensors travel: ``"shm"`` (shared memory, every rank on this
-    machine), or the process group's backend (``"gloo"``, ``"nccl"``), or ``"none"``."""
-    world = get_world()
-    return "shm" if _shm is not None else world.backend
-
-
-def start_shm_transport() -> None:
-    """Set up the shared-memory transport for the default group when every rank runs on this
-    machine (called by ``init`` on every rank, right after the process group exists)."""
-    global _shm
-    world = get_world()
-    wanted = _shm_mod.shm_wanted(world.world_size, world.local_world_size, world.backend,
-                                 world.device.type)
-    region = _shm_mod.region_bytes() if wanted else 0
-    votes: list[Any] = [None] * world.world_size
-    dist.all_gather_object(votes, (wanted, region, socket.gethostname()))
-    if not all(v[0] for v in votes) or len({(v[1], v[2]) for v in votes}) != 1:
-        return
-    nbytes = _shm_mod.mapping_bytes(world.world_size, region)
-    token = int.from_bytes(os.urandom(7), "little")
-    made: list[Any] = [None, token]
-    if world.rank == 0:
-        made[0] = _create_mapping(nbytes)
-    dist.broadcast_object_list(made, src=0)
-    path, token = made
-    if path is None:
-        return
-    transport_: ShmTransport | None = None
-    try:
-        transport_ = ShmTransport(str(path), world.rank, world.world_size, region, world.timeout_s)
-        if world.rank == 0:
-            transport_.stamp(int(token))
-    except OSError:
-        transport_ = None
-    dist.barrier()
-    opened: list[Any] = [None] * world.world_size
-    dist.all_gather_object(opened, (transport_ is not None and transport_.sees(int(token)),
-                                    os.getpid()))
-    if transport_ is not None:
-        transport_.watch([pid for _, pid in opened])
-    if world.rank == 0:
-        os.unlink(str(path))  # every rank holds its mapping: the memory goes with the last one
-    if all(ok for ok, _ in opened):
-        _shm = transport_
-    elif transport_ is not None:
-        transport_.close()
-
-
-def _create_mapping(nbytes: int) -> str | None:
-    """A shared file of ``nbytes`` in /dev/shm with its pages reserved (a write to a page tmpfs
-    cannot give would kill the process with SIGBUS), or None with a warning. It takes at most a
-    quarter of what /dev/shm has free: DataLoader workers pass their batches through it too (a
-    container's default /dev/shm is 64 MB)."""
-    path = _shm_mod.new_path()
-    try:
-        free = _shm_mod.shm_free_bytes()
-        if nbytes > free // 4:
-            raise OSError(f"/dev/shm has {free / 2**20:.0f} MiB free, and DSpark takes at most a "
-                          f"quarter of it")
-        _shm_mod.create_file(path, nbytes)
-    except OSError as exc:
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
-        warnings.warn(f"DSpark: no shared memory for the ranks' collectives ({exc}); they go "
-                      f"through gloo. Free /dev/shm or set {_shm_mod.SHM_MB_ENV} lower "
-                      f"({nbytes / 2**20:.0f} MiB were asked for), or {_shm_mod.SHM_ENV}=0 to "
-                      f"silence this", RuntimeWarning, stacklevel=3)
-        return None
-    return path
-
-
-def _stop_shm() -> None:
-    global _shm
-    shm, _shm = _shm, None
-    if shm is not None:
-        shm.close()
-
-
 def all_reduce(tensor: torch.Tensor, op: str = "sum", *, async_op: bool = False,
                group: Group | None = None, label: str | None = None) -> Handle:
     """Reduce ``tensor`` in place across ranks (``op``: sum, avg, max, min). ``label`` names this
@@ -299,7 +196,7 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", *, async_op: bool = False,
         return _run("all_reduce", g, _nbytes(tensor), lambda: None, async_op, label=label)
     # gloo has no AVG: sum, then divide once the sum has landed.
     after = (lambda: tensor.div_(g.size)) if op == "avg" else None
-    shm = _through_shm(g, tensor)
+    shm = through_shm(g.pg, tensor)
     if shm is not None:
         return _run("all_reduce", g, _nbytes(tensor),
                     lambda: shm.all_reduce(tensor, "sum" if op == "avg" else op, label=label),
@@ -324,7 +221,7 @@ def _all_gather(kind: str, output: torch.Tensor, shard: torch.Tensor, async_op: 
                          f"{g.size} ranks x {shard.numel()} = {g.size * shard.numel()}")
     if _is_noop(g):
         return _run(kind, g, _nbytes(shard), lambda: _copy(output, shard), async_op, label=label)
-    shm = _through_shm(g, output, shard)
+    shm = through_shm(g.pg, output, shard)
     if shm is not None and output.dtype == shard.dtype:
         return _run(kind, g, _nbytes(shard), lambda: shm.all_gather(output, shard, label=label), async_op,
                     label=label)
@@ -356,7 +253,7 @@ def all_gather_parts(parts: Sequence[torch.Tensor], outputs: Sequence[torch.Tens
                 _copy(out, part)
 
         return _run("all_gather", g, nbytes, copy_all, async_op, label=label)
-    shm = _through_shm(g, *outputs, *(p.reshape(-1) for p in parts))
+    shm = through_shm(g.pg, *outputs, *(p.reshape(-1) for p in parts))
     if shm is not None:
         return _run("all_gather", g, nbytes,
                     lambda: shm.all_gather_parts(list(parts), list(outputs), label=label), async_op, label=label)
@@ -398,7 +295,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: str = "
     if _is_noop(g):
         return _run("reduce_scatter", g, _nbytes(input), lambda: _copy(output, input), async_op,
                     label=label)
-    shm = _through_shm(g, output, input)
+    shm = through_shm(g.pg, output, input)
     if shm is not None and output.dtype == input.dtype:
         after = (lambda: output.div_(g.size)) if op == "avg" else None
         return _run("reduce_scatter", g, _nbytes(input), lambda: shm.reduce_scatter(output, input, label=label),
@@ -450,7 +347,7 @@ def broadcast(tensor: torch.Tensor, src: int = 0, *, async_op: bool = False,
         raise ValueError(f"broadcast src={src} is outside [0, {g.size})")
     if _is_noop(g):
         return _run("broadcast", g, _nbytes(tensor), lambda: None, async_op, label=label)
-    shm = _through_shm(g, tensor)
+    shm = through_shm(g.pg, tensor)
     if shm is not None:
         return _run("broadcast", g, _nbytes(tensor), lambda: shm.broadcast(tensor, src, label=label),
                     async_op, label=label)

@@ -7,8 +7,8 @@ ranks' regions where they are: a 2-rank all-reduce of 21 MB, one pinned core eac
 of CPU) against gloo's 20.2 ms (14.6 ms), `dspark run --nproc 2 benchmarks/shm_collectives.py`.
 See [Note: the shared-memory transport].
 
-Only :mod:`dspark.comm.collectives` uses this module, for the default group of a gloo job whose
-ranks all run on this machine (x86-64: its stores reach other cores in program order, which is what
+Only :mod:`dspark.comm.shm_setup` builds a transport, for the default group of a gloo job whose
+ranks all run on this machine (:mod:`dspark.comm.collectives` runs the group's collectives on it) (x86-64: its stores reach other cores in program order, which is what
 publishing a sequence number after the data relies on). ``DSPARK_SHM=0`` turns it off.
 """
 
@@ -18,7 +18,6 @@ import functools
 import mmap
 import os
 import time
-import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
 
@@ -27,12 +26,12 @@ import torch
 
 from dspark.errors import CollectiveError, CollectiveTimeoutError
 
-__all__ = ["DTYPE_CODES", "SHM_ENV", "SHM_MB_ENV", "ShmOp", "ShmTransport", "ShmWork", "shm_wanted"]
+__all__ = ["ALIGN", "DTYPE_CODES", "SHM_ENV", "SHM_MB_ENV", "ShmOp", "ShmTransport", "ShmWork", "label_text",
+           "label_words", "mapping_bytes"]
 
 SHM_ENV = "DSPARK_SHM"
 SHM_MB_ENV = "DSPARK_SHM_MB"
-_DEFAULT_REGION_MB = 16
-_ALIGN = 64
+ALIGN = 64
 _HEADERS = 128           # headers kept per rank: at most this many collectives in flight
 _LABEL_WORDS = 6         # the caller's label for the collective, 48 bytes of UTF-8 at most
 _HEADER_WORDS = 6 + _LABEL_WORDS   # seq, kind, nbytes, offset, dtype, numel, label
@@ -47,13 +46,14 @@ DTYPE_CODES = {dtype: code for code, dtype in enumerate(_DTYPES, start=1)}
 
 
 @functools.lru_cache(maxsize=1024)
-def _label_words(label: str) -> tuple[int, ...]:
+def label_words(label: str) -> tuple[int, ...]:
     """``label`` as the header's label words: its first 48 bytes of UTF-8, zero-padded."""
     raw = label.encode()[:8 * _LABEL_WORDS].ljust(8 * _LABEL_WORDS, b"\0")
     return tuple(int.from_bytes(raw[i:i + 8], "little", signed=True) for i in range(0, len(raw), 8))
 
 
-def _label_text(words: Sequence[int]) -> str:
+def label_text(words: Sequence[int]) -> str:
+    """The label :func:`label_words` wrote."""
     raw = b"".join(int(w).to_bytes(8, "little", signed=True) for w in words)
     return raw.rstrip(b"\0").decode(errors="replace")
 
@@ -72,49 +72,6 @@ def _label_text(words: Sequence[int]) -> str:
 # before this one everywhere), so the wait always ends. A collective runs as pieces of at most a
 # quarter of a region, each a collective of its own in the sequence: a message of any size streams
 # through a small region.
-
-
-def shm_wanted(world_size: int, local_world_size: int, backend: str, device_type: str) -> bool:
-    """Whether the default group should run through shared memory (every rank on this machine)."""
-    setting = os.environ.get(SHM_ENV, "1").strip().lower()
-    if setting in ("0", "off", "false", "no"):
-        return False
-    if setting not in ("1", "on", "true", "yes", ""):
-        raise ValueError(f"{SHM_ENV}={os.environ[SHM_ENV]!r}: use 1 (the default: shared memory "
-                         f"between ranks of one machine) or 0 (gloo for everything)")
-    return (backend == "gloo" and device_type == "cpu" and world_size > 1
-            and local_world_size == world_size and os.uname().machine.lower() in ("x86_64", "amd64")
-            and os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK))
-
-
-def region_bytes() -> int:
-    raw = os.environ.get(SHM_MB_ENV, "")
-    try:
-        mb = float(raw) if raw.strip() else float(_DEFAULT_REGION_MB)
-    except ValueError:
-        raise ValueError(f"{SHM_MB_ENV}={raw!r} is not a number of MiB") from None
-    if not mb >= 1:
-        raise ValueError(f"{SHM_MB_ENV}={raw!r}: each rank's region needs at least 1 MiB")
-    return int(mb * 2**20) // _ALIGN * _ALIGN
-
-
-def shm_free_bytes() -> int:
-    stat = os.statvfs("/dev/shm")
-    return stat.f_bavail * stat.f_frsize
-
-
-def new_path() -> str:
-    return f"/dev/shm/dspark-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-
-
-def create_file(path: str, nbytes: int) -> None:
-    """The shared file, its pages reserved now: a page tmpfs could not give on first write would
-    kill the process with SIGBUS."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        os.posix_fallocate(fd, 0, nbytes)
-    finally:
-        os.close(fd)
 
 
 _TOKEN = 15   # word of rank 0's control block: the creator's token, read back by every rank
@@ -187,7 +144,7 @@ class ShmTransport:
         self._head = 0
         self._held: deque[tuple[int, int]] = deque()   # (seq, start) of this rank's region in use
         self._pending: deque[ShmWork] = deque()
-        self.piece_bytes = max(_ALIGN, region // 4 // _ALIGN * _ALIGN)
+        self.piece_bytes = max(ALIGN, region // 4 // ALIGN * ALIGN)
         self._peers: dict[int, int] = {}   # rank -> pid, watched while this rank waits
 
     def watch(self, pids: list[int]) -> None:
@@ -285,7 +242,7 @@ class ShmTransport:
                 piece: Callable[[int, int], tuple[torch.Tensor | list[torch.Tensor], Finish]],
                 label: str | None) -> ShmOp:
         step = max(1, self.piece_bytes // bytes_per_element)
-        words = _label_words(label or "")
+        words = label_words(label or "")
         works = [self._launch(kind, *piece(a, min(a + step, numel)), words)
                  for a in range(0, max(numel, 1), step)]
         return ShmOp(self, works)
@@ -382,7 +339,7 @@ class ShmTransport:
     @staticmethod
     def _describe(header: tuple[int, ...]) -> str:
         dtype = _DTYPES[header[4] - 1] if 0 < header[4] <= len(_DTYPES) else "?"
-        label = _label_text(header[6:6 + _LABEL_WORDS])
+        label = label_text(header[6:6 + _LABEL_WORDS])
         return f"{_KIND_NAMES.get(header[1], '?')} of {header[5]} x {dtype}" + (f" ({label})" if label else "")
 
     # -- room in this rank's region --------------------------------------------------------------
@@ -482,7 +439,7 @@ def _alive(pid: int) -> bool:
 
 
 def _aligned(nbytes: int) -> int:
-    return max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN)
+    return max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
 
 
 def _reduce(op: str, inputs: list[torch.Tensor], out: torch.Tensor) -> None:

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from dspark.comm import collectives
+from dspark.comm import collectives, shm_setup
 from dspark.comm.world_state import World, get_world, is_initialized, set_world
 
 __all__ = ["BACKENDS", "World", "add_shutdown_hook", "available_backends", "choose_backend", "get_world",
@@ -161,7 +161,7 @@ def init(backend: str = "auto", *, timeout: float | _dt.timedelta = 300.0) -> Wo
         atexit.register(_shutdown_at_exit)
         _exit_hook_registered = True
     try:
-        collectives.start_shm_transport()  # every rank on this machine: tensors go through shared memory
+        shm_setup.start_shm_transport()  # every rank on this machine: tensors go through shared memory
     except BaseException:
         shutdown()
         raise
