@@ -1,9 +1,9 @@
 """zero3: parameters live as shards and are gathered just in time.
 
-Units, the modules gathered together, are planned in :mod:`dspark.engine.zero3_plan` (see [Note:
-units]); each gather and its tag check is :mod:`dspark.engine.zero3_gather`; what autograd saves
-of a parameter is kept by reference (:mod:`dspark.engine.zero3_saved`). This module runs them: the
-hooks that gather and free each unit, and prefetching.
+Units, the modules gathered together, are planned in :mod:`dspark.engine.zero3_plan`
+(see [Note: units]); each gather and its tag check is :mod:`dspark.engine.zero3_gather`; what
+autograd saves of a parameter is kept by reference (:mod:`dspark.engine.zero3_saved`). This module
+runs them: the hooks that gather and free each unit, and prefetching.
 
 Lifecycle of one unit in a step:
   forward pre-hook   gather its parameters (waiting on a prefetch if one is in flight), then start
@@ -295,8 +295,9 @@ class Zero3Scheduler:
             "strategy='zero2'.")
 
     def gather_slots(self, slots: Iterable[ParamSlot], *, purpose: str | None = None) -> None:
-        """Gather ``slots`` now; ``purpose``: the engine call gathering them (one of :data:`~dspark.engine.zero3_gather.PURPOSES`,
-        e.g. ``"full_state_dict"``), which the tags and the collective's label then name."""
+        """Gather ``slots`` now; ``purpose``: the engine call gathering them (one of
+        :data:`~dspark.engine.zero3_gather.PURPOSES`, e.g. ``"full_state_dict"``), which the tags and
+        the collective's label then name."""
         if purpose is None:
             self._gather(slots)
             return
