@@ -61,6 +61,7 @@ import torch
 
 from dspark.engine.memory import expected_state_bytes
 from dspark.engine.policy import STRATEGIES, ShardingPolicy
+from dspark.engine.zero3_gather import TAG_BYTES  # each gather's tag: see [Note: gather tags]
 from dspark.engine.zero3_units import SECOND_PREFETCH_MAX_BYTES
 from dspark.plan.interconnect import Interconnect, all_gather_s, all_reduce_s, reduce_scatter_s
 from dspark.plan.probe import Probe
@@ -69,8 +70,6 @@ from dspark.tensor.shard_math import chunk_size
 __all__ = ["ModelShape", "RowCost", "row_cost"]
 
 ParamSpec = tuple[tuple[int, ...], torch.dtype]
-_TAG_BYTES = 8
-"""Each zero3 gather carries an 8-byte tag saying what it gathers (:mod:`dspark.engine.zero3_units`)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -202,7 +201,7 @@ def _exposed_comm_ms(shape: ModelShape, probe: Probe, policy: ShardingPolicy, n:
     if not policy.shard_params:
         wire = _serial_exposed(items, backward_ms) if hidden else sum(d for _, d in items)
         return wire + local_ms + after_ms
-    unit_bytes = [sum(_padded_bytes(shape.trainable[i], n) for i in u) + _TAG_BYTES for u in shape.units]
+    unit_bytes = [sum(_padded_bytes(shape.trainable[i], n) for i in u) + TAG_BYTES for u in shape.units]
     gathers = [1e3 * all_gather_s(b, n, link) for b in unit_bytes]
     if not hidden:
         return sum(d for _, d in items) + passes * 2 * sum(gathers) + local_ms + after_ms
