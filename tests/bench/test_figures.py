@@ -113,14 +113,6 @@ ALLOWED: tuple[tuple[str, str, str], ...] = (
 )
 
 
-# Figures whose owners are moving them into artifacts (benchmarks/ckpt_verify_cost.py and
-# benchmarks/check_scaling.py write table.json): tolerated until then, and may match nothing after;
-# delete an entry once its section is clean.
-PENDING: tuple[tuple[str, str, str], ...] = (
-    ("checkpoints.md", "## Integrity", "the check's cost, moving to figures.md#checkpoint-verification-cost"),
-)
-
-
 def _doc_texts() -> dict[str, str]:
     texts = {p.name: p.read_text() for p in sorted((ROOT / "docs").glob("*.md")) if p.name != "figures.md"}
     readme = (ROOT / "README.md").read_text()
@@ -151,7 +143,7 @@ def typed_figures(text: str) -> list[tuple[int, str, str]]:
 
 
 def _allowed(name: str, line: str, section: str) -> tuple[str, str, str] | None:
-    for entry in ALLOWED + PENDING:
+    for entry in ALLOWED:
         if entry[0] == name and (any(h.startswith(entry[1]) for h in section.split(" / "))
                                  if entry[1].startswith("#") else entry[1] in line):
             return entry
