@@ -248,3 +248,28 @@ def test_every_kept_measurement_is_in_an_artifact_directory():
     results = ROOT / "benchmarks" / "results"
     assert sorted(p.name for p in results.glob("*.json")) == []
     assert [d.name for d in results.iterdir() if d.is_dir() and not (d / "artifact.json").is_file()] == []
+
+
+def test_record_keeps_a_bench_run_from_its_own_ledger(tmp_path, monkeypatch):
+    """``--ledger``: the run gets ``--db DIR/ledger.sqlite`` and its exported rows are the artifact."""
+    exported = []
+
+    def fake_run(command):
+        if command[1:3] == ["bench", "export"]:
+            exported.append(command)
+            Path(command[-1]).write_text(json.dumps([{"workload": "w"}]))
+            return ""
+        if command[-1] == "--json":
+            return json.dumps({"cpu": {"model": "Xeon", "arch": "x86_64", "logical_cores": 2}})
+        return {"uptime": "load average: 0.10\n", "git rev-parse": "abc123\n"}.get(
+            " ".join(command[:2]) if command[0] == "git" else Path(command[-1]).name, "")
+
+    monkeypatch.setattr(record_module, "_run", fake_run)
+    script = "import sys; open(sys.argv[sys.argv.index('--db') + 1], 'w').write('ledger')"
+    out = record_module.record(results_dir=tmp_path, name="2026-01-01-box-seed", title="S",
+                               command=[sys.executable, "-c", script], ledger=True)
+    meta = json.loads((out / "artifact.json").read_text())
+    assert meta["results"] == ["results.json"] and "tables" not in meta
+    assert exported[0][exported[0].index("--db") + 1] == str(out / "ledger.sqlite")
+    assert f"--db {out / 'ledger.sqlite'} && " in meta["command"]
+    assert json.loads((out / "results.json").read_text()) == [{"workload": "w"}]

@@ -1,7 +1,9 @@
 """Keep a benchmark's output as an artifact: ``python -m dspark.bench.record``.
 
 Runs one benchmark command with ``--out benchmarks/results/NAME`` appended (the script writes its
-``table.json`` there, see [Note: table artifacts]), keeps what it printed in ``output.txt`` (ending
+``table.json`` there, see [Note: table artifacts]), or with ``--ledger`` a ``dspark bench`` run
+with ``--db benchmarks/results/NAME/ledger.sqlite`` appended (its rows are exported to
+``results.json``), keeps what it printed in ``output.txt`` (ending
 with ``uptime``: the machine's load right after the run), ``dspark env`` in ``machine.txt``, and
 writes ``artifact.json`` with the title, the command, ``git rev-parse HEAD`` and a one-line machine
 summary. ``make figures`` then renders it in docs/figures.md under its anchor.
@@ -10,6 +12,8 @@ Example::
 
     python -m dspark.bench.record --name 2026-12-06-xeon-2vcpu-startup --anchor startup-time \\
         --title "Start-up: dspark run beside torchrun" -- .venv/bin/python benchmarks/startup_time.py
+    python -m dspark.bench.record --ledger --name 2026-12-06-xeon-2vcpu-seed --anchor seed \
+        --title "The seed suite" -- .venv/bin/dspark bench --suite seed --no-progress
 """
 
 from __future__ import annotations
@@ -48,16 +52,23 @@ def _run(command: list[str]) -> str:
 
 
 def record(*, results_dir: Path, name: str, title: str, command: list[str], anchor: str = "",
-           notes: str = "") -> Path:
+           notes: str = "", ledger: bool = False) -> Path:
     """Run ``command`` with ``--out results_dir/name`` and keep the artifact there; a command that
     fails, or writes no ``table*.json``, is a ``RuntimeError`` naming it (nothing is published).
-    An existing artifact of that name is a ``ValueError``: a kept measurement is never overwritten."""
+    An existing artifact of that name is a ``ValueError``: a kept measurement is never overwritten.
+
+    ``ledger=True`` is for a ``dspark bench`` run: it gets ``--db results_dir/name/ledger.sqlite``
+    instead, and the run's rows are exported from that ledger (``dspark bench export``, which
+    verifies its hash chain first) to ``results.json``, what docs/figures.md renders; the ledger
+    file itself is not kept (``*.sqlite`` is ignored by git)."""
     out_dir = results_dir / name
     if (out_dir / "artifact.json").exists():
         raise ValueError(f"{out_dir / 'artifact.json'} exists: pick another --name (a kept artifact "
                          f"is not overwritten)")
     out_dir.mkdir(parents=True, exist_ok=True)
-    full = [*command, "--out", str(out_dir)]
+    db = out_dir / "ledger.sqlite"
+    full = [*command, "--db", str(db)] if ledger else [*command, "--out", str(out_dir)]
+    dspark = str(Path(sys.executable).with_name("dspark"))
     with open(out_dir / "output.txt", "w") as log:
         log.write(f"$ {shlex.join(full)}\n")
         log.flush()
@@ -65,18 +76,28 @@ def record(*, results_dir: Path, name: str, title: str, command: list[str], anch
         log.write(f"$ uptime\n{_run(['uptime'])}")
     if done.returncode != 0:
         raise RuntimeError(f"{shlex.join(full)} exited {done.returncode}: see {out_dir / 'output.txt'}")
-    tables = sorted(p.name for p in out_dir.glob("table*.json"))
-    if not tables:
-        raise RuntimeError(f"{shlex.join(full)} wrote no table*.json into {out_dir}: does it take --out DIR?")
-    dspark = str(Path(sys.executable).with_name("dspark"))
+    kept: dict[str, list[str]]
+    if ledger:
+        export = [dspark, "bench", "export", "--run", "latest", "--db", str(db),
+                  "--json", str(out_dir / "results.json")]
+        _run(export)
+        command_text = f"{shlex.join(full)} && {shlex.join(export)}"
+        kept = {"results": ["results.json"]}
+    else:
+        tables = sorted(p.name for p in out_dir.glob("table*.json"))
+        if not tables:
+            raise RuntimeError(f"{shlex.join(full)} wrote no table*.json into {out_dir}: does it "
+                               f"take --out DIR?")
+        command_text = shlex.join(full)
+        kept = {"tables": tables}
     (out_dir / "machine.txt").write_text(_run([dspark, "env"]))
     env = json.loads(_run([dspark, "env", "--json"]))
     commit = _run(["git", "rev-parse", "HEAD"]).strip()
     if _run(["git", "status", "--porcelain", "--untracked-files=no"]).strip():
         commit += " (with uncommitted changes)"
-    meta: dict[str, Any] = {"title": title, "anchor": anchor or name, "command": shlex.join(full),
+    meta: dict[str, Any] = {"title": title, "anchor": anchor or name, "command": command_text,
                             "commit": commit, "machine": machine_line(env), "notes": notes,
-                            "headline": False, "tables": tables}
+                            "headline": False, **kept}
     (out_dir / "artifact.json").write_text(json.dumps(meta, indent=2) + "\n")
     return out_dir
 
@@ -91,13 +112,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--anchor", default="", help="the section's stable anchor (default: --name)")
     parser.add_argument("--notes", default="", help="a paragraph under the title: how to read it")
     parser.add_argument("--results-dir", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--ledger", action="store_true", help="COMMAND is a `dspark bench` run: "
+                        "give it --db DIR/ledger.sqlite and keep its exported rows (results.json)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the benchmark command")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("no command: put it after --")
     out_dir = record(results_dir=args.results_dir, name=args.name, title=args.title, command=command,
-                     anchor=args.anchor, notes=args.notes)
+                     anchor=args.anchor, notes=args.notes, ledger=args.ledger)
     print(f"kept {out_dir}: run `make figures`")
     return 0
 
