@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import gc
 import os
 from collections.abc import Iterator
 
@@ -34,10 +35,22 @@ def single_process() -> Iterator[object]:
     """DSpark initialised as the world-size-1 stand-in in this (test) process."""
     import dspark
 
+    # dspark.shutdown() collects garbage twice: over the whole heap of this process (torch, dynamo,
+    # transformers) each takes ~0.4 s; frozen, only what was made since (see [Note: frozen heap] in
+    # tests/rank_pool.py)
+    gc.collect()
+    gc.freeze()
     dspark.shutdown()
     world = dspark.init()
     yield world
     dspark.shutdown()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    # Everything collection imported lives until the session ends: set it aside from every later
+    # collection (see [Note: frozen heap] in tests/rank_pool.py)
+    gc.collect()
+    gc.freeze()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
