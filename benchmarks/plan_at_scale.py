@@ -2,7 +2,13 @@
 and GPT-2 124M at the seed's global batch 256 in fp16 with AdamW, on 2 DGX Spark boxes (200 Gb/s
 RoCE) and on 8 to 512 H100/H200-class GPUs (NVLink in a node of 8, InfiniBand NDR across).
 
-    .venv/bin/python benchmarks/plan_at_scale.py > benchmarks/results/plan-at-scale.md
+    .venv/bin/python benchmarks/plan_at_scale.py            # the plans, printed
+    .venv/bin/python -m dspark.bench.record --name DATE-plan-at-scale --anchor plan-at-scale \
+        --title "..." -- .venv/bin/python benchmarks/plan_at_scale.py   # kept: --out DIR
+
+``--out DIR`` also writes ``DIR/table.json`` (one row per workload, link, devices and strategy:
+peak, step split into compute, exposed communication and optimizer, speedup against one device),
+which docs/figures.md publishes as predictions.
 
 The compute (forward, backward, optimizer ms) and the step's memory beyond model state come from
 ``benchmarks/results/2026-12-04-h200/final/{resnet50,gpt2-124m}.json`` (one H200, fp16, measured by
@@ -14,8 +20,10 @@ Nothing here ran on more than one GPU.
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 from dspark.models import get_workload
 from dspark.plan import Plan, PlanRow, Probe, get_interconnect, model_shape, row_cost
@@ -66,15 +74,40 @@ def plan_at(workload: str, counts: list[int], interconnect: str, budget: int) ->
                 memory_budget_bytes=budget, probe=probe)
 
 
+LINKS = (("roce-200g", "2 DGX Spark boxes (roce-200g), H200 compute", [1, 2]),
+         ("nvlink", "8 to 512 GPUs (nvlink: NVLink inside 8, InfiniBand NDR across)",
+          [1, 8, 16, 64, 128, 256]))
+
+
+def table_rows(workload: str, interconnect: str, plan: Plan) -> list[list[Any]]:
+    """One published row per plan row: what docs/figures.md shows of the prediction."""
+    base = {r.strategy: r.step_ms for r in plan.rows if r.devices == 1}
+    return [[workload, interconnect, r.devices, r.strategy, f"{r.micro_batch} x {r.passes}",
+             round(r.peak_bytes / 1e9, 2), r.compute_ms, r.comm_exposed_ms, r.optimizer_ms,
+             r.step_ms, f"{base[r.strategy] / r.step_ms:.2f}x"] for r in plan.rows]
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, help="also write the predictions as DIR/table.json")
+    args = parser.parse_args()
     budget = int(H200_BYTES * 0.9)
+    rows: list[list[Any]] = []
     for workload in ("resnet50", "gpt2-124m"):
         print(f"## {workload}, global batch 256, fp16, AdamW\n")
-        print("### 2 DGX Spark boxes (roce-200g), H200 compute\n\n```")
-        print(plan_at(workload, [1, 2], "roce-200g", budget))
-        print("```\n\n### 8 to 512 GPUs (nvlink: NVLink inside 8, InfiniBand NDR across)\n\n```")
-        print(plan_at(workload, [1, 8, 16, 64, 128, 256], "nvlink", budget))
-        print("```\n")
+        for interconnect, heading, counts in LINKS:
+            plan = plan_at(workload, counts, interconnect, budget)
+            print(f"### {heading}\n\n```\n{plan}\n```\n")
+            rows += table_rows(workload, interconnect, plan)
+    if args.out is not None:
+        from dspark.bench.table_artifact import write_table
+
+        write_table(args.out, rows=rows, columns=[
+            "workload", "link", "devices", "strategy", "micro-batch x passes", "peak GB per rank",
+            "compute ms", "exposed comm ms", "optimizer ms", "step ms", "speedup vs 1 device"],
+            caption="Predicted by dspark.plan, not measured: one H200's measured step (the "
+                    "2026-12-04-h200 artifact) and the planner's arithmetic (docs/plan.md); global "
+                    "batch 256, fp16, AdamW; nothing ran on more than one GPU.")
 
 
 if __name__ == "__main__":

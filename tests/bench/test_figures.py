@@ -103,9 +103,7 @@ ALLOWED: tuple[tuple[str, str, str], ...] = (
     ("plan.md", "1 device at 245 ms", "the synthetic results of tests/bench/factory.py"),
     ("plan.md", "replicated at 280 ms", "the synthetic results of tests/bench/factory.py"),
     ("plan.md", "2 devices replicate:", "off_plan's lines for the synthetic results"),
-    ("plan.md", "## At scale, on paper", "predictions of benchmarks/plan_at_scale.py (its whole output "
-                                         "is kept in benchmarks/results/plan-at-scale.md), not "
-                                         "measurements; the measured inputs link to figures.md"),
+    ("plan.md", "an 80 GB H100", "a GPU's memory, from its datasheet"),
     ("pretrained.md", 'max_shard_size="5GB"', "an argument's value"),
     ("pretrained.md", "default `5GB`", "an argument's default"),
     ("pretrained.md", "1354 MiB in fp32", "the model's size: parameters x 4 bytes"),

@@ -73,6 +73,9 @@ NOT_REMEASURED: tuple[tuple[str, str, str], ...] = (
      ".venv/bin/python benchmarks/pretrained_load_rss.py"),
     ("checkpoint-verification-cost", "what a load's manifest check costs, warm and cold page cache",
      "python benchmarks/ckpt_verify_cost.py --repeats 5 --cache both --sha256"),
+    ("plan-at-scale", "what `dspark plan` predicts for ResNet-50 and GPT-2 124M on 2 DGX Spark boxes "
+     "and on 8 to 256 GPUs (predictions, not measurements)",
+     ".venv/bin/python benchmarks/plan_at_scale.py"),
     ("check-scaling", "`dspark check`'s time and peak memory against the file's size",
      "python benchmarks/check_scaling.py"),
     ("batch-check-cost", "the replicated-batch check's cost per step",
