@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -30,6 +31,23 @@ def test_everything_fits_replicate_and_a_smaller_budget_shards_more() -> None:
     assert choose(_plan(min(zero2_peak, replicate_peak) - 1)).strategy == "zero3"
     with pytest.raises(ValueError, match="no strategy fits on 2"):
         choose(_plan(1000))
+
+
+def _with_steps(plan, steps: dict[str, float]):
+    """``plan`` with each strategy's step set to ``steps[strategy]`` (all in communication)."""
+    rows = tuple(dataclasses.replace(r, compute_ms=0.0, optimizer_ms=0.0,
+                                     comm_exposed_ms=steps[r.strategy]) for r in plan.rows)
+    return dataclasses.replace(plan, rows=rows)
+
+
+def test_a_difference_below_what_the_link_probe_resolves_does_not_shard() -> None:
+    roomy = _plan(1 << 40)
+    near = {"replicate": 0.9, "zero1": 0.8, "zero2": 0.4, "zero3": 0.6}  # within TIE_MS of 0.4
+    assert choose(_with_steps(roomy, near)).strategy == "replicate"
+    far = {"replicate": 10.0, "zero1": 9.9, "zero2": 5.0, "zero3": 9.0}  # a real gap: zero2 wins
+    assert choose(_with_steps(roomy, far)).strategy == "zero2"
+    big = {"replicate": 204.0, "zero1": 210.0, "zero2": 200.0, "zero3": 250.0}  # within 2% of 200
+    assert choose(_with_steps(roomy, big)).strategy == "replicate"
 
 
 def test_the_auto_table_says_what_it_did_not_measure() -> None:

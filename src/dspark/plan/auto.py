@@ -7,7 +7,9 @@ activations and compute cannot be measured yet. What differs between strategies 
 adds, over the link measured here by a short probe of each collective ([Note: the link probe]). So auto plans with activations and
 compute left out (the table says so) and ranks the strategies that fit by their communication
 and optimizer time; with compute the same for every strategy, that order is the step's order.
-Ties (within :data:`TIE_SHARE`) go to the less sharded strategy. Rank 0 measures and decides,
+Ties (within :data:`TIE_SHARE` of the step, or :data:`TIE_MS`) go to the less sharded strategy:
+on a small model the strategies differ by a collective's latency or two, less than the link
+probe resolves, and a measured difference that small is noise, not a reason to shard. Rank 0 measures and decides,
 and broadcasts its choice, so every rank builds the same engine. For a full plan with
 activations and compute, call :func:`dspark.plan` with a sample batch first and pass its
 ``best().strategy`` and a ``memory_budget`` that leaves room for the activations.
@@ -30,12 +32,16 @@ from dspark.plan.link_probe import measure_link
 from dspark.plan.planner import Plan, PlanRow, default_memory_budget, model_shape
 from dspark.plan.probe import Probe, optimizer_state_of
 
-__all__ = ["TIE_SHARE", "auto_plan", "choose", "measure_bus_bytes_per_s"]
+__all__ = ["TIE_MS", "TIE_SHARE", "auto_plan", "choose", "measure_bus_bytes_per_s"]
 
 log = logging.getLogger(__name__)
 
 TIE_SHARE = 0.02
 """Steps within 2% of the fastest count as equal; the less sharded strategy wins the tie."""
+TIE_MS = 1.0
+"""Steps within a millisecond of the fastest count as equal too: the link probe fits each
+collective's latency from a few timings of two sizes, and on a loaded machine those fits move by
+fractions of a millisecond, enough to reorder strategies whose whole difference is one latency."""
 _PROBE_BYTES = 8 << 20
 
 
@@ -95,11 +101,12 @@ def auto_plan(model: nn.Module, *, optimizer: object, precision: str, bucket_mb:
 
 
 def choose(plan: Plan) -> PlanRow:
-    """The fastest row that fits, ties (within :data:`TIE_SHARE`) to the less sharded; a clear
-    ``ValueError`` when none fits."""
+    """The fastest row that fits, ties (within :data:`TIE_SHARE` or :data:`TIE_MS`) to the less
+    sharded; a clear ``ValueError`` when none fits."""
     fastest = plan.best()
     order = list(STRATEGIES)
-    ties = [r for r in plan.rows if r.fits and r.step_ms <= fastest.step_ms * (1 + TIE_SHARE) + 1e-9]
+    limit = max(fastest.step_ms * (1 + TIE_SHARE), fastest.step_ms + TIE_MS) + 1e-9
+    ties = [r for r in plan.rows if r.fits and r.step_ms <= limit]
     return min(ties, key=lambda r: order.index(r.strategy))
 
 
