@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import gc
 import os
+import signal
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -44,6 +46,18 @@ def single_process() -> Iterator[object]:
     world = dspark.init()
     yield world
     dspark.shutdown()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # A test run started in the background of a script (`make test &`, nohup, some CI runners)
+    # inherits SIGINT ignored, and so would every process the tests start; DSpark leaves an ignored
+    # Ctrl-C alone on purpose (a background job's Ctrl-C is not for it), so the tests of Ctrl-C
+    # would see none arrive and time out. The tests stand in for a terminal's foreground job: SIGINT
+    # handled here, so the processes they start begin with it at its default (an exec resets a
+    # handled signal, keeps an ignored one). A test of the ignored case ignores it itself.
+    if (threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGINT) is signal.SIG_IGN):
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
