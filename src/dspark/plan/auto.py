@@ -18,9 +18,7 @@ activations and compute, call :func:`dspark.plan` with a sample batch first and 
 from __future__ import annotations
 
 import logging
-import time
 
-import torch
 from torch import nn
 
 from dspark import comm
@@ -32,7 +30,7 @@ from dspark.plan.link_probe import measure_link
 from dspark.plan.planner import Plan, PlanRow, default_memory_budget, model_shape
 from dspark.plan.probe import Probe, optimizer_state_of
 
-__all__ = ["TIE_MS", "TIE_SHARE", "auto_plan", "choose", "measure_bus_bytes_per_s"]
+__all__ = ["TIE_MS", "TIE_SHARE", "auto_plan", "choose"]
 
 log = logging.getLogger(__name__)
 
@@ -42,27 +40,6 @@ TIE_MS = 1.0
 """Steps within a millisecond of the fastest count as equal too: the link probe fits each
 collective's latency from a few timings of two sizes, and on a loaded machine those fits move by
 fractions of a millisecond, enough to reorder strategies whose whole difference is one latency."""
-_PROBE_BYTES = 8 << 20
-
-
-def measure_bus_bytes_per_s(world: comm.World, nbytes: int = _PROBE_BYTES, repeats: int = 3) -> float:
-    """Per-rank ring bandwidth from a short all-reduce of ``nbytes`` (the fastest of ``repeats``),
-    as :func:`dspark.plan.interconnect.all_reduce_s` counts it; 0.0 on one rank."""
-    n = world.world_size
-    if n < 2:
-        return 0.0
-    buf = torch.zeros(nbytes // 4, dtype=torch.float32, device=world.device)
-    comm.all_reduce(buf)  # warm-up: connections and buffers set up
-    best = float("inf")
-    for _ in range(repeats):
-        if world.device.type == "cuda":
-            torch.cuda.synchronize(world.device)
-        start = time.perf_counter()
-        comm.all_reduce(buf)
-        if world.device.type == "cuda":
-            torch.cuda.synchronize(world.device)
-        best = min(best, time.perf_counter() - start)
-    return 2 * (n - 1) / n * nbytes / max(best, 1e-9)
 
 
 def auto_plan(model: nn.Module, *, optimizer: object, precision: str, bucket_mb: float,
@@ -125,10 +102,10 @@ def _resolve(request: AutoRequest) -> tuple[str, Plan]:
     if budget is None:
         local = 1 if world.device.type == "cuda" else world.local_world_size
         budget = default_memory_budget(world.device, local_ranks=local)
-    decision: tuple[float, int] | None = None
-    if world.rank == 0:
-        decision = (bandwidth, budget)
-    bandwidth, budget = comm.broadcast_object(decision) if world.world_size > 1 else (bandwidth, budget)
+    # the link is rank 0's on every rank already (measure_link broadcasts it); the budget may
+    # differ by host (available memory), so rank 0's is every rank's
+    if world.world_size > 1:
+        budget = comm.broadcast_object(budget if world.rank == 0 else None)
     plan = auto_plan(request.model, optimizer=request.optimizer, precision=request.precision,
                      bucket_mb=request.bucket_mb, num_ranks=world.world_size,
                      bus_bytes_per_s=bandwidth, backend=world.backend, memory_budget=budget, link=link)
