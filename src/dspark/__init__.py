@@ -94,6 +94,11 @@ _PUBLIC: dict[str, tuple[str, str | None]] = {
 }
 """Public name -> (module, attribute in it; None: the module itself)."""
 
+_WITH: dict[str, tuple[str, ...]] = {"Engine": ("dspark.plan",)}
+"""Modules imported with a public name: ``Engine(strategy="auto")`` calls the planner, which the
+engine may not import (see [Note: auto without a circle] in :mod:`dspark.engine.auto`), so the
+package, which sits above both, imports it with the engine."""
+
 
 def __getattr__(name: str) -> Any:
     try:
@@ -101,6 +106,8 @@ def __getattr__(name: str) -> Any:
     except KeyError:
         raise AttributeError(f"module 'dspark' has no attribute {name!r}") from None
     value = importlib.import_module(module)
+    for companion in _WITH.get(name, ()):
+        importlib.import_module(companion)
     if attribute is not None:
         value = getattr(value, attribute)
     globals()[name] = value  # once: later reads find it without this function

@@ -2,8 +2,8 @@
 
 [Note: auto without a circle] The choice needs the planner (:mod:`dspark.plan`), which reads the
 engine's own formulas; the engine must not import it back. So the planner registers its resolver
-here when it is imported (``import dspark`` imports it), and the engine calls whatever is
-registered. The engine depends on a function type, never on the planner.
+here when it is imported (the package imports it with ``dspark.Engine``), and the engine calls
+whatever is registered. The engine depends on a function type, never on the planner.
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ import torch
 from torch import nn
 
 from dspark.comm import World
+from dspark.tensor.batch import batch_rows
 
-__all__ = ["AutoRequest", "AutoResolver", "check_memory_budget", "resolve_auto", "set_auto_resolver",
-           "strategy_and_plan"]
+__all__ = ["AutoChoice", "AutoRequest", "AutoResolver", "check_memory_budget", "check_planned_rows", "resolve_auto",
+           "set_auto_resolver", "strategy_and_plan"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -32,10 +33,32 @@ class AutoRequest:
     memory_budget: int | None
     """Bytes per rank the strategy must fit in; None: the resolver's default."""
     world: World
+    sample_batch: Any = None
+    """One step's batch as this rank's loop gets it (before any split into micro-batches); None:
+    no batch at construction, so no micro-batch is chosen (see [Note: what auto knows])."""
+    loss_fn: Callable[..., torch.Tensor] | None = None
+    """``loss_fn(model(inputs), targets)`` for ``sample_batch = (inputs, targets)``; None: the model
+    returns its loss."""
+    grad_accum_steps: int | None = None
+    """The loop's own accumulation when the user set it (the micro-batch is then fixed); None: the
+    resolver may choose it with the micro-batch."""
 
 
-AutoResolver = Callable[[AutoRequest], tuple[str, Any]]
-"""``request -> (strategy name, plan)``: the same strategy on every rank."""
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AutoChoice:
+    """What ``strategy="auto"`` chose, the same on every rank."""
+
+    strategy: str
+    plan: Any
+    """The :class:`dspark.plan.Plan` the choice came from (None: a strategy given by name)."""
+    grad_accum_steps: int | None = None
+    """Micro-batches per step auto planned (None: not chosen, no sample batch)."""
+    micro_batch: int | None = None
+    """Rows per forward auto planned on each rank (None: not chosen)."""
+
+
+AutoResolver = Callable[[AutoRequest], AutoChoice]
+"""``request -> choice``: the same choice on every rank."""
 
 _resolver: list[AutoResolver] = []
 
@@ -56,8 +79,8 @@ def check_memory_budget(memory_budget: Any) -> int | None:
     return memory_budget
 
 
-def resolve_auto(request: AutoRequest) -> tuple[str, Any]:
-    """The registered resolver's ``(strategy, plan)`` for ``request``.
+def resolve_auto(request: AutoRequest) -> AutoChoice:
+    """The registered resolver's choice for ``request``.
 
     Example::
 
@@ -65,28 +88,55 @@ def resolve_auto(request: AutoRequest) -> tuple[str, Any]:
                                                   bucket_mb=25.0, memory_budget=None, world=world))
     """
     if not _resolver:
-        raise RuntimeError("strategy='auto' needs the planner: import dspark (or dspark.plan) before "
-                           "building the engine, or pass a strategy by name")
+        raise RuntimeError("strategy='auto' needs the planner: build the engine as dspark.Engine (which "
+                           "imports it), or import dspark.plan first, or pass a strategy by name")
     return _resolver[0](request)
 
 
 def strategy_and_plan(strategy: str, memory_budget: Any, *, model: nn.Module,
                       optimizer: Callable[..., torch.optim.Optimizer], precision: str, bucket_mb: float,
-                      world: World) -> tuple[str, Any]:
+                      world: World, sample_batch: Any = None, loss_fn: Any = None,
+                      grad_accum_steps: int | None = None) -> AutoChoice:
     """The engine's ``strategy`` by name and the plan it came from: ``"auto"`` asks the resolver for
-    the fastest strategy that fits ``memory_budget`` bytes per rank; any other name is kept, with no
-    plan, and refuses a ``memory_budget`` (only ``"auto"`` reads it).
+    the fastest strategy that fits ``memory_budget`` bytes per rank (and, given ``sample_batch``, the
+    micro-batch with it); any other name is kept, with no plan, and refuses ``memory_budget``,
+    ``sample_batch`` and ``loss_fn`` (only ``"auto"`` reads them).
 
     Example::
 
         strategy_and_plan("zero2", None, model=m, optimizer=opt, precision="fp32", bucket_mb=25.0,
-                          world=world)   # ("zero2", None)
+                          world=world)   # AutoChoice(strategy="zero2", plan=None)
     """
     if strategy == "auto":  # see [Note: auto without a circle]
+        if loss_fn is not None and sample_batch is None:
+            raise ValueError("loss_fn= is what strategy='auto' probes sample_batch= with; pass a sample "
+                             "batch too, or leave loss_fn out")
+        if loss_fn is not None and not callable(loss_fn):
+            raise TypeError(f"loss_fn must be a function (outputs, targets) -> loss, got "
+                            f"{type(loss_fn).__name__}")
         return resolve_auto(AutoRequest(model=model, optimizer=optimizer, precision=precision,
                                         bucket_mb=bucket_mb, memory_budget=check_memory_budget(memory_budget),
-                                        world=world))
-    if memory_budget is not None:
-        raise ValueError(f"memory_budget={memory_budget!r} is what strategy='auto' must fit in; "
-                         f"with strategy={strategy!r} leave it out, or pass strategy='auto'")
-    return strategy, None
+                                        world=world, sample_batch=sample_batch, loss_fn=loss_fn,
+                                        grad_accum_steps=grad_accum_steps))
+    for name, value in (("memory_budget", memory_budget), ("sample_batch", sample_batch), ("loss_fn", loss_fn)):
+        if value is not None:
+            shown = repr(value) if name == "memory_budget" else f"<{type(value).__name__}>"
+            raise ValueError(f"{name}={shown} is what strategy='auto' plans with; with "
+                             f"strategy={strategy!r} leave it out, or pass strategy='auto'")
+    return AutoChoice(strategy=strategy, plan=None)
+
+
+def check_planned_rows(inputs: Any, micro_batch: int, grad_accum_steps: int) -> None:
+    """Refuse a training forward of more rows than the ``micro_batch`` auto planned: the plan's
+    memory holds only at that size, and a loop that feeds the whole batch would meet the peak the
+    choice was made to avoid. Fewer rows (an epoch's last batch) pass.
+
+    Example::
+
+        check_planned_rows(((x,), {}), micro_batch=16, grad_accum_steps=4)   # x of 64 rows: ValueError
+    """
+    rows = batch_rows(inputs)
+    if rows is not None and rows > micro_batch:
+        raise ValueError(f"a forward of {rows} rows on this rank, but strategy='auto' planned micro-batches "
+                         f"of {micro_batch} (grad_accum_steps={grad_accum_steps}) to fit the memory budget; "
+                         "split each step's batch: for x, y in engine.micro_batches(batch): ...")

@@ -12,16 +12,16 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import nn
 
 from dspark import comm, cpu_malloc
 from dspark.engine.audit import audit_rows
-from dspark.engine.auto import strategy_and_plan
+from dspark.engine.auto import check_planned_rows, strategy_and_plan
 from dspark.engine.batch_check import DEFAULT_BATCH_CHECK_EVERY
 from dspark.engine.buffer_sync import broadcast_tensors
 from dspark.engine.build import EngineParts, OptimizerFactory, build_parts
@@ -39,6 +39,7 @@ from dspark.engine.weights import KeyMap
 from dspark.engine.window import Window, check_ranks_in_step
 from dspark.engine.zero3_units import UnitPolicy
 from dspark.tensor import DistTensor, Placement
+from dspark.tensor.batch import split_batch
 
 if TYPE_CHECKING:
     from dspark.checkpoint import CheckpointInfo
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
 __all__ = ["Engine", "IncompatibleKeys", "engine_parts"]
 
 log = logging.getLogger(__name__)
+B = TypeVar("B")
 
 class Engine:
     """Wrap ``model`` for data-parallel training on every rank of the world.
@@ -66,7 +68,9 @@ class Engine:
     ``backward(loss)`` calls, then ``step()``: the mean over the window's micro-batches and all ranks
     (``weight=n``: over each rank's ``n`` samples or tokens), communicated during the last backward.
     ``strategy="auto"`` takes the fastest strategy whose predicted peak fits ``memory_budget`` bytes
-    per rank (``engine.plan``). Identical input batches on two ranks raise
+    per rank (``engine.plan``); given ``sample_batch`` (one step's batch on this rank) and ``loss_fn``,
+    with the micro-batch that fits (``engine.micro_batch``, ``grad_accum_steps`` unless given:
+    :meth:`micro_batches`). Identical input batches on two ranks raise
     :class:`dspark.PlacementError` (checked every ``batch_check_every`` steps); ``skip_nonfinite``
     skips a non-finite step, ``max_nonfinite_skips`` in a row raise; ``trace_dir`` writes a profiler
     trace per rank; on a CPU glibc's malloc is tuned for training (:mod:`dspark.cpu_malloc`). Every
@@ -75,22 +79,28 @@ class Engine:
 
     def __init__(
         self, model: nn.Module, *, optimizer: OptimizerFactory, strategy: str = "replicate",
-        precision: str = "fp32", grad_accum_steps: int = 1, clip_grad_norm: float | None = None,
+        precision: str = "fp32", grad_accum_steps: int | None = None, clip_grad_norm: float | None = None,
         bucket_mb: float = 25.0, reduce_dtype: torch.dtype | None = None, loss_scaler: LossScaler | None = None,
         param_groups: ParamGroupsFn | None = None, zero3_units: UnitPolicy = None, sync_batchnorm: bool = False,
         broadcast_buffers: bool = True, batch_check_every: int | None = DEFAULT_BATCH_CHECK_EVERY,
         trace_dir: str | os.PathLike[str] | None = None, trace_steps: tuple[int, int] = (1, 2),
         memory_budget: int | None = None, skip_nonfinite: bool = True, max_nonfinite_skips: int | None = 20,
+        sample_batch: Any = None, loss_fn: Callable[..., torch.Tensor] | None = None,
     ) -> None:
-        check_arguments(model, optimizer, grad_accum_steps, clip_grad_norm, bucket_mb, reduce_dtype,
-                        param_groups, zero3_units, skip_nonfinite, max_nonfinite_skips)
+        check_arguments(model, optimizer, 1 if grad_accum_steps is None else grad_accum_steps, clip_grad_norm,
+                        bucket_mb, reduce_dtype, param_groups, zero3_units, skip_nonfinite, max_nonfinite_skips)
         check_trace_args(trace_dir, trace_steps)
         self.world = comm.get_world()
-        self.plan: Any
-        strategy, self.plan = strategy_and_plan(strategy, memory_budget, model=model, optimizer=optimizer,
-                                                precision=str(precision), bucket_mb=float(bucket_mb),
-                                                world=self.world)
+        choice = strategy_and_plan(strategy, memory_budget, model=model, optimizer=optimizer,
+                                   precision=str(precision), bucket_mb=float(bucket_mb), world=self.world,
+                                   sample_batch=sample_batch, loss_fn=loss_fn, grad_accum_steps=grad_accum_steps)
+        self.plan: Any = choice.plan
         """``strategy="auto"``: the :class:`dspark.plan.Plan` the strategy was chosen from; else None."""
+        self.micro_batch = choice.micro_batch
+        """Rows per forward on each rank that ``strategy="auto"`` planned from ``sample_batch``
+        (split each step's batch with :meth:`micro_batches`); None when nothing was planned."""
+        grad_accum_steps = choice.grad_accum_steps or grad_accum_steps or 1
+        strategy = choice.strategy
         self.strategy = sharding_policy(strategy)
         self.precision = precision_policy(precision)
         if self.world.device.type == "cpu":
@@ -131,6 +141,8 @@ class Engine:
 
             logits = engine(tokens)            # bf16 matmuls under precision="bf16"
         """
+        if self.micro_batch is not None and torch.is_grad_enabled():
+            check_planned_rows((args, kwargs), self.micro_batch, self.grad_accum_steps)
         zero3 = self._parts.zero3
         saving = (contextlib.nullcontext() if zero3 is None or not torch.is_grad_enabled()
                   else zero3.saving_parameters_by_reference())
@@ -142,6 +154,18 @@ class Engine:
             if explained is None:
                 raise
             raise explained from exc
+
+    def micro_batches(self, batch: B) -> list[B]:
+        """This rank's ``batch`` for one step split into ``grad_accum_steps`` equal micro-batches
+        along dim 0 (tensors, arrays, per-sample lists); a ``ValueError`` names rows that do not divide.
+
+        Example::
+
+            for x, y in engine.micro_batches(batch):   # the micro-batch strategy="auto" chose
+                engine.backward(loss_fn(engine(x), y))
+            engine.step()
+        """
+        return split_batch(batch, self.grad_accum_steps)
 
     def backward(self, loss: torch.Tensor, *, weight: float | int | torch.Tensor | None = None) -> None:
         """Backpropagate ``loss`` (the mean loss of this rank's micro-batch). The update averages the

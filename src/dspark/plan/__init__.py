@@ -4,7 +4,7 @@ devices, from one short probe on one device; ``strategy="auto"``'s choice.
 [Note: plan and engine] ``plan/`` sits beside ``engine/`` and imports it (the engine's own
 expected-bytes formula, its bucket grouping and zero3 units, its meta materialisation); the engine
 never imports ``plan/``. ``Engine(strategy="auto")`` asks the resolver this package registers with
-:func:`dspark.engine.auto.set_auto_resolver` when it is imported (``import dspark`` imports it), so
+:func:`dspark.engine.auto.set_auto_resolver` when it is imported (``dspark.Engine`` imports it), so
 the choice lives here and the import graph has no circle.
 
 Example::

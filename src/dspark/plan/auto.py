@@ -10,25 +10,26 @@ and optimizer time; with compute the same for every strategy, that order is the 
 Ties (within :data:`TIE_SHARE` of the step, or :data:`TIE_MS`) go to the less sharded strategy:
 on a small model the strategies differ by a collective's latency or two, less than the link
 probe resolves, and a measured difference that small is noise, not a reason to shard. Rank 0 measures and decides,
-and broadcasts its choice, so every rank builds the same engine. For a full plan with
-activations and compute, call :func:`dspark.plan` with a sample batch first and pass its
-``best().strategy`` and a ``memory_budget`` that leaves room for the activations.
+and broadcasts its choice, so every rank builds the same engine. Given ``sample_batch=`` (one
+step's batch on a rank) the engine has what :func:`dspark.plan` needs, and auto plans activations,
+compute and the micro-batch too (see [Note: auto with a batch]).
 """
 
 from __future__ import annotations
 
 import logging
 
+import torch
 from torch import nn
 
 from dspark import comm
-from dspark.engine.auto import AutoRequest, set_auto_resolver
+from dspark.engine.auto import AutoChoice, AutoRequest, set_auto_resolver
 from dspark.engine.policy import STRATEGIES
 from dspark.plan.cost import row_cost
 from dspark.plan.interconnect import Interconnect
 from dspark.plan.link_probe import measure_link
-from dspark.plan.planner import Plan, PlanRow, default_memory_budget, model_shape
-from dspark.plan.probe import Probe, optimizer_state_of
+from dspark.plan.planner import Plan, PlanRow, default_memory_budget, loop_advice, model_shape, plan
+from dspark.plan.probe import Probe, batch_size, optimizer_state_of
 
 __all__ = ["TIE_MS", "TIE_SHARE", "auto_plan", "choose"]
 
@@ -77,13 +78,24 @@ def auto_plan(model: nn.Module, *, optimizer: object, precision: str, bucket_mb:
                 probe=probe)
 
 
-def choose(plan: Plan) -> PlanRow:
+def choose(plan: Plan, micro_batch: int | None = None) -> PlanRow:
     """The fastest row that fits, ties (within :data:`TIE_SHARE` or :data:`TIE_MS`) to the less
-    sharded; a clear ``ValueError`` when none fits."""
-    fastest = plan.best()
+    sharded; with ``micro_batch``, only rows planned at that micro-batch (the loop's own). A clear
+    ``ValueError`` when none fits."""
+    rows = [r for r in plan.rows if micro_batch is None or r.micro_batch == micro_batch]
+    fitting = [r for r in rows if r.fits]
+    if not fitting:
+        plan.best()  # raises, naming the smallest peak and the budget
+        smallest = min(rows or plan.rows, key=lambda r: r.peak_bytes)
+        raise ValueError(f"no strategy fits at the loop's micro-batch of {micro_batch} rows: the smallest "
+                         f"predicted peak there is {smallest.strategy}'s {smallest.peak_bytes / 2**20:.1f} MiB "
+                         f"per rank over the budget of {smallest.budget_bytes / 2**20:.1f} MiB; leave "
+                         "grad_accum_steps out so that auto may choose a smaller micro-batch, or raise "
+                         "memory_budget")
+    fastest = min(fitting, key=lambda r: r.step_ms)
     order = list(STRATEGIES)
     limit = max(fastest.step_ms * (1 + TIE_SHARE), fastest.step_ms + TIE_MS) + 1e-9
-    ties = [r for r in plan.rows if r.fits and r.step_ms <= limit]
+    ties = [r for r in fitting if r.step_ms <= limit]
     return min(ties, key=lambda r: order.index(r.strategy))
 
 
@@ -94,7 +106,7 @@ def _numel(shape: tuple[int, ...]) -> int:
     return out
 
 
-def _resolve(request: AutoRequest) -> tuple[str, Plan]:
+def _resolve(request: AutoRequest) -> AutoChoice:
     world = request.world
     link = measure_link(world, repeats=3) if world.world_size > 1 else None
     bandwidth = link.bytes_per_s if link is not None else 0.0
@@ -106,15 +118,58 @@ def _resolve(request: AutoRequest) -> tuple[str, Plan]:
     # differ by host (available memory), so rank 0's is every rank's
     if world.world_size > 1:
         budget = comm.broadcast_object(budget if world.rank == 0 else None)
-    plan = auto_plan(request.model, optimizer=request.optimizer, precision=request.precision,
-                     bucket_mb=request.bucket_mb, num_ranks=world.world_size,
-                     bus_bytes_per_s=bandwidth, backend=world.backend, memory_budget=budget, link=link)
-    chosen = choose(plan).strategy
+    if request.sample_batch is not None:
+        return _resolve_with_batch(request, budget, link)
+    table = auto_plan(request.model, optimizer=request.optimizer, precision=request.precision,
+                      bucket_mb=request.bucket_mb, num_ranks=world.world_size,
+                      bus_bytes_per_s=bandwidth, backend=world.backend, memory_budget=budget, link=link)
+    chosen = choose(table).strategy
     if world.rank == 0:
         log.info("strategy='auto' chose %s on %d rank(s); activations and compute not measured at "
-                 "construction (no batch yet: dspark.plan(model, batch) predicts them)\n%s",
-                 chosen, world.world_size, plan)
-    return chosen, plan
+                 "construction (no batch yet: pass sample_batch= to the engine, or dspark.plan(model, "
+                 "batch), to plan them)\n%s", chosen, world.world_size, table)
+    return AutoChoice(strategy=chosen, plan=table)
+
+
+def _resolve_with_batch(request: AutoRequest, budget: int, link: Interconnect | None) -> AutoChoice:
+    """[Note: auto with a batch] Given one step's batch, auto plans as :func:`dspark.plan` does on
+    this world: activations and compute measured by a probe on rank 0's device (the others wait:
+    ranks sharing a machine would slow the probe), every strategy at the largest micro-batch that
+    fits, and the loop's micro-batch kept when it set ``grad_accum_steps``. Rank 0 broadcasts the
+    plan, or the error it met, so every rank chooses the same or raises the same."""
+    world = request.world
+    rows = batch_size(request.sample_batch)
+    fixed = request.grad_accum_steps
+    if fixed is not None and rows % fixed:
+        raise ValueError(f"sample_batch has {rows} rows, which grad_accum_steps={fixed} does not split "
+                         f"into equal micro-batches ({rows} % {fixed} = {rows % fixed})")
+    result: Plan | BaseException | None = None
+    if world.rank == 0:
+        # the probe's steps draw from the random generators (dropout, a meta model's init): leave
+        # them as they were, so the engine's own initialisation and the loop's draws are unchanged
+        cuda = [world.device.index or 0] if world.device.type == "cuda" else []
+        try:
+            with torch.random.fork_rng(devices=cuda):
+                result = plan(request.model, request.sample_batch, request.loss_fn, optimizer=request.optimizer,
+                              devices=[world.world_size], precision=request.precision,
+                              global_batch=rows * world.world_size, memory_budget=budget, interconnect=link,
+                              bucket_mb=request.bucket_mb, device=world.device,
+                              max_micro_batch=None if fixed is None else rows // fixed)
+        except Exception as exc:  # every rank raises it, not only rank 0
+            result = exc
+    if world.world_size > 1:
+        result = comm.broadcast_object(result)
+    if isinstance(result, BaseException):
+        raise result
+    if not isinstance(result, Plan):
+        raise AssertionError(f"rank 0 sent {type(result).__name__}, not a plan")
+    row = choose(result, micro_batch=None if fixed is None else rows // fixed)
+    if world.rank == 0:
+        log.info("strategy='auto' chose %s at micro-batch %d x %d on %d rank(s) (activations and compute "
+                 "measured on one step of sample_batch): %s\n%s", row.strategy, row.micro_batch, row.passes,
+                 world.world_size, loop_advice(row.passes, row.micro_batch), result)
+    return AutoChoice(strategy=row.strategy, plan=result, grad_accum_steps=row.passes,
+                      micro_batch=row.micro_batch)
 
 
 set_auto_resolver(_resolve)

@@ -15,7 +15,7 @@ from dspark import comm
 from dspark.tensor.placement import PlacementError, Replicate, to_placement
 from dspark.tensor.shard_math import shard_range
 
-__all__ = ["batch_leaves", "distribute_batch", "map_batch"]
+__all__ = ["batch_leaves", "batch_rows", "distribute_batch", "map_batch", "split_batch"]
 
 B = TypeVar("B")
 
@@ -173,3 +173,57 @@ def distribute_batch(batch: B, shard_dim: Any = 0, *, allow_uneven: bool = False
         return leaf
 
     return map_batch(batch, split, lambda v: _is_array(v) or _is_row_list(v))  # type: ignore[no-any-return]
+
+
+def batch_rows(batch: Any) -> int | None:
+    """The leading size of ``batch``'s first tensor or array (see [Note: walking a batch]); None
+    when it holds none with a dimension.
+
+    Example::
+
+        batch_rows({"input_ids": torch.zeros(8, 128, dtype=torch.long)})   # 8
+    """
+    leaves = _leaves(batch, "batch")
+    return int(leaves[0][1].shape[0]) if leaves else None
+
+
+def split_batch(batch: B, parts: int) -> list[B]:
+    """``batch`` split along dim 0 into ``parts`` equal micro-batches, in order: every tensor and
+    array, and every list of one value per sample; other values go to each part as they are. A
+    ``ValueError`` names the rows when they do not divide by ``parts``.
+
+    Example::
+
+        for x, y in split_batch((x, y), 4):   # 4 micro-batches of len(x) // 4 rows
+            engine.backward(loss_fn(engine(x), y))
+    """
+    if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
+        raise ValueError(f"parts={parts!r} must be an int >= 1")
+    leaves = _leaves(batch, "batch")
+    if not leaves:
+        raise ValueError("the batch holds no tensor or array to split into micro-batches")
+    first_path, first = leaves[0]
+    size = first.shape[0]
+    for path, leaf in leaves[1:]:
+        if leaf.shape[0] != size:
+            raise ValueError(f"{path} has {leaf.shape[0]} rows, but {first_path} has {size}: every "
+                             "tensor of a batch needs the same size along dim 0")
+    if size % parts:
+        raise ValueError(f"a batch of {size} rows does not split into {parts} equal micro-batches "
+                         f"({size} % {parts} = {size % parts}); give each step a multiple of {parts} rows")
+    rows = size // parts
+
+    def part(index: int) -> Any:
+        start = index * rows
+
+        def take(leaf: Any) -> Any:
+            if isinstance(leaf, torch.Tensor):
+                return leaf.narrow(0, start, rows)
+            if isinstance(leaf, np.ndarray):
+                return leaf[start:start + rows]
+            if len(leaf) == size:   # one value per sample
+                return type(leaf)(leaf[start:start + rows])
+            return leaf
+        return map_batch(batch, take, lambda v: _is_array(v) or _is_row_list(v))
+
+    return [part(i) for i in range(parts)]
