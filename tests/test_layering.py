@@ -26,7 +26,7 @@ SRC = Path(dspark.__file__).resolve().parent.parent
 LAYERS = Layers(
     rank={
         # leaves: they import nothing of DSpark's, and anything may import them
-        "errors": 0, "_version": 0, "cpu_malloc": 0,
+        "errors": 0, "_version": 0, "cpu_malloc": 0, "profiler_banner": 0,
         "comm": 1,
         "tensor": 2,
         # the benchmark workloads: plain PyTorch models that the lab and the planner build

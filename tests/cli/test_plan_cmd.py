@@ -15,8 +15,11 @@ def test_plan_prints_writes_json_and_plot_and_replans_from_the_probe(tmp_path: P
     out, png = tmp_path / "plan.json", tmp_path / "plan.png"
     assert main(["plan", "--model", "tests.plan.factories:small_mlp", "--devices", "1,2",
                  "--json", str(out), "--plot", str(png)]) == 0
-    text = capsys.readouterr().out
+    captured = capsys.readouterr()
+    text = captured.out
     assert "replicate" in text and "zero3" in text and "peak MB" in text
+    assert "probing tests.plan.factories:small_mlp" in captured.err and "probed in" in captured.err
+    assert "probing" not in text  # progress on stderr: stdout is the table alone
     data = json.loads(out.read_text())
     assert {(r["strategy"], r["devices"]) for r in data["rows"]} >= {("zero2", 2), ("replicate", 1)}
     assert png.read_bytes()[:4] == b"\x89PNG"

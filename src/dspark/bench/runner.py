@@ -42,6 +42,7 @@ from dspark.bench.result import BenchConfig, BenchResult, ConfigKey
 from dspark.bench.worker import error_path
 from dspark.errors import DSparkError
 from dspark.launch.launcher import LaunchSpec, launch
+from dspark.profiler_banner import is_banner
 
 __all__ = ["DEFAULT_ROUNDS", "BenchRunError", "RunFailure", "describe_config", "interleaved_plan",
            "new_run_id", "run_in_workers", "run_suite", "trace_dir_of"]
@@ -50,8 +51,6 @@ _log = logging.getLogger(__name__)
 
 _WORKER_MODULE = "dspark.bench.worker"
 _STDERR_TAIL_LINES = 25
-# Lines PyTorch's profiler (kineto) writes on every start and stop; they bury a real error.
-_NOISE_PREFIXES = ("USDT:",)
 
 DEFAULT_ROUNDS = 3
 """Launches per configuration in a run, alternating with its baseline's (at least 3, so the median
@@ -103,7 +102,7 @@ def new_run_id() -> str:
 
 
 def _tail(text: str, lines: int = _STDERR_TAIL_LINES) -> str:
-    kept = [line for line in text.splitlines() if not line.startswith(_NOISE_PREFIXES)]
+    kept = [line for line in text.splitlines() if not is_banner(line)]  # they bury a real error
     return "\n".join(kept[-lines:])
 
 

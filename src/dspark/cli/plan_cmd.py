@@ -16,6 +16,7 @@ import argparse
 import importlib
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -140,10 +141,17 @@ def run(args: argparse.Namespace) -> int:
         data = json.loads(Path(args.probe).read_text())
         probe = Probe.from_dict(data.get("probe", data))
     strategies = "all" if args.strategies == "all" else [s.strip() for s in args.strategies.split(",")]
+    if probe is None:  # progress on stderr: the table alone goes to stdout
+        sys.stderr.write(f"dspark plan: probing {args.workload or args.model} on one device "
+                         f"(trace={args.trace}: a few training steps at two batch sizes)...\n")
+        sys.stderr.flush()
+    started = time.perf_counter()
     plan = dspark.plan(model, sample, loss_fn, devices=args.devices, strategies=strategies,
                        precision=precision, global_batch=global_batch,
                        memory_budget=args.memory_budget, interconnect=args.interconnect,
                        max_micro_batch=max_micro_batch, probe=probe, trace=args.trace)
+    if probe is None:
+        sys.stderr.write(f"dspark plan: probed in {time.perf_counter() - started:.1f} s\n")
     sys.stdout.write(f"{plan}\n")
     if args.json:
         Path(args.json).write_text(plan.to_json() + "\n")

@@ -33,6 +33,8 @@ from collections.abc import Callable, Iterable
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
+from dspark.profiler_banner import quiet_banners
+
 __all__ = ["held_tensor_bytes", "measure_peak_bytes", "peak_of_running_sum"]
 
 _MEASURED_REGION = "dspark.bench.measured_region"
@@ -94,12 +96,18 @@ def held_tensor_bytes(device: torch.device | str = "cpu") -> int:
 def _profiled_peak_bytes(fn: Callable[[], object], device: torch.device) -> int:
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with quiet_banners():  # see dspark.profiler_banner
+        prof.start()
+    try:
         fn()  # priming run: see the module docstring
         gc.collect()
         held_bytes = held_tensor_bytes(device)
         with record_function(_MEASURED_REGION):
             fn()
+    finally:
+        with quiet_banners():
+            prof.stop()
     # The profiler's public tables attribute memory to operators; the raw event stream is the
     # only place with every allocation and free in time order.
     events = prof.profiler.kineto_results.events()  # type: ignore[union-attr]
