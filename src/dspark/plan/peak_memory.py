@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
@@ -110,7 +111,7 @@ def _profiled_peak_bytes(fn: Callable[[], object], device: torch.device) -> int:
             prof.stop()
     # The profiler's public tables attribute memory to operators; the raw event stream is the
     # only place with every allocation and free in time order.
-    events = prof.profiler.kineto_results.events()  # type: ignore[union-attr]
+    events: list[Any] = prof.profiler.kineto_results.events()  # type: ignore[union-attr]
     region = next(e for e in events if e.name() == _MEASURED_REGION)
     start_ns, end_ns = region.start_ns(), region.end_ns()
     memory = sorted(
