@@ -78,17 +78,25 @@ def test_other_devices_are_refused() -> None:
 
 def test_peak_rss_covers_memory_touched_outside_tensors() -> None:
     import ctypes
+    import mmap
 
     from dspark.bench.memory import peak_rss_bytes, reset_peak_rss
 
+    # Collect first, then reset: memory freed after the reset would lower the resident size under
+    # the reset's mark, and the block below could grow back into it without a new peak.
+    gc.collect()
+    tensors_before = held_tensor_bytes("cpu")
     if not reset_peak_rss():
         pytest.skip("this kernel does not let a process reset its peak RSS")
-    gc.collect()
-    before, tensors_before = peak_rss_bytes(), held_tensor_bytes("cpu")
+    before = peak_rss_bytes()
     # 64 MB that no tensor owns: what a C++ buffer (DDP's reducer buckets) looks like to Python.
-    block = ctypes.create_string_buffer(64 * MB)
-    ctypes.memset(block, 1, 64 * MB)  # touched, so resident
+    # Fresh pages from the kernel (mmap), not malloc: with malloc tuned for training (an engine
+    # built earlier in this process) a free heap, already resident, could serve it.
+    block = mmap.mmap(-1, 64 * MB)
+    view = (ctypes.c_char * (64 * MB)).from_buffer(block)
+    ctypes.memset(ctypes.addressof(view), 1, 64 * MB)  # touched, so resident
     grown, tensors_grown = peak_rss_bytes() - before, held_tensor_bytes("cpu") - tensors_before
-    del block
+    del view
+    block.close()
     assert 60 * MB <= grown <= 80 * MB
     assert tensors_grown < MB  # the tensor figure cannot see it; that is why both are recorded
