@@ -31,6 +31,17 @@ def test_train_gpt_loss_goes_down(tmp_path: Path, strategy: str, precision: str)
     assert last < 0.85 * first, out
 
 
+@pytest.mark.slow
+def test_train_gpt_with_auto_splits_the_step_and_trains_the_same(tmp_path: Path) -> None:
+    common = (str(EXAMPLES / "train_gpt.py"), "--steps", "3", "--log-every", "1")
+    whole = _dspark_run(tmp_path, *common)                                     # replicate, 8 rows x 1
+    auto = _dspark_run(tmp_path, *common, "--strategy", "auto", "--memory-budget-mib", "9")
+    chose = re.search(r"auto chose (\w+), micro-batch (\d+) x (\d+) per rank", auto)
+    assert chose and int(chose.group(2)) * int(chose.group(3)) == 8 and int(chose.group(3)) >= 2, auto
+    losses = [re.search(r"loss ([\d.]+) -> ([\d.]+)", out) for out in (whole, auto)]
+    assert losses[0] and losses[1] and losses[0].groups() == losses[1].groups(), (whole, auto)
+
+
 def _readme_example() -> str:
     readme = (EXAMPLES.parent / "README.md").read_text()
     match = re.search(r"```python\n(.*?)```", readme, re.S)
