@@ -165,7 +165,7 @@ def test_the_probe_leaves_the_random_generator_alone(single_process) -> None:
     engine.close()
 
 
-def test_a_fresh_script_needs_only_import_dspark(tmp_path) -> None:
+def test_a_fresh_script_needs_only_import_dspark_and_shows_the_choice(tmp_path) -> None:
     # the planner is not imported by `import dspark` (a lazy package): dspark.Engine brings it along
     import subprocess
     import sys
@@ -177,3 +177,5 @@ def test_a_fresh_script_needs_only_import_dspark(tmp_path) -> None:
     out = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0 and "chose replicate" in out.stdout, out.stderr[-2000:]
+    # no logging set up by the script: the choice and its table still show, on stderr
+    assert "strategy='auto' chose replicate" in out.stderr and "peak MB" in out.stderr, out.stderr

@@ -18,6 +18,7 @@ compute and the micro-batch too (see [Note: auto with a batch]).
 from __future__ import annotations
 
 import logging
+import sys
 
 import torch
 from torch import nn
@@ -28,10 +29,10 @@ from dspark.engine.policy import STRATEGIES
 from dspark.plan.cost import row_cost
 from dspark.plan.interconnect import Interconnect
 from dspark.plan.link_probe import measure_link
-from dspark.plan.planner import Plan, PlanRow, default_memory_budget, loop_advice, model_shape, plan
+from dspark.plan.planner import Plan, PlanRow, default_memory_budget, model_shape, plan
 from dspark.plan.probe import Probe, batch_size, optimizer_state_of
 
-__all__ = ["TIE_MS", "TIE_SHARE", "auto_plan", "choose"]
+__all__ = ["TIE_MS", "TIE_SHARE", "announce", "auto_plan", "choose"]
 
 log = logging.getLogger(__name__)
 
@@ -125,10 +126,25 @@ def _resolve(request: AutoRequest) -> AutoChoice:
                       bus_bytes_per_s=bandwidth, backend=world.backend, memory_budget=budget, link=link)
     chosen = choose(table).strategy
     if world.rank == 0:
-        log.info("strategy='auto' chose %s on %d rank(s); activations and compute not measured at "
-                 "construction (no batch yet: pass sample_batch= to the engine, or dspark.plan(model, "
-                 "batch), to plan them)\n%s", chosen, world.world_size, table)
+        announce(f"strategy='auto' chose {chosen} on {world.world_size} rank(s) (engine.plan); activations "
+                 "and compute not measured at construction (no batch yet: pass sample_batch= to the "
+                 f"engine to plan them and the micro-batch)\n{table}")
     return AutoChoice(strategy=chosen, plan=table)
+
+
+def announce(message: str) -> None:
+    """Show auto's choice: through logging where the program set logging up (a handler on this
+    logger or above it), else on stderr, so that the choice is never silent by default.
+
+    Example::
+
+        announce("strategy='auto' chose zero2 on 2 rank(s)")
+    """
+    if log.hasHandlers():
+        log.info("%s", message)
+    else:
+        sys.stderr.write(message + "\n")
+        sys.stderr.flush()
 
 
 def _resolve_with_batch(request: AutoRequest, budget: int, link: Interconnect | None) -> AutoChoice:
@@ -165,9 +181,10 @@ def _resolve_with_batch(request: AutoRequest, budget: int, link: Interconnect | 
         raise AssertionError(f"rank 0 sent {type(result).__name__}, not a plan")
     row = choose(result, micro_batch=None if fixed is None else rows // fixed)
     if world.rank == 0:
-        log.info("strategy='auto' chose %s at micro-batch %d x %d on %d rank(s) (activations and compute "
-                 "measured on one step of sample_batch): %s\n%s", row.strategy, row.micro_batch, row.passes,
-                 world.world_size, loop_advice(row.passes, row.micro_batch), result)
+        split = ("; split each step's batch with engine.micro_batches(batch)" if row.passes > 1 else "")
+        announce(f"strategy='auto' chose {row.strategy} at micro-batch {row.micro_batch} x {row.passes} "
+                 f"on {world.world_size} rank(s) (engine.plan, engine.micro_batch, "
+                 f"engine.grad_accum_steps){split}\n{result}")
     return AutoChoice(strategy=row.strategy, plan=result, grad_accum_steps=row.passes,
                       micro_batch=row.micro_batch)
 
