@@ -15,7 +15,8 @@ both (``dspark.cpu_malloc``, set by the first DSpark engine), so DDP and FSDP2 g
 the lab leaves them glibc's own; each engine keeps its own optimizer kernel and collectives (the
 peers as in the lab: the same factory as ``make_engine`` gives them). What is left between the two
 is the engine. The same model weights and batches for both; threads are pinned one core per rank,
-as in the lab. The DeepSpeed peers need ``make peers``.
+as in the lab. The DeepSpeed peers need ``make peers``. ``--out DIR`` writes the printed figures as
+``DIR/table.json`` for docs/figures.md (rank 0; see [Note: table artifacts]).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import gc
 import os
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -34,6 +36,7 @@ import dspark
 from dspark import comm
 from dspark.bench.cpu_load import core_for_rank, pin_all_threads
 from dspark.bench.peers import PEERS, dspark_engine_options, make_engine
+from dspark.bench.table_artifact import write_table
 from dspark.models import get_workload
 
 DEFAULT_PAIRS = "replicate:torch-ddp,zero3:torch-fsdp2"
@@ -122,6 +125,7 @@ def main() -> None:
     parser.add_argument("--global-batch", type=int, default=None)
     parser.add_argument("--steps", type=int, default=30, help="timed steps per engine")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per engine first")
+    parser.add_argument("--out", type=Path, default=None, help="write DIR/table.json (rank 0)")
     args = parser.parse_args()
     pairs = _parse_pairs(args.pairs)
     if args.steps < 2 or args.warmup < 2:
@@ -139,14 +143,29 @@ def main() -> None:
     world = dspark.init()
     if global_batch % world.world_size:
         raise SystemExit(f"--global-batch {global_batch} does not divide by {world.world_size} ranks")
+    rows = []
     try:
         for ours, theirs in pairs:
             r = _run_pair(ours, theirs, workload, precision, global_batch, args.steps, args.warmup)
+            row = [ours, theirs, f"{r['ours_ms']:.1f}", f"{r['theirs_ms']:.1f}", f"{r['ratio']:.3f}",
+                   f"{r['q25']:.3f}-{r['q75']:.3f}", f"{r['p10']:.3f}-{r['p90']:.3f}"]
+            rows.append(row)
             if world.is_main:
                 print(f"{args.workload} {precision} batch {global_batch} on {world.world_size} ranks: "
-                      f"{ours} {r['ours_ms']:.1f} ms, {theirs} {r['theirs_ms']:.1f} ms; step ratio "
-                      f"{r['ratio']:.3f} (quartiles {r['q25']:.3f}-{r['q75']:.3f}, p10-p90 "
-                      f"{r['p10']:.3f}-{r['p90']:.3f}, {args.steps} pairs)", flush=True)
+                      f"{ours} {row[2]} ms, {theirs} {row[3]} ms; step ratio {row[4]} (quartiles "
+                      f"{row[5]}, p10-p90 {row[6]}, {args.steps} pairs)", flush=True)
+        if world.is_main and args.out is not None:
+            threads = "one thread per rank" if world.device.type == "cpu" else world.device.type
+            write_table(args.out, columns=["DSpark", "peer", "DSpark step ms", "peer step ms",
+                                           "step ratio", "ratio quartiles", "ratio p10-p90"],
+                        rows=rows,
+                        caption=f"{args.workload}, {precision}, global batch {global_batch}, "
+                                f"{world.world_size} ranks ({threads}); both engines in the same "
+                                f"processes, their steps taking turns (A B, B A, ...) after {args.warmup} "
+                                f"untimed steps each; step ms: rank 0's median of {args.steps} timed "
+                                f"steps of each; step ratio: the median of the {args.steps} per-pair ratios "
+                                f"DSpark / peer (below 1: DSpark faster), with their quartiles and "
+                                f"10th-90th percentiles.")
     finally:
         gc.collect()
         dspark.shutdown()
