@@ -14,6 +14,9 @@ Two measurements per workload, printed by rank 0:
 2. *A/B*: training steps alternately with the observer on and with it off (a no-op observer and no
    fingerprint, what the engine would do without them), in blocks of 2 steps, median step time of
    each. The difference is within noise unless it exceeds the two medians' spread.
+
+``--out DIR`` writes the printed figures as ``DIR/table.json`` for docs/figures.md (rank 0; see
+[Note: table artifacts]).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import functools
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,6 +34,7 @@ from torch import nn
 
 import dspark
 from dspark import comm
+from dspark.bench.table_artifact import write_table
 from dspark.engine.engine import engine_parts
 from dspark.engine.inputs import ForwardInputs
 from dspark.engine.step_observer import StepObserver
@@ -139,22 +144,45 @@ def main() -> None:
                         help="'tiny' (a 7k-parameter MLP: the worst case) or a dspark bench workload")
     parser.add_argument("--strategy", default="zero2")
     parser.add_argument("--steps", type=int, default=40, help="timed steps, half with the observer off")
+    parser.add_argument("--out", type=Path, default=None, help="write DIR/table.json (rank 0)")
     args = parser.parse_args()
+    if args.steps < 2 * _BLOCK:
+        raise SystemExit(f"--steps {args.steps}: at least {2 * _BLOCK} (a block of {_BLOCK} steps with "
+                         f"the observer on and one with it off)")
     torch.set_num_threads(1)
     world = dspark.init()
+    rows = []
     for name in args.workload:
         r = measure(name, args.strategy, args.steps)
+        direct_us = r["observer_us"] + r["fingerprint_us"]
+        row = [name, f"{direct_us:.1f}", f"{r['observer_us']:.1f}", f"{r['phases']:.0f}", f"{r['waits']:.0f}",
+               f"{r['fingerprint_us']:.1f}", f"{direct_us / 1e3 / r['off_ms'] * 100:.3f}%",
+               f"{r['on_ms']:.2f}", f"{r['off_ms']:.2f}", f"{(r['on_ms'] / r['off_ms'] - 1) * 100:+.1f}%",
+               f"{r['spread_ms']:.2f}"]
+        rows.append(row)
         if world.is_main:
-            direct_us = r["observer_us"] + r["fingerprint_us"]
-            print(f"{name:>12} {args.strategy} on {world.world_size} rank(s): direct {direct_us:.1f} us per "
-                  f"step (observer {r['observer_us']:.1f} us for {r['phases']:.0f} phases and "
-                  f"{r['waits']:.0f} waits, fingerprint {r['fingerprint_us']:.1f} us) = "
-                  f"{direct_us / 1e3 / r['off_ms'] * 100:.3f}% of a {r['off_ms']:.2f} ms step; "
-                  f"A/B median on {r['on_ms']:.2f} ms, "
-                  f"off {r['off_ms']:.2f} ms ({(r['on_ms'] / r['off_ms'] - 1) * 100:+.1f}%, step spread "
-                  f"{r['spread_ms']:.2f} ms)", flush=True)
+            (_, direct, observer, phases, waits, fingerprint, share, on, off, change, spread) = row
+            print(f"{name:>12} {args.strategy} on {world.world_size} rank(s): direct {direct} us per "
+                  f"step (observer {observer} us for {phases} phases and {waits} waits, fingerprint "
+                  f"{fingerprint} us) = {share} of a {off} ms step; A/B median on {on} ms, off {off} ms "
+                  f"({change}, step spread {spread} ms)", flush=True)
+    if world.is_main and args.out is not None:
+        timed = args.steps // _BLOCK * _BLOCK
+        write_table(args.out, columns=["workload", "direct us/step", "observer us", "phases", "waits",
+                                       "fingerprint us", "direct % of step", "A/B on ms", "A/B off ms",
+                                       "on vs off", "step spread ms"],
+                    rows=rows,
+                    caption=f"Strategy {args.strategy}, AdamW, {world.world_size} rank(s), one thread "
+                            f"each; tiny is the script's small MLP in fp32, any other workload is dspark "
+                            f"bench's at its default global batch and precision. Direct: the observer's calls for one step (as many phases and waits "
+                            f"as a real step of the workload makes) and the fingerprint of this rank's "
+                            f"batch, each the mean of {_DIRECT_REPEATS} repeats, microseconds; % of the "
+                            f"median step with the observer off. A/B: {timed} timed steps after 2 "
+                            f"warm-up steps, in alternating blocks of {_BLOCK} with the observer on and "
+                            f"off, the median step of each in milliseconds (both the slowest rank's); "
+                            f"the difference is within noise unless it exceeds the step spread (rank "
+                            f"0's standard deviation of all {timed} steps).")
     dspark.shutdown()
-
 
 if __name__ == "__main__":
     main()
