@@ -7,7 +7,8 @@ Two engines train the same model side by side, one checking every step (``batch_
 the worst case) and one with the check off; their steps alternate so that machine noise falls on
 both alike. Rank 0 prints one JSON line: the median step of each, the difference, and the median
 time of a fingerprint of this rank's batch and of the all-gather that compares them. With the
-default ``batch_check_every=1000`` the per-step cost is the difference divided by 1000.
+default ``batch_check_every=1000`` the per-step cost is the difference divided by 1000. ``--out DIR``
+writes the same figures as ``DIR/table.json`` for docs/figures.md (see [Note: table artifacts]).
 """
 
 from __future__ import annotations
@@ -17,12 +18,14 @@ import functools
 import json
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
 import dspark
 from dspark import comm
+from dspark.bench.table_artifact import write_table
 from dspark.models import get_workload
 from dspark.tensor.fingerprint import batch_fingerprint
 
@@ -33,6 +36,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--global-batch", type=int, default=None, help="default: the workload's")
     parser.add_argument("--steps", type=int, default=20, help="timed steps of each engine")
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=None, help="write DIR/table.json (rank 0)")
     return parser.parse_args()
 
 
@@ -83,11 +87,12 @@ def main() -> None:
             gather_ms.append(_timed_ms(functools.partial(comm.all_gather, fp), world.device))
 
     checks = engines[1].batch_check.checks
+    strategy, precision = engines[1].strategy.name, engines[1].precision.name
     for engine in engines.values():
         engine.close()
     if world.is_main:
         with_ms, without_ms = statistics.median(step_ms[1]), statistics.median(step_ms[None])
-        print(json.dumps({
+        result = {
             "workload": args.workload, "world_size": world.world_size, "global_batch": global_batch,
             "device": str(world.device), "steps": args.steps, "checks_run": checks,
             "step_ms_with_check": round(with_ms, 3), "step_ms_without_check": round(without_ms, 3),
@@ -95,7 +100,25 @@ def main() -> None:
             "fingerprint_ms": round(statistics.median(fingerprint_ms), 4),
             "all_gather_ms": round(statistics.median(gather_ms), 4),
             "per_step_ms_at_default_every_1000": round((with_ms - without_ms) / 1000, 6),
-        }), flush=True)
+        }
+        print(json.dumps(result), flush=True)
+        if args.out is not None:
+            figures = {"step ms, checking every step": "step_ms_with_check",
+                       "step ms, check off": "step_ms_without_check", "difference ms": "difference_ms",
+                       "fingerprint ms": "fingerprint_ms", "all-gather ms": "all_gather_ms",
+                       "per step ms at batch_check_every=1000": "per_step_ms_at_default_every_1000"}
+            write_table(args.out, columns=["workload", "global batch", *figures],
+                        rows=[[args.workload, global_batch,
+                               *(json.dumps(result[key]) for key in figures.values())]],
+                        caption=f"{world.world_size} ranks on {world.device.type}, {strategy}, {precision}, "
+                                f"AdamW, each rank its own shard of the batch; two engines in the same "
+                                f"processes, one checking the batch every step (batch_check_every=1, the "
+                                f"worst case, {checks} checks run) and one with the check off, their "
+                                f"steps alternating (the checking one first) after {args.warmup} "
+                                f"warm-up steps; rank 0's medians of {args.steps} timed steps of "
+                                f"each, milliseconds. Fingerprint: of this rank's batch; all-gather: the one "
+                                f"that compares the fingerprints; each the median of {args.steps}. Per "
+                                f"step at the default: the difference / 1000.")
     dspark.shutdown()
 
 
