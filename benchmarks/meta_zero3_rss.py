@@ -20,17 +20,41 @@ import gc
 import json
 import resource
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
 
 import dspark
+from dspark.bench.table_artifact import write_table
 
 GIB = 1024**3
 
 
 def _peak_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _gib(value: object) -> str | None:
+    """A figure as the JSON line prints it (rounded to 3 decimals), ``None`` (not reached) as is."""
+    return None if value is None else str(value)
+
+
+def _write_table(args: argparse.Namespace, results: list[dict], world_size: int) -> None:
+    budget = "no budget" if args.budget_gib is None else f"a {args.budget_gib:g} GiB per-rank budget " \
+                                                          f"enforced with RLIMIT_DATA"
+    first = next((r for r in results if "num_params" in r), results[0])
+    size = (f" {first['num_params'] / 1e6:.0f}M parameters ({first['params_gib']} GiB; training state "
+            f"{first['training_state_gib']} GiB in one place, one unit {first['unit_gib']} GiB),"
+            if "num_params" in first else "")
+    write_table(args.out, columns=["rank", "trains?", "peak RSS GiB", "after building GiB",
+                                   "state on this rank GiB", "build + steps s"],
+                rows=[[r["rank"], f"yes, {args.steps} steps" if r["ok"] else f"no: {r['error']}",
+                       _gib(r["peak_rss_gib"]), _gib(r.get("peak_after_build_gib")),
+                       _gib(r.get("state_gib_this_rank")), _gib(r["seconds"])] for r in results],
+                caption=f"{args.layers} x Linear({args.width}, {args.width}),{size} AdamW, "
+                        f"{args.strategy}, built on {args.build}, {world_size} rank(s), {budget}; "
+                        f"peak resident memory (VmHWM) per rank, GiB, one run.")
 
 
 def main() -> None:
@@ -42,6 +66,7 @@ def main() -> None:
     parser.add_argument("--budget-gib", type=float, default=None,
                         help="cap each rank's private memory (RLIMIT_DATA) at this many GiB")
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=None, help="write DIR/table.json (rank 0)")
     args = parser.parse_args()
 
     torch.set_num_threads(1)
@@ -78,6 +103,10 @@ def main() -> None:
     result["peak_rss_gib"] = round(_peak_bytes() / GIB, 3)
     result["seconds"] = round(time.perf_counter() - started, 1)
     print(json.dumps(result), flush=True)
+    if args.out is not None:
+        results = dspark.comm.all_gather_object(result)
+        if world.is_main:
+            _write_table(args, results, world.world_size)
     gc.collect()
     dspark.shutdown()
 
