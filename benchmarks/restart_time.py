@@ -9,7 +9,8 @@ every ``--save-every`` steps), and KILLS times: waits until the current attempt 
 steps, SIGKILLs one worker (alternating ranks), and times how long until torchrun's restarted
 workers have loaded the last checkpoint (``resumed``) and finished their first step (``trained``).
 Then it sends SIGTERM (a preemption: the job saves and exits 0) and prints the median, min and max
-of both, in seconds; ``--json`` writes every sample.
+of both, in seconds; ``--json`` writes every sample, ``--out DIR`` the table as ``DIR/table.json``
+for docs/figures.md (see [Note: table artifacts]).
 """
 
 from __future__ import annotations
@@ -28,8 +29,10 @@ import threading
 import time
 from pathlib import Path
 
+from dspark.bench.table_artifact import write_table
 from dspark.launch.process_tree import children
 
+NPROC = 2
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "resume_training.py"
 
 
@@ -39,6 +42,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--save-every", type=int, default=5, help="steps between checkpoints")
     parser.add_argument("--step-sleep", type=float, default=0.02, help="extra seconds per step")
     parser.add_argument("--json", type=Path, default=None, help="write every sample here")
+    parser.add_argument("--out", type=Path, default=None, help="write DIR/table.json")
     return parser.parse_args()
 
 
@@ -65,7 +69,7 @@ class _Output:
 def main() -> int:
     args = parse_args()
     ckpt = Path(tempfile.mkdtemp(prefix="dspark-restart-"))
-    command = [sys.executable, "-m", "dspark.cli.main", "run", "--nproc", "2",
+    command = [sys.executable, "-m", "dspark.cli.main", "run", "--nproc", str(NPROC),
                "--max-restarts", str(args.kills), str(EXAMPLE), "--ckpt", str(ckpt),
                "--steps", "1000000", "--save-every", str(args.save_every), "--log-every", "1",
                "--step-sleep", str(args.step_sleep)]
@@ -94,11 +98,19 @@ def main() -> int:
     finally:
         if job.poll() is None:
             job.kill()
-    for key in ("resumed_s", "trained_s"):
+    rows = []
+    for key, what in (("resumed_s", "resumed (checkpoint loaded)"), ("trained_s", "first step trained again")):
         values = [s[key] for s in samples]
-        print(f"{key}: median {statistics.median(values):.2f} s, min {min(values):.2f} s, "
-              f"max {max(values):.2f} s over {len(values)} kills")
+        median, low, high = (f"{v:.2f}" for v in (statistics.median(values), min(values), max(values)))
+        print(f"{key}: median {median} s, min {low} s, max {high} s over {len(values)} kills")
+        rows.append([what, median, low, high])
     print(f"dspark run exited {code} after SIGTERM")
+    if args.out is not None:
+        write_table(args.out, columns=["from the kill to", "median s", "min s", "max s"], rows=rows,
+                    caption=f"A {NPROC}-rank job (examples/resume_training.py, a checkpoint every "
+                            f"{args.save_every} steps, {args.step_sleep:g} s extra per step), one worker "
+                            f"SIGKILLed {len(samples)} times, alternating ranks; seconds from the kill, "
+                            f"median, min and max over the kills; dspark run exited {code} after SIGTERM.")
     if args.json is not None:
         args.json.write_text(json.dumps({"samples": samples, "exit_code": code}, indent=2) + "\n")
     return 0 if code == 0 else 1
