@@ -53,7 +53,7 @@ NOT_REMEASURED: tuple[tuple[str, str, str], ...] = (
      "dspark run --nproc 2 benchmarks/shm_collectives.py"),
     ("reduce-scatter", "reduce-scatter as one all-to-all on gloo", "dspark run --nproc 2 benchmarks/reduce_scatter.py"),
     ("optimizer-kernel", "the fused optimizer kernel", "OMP_NUM_THREADS=1 python benchmarks/optimizer_kernel.py"),
-    ("zero-real-memory", "ZeRO's saving in real memory", "dspark run --nproc 2 tests/engine/rss_worker.py zero3"),
+    ("zero-real-memory", "ZeRO's saving in real memory", "python benchmarks/zero_real_memory.py"),
     ("meta-zero3-rss", "a model over one rank's budget, built on meta",
      "dspark run --nproc 2 benchmarks/meta_zero3_rss.py --budget-gib 3"),
     ("save-stall", "checkpoint save stall, synchronous and asynchronous",
