@@ -63,7 +63,7 @@ NOT_REMEASURED: tuple[tuple[str, str, str], ...] = (
      "dspark run --nproc 2 benchmarks/observe_overhead.py --workload tiny gpt2-cpu --strategy zero2 "
      "--steps 40"),
     ("examples-on-real-data", "the examples on real data",
-     "dspark run --nproc 2 examples/char_gpt.py --steps 200 --out runs/c2"),
+     "python benchmarks/examples_on_real_data.py"),
     ("one-gpu-vs-pytorch", "one GPU beside plain PyTorch", "OUT=DIR bash benchmarks/gpu_session.sh"),
     ("startup-time", "`dspark run` beside `torchrun --standalone` at start and exit, and `import dspark`",
      ".venv/bin/python benchmarks/startup_time.py --repeats 5"),
