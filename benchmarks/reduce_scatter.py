@@ -8,6 +8,10 @@
    its buckets, the two in interleaved rounds (``--rounds``), ``--steps`` steps after two warm-up
    steps each.
 
+Rank 0 prints its own figures; ``--out DIR`` writes the collectives' table as ``DIR/table.json`` and,
+with ``--workload``, the steps' as ``DIR/table-steps.json``, for docs/figures.md (see [Note: table
+artifacts]).
+
     dspark run --nproc 2 benchmarks/reduce_scatter.py
     dspark run --nproc 2 benchmarks/reduce_scatter.py --sizes 3 --workload gpt2-cpu --rounds 4
 """
@@ -18,6 +22,8 @@ import argparse
 import functools
 import gc
 import os
+import statistics
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -26,6 +32,7 @@ from interleaved import interleaved_medians, median_call_ms, median_step_ms
 import dspark
 from dspark import comm
 from dspark.bench.cpu_load import core_for_rank, pin_all_threads
+from dspark.bench.table_artifact import write_table
 from dspark.comm import shm_transport
 from dspark.engine import build as build_module
 from dspark.models import get_workload
@@ -45,12 +52,18 @@ def _bucket_timings(mb: float, n: int, repeats: int) -> dict[str, float]:
     }
 
 
-def collectives(sizes: list[float], repeats: int, world: dspark.World) -> None:
+def collectives(sizes: list[float], repeats: int, world: dspark.World) -> tuple[list[str], list[list[str]]]:
+    """Prints rank 0's timings per bucket size; returns them as a table's columns and rows."""
+    columns: list[str] = []
+    rows = []
     for mb in sizes:
         timings = _bucket_timings(mb, world.world_size, repeats)
+        columns = ["bucket MB", *(f"{name} ms" for name in timings)]
+        rows.append([f"{mb:g}", *(f"{ms:.2f}" for ms in timings.values())])
         if world.is_main:
             print(f"{mb:g} MB bucket: " + ", ".join(f"{name} {ms:.2f} ms"
                                                      for name, ms in timings.items()), flush=True)
+    return columns, rows
 
 
 def _step_ms(workload_name: str, strategy: str, precision: str, path: str, steps: int,
@@ -73,10 +86,13 @@ def main() -> None:
     parser.add_argument("--precision", default="fp32")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--out", type=Path, default=None, help="write DIR/table.json (rank 0)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    pin_all_threads(core_for_rank(int(os.environ.get("LOCAL_RANK", "0")),
-                                  int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    # threads started later (gloo's) inherit the main thread's core
+    core = core_for_rank(int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    if core is not None:  # None: fewer cores than ranks, nobody is pinned
+        pin_all_threads(core)
     # this compares gloo's own paths: DSpark's shared-memory transport would carry them otherwise
     os.environ[shm_transport.SHM_ENV] = "0"
     world = dspark.init()
@@ -84,17 +100,39 @@ def main() -> None:
         raise SystemExit(f"this compares gloo's paths; the backend here is {world.backend}")
     if world.is_main:
         print(f"{world.world_size} gloo ranks, one core each", flush=True)
-    collectives([float(s) for s in args.sizes.split(",")], args.repeats, world)
+    columns, rows = collectives([float(s) for s in args.sizes.split(",")], args.repeats, world)
+    cores = "one core each, threads pinned" if core is not None else "threads not pinned (fewer cores than ranks)"
+    if world.is_main and args.out is not None:
+        write_table(args.out, columns=columns, rows=rows,
+                    caption=f"{world.world_size} gloo ranks (DSpark's shared-memory transport off), {cores}. "
+                            f"A bucket of MB (2^20 bytes) of fp32 gradients on every rank, each rank "
+                            f"keeping 1/{world.world_size} of it; DSpark's reduce-scatter on gloo is an "
+                            f"all-to-all and a local sum. Rank 0's median wall time of {args.repeats} "
+                            f"calls after 3 warm-up calls, every call started on all ranks together.")
     def measure(strategy: str, path: str) -> tuple[str, float]:
         return "", _step_ms(args.workload, strategy, args.precision, path, args.steps, world)
 
     if args.workload:
+        step_rows = []
         for strategy in args.strategies.split(","):
             if world.is_main:
                 print(f"{args.workload}, {strategy}, {args.precision}", flush=True)
-            interleaved_medians({f"{strategy} by {path}": functools.partial(measure, strategy, path)
-                                 for path in ("all_reduce", "reduce_scatter")},
-                                args.rounds, verbose=world.is_main)
+            paths = {path: f"{strategy} by {path}" for path in ("all_reduce", "reduce_scatter")}
+            values = interleaved_medians({name: functools.partial(measure, strategy, path)
+                                          for path, name in paths.items()},
+                                         args.rounds, verbose=world.is_main)
+            step_rows += [[strategy, path, f"{statistics.median(values[name]):.1f}",
+                           f"{min(values[name]):.1f}-{max(values[name]):.1f}"] for path, name in paths.items()]
+        if world.is_main and args.out is not None:
+            write_table(args.out, name="table-steps.json",
+                        columns=["strategy", "buckets reduced by", "step ms", "rounds min-max ms"],
+                        rows=step_rows,
+                        caption=f"The engine's step on {args.workload} (global batch "
+                                f"{get_workload(args.workload).default_global_batch}, {args.precision}, "
+                                f"AdamW), {world.world_size} gloo ranks, {cores}. Each engine: 2 warm-up "
+                                f"steps, then the median of {args.steps} steps; the two paths interleaved "
+                                f"over {args.rounds} rounds, the order rotating; the median over the rounds "
+                                f"of rank 0's figure.")
     gc.collect()
     dspark.shutdown()
 
