@@ -2,7 +2,8 @@
 glibc's own moving thresholds, ``tuned`` (the default), ``heap`` and ``lean``. Each choice runs in a fresh
 process (malloc's state is per process), the choices interleaved round after round; printed per
 choice: the median step over all rounds, the page faults of a median step and the peak resident
-memory.
+memory. ``--out DIR`` writes that table as ``DIR/table.json`` for docs/figures.md (see [Note: table
+artifacts]); the parent process writes it, from its children's figures.
 
     OMP_NUM_THREADS=1 python benchmarks/cpu_malloc.py --workload gpt2-cpu --batch 16 --rounds 2
     OMP_NUM_THREADS=1 python benchmarks/cpu_malloc.py --workload gpt2-124m --batch 1 --precision fp32 --steps 3
@@ -19,6 +20,7 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 CHOICES = ("default", "tuned", "heap", "lean")
 
@@ -60,6 +62,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=6, help="timed steps per process")
     parser.add_argument("--rounds", type=int, default=2, help="processes per choice, interleaved")
+    parser.add_argument("--out", type=Path, default=None, help="write DIR/table.json")
     parser.add_argument("--child", choices=CHOICES, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -71,8 +74,9 @@ def main() -> None:
     for round_index in range(args.rounds):
         for choice in CHOICES:
             env = {**os.environ, "DSPARK_CPU_MALLOC": choice, "OMP_NUM_THREADS": "1"}
+            # stderr passes through: a child that fails shows its error, not only its exit status
             done = subprocess.run([sys.executable, __file__, *argv, "--child", choice], env=env,
-                                  capture_output=True, text=True, check=True)
+                                  stdout=subprocess.PIPE, text=True, check=True)
             run = json.loads(done.stdout.strip().splitlines()[-1])
             runs[choice].append(run)
             print(f"round {round_index + 1}/{args.rounds} {choice}: median "
@@ -81,12 +85,26 @@ def main() -> None:
     print(f"\n{args.workload}, batch {args.batch}, {args.precision}, {args.rounds} x {args.steps} "
           "steps per choice")
     print(f"{'DSPARK_CPU_MALLOC':<18} {'malloc':<36} {'step ms':>8} {'faults/step':>12} {'peak RSS MB':>12}")
+    rows = []
     for choice, choice_runs in runs.items():
         steps = [ms for run in choice_runs for ms in run["ms"]]  # type: ignore[attr-defined]
         faults = [f for run in choice_runs for f in run["faults"]]  # type: ignore[attr-defined]
         rss = max(float(run["rss_mb"]) for run in choice_runs)  # type: ignore[arg-type]
-        print(f"{choice:<18} {choice_runs[0]['malloc']!s:<36} {statistics.median(steps):>8.1f} "
-              f"{statistics.median(faults):>12.0f} {rss:>12.0f}")
+        row = [choice, str(choice_runs[0]["malloc"]), f"{statistics.median(steps):.1f}",
+               f"{statistics.median(faults):.0f}", f"{rss:.0f}"]
+        rows.append(row)
+        print(f"{row[0]:<18} {row[1]:<36} {row[2]:>8} {row[3]:>12} {row[4]:>12}")
+    if args.out is not None:
+        from dspark.bench.table_artifact import write_table
+
+        write_table(args.out, columns=["DSPARK_CPU_MALLOC", "malloc", "step ms", "faults/step",
+                                       "peak RSS MB"], rows=rows,
+                    caption=f"{args.workload}, batch {args.batch}, {args.precision}, AdamW, the engine on "
+                            f"one rank and one thread. Each choice in a fresh process per round, the "
+                            f"choices interleaved, {args.rounds} round(s) of {args.warmup} warm-up and "
+                            f"{args.steps} timed steps: step ms and minor page faults per step are "
+                            f"medians over every timed step of a choice, peak RSS (MB = 2^20 bytes) the "
+                            f"largest of its processes.")
 
 
 if __name__ == "__main__":
