@@ -20,6 +20,7 @@ import json
 import os
 import queue
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -73,7 +74,8 @@ def main() -> int:
                "--max-restarts", str(args.kills), str(EXAMPLE), "--ckpt", str(ckpt),
                "--steps", "1000000", "--save-every", str(args.save_every), "--log-every", "1",
                "--step-sleep", str(args.step_sleep)]
-    job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    errors = tempfile.TemporaryFile(mode="w+")  # the job's stderr: shown only when it fails
+    job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=errors, text=True)
     out = _Output(job.stdout)
     samples = []
     try:
@@ -113,6 +115,10 @@ def main() -> int:
                             f"median, min and max over the kills; dspark run exited {code} after SIGTERM.")
     if args.json is not None:
         args.json.write_text(json.dumps({"samples": samples, "exit_code": code}, indent=2) + "\n")
+    shutil.rmtree(ckpt, ignore_errors=True)
+    if code != 0:
+        errors.seek(0)
+        print(f"the job's stderr, its end:\n{errors.read()[-4000:]}", file=sys.stderr)
     return 0 if code == 0 else 1
 
 
