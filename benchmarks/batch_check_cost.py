@@ -4,8 +4,8 @@ without, on a benchmark workload, plus the check's two parts timed alone.
     dspark run --nproc 2 benchmarks/batch_check_cost.py --workload gpt2-cpu --steps 20
 
 Two engines train the same model side by side, one checking every step (``batch_check_every=1``,
-the worst case) and one with the check off; their steps alternate so that machine noise falls on
-both alike. Rank 0 prints one JSON line: the median step of each, the difference, and the median
+the worst case) and one with the check off; their steps take turns (A B, B A, ...) so that
+machine noise, and the cost of stepping first after a new batch, fall on both alike. Rank 0 prints one JSON line: the median step of each, the difference, and the median
 time of a fingerprint of this rank's batch and of the all-gather that compares them. With the
 default ``batch_check_every=1000`` the per-step cost is the difference divided by 1000. ``--out DIR``
 writes the same figures as ``DIR/table.json`` for docs/figures.md (see [Note: table artifacts]).
@@ -76,7 +76,10 @@ def main() -> None:
     for i in range(args.warmup + args.steps):
         whole = workload.make_batch(global_batch, seed=i, device=world.device)
         batch = tuple(t.clone() for t in dspark.distribute_batch(whole, shard_dim=0))
-        for every, engine in engines.items():
+        # A B, then B A: the engine that steps first after a new batch is made pays for it (a cold
+        # cache, fresh allocations), so a fixed order charged that to the checking engine every step
+        order = list(engines.items()) if i % 2 == 0 else list(reversed(engines.items()))
+        for every, engine in order:
             elapsed = _timed_ms(functools.partial(step, engine, batch), world.device)
             if i >= args.warmup:
                 step_ms[every].append(elapsed)
@@ -114,7 +117,7 @@ def main() -> None:
                                 f"AdamW, each rank its own shard of the batch; two engines in the same "
                                 f"processes, one checking the batch every step (batch_check_every=1, the "
                                 f"worst case, {checks} checks run) and one with the check off, their "
-                                f"steps alternating (the checking one first) after {args.warmup} "
+                                f"steps taking turns (A B, B A, ...) after {args.warmup} "
                                 f"warm-up steps; rank 0's medians of {args.steps} timed steps of "
                                 f"each, milliseconds. Fingerprint: of this rank's batch; all-gather: the one "
                                 f"that compares the fingerprints; each the median of {args.steps}. Per "
