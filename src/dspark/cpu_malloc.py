@@ -19,45 +19,19 @@ same step is fast in one process and slow in the next.
   slightly larger later request cannot reuse) in the peak resident memory;
 * ``lean``: every allocation of 1 MiB and more mapped afresh and unmapped on free, and the heap's
   free top trimmed at glibc's starting 128 KiB: the resident memory follows the live tensors most
-  closely, at the price of page faults on every large tensor of every step (slower, by up to 1.8x
-  on a model of many mid-sized activations);
+  closely, at the price of page faults on every large tensor of every step (slower, most on a model
+  of many mid-sized activations);
 * ``default``: glibc's own moving thresholds.
 
-Measured on a 2-core AMD EPYC VM (torch 2.13 CPU), the engine on one rank and one core, AdamW,
-each choice in its own processes, interleaved; median step, page faults of a median step, peak
-resident memory (``OMP_NUM_THREADS=1 python benchmarks/cpu_malloc.py --workload W --batch B``;
-2 rounds x 6 steps, GPT-2 124M 1 round x 3 steps in fp32):
-
-=============================  ==========================  ==========================  ==========================
-workload                       ``default``                 ``tuned``                   ``heap``
-=============================  ==========================  ==========================  ==========================
-gpt2-cpu, batch 16, bf16       271 ms, 28,768, 545 MB      226 ms, 0, 567 MB           229 ms, 0, 556 MB
-resnet50-cpu, batch 64, bf16   195 ms, 0, 542 MB           193 ms, 0, 550 MB           195 ms, 0, 564 MB
-GPT-2 124M, 1 x 1024, fp32     10.0 s, 320,223, 3073 MB    9.8 s, 314,111, 3117 MB     8.2 s, 37,692, 3538 MB
-=============================  ==========================  ==========================  ==========================
-
-The same commands with ``--precision fp32`` on a 2-core Intel Xeon VM with AMX, with
-``lean`` (DSpark ``56c1a43`` plus the commit that adds ``lean``, 2026-12-01 20:55-21:00 UTC):
-
-=============================  ======================  ======================  ======================  ======================
-workload                       ``default``             ``tuned``               ``heap``                ``lean``
-=============================  ======================  ======================  ======================  ======================
-gpt2-cpu, batch 16             404 ms, 13,792, 610 MB  389 ms, 0, 637 MB       391 ms, 0, 603 MB       496 ms, 97,604, 541 MB
-resnet50-cpu, batch 64         442 ms, 19,561, 793 MB  429 ms, 0, 766 MB       420 ms, 2, 722 MB       769 ms, 337,138, 602 MB
-GPT-2 124M, 1 x 1024           6.0 s, 346,335, 3057 MB 5.6 s, 314,112, 3122 MB 6.0 s, 50,258, 3919 MB  6.0 s, 746,941, 2934 MB
-=============================  ======================  ======================  ======================  ======================
-
-On 2 ranks the saving is larger (GPT-2 124M, fp32, 1 x 1024 tokens per rank, one timed step,
-``dspark bench --workloads gpt2-124m --devices 2 --global-batch 2 --precision fp32 --warmup 0
---steps 1 --rounds 1`` with and without ``DSPARK_CPU_MALLOC=lean``): peak RSS per rank
-``replicate`` 3364 -> 3087 MB, step 6.6 -> 8.8 s; ``zero3`` 2769 -> 2342 MB, step 8.1 -> 9.1 s.
+What each choice costs in step time, page faults and peak resident memory is measured by
+``OMP_NUM_THREADS=1 python benchmarks/cpu_malloc.py --workload W --batch B`` (each choice in its own
+processes, interleaved) and published from its kept artifact in docs/figures.md#cpu-malloc.
 ``lean`` is for a run that must fit a memory budget, never a default.
 
-glibc's own thresholds are a matter of luck: in the resnet50-cpu processes above they had settled
-well (no fault), in the gpt2-cpu ones they had not. GPT-2 124M's largest
-tensors (the 154 MB embedding gradient, the 206 MB logits and their gradient) are above 32 MiB:
-only ``heap`` keeps them, 18% faster for 15% more peak memory, which is why it is a choice and not
-the default.
+glibc's own thresholds are a matter of luck: in one process they settle well (no fault), in the
+next they do not. GPT-2 124M's largest tensors (the embedding gradient, the logits and their
+gradient) are above 32 MiB: only ``heap`` keeps them, faster for more peak memory, which is why it
+is a choice and not the default.
 
 :class:`dspark.Engine` calls :func:`tune_for_training` when its device is the CPU (the training
 process, before its first step). It changes nothing when: the C library is not glibc, another
