@@ -42,8 +42,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     if not torch.cuda.is_available():
-        pin_all_threads(core_for_rank(int(os.environ.get("LOCAL_RANK", "0")),
-                                      int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+        core = core_for_rank(int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        if core is not None:  # more ranks than cores: leave the threads unpinned
+            pin_all_threads(core)
     world = dspark.init()
     def measure(size: float) -> tuple[str, float]:
         return "", _step_ms(args.workload, args.strategy, args.precision, size, args.steps)
