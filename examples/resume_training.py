@@ -69,6 +69,9 @@ def main() -> int:
     torch.set_num_threads(1)  # one worker = one core
     torch.manual_seed(0)
     world = dspark.init()
+    # The first call installs the SIGTERM handler: made here, a SIGTERM that arrives while the
+    # checkpoint loads is seen at the first step's check, instead of stopping this rank unsaved
+    dspark.preemption_requested()
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # set by torchrun
     model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
     engine = dspark.Engine(model, optimizer=functools.partial(torch.optim.AdamW, lr=1e-2),

@@ -134,3 +134,31 @@ def test_sigterm_saves_at_the_step_it_stopped_and_a_relaunch_ends_where_an_unint
     assert again.returncode == 0, (again.stdout + again.stderr)[-4000:]
     assert f"resumed from step {stopped} " in again.stdout, again.stdout
     _assert_same(_final_parameters(ckpt / f"step-{STEPS:06d}"), uninterrupted)
+
+
+@pytest.mark.slow
+def test_a_sigterm_during_the_start_is_not_lost(tmp_path: Path) -> None:
+    """SIGTERM after the start's line, before the first step: the example installs the handler
+    before it prints (its first preemption_requested() call, collective, so on every rank), and the
+    first step's check sees it. Installed only at the first step's check, it stopped the ranks
+    unsaved and dspark run exited -15."""
+    ckpt = tmp_path / "ckpt"
+    command = [sys.executable, "-m", "dspark.cli.main", "run", "--nproc", "2", str(EXAMPLE),
+               "--ckpt", str(ckpt), "--steps", str(STEPS), "--step-sleep", "0.5", "--log-every", "1"]
+    job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines, seen = _lines(job.stdout), []
+    try:
+        while not any(line.startswith("attempt 0: no checkpoint") for line in seen):
+            seen.append(lines.get(timeout=120))
+        job.send_signal(signal.SIGTERM)   # the first step (and its half-second sleep) is still to come
+        job.wait(timeout=60)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    time.sleep(0.2)
+    while not lines.empty():
+        seen.append(lines.get())
+    stdout = "".join(seen)
+    assert job.returncode == 0, stdout + job.stderr.read()[-4000:]  # type: ignore[union-attr]
+    assert_line_names(stdout, "attempt 0", "preempted", "step 1\n")
+    assert read_checkpoint_info(ckpt / "step-000001").step_count == 1
