@@ -55,6 +55,9 @@ def _train_auto(optimizer, budget: int, steps: int, accum: int | None = None) ->
             engine(x[mine])
         except ValueError as exc:
             refused = str(exc)
+        engine.eval()
+        engine(x[mine])  # an evaluation forward of the whole batch is not the plan's business
+        engine.train()
     out = {"strategy": engine.strategy.name, "micro": engine.micro_batch, "accum": engine.grad_accum_steps,
            "state": engine.full_state_dict(), "refused": refused}
     engine.close()
@@ -124,6 +127,24 @@ def _build(budget: int, accum: int | None, target_rows: int = ROWS) -> str:
     out = f"{engine.micro_batch} x {engine.grad_accum_steps}"
     engine.close()
     return out
+
+
+def _build_on_rank_0_only(budget: int) -> str:
+    """Only rank 0 passes a batch (only rank 0's is read); the others pass None."""
+    x, y = _global_batch(0, 1)
+    sample = (x[:ROWS], y[:ROWS]) if dspark.get_world().rank == 0 else None
+    engine = dspark.Engine(_wide(), optimizer=SGD, strategy="auto", memory_budget=budget,
+                           sample_batch=sample, loss_fn=F.mse_loss if sample is not None else None)
+    out = f"{engine.strategy.name} {engine.micro_batch} x {engine.grad_accum_steps}"
+    engine.close()
+    return out
+
+
+def test_only_rank_0_needs_the_sample_batch(pool) -> None:
+    full, half = _peaks(ROWS), _peaks(ROWS // 2)
+    budget = (min(full.values()) + min(half.values())) // 2
+    chosen = pool.run(_build_on_rank_0_only, budget)
+    assert chosen[0] == chosen[1] and not chosen[0].endswith(" x 1"), chosen
 
 
 def test_every_rank_raises_what_rank_0s_probe_met(pool) -> None:

@@ -129,7 +129,8 @@ def strategy_and_plan(strategy: str, memory_budget: Any, *, model: nn.Module,
 def check_planned_rows(inputs: Any, micro_batch: int, grad_accum_steps: int) -> None:
     """Refuse a training forward of more rows than the ``micro_batch`` auto planned: the plan's
     memory holds only at that size, and a loop that feeds the whole batch would meet the peak the
-    choice was made to avoid. Fewer rows (an epoch's last batch) pass.
+    choice was made to avoid. Fewer rows (an epoch's last batch) pass; the engine does not ask in
+    evaluation (``torch.no_grad()`` or ``engine.eval()``).
 
     Example::
 

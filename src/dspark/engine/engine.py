@@ -141,7 +141,7 @@ class Engine:
 
             logits = engine(tokens)            # bf16 matmuls under precision="bf16"
         """
-        if self.micro_batch is not None and torch.is_grad_enabled():
+        if self.micro_batch is not None and torch.is_grad_enabled() and self.module.training:
             check_planned_rows((args, kwargs), self.micro_batch, self.grad_accum_steps)
         zero3 = self._parts.zero3
         saving = (contextlib.nullcontext() if zero3 is None or not torch.is_grad_enabled()

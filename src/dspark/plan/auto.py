@@ -119,7 +119,10 @@ def _resolve(request: AutoRequest) -> AutoChoice:
     # differ by host (available memory), so rank 0's is every rank's
     if world.world_size > 1:
         budget = comm.broadcast_object(budget if world.rank == 0 else None)
-    if request.sample_batch is not None:
+    with_batch = request.sample_batch is not None
+    if world.world_size > 1:  # rank 0's batch decides: another rank may pass None (see below)
+        with_batch = comm.broadcast_object(with_batch if world.rank == 0 else None)
+    if with_batch:
         return _resolve_with_batch(request, budget, link)
     table = auto_plan(request.model, optimizer=request.optimizer, precision=request.precision,
                       bucket_mb=request.bucket_mb, num_ranks=world.world_size,
@@ -152,19 +155,20 @@ def _resolve_with_batch(request: AutoRequest, budget: int, link: Interconnect | 
     this world: activations and compute measured by a probe on rank 0's device (the others wait:
     ranks sharing a machine would slow the probe), every strategy at the largest micro-batch that
     fits, and the loop's micro-batch kept when it set ``grad_accum_steps``. Rank 0 broadcasts the
-    plan, or the error it met, so every rank chooses the same or raises the same."""
+    plan, or the error it met, so every rank chooses the same or raises the same; only rank 0's
+    batch is read, so the other ranks may pass ``sample_batch=None``."""
     world = request.world
-    rows = batch_size(request.sample_batch)
     fixed = request.grad_accum_steps
-    if fixed is not None and rows % fixed:
-        raise ValueError(f"sample_batch has {rows} rows, which grad_accum_steps={fixed} does not split "
-                         f"into equal micro-batches ({rows} % {fixed} = {rows % fixed})")
     result: Plan | BaseException | None = None
-    if world.rank == 0:
+    if world.rank == 0:  # only rank 0's batch is read: the other ranks' may differ, or be bad
         # the probe's steps draw from the random generators (dropout, a meta model's init): leave
         # them as they were, so the engine's own initialisation and the loop's draws are unchanged
         cuda = [world.device.index or 0] if world.device.type == "cuda" else []
         try:
+            rows = batch_size(request.sample_batch)
+            if fixed is not None and rows % fixed:
+                raise ValueError(f"sample_batch has {rows} rows, which grad_accum_steps={fixed} does not "
+                                 f"split into equal micro-batches ({rows} % {fixed} = {rows % fixed})")
             with torch.random.fork_rng(devices=cuda):
                 result = plan(request.model, request.sample_batch, request.loss_fn, optimizer=request.optimizer,
                               devices=[world.world_size], precision=request.precision,
@@ -179,6 +183,7 @@ def _resolve_with_batch(request: AutoRequest, budget: int, link: Interconnect | 
         raise result
     if not isinstance(result, Plan):
         raise AssertionError(f"rank 0 sent {type(result).__name__}, not a plan")
+    rows = result.global_batch // world.world_size
     row = choose(result, micro_batch=None if fixed is None else rows // fixed)
     if world.rank == 0:
         split = ("; split each step's batch with engine.micro_batches(batch)" if row.passes > 1 else "")
