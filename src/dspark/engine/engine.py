@@ -34,9 +34,14 @@ from dspark.engine.pretrained import load_from_rank, load_pretrained
 from dspark.engine.state_dict import IncompatibleKeys
 from dspark.engine.step_observer import observed
 from dspark.engine.trace import check_trace_args
-from dspark.engine.validation import check_arguments, loss_scaler_for, warn_emulated_bf16
+from dspark.engine.validation import (
+    check_arguments,
+    check_max_norm,
+    loss_scaler_for,
+    warn_emulated_bf16,
+)
 from dspark.engine.weights import KeyMap
-from dspark.engine.window import Window, check_ranks_in_step
+from dspark.engine.window import Window, check_between_steps, check_ranks_in_step
 from dspark.engine.zero3_units import UnitPolicy
 from dspark.tensor import DistTensor, Placement
 from dspark.tensor.batch import split_batch
@@ -62,19 +67,14 @@ class Engine:
             engine.backward(loss)
             engine.step()
 
-    Every rank builds the same model (checked, then parameters and buffers broadcast from rank 0) on
-    a real device, under ``dspark.meta_init()`` (its own initialisation replayed, zero3 one parameter
-    at a time) or ``torch.device("meta")`` (``reset_parameters()``). Up to ``grad_accum_steps``
-    ``backward(loss)`` calls, then ``step()``: the mean over the window's micro-batches and all ranks
-    (``weight=n``: over each rank's ``n`` samples or tokens), communicated during the last backward.
-    ``strategy="auto"`` takes the fastest strategy whose predicted peak fits ``memory_budget`` bytes
-    per rank (``engine.plan``); given ``sample_batch`` (one step's batch on this rank) and ``loss_fn``,
-    with the micro-batch that fits (``engine.micro_batch``, ``grad_accum_steps`` unless given:
-    :meth:`micro_batches`). Identical input batches on two ranks raise
-    :class:`dspark.PlacementError` (checked every ``batch_check_every`` steps); ``skip_nonfinite``
-    skips a non-finite step, ``max_nonfinite_skips`` in a row raise; ``trace_dir`` writes a profiler
-    trace per rank; on a CPU glibc's malloc is tuned for training (:mod:`dspark.cpu_malloc`). Every
-    argument, what runs under the precision and the checks that keep ranks in step: docs/engine.md.
+    Every rank builds the same model (checked, then rank 0's parameters and buffers broadcast), on a
+    device or on meta (``dspark.meta_init()`` replays its own initialisation). Up to
+    ``grad_accum_steps`` ``backward(loss)`` calls, then ``step()``: the mean over the window's
+    micro-batches and all ranks, communicated during the last backward. ``strategy="auto"`` picks
+    the fastest strategy (with ``sample_batch``, and micro-batch) that fits ``memory_budget``
+    (``engine.plan``). Identical input batches on two ranks raise :class:`dspark.PlacementError`.
+    Every argument, what runs under the precision and the checks that keep ranks in step:
+    docs/engine.md.
     """
 
     def __init__(
@@ -95,19 +95,16 @@ class Engine:
                                    precision=str(precision), bucket_mb=float(bucket_mb), world=self.world,
                                    sample_batch=sample_batch, loss_fn=loss_fn, grad_accum_steps=grad_accum_steps)
         self.plan: Any = choice.plan
-        """``strategy="auto"``: the :class:`dspark.plan.Plan` the strategy was chosen from; else None."""
+        """``strategy="auto"``: the :class:`dspark.plan.Plan` it chose from; else None."""
         self.micro_batch = choice.micro_batch
-        """Rows per forward on each rank that ``strategy="auto"`` planned from ``sample_batch``
-        (split each step's batch with :meth:`micro_batches`); None when nothing was planned."""
-        grad_accum_steps = choice.grad_accum_steps or grad_accum_steps or 1
-        strategy = choice.strategy
-        self.strategy = sharding_policy(strategy)
+        """Rows per forward auto planned from ``sample_batch`` (:meth:`micro_batches`); else None."""
+        self.grad_accum_steps = grad_accum_steps = choice.grad_accum_steps or grad_accum_steps or 1
+        self.strategy = sharding_policy(choice.strategy)
         self.precision = precision_policy(precision)
         if self.world.device.type == "cpu":
             cpu_malloc.tune_for_training()  # before the first step allocates: see dspark.cpu_malloc
             if self.precision.compute_dtype == torch.bfloat16 and self.world.rank == 0:
                 warn_emulated_bf16()
-        self.grad_accum_steps = grad_accum_steps
         self.clip_grad_norm = None if clip_grad_norm is None else float(clip_grad_norm)
         self.bucket_mb = float(bucket_mb)
         self.reduce_dtype = reduce_dtype
@@ -156,14 +153,12 @@ class Engine:
             raise explained from exc
 
     def micro_batches(self, batch: B) -> list[B]:
-        """This rank's ``batch`` for one step split into ``grad_accum_steps`` equal micro-batches
-        along dim 0 (tensors, arrays, per-sample lists); a ``ValueError`` names rows that do not divide.
+        """This rank's ``batch`` for one step in ``grad_accum_steps`` equal parts along dim 0.
 
         Example::
 
-            for x, y in engine.micro_batches(batch):   # the micro-batch strategy="auto" chose
+            for x, y in engine.micro_batches(batch):   # e.g. the micro-batch strategy="auto" chose
                 engine.backward(loss_fn(engine(x), y))
-            engine.step()
         """
         return split_batch(batch, self.grad_accum_steps)
 
@@ -199,10 +194,7 @@ class Engine:
 
         Example::
 
-            engine.eval()
-            with torch.no_grad():
-                val_loss = loss_fn(engine(x), y)
-            engine.train()
+            engine.eval(); val_loss = loss_fn(engine(x), y); engine.train()
         """
         self.module.train(mode)
         return self
@@ -215,20 +207,16 @@ class Engine:
     @observed("optimizer", lambda engine: engine._parts.observer)
     def step(self) -> bool:
         """Apply the optimizer to the window's averaged gradients (after 1 to ``grad_accum_steps``
-        ``backward()`` calls; a shorter window is reduced here). Returns False when the step was
-        skipped on every rank, parameters and optimizer state untouched: an fp16 overflow (the loss
-        scale lowered); with ``skip_nonfinite=True``, a gradient norm (when measured) or a loss of the
-        window not finite on some rank; or ``weight=0`` on every rank. ``max_nonfinite_skips`` skips
-        in a row raise ``FloatingPointError`` ([Note: non-finite steps] in :mod:`dspark.engine.update`).
+        ``backward()`` calls). False when the step was skipped on every rank, nothing changed: an
+        fp16 overflow, a non-finite loss or norm (``skip_nonfinite``), or ``weight=0`` everywhere;
+        see [Note: non-finite steps] in :mod:`dspark.engine.update`.
 
         Example::
 
-            if not engine.step():
-                log.warning("step skipped")
+            if not engine.step(): log.warning("step skipped")
         """
         if self._window.micro_step == 0:
-            raise RuntimeError(f"rank {self.world.rank}: step() before backward(); call "
-                               "engine.backward(loss) first")
+            raise RuntimeError(f"rank {self.world.rank}: step() before backward(); call engine.backward(loss) first")
         try:
             if not self._window.synced:
                 self._parts.backward_pass.sync()
@@ -274,9 +262,7 @@ class Engine:
             norm = engine.clip_grad_norm_(1.0)
             engine.step()
         """
-        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
-            raise ValueError(f"max_norm={max_norm!r} must be a positive number (float('inf') only "
-                             "measures the norm)")
+        check_max_norm(max_norm)
         if not self._window.synced:
             raise RuntimeError(
                 f"rank {self.world.rank}: clip_grad_norm_() before the window's gradients are reduced "
@@ -326,13 +312,11 @@ class Engine:
 
     def load_full_state_dict(self, state_dict: Mapping[str, torch.Tensor] | None, src_rank: int | None = 0, *,
                              strict: bool = True) -> IncompatibleKeys:
-        """Load a plain ``model.state_dict()`` held by rank ``src_rank`` (the other ranks pass
-        None), whatever the strategy: checked there, then sent one tensor at a time, each rank keeping
-        what its strategy holds, so no other rank holds the whole model ([Note: pretrained weights
-        without N copies] in :mod:`dspark.engine.pretrained`). ``src_rank=None``: every rank passes the
-        same state dict. Optimizer state is untouched. Missing, unexpected and mis-shaped keys are a
-        ``ValueError`` on every rank (``strict=False``: logged, the rest loads). Returns the missing
-        and unexpected keys. Collective.
+        """Load a plain ``model.state_dict()`` held by rank ``src_rank`` (the others pass None; with
+        ``src_rank=None`` every rank passes it), whatever the strategy: sent one tensor at a time, each
+        rank keeping what its strategy holds ([Note: pretrained weights without N copies] in
+        :mod:`dspark.engine.pretrained`). Missing, unexpected and mis-shaped keys are a ``ValueError``
+        on every rank (``strict=False``: logged). Returns them. Collective; optimizer state untouched.
 
         Example::
 
@@ -346,12 +330,10 @@ class Engine:
 
     def load_pretrained(self, path: str | os.PathLike[str], key_map: KeyMap | None = None,
                         strict: bool = True) -> IncompatibleKeys:
-        """Load weights from a ``.safetensors`` file or a HuggingFace model directory (one file,
-        or shards + ``model.safetensors.index.json``); every rank reads only what its strategy holds
-        (zero3: its rows). ``key_map`` renames the file's keys to the model's (a dict, or a function
-        returning the name or None to skip); a tied parameter loads from any of its names. Missing,
-        unexpected and mis-shaped keys are a ``ValueError`` (``strict=False``: a warning). Returns the
-        missing and unexpected keys. Collective.
+        """Load weights from a ``.safetensors`` file or a HuggingFace model directory (one file, or
+        shards + index); every rank reads only what its strategy holds. ``key_map`` renames the file's
+        keys (a dict, or a function returning the name or None to skip). Missing, unexpected and
+        mis-shaped keys are a ``ValueError`` (``strict=False``: a warning). Returns them. Collective.
 
         Example::
 
@@ -457,11 +439,8 @@ class Engine:
         check_ranks_in_step(self._window, self.step_count, world=self.world, call=call)
 
     def _check_between_steps(self, what: str) -> None:
-        self._check_in_step(what)  # first: a refusal on one rank alone would strand the others
-        if self._window.micro_step != 0:
-            raise RuntimeError(f"rank {self.world.rank}: {what}() after {self._window.micro_step} of "
-                               f"grad_accum_steps={self.grad_accum_steps} backward() calls; call it "
-                               "between steps (after engine.step())")
+        check_between_steps(self._window, self.step_count, world=self.world, call=what,
+                            grad_accum_steps=self.grad_accum_steps)
 
     def memory_report(self) -> dict[str, int | str]:
         """Bytes this rank holds for parameters (trainable and frozen), gradients (as held at the end

@@ -16,9 +16,9 @@ from dspark.engine.loss_scaler import LossScaler
 from dspark.engine.param_slot import ParamSlot
 from dspark.engine.policy import PrecisionPolicy
 
-__all__ = ["check_arguments", "check_no_sync_batchnorm_on_cpu", "check_same_model_on_every_rank",
-           "check_same_optimizer_on_every_rank", "check_weight", "loss_scaler_for", "unique_params",
-           "warn_emulated_bf16", "warn_unknown_group_options"]
+__all__ = ["check_arguments", "check_max_norm", "check_no_sync_batchnorm_on_cpu",
+           "check_same_model_on_every_rank", "check_same_optimizer_on_every_rank", "check_weight",
+           "loss_scaler_for", "unique_params", "warn_emulated_bf16", "warn_unknown_group_options"]
 
 
 def unique_params(model: nn.Module) -> list[tuple[list[str], nn.Parameter]]:
@@ -196,3 +196,10 @@ def loss_scaler_for(precision: PrecisionPolicy, loss_scaler: LossScaler | None) 
         raise ValueError(f"loss_scaler={loss_scaler!r} with precision={precision.name!r}: only "
                          "fp16 scales its loss; pass precision='fp16', or leave loss_scaler out")
     return (loss_scaler or LossScaler()) if precision.loss_scaling else None
+
+
+def check_max_norm(max_norm: Any) -> None:
+    """``engine.clip_grad_norm_``'s ``max_norm``: a positive number (``float("inf")`` only measures)."""
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
+        raise ValueError(f"max_norm={max_norm!r} must be a positive number (float('inf') only "
+                         "measures the norm)")

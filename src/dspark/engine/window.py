@@ -27,7 +27,8 @@ if TYPE_CHECKING:
     from dspark.comm import World
     from dspark.engine.inputs import ForwardInputs
 
-__all__ = ["StepTag", "StepWeights", "Window", "average_factor", "check_in_step", "check_ranks_in_step"]
+__all__ = ["StepTag", "StepWeights", "Window", "average_factor", "check_between_steps", "check_in_step",
+           "check_ranks_in_step"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -219,3 +220,19 @@ def check_ranks_in_step(window: Window, step_count: int, *, world: World, call: 
     everyone = comm.all_gather(mine, label=f"dspark.{call}.step_check")
     check_in_step([StepTag(*map(int, t.tolist())) for t in everyone], rank=world.rank,
                   what=f"engine.{call}()")
+
+
+def check_between_steps(window: Window, step_count: int, *, world: World, call: str,
+                        grad_accum_steps: int) -> None:
+    """Collective: :func:`check_ranks_in_step` first (a refusal on one rank alone would strand the
+    others), then refuse ``engine.<call>()`` inside an accumulation window: it belongs between steps.
+
+    Example::
+
+        check_between_steps(window, 3, world=world, call="save", grad_accum_steps=4)
+    """
+    check_ranks_in_step(window, step_count, world=world, call=call)
+    if window.micro_step != 0:
+        raise RuntimeError(f"rank {world.rank}: {call}() after {window.micro_step} of "
+                           f"grad_accum_steps={grad_accum_steps} backward() calls; call it "
+                           "between steps (after engine.step())")
