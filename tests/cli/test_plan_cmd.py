@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -52,3 +54,28 @@ def test_parse_bytes() -> None:
 def test_trace_fake_plans_memory_without_running_a_step(capsys) -> None:
     assert main(["plan", "--model", "tests.plan.factories:small_mlp", "--devices", "1,2", "--trace", "fake"]) == 0
     assert "fake trace" in capsys.readouterr().out
+
+
+_FACTORY = """
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+def build():
+    model = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 4))
+    return model, (torch.randn(32, 8), torch.randint(0, 4, (32,))), F.cross_entropy
+"""
+
+
+@pytest.mark.parametrize("spec", ["mymodels:build", "sub/mymodels.py:build"])
+def test_the_users_factory_is_found_from_their_directory(tmp_path: Path, spec: str) -> None:
+    # the installed `dspark` command, as a user runs it: a console script, whose sys.path lacks
+    # the current directory (python -m would add it, and hide the bug)
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "mymodels.py").write_text(_FACTORY)
+    (tmp_path / "sub" / "mymodels.py").write_text(_FACTORY)
+    dspark_cmd = Path(sys.executable).parent / "dspark"
+    done = subprocess.run([str(dspark_cmd), "plan", "--model", spec, "--devices", "1,2", "--trace", "fake"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "zero3" in done.stdout and "peak MB" in done.stdout

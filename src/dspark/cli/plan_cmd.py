@@ -5,8 +5,8 @@
                 --interconnect roce-200g --json plan.json --plot plan.png
     dspark plan --probe plan.json --model mypkg.models:build --devices 8,64,512 --interconnect nvlink
 
-``--model module:factory`` names a callable returning ``(model, sample_batch)`` or ``(model,
-sample_batch, loss_fn)``. ``--probe`` reuses the measurement kept in an earlier ``--json`` (measure
+``--model module:factory`` (imported as from the current directory) or ``path/to/file.py:factory``
+names a callable returning ``(model, sample_batch)`` or ``(model, sample_batch, loss_fn)``. ``--probe`` reuses the measurement kept in an earlier ``--json`` (measure
 on the target device once, plan anywhere). The thin layer over :func:`dspark.plan`.
 """
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import json
 import sys
 import time
@@ -79,7 +80,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
                         help=f"a benchmark workload: {', '.join(WORKLOADS)} (the real sizes probe "
                              "on a GPU; elsewhere pass --probe from a plan made on one)")
     source.add_argument("--model", metavar="MODULE:FACTORY",
-                        help="a callable returning (model, sample_batch[, loss_fn])")
+                        help="a callable returning (model, sample_batch[, loss_fn]): module:factory "
+                             "(imported as from the current directory) or path/to/file.py:factory")
     parser.add_argument("--devices", default="1,2,8", type=_devices, help="device counts (default 1,2,8)")
     parser.add_argument("--global-batch", type=int, default=None,
                         help="samples per step over all ranks (default: the workload's, or the sample batch's)")
@@ -101,12 +103,33 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     parser.set_defaults(func=run)
 
 
+def _load_factory(module_name: str, attr: str) -> Any:
+    """``attr`` of a module named as Python imports it (the current directory first, as
+    ``python -m`` has it), or of a file ``path/to/models.py``."""
+    if module_name.endswith(".py"):
+        path = Path(module_name).resolve()
+        if not path.is_file():
+            raise ImportError(f"no file {str(path)!r}")
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        if spec is None or spec.loader is None:
+            raise ImportError(f"cannot import {str(path)!r}")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[path.stem] = module  # its own imports and pickling find it by name
+        spec.loader.exec_module(module)
+    else:
+        if "" not in sys.path and str(Path.cwd()) not in sys.path:
+            sys.path.insert(0, str(Path.cwd()))  # a console script's path lacks it
+        module = importlib.import_module(module_name)
+    return getattr(module, attr)
+
+
 def _from_factory(spec: str) -> tuple[Any, Any, Any]:
-    module_name, _, attr = spec.partition(":")
+    module_name, _, attr = spec.rpartition(":")
     if not module_name or not attr:
-        raise ValueError(f"--model {spec!r}: give module:factory, e.g. mypkg.models:build")
+        raise ValueError(f"--model {spec!r}: give module:factory or path/to/file.py:factory, e.g. "
+                         "mypkg.models:build")
     try:
-        factory = getattr(importlib.import_module(module_name), attr)
+        factory = _load_factory(module_name, attr)
     except (ImportError, AttributeError) as exc:
         raise ValueError(f"--model {spec!r}: {exc}") from None
     made = factory()
