@@ -16,7 +16,6 @@ import torch
 from torch import nn
 
 from dspark.comm import World
-from dspark.tensor.batch import batch_rows
 
 __all__ = ["AutoChoice", "AutoRequest", "AutoResolver", "check_memory_budget", "check_planned_rows", "resolve_auto",
            "set_auto_resolver", "strategy_and_plan"]
@@ -126,17 +125,16 @@ def strategy_and_plan(strategy: str, memory_budget: Any, *, model: nn.Module,
     return AutoChoice(strategy=strategy, plan=None)
 
 
-def check_planned_rows(inputs: Any, micro_batch: int, grad_accum_steps: int) -> None:
-    """Refuse a training forward of more rows than the ``micro_batch`` auto planned: the plan's
+def check_planned_rows(rows: int | None, micro_batch: int, grad_accum_steps: int) -> None:
+    """Refuse a training forward of more ``rows`` than the ``micro_batch`` auto planned: the plan's
     memory holds only at that size, and a loop that feeds the whole batch would meet the peak the
-    choice was made to avoid. Fewer rows (an epoch's last batch) pass; the engine does not ask in
-    evaluation (``torch.no_grad()`` or ``engine.eval()``).
+    choice was made to avoid. Fewer rows (an epoch's last batch) pass; the engine asks for training
+    forwards only (a reader of its recorded inputs, see [Note: forward inputs]).
 
     Example::
 
-        check_planned_rows(((x,), {}), micro_batch=16, grad_accum_steps=4)   # x of 64 rows: ValueError
+        check_planned_rows(64, micro_batch=16, grad_accum_steps=4)   # ValueError
     """
-    rows = batch_rows(inputs)
     if rows is not None and rows > micro_batch:
         raise ValueError(f"a forward of {rows} rows on this rank, but strategy='auto' planned micro-batches "
                          f"of {micro_batch} (grad_accum_steps={grad_accum_steps}) to fit the memory budget; "

@@ -16,12 +16,13 @@ from torch import nn
 
 from dspark.comm import World
 from dspark.engine.agreement import agreed
+from dspark.engine.auto import check_planned_rows
 from dspark.engine.backward import BackwardPass
 from dspark.engine.batch_check import BatchCheck
 from dspark.engine.buffer_sync import BufferSync, broadcast_tensors
 from dspark.engine.global_batchnorm import convert_batchnorm, restore_batchnorm
 from dspark.engine.grad_reducer import GradReducer, LocalReducer
-from dspark.engine.inputs import InputRecorder
+from dspark.engine.inputs import ForwardInputs, InputRecorder, Reader
 from dspark.engine.loss_scaler import LossScaler
 from dspark.engine.materialize import has_meta_tensors, materialize
 from dspark.engine.optimizer_guard import check_elementwise, guard_sharded_optimizer
@@ -198,11 +199,12 @@ def build_parts(model: nn.Module, factory: OptimizerFactory, *, world: World, st
                 sync_batchnorm: bool, broadcast_buffers: bool, batch_check_every: int | None,
                 trace_dir: str | os.PathLike[str] | None, trace_steps: tuple[int, int], skip_nonfinite: bool,
                 max_nonfinite_skips: int | None, defer_host_reads: bool,
-                step_count: Callable[[], int]) -> EngineParts:
+                step_count: Callable[[], int], planned_micro_batch: int | None = None) -> EngineParts:
     """Check that every rank has the same model and optimizer, place the model, build the optimizer
     and wire the parts of a step around them, in the same order on every rank (each check and
     broadcast is collective). The engine's own state comes in as values: its accumulation ``window``
-    and ``step_count()``, the steps applied so far.
+    and ``step_count()``, the steps applied so far. ``planned_micro_batch``: the rows per training
+    forward ``strategy="auto"`` planned, refused above it.
 
     Example::
 
@@ -275,8 +277,14 @@ def build_parts(model: nn.Module, factory: OptimizerFactory, *, world: World, st
                         for s in slots]
     if strategy.shard_optimizer and n > 1:  # see [Note: a rank's optimizer state dict]
         hooks.extend(guard_sharded_optimizer(optimizer, rank=rank, world_size=n, strategy=strategy.name))
+    readers: list[Reader] = [window.count_forward, batch_check.record]
+    if planned_micro_batch is not None:
+        def planned_rows(inputs: ForwardInputs, args: Any, kwargs: Any) -> None:
+            if model.training:  # first: a refused forward is not counted in the window
+                check_planned_rows(inputs.rows, planned_micro_batch, grad_accum_steps)
+        readers.insert(0, planned_rows)
     inputs = InputRecorder(  # see [Note: forward inputs]
-        model, readers=[window.count_forward, batch_check.record], in_backward=lambda: window.in_backward,
+        model, readers=readers, in_backward=lambda: window.in_backward,
         before_training_forward=None if buffer_sync is None else buffer_sync.before_forward)
     trace = None if trace_dir is None else TraceSession(
         trace_dir, rank=rank, warmup=trace_steps[0], active=trace_steps[1], device=world.device)

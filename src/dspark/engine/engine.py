@@ -21,7 +21,7 @@ from torch import nn
 
 from dspark import comm, cpu_malloc
 from dspark.engine.audit import audit_rows
-from dspark.engine.auto import check_planned_rows, strategy_and_plan
+from dspark.engine.auto import strategy_and_plan
 from dspark.engine.batch_check import DEFAULT_BATCH_CHECK_EVERY
 from dspark.engine.buffer_sync import broadcast_tensors
 from dspark.engine.build import EngineParts, OptimizerFactory, build_parts
@@ -118,7 +118,8 @@ class Engine:
             param_groups=param_groups, zero3_units=zero3_units, sync_batchnorm=sync_batchnorm,
             broadcast_buffers=broadcast_buffers, batch_check_every=batch_check_every, trace_dir=trace_dir,
             trace_steps=trace_steps, skip_nonfinite=skip_nonfinite, max_nonfinite_skips=max_nonfinite_skips,
-            defer_host_reads=defers_host_reads(self.world.device), step_count=lambda: self.step_count)
+            defer_host_reads=defers_host_reads(self.world.device), step_count=lambda: self.step_count,
+            planned_micro_batch=self.micro_batch)
         self.module = model
         self.slots = parts.slots
         """The trainable parameters, one slot each (tied parameters share one)."""
@@ -138,8 +139,6 @@ class Engine:
 
             logits = engine(tokens)            # bf16 matmuls under precision="bf16"
         """
-        if self.micro_batch is not None and torch.is_grad_enabled() and self.module.training:
-            check_planned_rows((args, kwargs), self.micro_batch, self.grad_accum_steps)
         zero3 = self._parts.zero3
         saving = (contextlib.nullcontext() if zero3 is None or not torch.is_grad_enabled()
                   else zero3.saving_parameters_by_reference())

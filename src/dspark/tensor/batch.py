@@ -15,7 +15,7 @@ from dspark import comm
 from dspark.tensor.placement import PlacementError, Replicate, to_placement
 from dspark.tensor.shard_math import shard_range
 
-__all__ = ["batch_leaves", "batch_rows", "distribute_batch", "map_batch", "split_batch"]
+__all__ = ["batch_leaves", "distribute_batch", "map_batch", "split_batch"]
 
 B = TypeVar("B")
 
@@ -161,30 +161,24 @@ def distribute_batch(batch: B, shard_dim: Any = 0, *, allow_uneven: bool = False
             f"{world.world_size}: ranks would weigh different sample counts. Use a batch of "
             f"{sizes}, or pass allow_uneven=True")
     start, stop = shard_range(size, world.world_size, world.rank)
+    return _rows(batch, start, stop, size=size, dim_of=leaf_dim, row_lists=dim == 0)  # type: ignore[no-any-return]
 
-    def split(leaf: Any) -> Any:
+
+def _rows(batch: Any, start: int, stop: int, *, size: int, dim_of: Callable[[Leaf], int],
+          row_lists: bool) -> Any:
+    """``batch`` with rows ``start:stop`` of every tensor and array (along ``dim_of(leaf)``) and,
+    with ``row_lists``, of every list of one value per sample (``size`` of them); other values
+    pass through as they are."""
+    def take(leaf: Any) -> Any:
         if isinstance(leaf, torch.Tensor):
-            return leaf.narrow(leaf_dim(leaf), start, stop - start)
+            return leaf.narrow(dim_of(leaf), start, stop - start)
         if isinstance(leaf, np.ndarray):
-            own = leaf_dim(leaf)
-            return leaf[(slice(None),) * own + (slice(start, stop),)]
-        if dim == 0 and len(leaf) == size:   # one value per sample
+            return leaf[(slice(None),) * dim_of(leaf) + (slice(start, stop),)]
+        if row_lists and len(leaf) == size:   # one value per sample
             return type(leaf)(leaf[start:stop])
         return leaf
 
-    return map_batch(batch, split, lambda v: _is_array(v) or _is_row_list(v))  # type: ignore[no-any-return]
-
-
-def batch_rows(batch: Any) -> int | None:
-    """The leading size of ``batch``'s first tensor or array (see [Note: walking a batch]); None
-    when it holds none with a dimension.
-
-    Example::
-
-        batch_rows({"input_ids": torch.zeros(8, 128, dtype=torch.long)})   # 8
-    """
-    leaves = _leaves(batch, "batch")
-    return int(leaves[0][1].shape[0]) if leaves else None
+    return map_batch(batch, take, lambda v: _is_array(v) or _is_row_list(v))
 
 
 def split_batch(batch: B, parts: int) -> list[B]:
@@ -212,18 +206,5 @@ def split_batch(batch: B, parts: int) -> list[B]:
         raise ValueError(f"a batch of {size} rows does not split into {parts} equal micro-batches "
                          f"({size} % {parts} = {size % parts}); give each step a multiple of {parts} rows")
     rows = size // parts
-
-    def part(index: int) -> Any:
-        start = index * rows
-
-        def take(leaf: Any) -> Any:
-            if isinstance(leaf, torch.Tensor):
-                return leaf.narrow(0, start, rows)
-            if isinstance(leaf, np.ndarray):
-                return leaf[start:start + rows]
-            if len(leaf) == size:   # one value per sample
-                return type(leaf)(leaf[start:start + rows])
-            return leaf
-        return map_batch(batch, take, lambda v: _is_array(v) or _is_row_list(v))
-
-    return [part(i) for i in range(parts)]
+    return [_rows(batch, i * rows, (i + 1) * rows, size=size, dim_of=lambda leaf: 0, row_lists=True)
+            for i in range(parts)]
