@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -83,6 +84,33 @@ def _lines(stream) -> queue.Queue[str]:  # type: ignore[no-untyped-def]
     return lines
 
 
+def _stopped_run(ckpt: Path, after: str, deliver: Callable[[subprocess.Popen[str]], None],
+                 *args: str) -> tuple[str, float]:
+    """Run the example on 2 ranks through ``dspark run``, ``deliver`` the stop once a line starting
+    with ``after`` is out, and return its output and the seconds from the stop to its exit, which
+    must be 0."""
+    command = [sys.executable, "-m", "dspark.cli.main", "run", "--nproc", "2", str(EXAMPLE),
+               "--ckpt", str(ckpt), "--steps", str(STEPS), "--log-every", "1", *args]
+    job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines, seen = _lines(job.stdout), []
+    try:
+        while not any(line.startswith(after) for line in seen):
+            seen.append(lines.get(timeout=120))
+        started = time.monotonic()
+        deliver(job)
+        job.wait(timeout=60)
+        elapsed_s = time.monotonic() - started
+    finally:
+        if job.poll() is None:
+            job.kill()
+    time.sleep(0.2)
+    while not lines.empty():
+        seen.append(lines.get())
+    stdout = "".join(seen)
+    assert job.returncode == 0, stdout + job.stderr.read()[-4000:]  # type: ignore[union-attr]
+    return stdout, elapsed_s
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("deliveries", ["once", "twice", "every process", "ctrl-c", "hang-up"])
 def test_sigterm_saves_at_the_step_it_stopped_and_a_relaunch_ends_where_an_uninterrupted_run_does(
@@ -94,15 +122,8 @@ def test_sigterm_saves_at_the_step_it_stopped_and_a_relaunch_ends_where_an_unint
     "ctrl-c" and "hang-up": SIGINT and SIGHUP to dspark run, passed on as they came, killed the
     workers unsaved (KeyboardInterrupt inside the step; SIGHUP's default action)."""
     ckpt = tmp_path / "ckpt"
-    command = [sys.executable, "-m", "dspark.cli.main", "run", "--nproc", "2", str(EXAMPLE),
-               "--ckpt", str(ckpt), "--steps", str(STEPS), "--save-every", "8",
-               "--step-sleep", "0.25", "--log-every", "1"]
-    job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    lines, seen = _lines(job.stdout), []
-    try:
-        while not any(line.startswith("attempt 0: step 5 ") for line in seen):
-            seen.append(lines.get(timeout=120))
-        started = time.monotonic()
+
+    def deliver(job: subprocess.Popen[str]) -> None:
         if deliveries == "every process":
             tree = descendants(job.pid)
             job.send_signal(signal.SIGTERM)
@@ -112,16 +133,9 @@ def test_sigterm_saves_at_the_step_it_stopped_and_a_relaunch_ends_where_an_unint
         else:
             for _ in range(2 if deliveries == "twice" else 1):
                 job.send_signal(signal.SIGTERM)
-        job.wait(timeout=60)
-        elapsed_s = time.monotonic() - started
-    finally:
-        if job.poll() is None:
-            job.kill()
-    time.sleep(0.2)
-    while not lines.empty():
-        seen.append(lines.get())
-    stdout = "".join(seen)
-    assert job.returncode == 0, stdout + job.stderr.read()[-4000:]  # type: ignore[union-attr]
+
+    stdout, elapsed_s = _stopped_run(ckpt, "attempt 0: step 5 ", deliver, "--save-every", "8",
+                                     "--step-sleep", "0.25")
     assert elapsed_s < 30  # the default grace period
     stopped = int(re.findall(r"attempt 0: step (\d+) ", stdout)[-1])
     assert_line_names(stdout, "attempt 0", "preempted", f"step {stopped}\n")
@@ -143,22 +157,8 @@ def test_a_sigterm_during_the_start_is_not_lost(tmp_path: Path) -> None:
     first step's check sees it. Installed only at the first step's check, it stopped the ranks
     unsaved and dspark run exited -15."""
     ckpt = tmp_path / "ckpt"
-    command = [sys.executable, "-m", "dspark.cli.main", "run", "--nproc", "2", str(EXAMPLE),
-               "--ckpt", str(ckpt), "--steps", str(STEPS), "--step-sleep", "0.5", "--log-every", "1"]
-    job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    lines, seen = _lines(job.stdout), []
-    try:
-        while not any(line.startswith("attempt 0: no checkpoint") for line in seen):
-            seen.append(lines.get(timeout=120))
-        job.send_signal(signal.SIGTERM)   # the first step (and its half-second sleep) is still to come
-        job.wait(timeout=60)
-    finally:
-        if job.poll() is None:
-            job.kill()
-    time.sleep(0.2)
-    while not lines.empty():
-        seen.append(lines.get())
-    stdout = "".join(seen)
-    assert job.returncode == 0, stdout + job.stderr.read()[-4000:]  # type: ignore[union-attr]
+    # the first step (and its half-second sleep) is still to come when the signal arrives
+    stdout, _ = _stopped_run(ckpt, "attempt 0: no checkpoint", lambda job: job.send_signal(signal.SIGTERM),
+                             "--step-sleep", "0.5")
     assert_line_names(stdout, "attempt 0", "preempted", "step 1\n")
     assert read_checkpoint_info(ckpt / "step-000001").step_count == 1
