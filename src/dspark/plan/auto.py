@@ -115,13 +115,12 @@ def _resolve(request: AutoRequest) -> AutoChoice:
     if budget is None:
         local = 1 if world.device.type == "cuda" else world.local_world_size
         budget = default_memory_budget(world.device, local_ranks=local)
-    # the link is rank 0's on every rank already (measure_link broadcasts it); the budget may
-    # differ by host (available memory), so rank 0's is every rank's
-    if world.world_size > 1:
-        budget = comm.broadcast_object(budget if world.rank == 0 else None)
     with_batch = request.sample_batch is not None
-    if world.world_size > 1:  # rank 0's batch decides: another rank may pass None (see below)
-        with_batch = comm.broadcast_object(with_batch if world.rank == 0 else None)
+    # the link is rank 0's on every rank already (measure_link broadcasts it); the budget may
+    # differ by host (available memory), and another rank may pass no batch ([Note: auto with a
+    # batch]): rank 0's budget and batch decide, in one broadcast
+    if world.world_size > 1:
+        budget, with_batch = comm.broadcast_object((budget, with_batch) if world.rank == 0 else None)
     if with_batch:
         return _resolve_with_batch(request, budget, link)
     table = auto_plan(request.model, optimizer=request.optimizer, precision=request.precision,
