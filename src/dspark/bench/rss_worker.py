@@ -17,7 +17,6 @@ import functools
 import gc
 import json
 import os
-import resource
 import sys
 from typing import Any
 
@@ -25,6 +24,7 @@ import torch
 from torch import nn
 
 import dspark
+from dspark.bench.memory import peak_rss_bytes
 from dspark.launch.launcher import LaunchSpec, launch
 
 __all__ = ["LAYERS", "STEPS", "WIDTH", "main", "peak_rss_per_rank"]
@@ -65,11 +65,9 @@ def main(strategy: str) -> None:
     del model
     for step in range(STEPS):
         x = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(step))
-        (local,) = (dspark.distribute_batch(x, shard_dim=0),)
-        engine.backward(engine(local).square().mean())
+        engine.backward(engine(dspark.distribute_batch(x, shard_dim=0)).square().mean())
         engine.step()
-    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    line = json.dumps({"rank": world.rank, "peak_bytes": peak_kib * 1024, "num_params": num_params,
+    line = json.dumps({"rank": world.rank, "peak_bytes": peak_rss_bytes(), "num_params": num_params,
                        "total_bytes": engine.memory_report()["total_bytes"]}) + "\n"
     os.write(sys.stdout.fileno(), line.encode())  # one write: the other rank's output cannot split it
     del engine
