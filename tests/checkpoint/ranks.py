@@ -148,10 +148,11 @@ def save_at_steps(paths_by_step: dict[int, str], name: str = "mlp", strategy: st
     return sums
 
 
-def load_checksum(path: str, name: str = "mlp", strategy: str = "zero3") -> tuple[int, float]:
+def load_checksum(path: str, name: str = "mlp", strategy: str = "zero3", *,
+                  verify: bool = True) -> tuple[int, float]:
     """Load ``path`` into a fresh engine: (its step count, the checksum :func:`save_at_steps` gives)."""
     engine = make_engine(name, strategy, seed=1)
-    engine.load(path)
+    engine.load(path, verify=verify)
     out = (engine.step_count, float(sum(p.double().sum() for p in engine.full_state_dict().values())))
     engine.close()
     return out

@@ -133,19 +133,31 @@ def test_the_description_a_load_returns_is_the_manifests(run_checkpoints) -> Non
                                          "training_state.json"]
 
 
-def test_a_checkpoint_without_manifest_of_format_2_loads_with_a_warning(pool, a_and_b, caplog) -> None:
+@pytest.mark.parametrize("declared", [2, 3])
+def test_a_checkpoint_without_manifest_loads_only_with_verify_false(pool, a_and_b, caplog, capsys,
+                                                                    declared: int) -> None:
+    """What the files declare (``format_version: 2``, written before manifests) never turns the
+    check off: the caller does, with ``verify=False``."""
     a, _b = a_and_b
     (a / MANIFEST_FILE).unlink()
     for name in ("dspark.json", "training_state.json"):
         raw = json.loads((a / name).read_text())
         raw.pop("save_id")
         if name == "dspark.json":
-            raw["format_version"] = 2
+            raw["format_version"] = declared
         (a / name).write_text(json.dumps(raw))
+    _refused(pool, a, "", f"has no {MANIFEST_FILE}", "verify=False")
+    with pytest.raises(CheckpointIntegrityError, match="verify=False"):
+        read_checkpoint_info(a)
+    for command in (["ckpt", "info", str(a)], ["ckpt", "export", str(a), str(a.parent / "out.pt")]):
+        assert main(command) != 0
+        assert f"has no {MANIFEST_FILE}" in capsys.readouterr().err
     with caplog.at_level(logging.WARNING, logger="dspark.checkpoint.info"):
-        assert read_checkpoint_info(a).step_count == 3
+        assert read_checkpoint_info(a, verify=False).step_count == 3
     assert "NOT verified" in caplog.text
-    assert [step for step, _sum in pool.run(load_checksum, str(a))] == [3, 3]
+    assert [step for step, _sum in pool.run(load_checksum, str(a), verify=False)] == [3, 3]
+    assert main(["ckpt", "info", str(a), "--no-verify"]) == 0
+    assert main(["ckpt", "export", str(a), str(a.parent / "out.pt"), "--no-verify"]) == 0
     assert not verify_checkpoint(a).ok
 
 

@@ -74,19 +74,21 @@ def model_tensors(directory: Path, info: CheckpointInfo) -> list[ModelTensor]:
 
 
 def export_checkpoint(path: str | os.PathLike[str], out: str | os.PathLike[str], *,
-                      dtype: torch.dtype | None = None, max_shard_size: int | str = "5GB") -> list[Path]:
+                      dtype: torch.dtype | None = None, max_shard_size: int | str = "5GB",
+                      verify: bool = True) -> list[Path]:
     """Write the model of the DSpark checkpoint at ``path`` to ``out``: a ``.safetensors`` file, a
     ``.pt`` file (``torch.save`` of the state dict), or else a directory in HuggingFace's layout
     (see [Note: HuggingFace layout]). ``dtype`` casts floating-point tensors. No process group is
     needed. Returns the files written. Raises ``FileExistsError`` when ``out`` is a file or a
-    non-empty directory.
+    non-empty directory. ``verify=False`` reads a checkpoint without a manifest (see
+    :func:`~dspark.checkpoint.read_checkpoint_info`).
 
     Example::
 
         export_checkpoint("ckpt/step-1000", "gpt2-finetuned/", dtype=torch.bfloat16)
     """
     directory = Path(path)
-    info = read_checkpoint_info(directory)
+    info = read_checkpoint_info(directory, verify=verify)
     metadata = storage.read_metadata(directory)
     storage.check_files(directory, metadata)
     tensors = model_tensors(directory, info)

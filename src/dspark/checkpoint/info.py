@@ -4,9 +4,11 @@ the data, only to recognise a DSpark checkpoint; DCP's ``.metadata`` is the auth
 
 Format 3 (this one) adds ``manifest.json``, against which every file is checked before it is used
 (see [Note: checkpoint integrity] in :mod:`dspark.checkpoint.manifest`); ``dspark.json`` is read only
-once it matches. Format 2 kept every non-tensor value in JSON but had no manifest: it loads, with a
-warning that its files are unverified. Format 1 stored some values as pickles inside DCP's files and
-is refused, since loading it could run code."""
+once it matches. Format 2 kept every non-tensor value in JSON but had no manifest. A checkpoint
+without a manifest (format 2, or one whose manifest was removed) loads only when the caller says so
+(``engine.load(path, verify=False)``, ``dspark ckpt info|export --no-verify``), never because its own
+files say they are of an older format: a file anyone can edit cannot switch the check off. Format 1
+stored some values as pickles inside DCP's files and is refused, since loading it could run code."""
 
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ INFO_FILE = "dspark.json"
 FORMAT_NAME = "dspark-checkpoint"
 FORMAT_VERSION = 3
 _UNVERIFIED_VERSION = 2
-"""Written before manifests: loaded with a warning that nothing was checked."""
+"""Written before manifests: loaded only with ``verify=False``, with a warning that nothing was checked."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -116,11 +118,13 @@ def write_info(directory: Path, info: CheckpointInfo) -> None:
     write_json(directory / INFO_FILE, {"format": FORMAT_NAME, **asdict(info)})
 
 
-def read_checkpoint_info(path: str | os.PathLike[str]) -> CheckpointInfo:
+def read_checkpoint_info(path: str | os.PathLike[str], *, verify: bool = True) -> CheckpointInfo:
     """The description of the checkpoint at ``path``.
 
-    Raises :class:`CheckpointNotFoundError` when there is no DSpark checkpoint there and
-    :class:`CheckpointError` when ``dspark.json`` is damaged.
+    Raises :class:`CheckpointNotFoundError` when there is no DSpark checkpoint there,
+    :class:`CheckpointError` when ``dspark.json`` is damaged, and :class:`CheckpointIntegrityError`
+    when the checkpoint has no ``manifest.json`` unless ``verify=False`` (then it is read unchecked,
+    with a warning; a manifest that is there is checked either way).
 
     Example::
 
@@ -149,13 +153,15 @@ def read_checkpoint_info(path: str | os.PathLike[str]) -> CheckpointInfo:
     except CheckpointError as exc:
         raise CheckpointError(f"{str(info_path)!r}: {exc}") from exc
     if manifest is None:
-        if info.format_version != _UNVERIFIED_VERSION:
+        if verify:
             raise CheckpointIntegrityError(
-                f"{str(directory)!r} has no {MANIFEST_FILE}, which every format-{info.format_version} "
-                "checkpoint has: it was removed, or the checkpoint was copied in part")
-        log.warning("checkpoint %s was written before DSpark kept manifests (format %d): its files are "
-                    "NOT verified; a foreign or damaged file would load silently. Save it again to "
-                    "get a manifest", directory, info.format_version)
+                f"{str(directory)!r} has no {MANIFEST_FILE}, so none of its files can be checked (its "
+                f"{INFO_FILE} says format {info.format_version!r}; a format-3 checkpoint always has one: "
+                "it was removed, or the checkpoint copied in part). To load it unchecked all the same, "
+                "say so: engine.load(path, verify=False), or --no-verify on the command line")
+        log.warning("checkpoint %s has no %s and is read with verify=False: its files are NOT "
+                    "verified; a foreign or damaged file would load silently. Save it again to get a "
+                    "manifest", directory, MANIFEST_FILE)
         return info
     differ = [k for k in SUMMARY_FIELDS if manifest.summary.get(k) != getattr(info, k)]
     if info.save_id != manifest.save_id or differ:

@@ -42,7 +42,8 @@ _MODEL = layout.model_key("")
 
 
 def load_checkpoint(target: Checkpointable, path: str | os.PathLike[str], *,
-                    extra: Mapping[str, Any] | None = None, optimizer: bool = True) -> CheckpointInfo:
+                    extra: Mapping[str, Any] | None = None, optimizer: bool = True,
+                    verify: bool = True) -> CheckpointInfo:
     """Load the checkpoint at ``path`` into ``target`` (an engine): parameters, buffers, optimizer
     state and hyper-parameters, step count, fp16 loss scale, this rank's random state, and the
     ``extra`` objects' states (restored in place with their ``load_state_dict``). Collective: every
@@ -57,6 +58,10 @@ def load_checkpoint(target: Checkpointable, path: str | os.PathLike[str], *,
     the optimizer (any, of any class), the step count, the loss scale and the random state stay as
     they are; the checkpoint's optimizer is neither read nor checked.
 
+    ``verify=False`` loads a checkpoint that has no ``manifest.json`` (written before manifests, or
+    its manifest lost), its files unchecked; without it such a checkpoint is refused
+    (:class:`CheckpointIntegrityError`), whatever its ``dspark.json`` says.
+
     Example::
 
         info = load_checkpoint(engine, "ckpt/latest", extra={"scheduler": sched})
@@ -70,7 +75,7 @@ def load_checkpoint(target: Checkpointable, path: str | os.PathLike[str], *,
         error: Exception | None = None
         info: CheckpointInfo | None = None
         try:
-            info = _load_once(target, path, extra=extra, optimizer=optimizer)
+            info = _load_once(target, path, extra=extra, optimizer=optimizer, verify=verify)
         except Exception as exc:  # raised below, once every rank knows whether to load again
             error = exc
         # A save to the same path published a new checkpoint while this one was read (an evaluator
@@ -104,14 +109,14 @@ def _identity(path: str | os.PathLike[str]) -> tuple[int, int, int] | None:
 
 
 def _load_once(target: Checkpointable, path: str | os.PathLike[str], *,
-               extra: Mapping[str, Any] | None, optimizer: bool) -> CheckpointInfo:
+               extra: Mapping[str, Any] | None, optimizer: bool, verify: bool) -> CheckpointInfo:
     world = target.world
     failure: Exception | None = None
     try:
         directory = Path(path) if isinstance(path, (str, os.PathLike)) else None
         if directory is None:
             raise TypeError(f"path={path!r} must be a str or os.PathLike, got {type(path).__name__}")
-        info = read_checkpoint_info(directory)
+        info = read_checkpoint_info(directory, verify=verify)
         training = read_training_state(directory)
         metadata = storage.read_metadata(directory)
         storage.check_files(directory, metadata)

@@ -28,11 +28,12 @@ from dspark.checkpoint.training_state import read_training_state
 __all__ = ["CheckpointSummary", "read_extra", "summarize_checkpoint"]
 
 
-def read_extra(path: str | os.PathLike[str], key: str) -> Any:
+def read_extra(path: str | os.PathLike[str], key: str, *, verify: bool = True) -> Any:
     """The value saved as ``engine.save(path, extra={key: value})``, read from the checkpoint alone
     (no engine, no process group): a plain dict comes back as it was saved, an object's
     ``state_dict()`` as that dict; tensors inside it are read too. ``KeyError`` (naming the keys
-    there are) when the checkpoint has no such entry.
+    there are) when the checkpoint has no such entry. ``verify=False`` reads a checkpoint without a
+    manifest (see :func:`~dspark.checkpoint.read_checkpoint_info`).
 
     Example::
 
@@ -40,7 +41,7 @@ def read_extra(path: str | os.PathLike[str], key: str) -> Any:
         dspark.checkpoint.read_extra("ckpt", "model_args")   # {'n_layer': 12, 'n_embd': 768}
     """
     directory = Path(path)
-    read_checkpoint_info(directory)  # a clear error when it is no checkpoint
+    read_checkpoint_info(directory, verify=verify)  # a clear error when it is no checkpoint
     training = read_training_state(directory)
     if key not in training.extra:
         raise KeyError(f"checkpoint {str(directory)!r} holds no extra entry {key!r}; it holds "
@@ -117,15 +118,16 @@ class CheckpointSummary:
                 "torch_version": info.torch_version, "created_utc": info.created_utc}
 
 
-def summarize_checkpoint(path: str | os.PathLike[str]) -> CheckpointSummary:
-    """What the checkpoint at ``path`` holds, from its metadata and JSON files (no tensor is read).
+def summarize_checkpoint(path: str | os.PathLike[str], *, verify: bool = True) -> CheckpointSummary:
+    """What the checkpoint at ``path`` holds, from its metadata and JSON files (no tensor is read);
+    ``verify=False`` reads one without a manifest (see :func:`~dspark.checkpoint.read_checkpoint_info`).
 
     Example::
 
         summarize_checkpoint("ckpt").num_params   # 124439808
     """
     directory = Path(path)
-    info = read_checkpoint_info(directory)
+    info = read_checkpoint_info(directory, verify=verify)
     training = read_training_state(directory)
     tensors = model_tensors(directory, info)
     trainable = set(info.params)

@@ -146,7 +146,7 @@ def read_metadata(directory: Path) -> Metadata:
                               "checkpoint (a save that did not finish, or files removed)")
     manifest = read_manifest(directory)
     if manifest is None:
-        return load_metadata(path)   # a format-2 checkpoint (read_checkpoint_info said so)
+        return load_metadata(path)   # no manifest: read_checkpoint_info refused it unless verify=False
     return load_metadata(path, check=lambda data: check_bytes(manifest, METADATA_FILE, data))
 
 

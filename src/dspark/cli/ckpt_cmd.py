@@ -38,6 +38,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
                                            "count and bytes, optimizer, extra entries, size on disk.")
     info.add_argument("checkpoint", metavar="CKPT", help="checkpoint directory (written by engine.save)")
     info.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    _add_no_verify(info)
     info.set_defaults(func=run_info)
     verify = commands.add_parser(
         "verify", help="check every file against the checkpoint's manifest",
@@ -58,13 +59,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     export.add_argument("--dtype", default=None, help="cast floating-point tensors: fp32, bf16 or fp16")
     export.add_argument("--max-shard-size", default="5GB",
                         help="largest shard of a directory export (default 5GB, as HuggingFace)")
+    _add_no_verify(export)
     export.set_defaults(func=run_export)
+
+
+def _add_no_verify(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--no-verify", action="store_true",
+                        help="read a checkpoint that has no manifest.json (written before manifests, "
+                             "or its manifest lost), its files unchecked; refused without it")
 
 
 def run_info(args: argparse.Namespace) -> int:
     from dspark.checkpoint.offline import summarize_checkpoint
 
-    summary = summarize_checkpoint(args.checkpoint)
+    summary = summarize_checkpoint(args.checkpoint, verify=not args.no_verify)
     if args.json:
         print(json.dumps(summary.as_dict(), indent=2))
         return 0
@@ -104,7 +112,8 @@ def run_export(args: argparse.Namespace) -> int:
         if args.dtype not in DTYPES:
             raise ValueError(f"--dtype {args.dtype!r} is not one of {sorted(DTYPES)}")
         dtype = DTYPES[args.dtype]
-    files = export_checkpoint(args.checkpoint, args.out, dtype=dtype, max_shard_size=args.max_shard_size)
+    files = export_checkpoint(args.checkpoint, args.out, dtype=dtype, max_shard_size=args.max_shard_size,
+                              verify=not args.no_verify)
     for path in files:
         print(path)
     return 0

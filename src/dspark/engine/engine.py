@@ -417,12 +417,13 @@ class Engine:
         return save_checkpoint(self, path, async_save=async_save, extra=extra)
 
     def load(self, path: str | os.PathLike[str], *, extra: Mapping[str, Any] | None = None,
-             optimizer: bool = True) -> CheckpointInfo:
+             optimizer: bool = True, verify: bool = True) -> CheckpointInfo:
         """Load the checkpoint at ``path``, whatever world size and strategy wrote it: parameters,
         buffers, optimizer state, hyper-parameters, step count, fp16 loss scale, this rank's random
         state and each ``extra`` object's state (``load_state_dict``). ``optimizer=False`` loads the
-        weights and buffers only, into an engine with any optimizer. Collective, between steps.
-        Returns what the checkpoint's ``dspark.json`` says (step, strategy, world size, versions).
+        weights and buffers only, into an engine with any optimizer. ``verify=False`` loads a
+        checkpoint without ``manifest.json``, unchecked (refused otherwise). Collective, between
+        steps. Returns what the checkpoint's ``dspark.json`` says (step, strategy, world size, versions).
 
         Example::
 
@@ -432,7 +433,7 @@ class Engine:
         self._check_between_steps("load")
         from dspark.checkpoint import load_checkpoint
 
-        return load_checkpoint(self, path, extra=extra, optimizer=optimizer)
+        return load_checkpoint(self, path, extra=extra, optimizer=optimizer, verify=verify)
 
     def _check_in_step(self, call: str) -> None:
         check_ranks_in_step(self._window, self.step_count, world=self.world, call=call)
