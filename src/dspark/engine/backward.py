@@ -24,6 +24,7 @@ from torch import nn
 from dspark import comm
 from dspark.comm import World
 from dspark.engine.grad_reducer import GradReducer, LocalReducer
+from dspark.engine.loss_graph import accum_scaling, accum_scaling_message
 from dspark.engine.loss_scaler import LossScaler
 from dspark.engine.memory import storage_bytes
 from dspark.engine.param_slot import ParamSlot
@@ -55,7 +56,7 @@ class BackwardPass:
     def __init__(self, *, slots: Sequence[ParamSlot], frozen_params: Sequence[tuple[str, nn.Parameter]],
                  window: Window, reducer: GradReducer | LocalReducer, zero3: Zero3Scheduler | None,
                  loss_scaler: LossScaler | None, grad_accum_steps: int, shard_grads: bool, world: World,
-                 step_count: Callable[[], int]) -> None:
+                 step_count: Callable[[], int], allow_accum_scaled_loss: bool = False) -> None:
         self.slots = list(slots)
         self.frozen_params = list(frozen_params)
         """Frozen at construction: a gradient on one later means it was unfrozen (not followed)."""
@@ -67,6 +68,7 @@ class BackwardPass:
         self.shard_grads = shard_grads
         self.world = world
         self.step_count = step_count
+        self.allow_accum_scaled_loss = allow_accum_scaled_loss
 
     def check(self, loss: torch.Tensor, weight: float | int | torch.Tensor | None) -> float | None:
         """Refuse a backward the window cannot take, with nothing changed; returns the checked weight."""
@@ -74,6 +76,11 @@ class BackwardPass:
             raise ValueError(f"backward expects a scalar loss tensor, got "
                              f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
         w = check_weight(weight)
+        if not self.allow_accum_scaled_loss:  # see [Note: a loss divided by the accumulation count]
+            found = accum_scaling(loss, self.grad_accum_steps)
+            if found is not None:
+                raise ValueError(accum_scaling_message(found, accum_steps=self.grad_accum_steps,
+                                                       rank=self.world.rank))
         window = self.window
         if window.micro_step >= self.grad_accum_steps:
             raise RuntimeError(f"rank {self.world.rank}: backward() called {window.micro_step + 1} times "

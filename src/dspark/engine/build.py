@@ -199,7 +199,8 @@ def build_parts(model: nn.Module, factory: OptimizerFactory, *, world: World, st
                 sync_batchnorm: bool, broadcast_buffers: bool, batch_check_every: int | None,
                 trace_dir: str | os.PathLike[str] | None, trace_steps: tuple[int, int], skip_nonfinite: bool,
                 max_nonfinite_skips: int | None, defer_host_reads: bool,
-                step_count: Callable[[], int], planned_micro_batch: int | None = None) -> EngineParts:
+                step_count: Callable[[], int], planned_micro_batch: int | None = None,
+                allow_accum_scaled_loss: bool = False) -> EngineParts:
     """Check that every rank has the same model and optimizer, place the model, build the optimizer
     and wire the parts of a step around them, in the same order on every rank (each check and
     broadcast is collective). The engine's own state comes in as values: its accumulation ``window``
@@ -218,7 +219,7 @@ def build_parts(model: nn.Module, factory: OptimizerFactory, *, world: World, st
                 "param_groups": param_groups is not None, "zero3_units": zero3_units is not None,
                 "sync_batchnorm": sync_batchnorm, "broadcast_buffers": broadcast_buffers,
                 "batch_check_every": batch_check_every, "skip_nonfinite": skip_nonfinite,
-                "max_nonfinite_skips": max_nonfinite_skips}
+                "max_nonfinite_skips": max_nonfinite_skips, "allow_accum_scaled_loss": allow_accum_scaled_loss}
     check_same_model_on_every_rank(model, rank, settings)
     named = unique_params(model)
     trainable = [(names[0], p) for names, p in named if p.requires_grad]
@@ -272,7 +273,7 @@ def build_parts(model: nn.Module, factory: OptimizerFactory, *, world: World, st
         slots=slots, frozen_params=[(names[0], p) for names, p in named if not p.requires_grad],
         window=window, reducer=reducer, zero3=zero3, loss_scaler=loss_scaler,
         grad_accum_steps=grad_accum_steps, shard_grads=strategy.shard_grads, world=world,
-        step_count=step_count)
+        step_count=step_count, allow_accum_scaled_loss=allow_accum_scaled_loss)
     hooks: list[Any] = [s.param.register_post_accumulate_grad_hook(backward_pass.grad_ready_hook(s))
                         for s in slots]
     if strategy.shard_optimizer and n > 1:  # see [Note: a rank's optimizer state dict]

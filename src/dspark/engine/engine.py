@@ -36,6 +36,7 @@ from dspark.engine.step_observer import observed
 from dspark.engine.trace import check_trace_args
 from dspark.engine.validation import (
     check_arguments,
+    check_flag,
     check_max_norm,
     loss_scaler_for,
     warn_emulated_bf16,
@@ -70,7 +71,9 @@ class Engine:
     Every rank builds the same model (checked, then rank 0's parameters and buffers broadcast), on a
     device or on meta (``dspark.meta_init()`` replays its own initialisation). Up to
     ``grad_accum_steps`` ``backward(loss)`` calls, then ``step()``: the mean over the window's
-    micro-batches and all ranks, communicated during the last backward. ``strategy="auto"`` picks
+    micro-batches and all ranks, communicated during the last backward: pass each micro-batch's mean
+    loss, never divided by ``grad_accum_steps`` (a loss whose graph ends in that division is refused;
+    ``allow_accum_scaled_loss=True`` for one meant to be scaled so). ``strategy="auto"`` picks
     the fastest strategy (with ``sample_batch``, and micro-batch) that fits ``memory_budget``
     (``engine.plan``). Identical input batches on two ranks raise :class:`dspark.PlacementError`.
     Every argument, what runs under the precision and the checks that keep ranks in step:
@@ -86,9 +89,11 @@ class Engine:
         trace_dir: str | os.PathLike[str] | None = None, trace_steps: tuple[int, int] = (1, 2),
         memory_budget: int | None = None, skip_nonfinite: bool = True, max_nonfinite_skips: int | None = 20,
         sample_batch: Any = None, loss_fn: Callable[..., torch.Tensor] | None = None,
+        allow_accum_scaled_loss: bool = False,
     ) -> None:
         check_arguments(model, optimizer, 1 if grad_accum_steps is None else grad_accum_steps, clip_grad_norm,
                         bucket_mb, reduce_dtype, param_groups, zero3_units, skip_nonfinite, max_nonfinite_skips)
+        check_flag("allow_accum_scaled_loss", allow_accum_scaled_loss)
         check_trace_args(trace_dir, trace_steps)
         self.world = comm.get_world()
         choice = strategy_and_plan(strategy, memory_budget, model=model, optimizer=optimizer,
@@ -119,7 +124,7 @@ class Engine:
             broadcast_buffers=broadcast_buffers, batch_check_every=batch_check_every, trace_dir=trace_dir,
             trace_steps=trace_steps, skip_nonfinite=skip_nonfinite, max_nonfinite_skips=max_nonfinite_skips,
             defer_host_reads=defers_host_reads(self.world.device), step_count=lambda: self.step_count,
-            planned_micro_batch=self.micro_batch)
+            planned_micro_batch=self.micro_batch, allow_accum_scaled_loss=allow_accum_scaled_loss)
         self.module = model
         self.slots = parts.slots
         """The trainable parameters, one slot each (tied parameters share one)."""

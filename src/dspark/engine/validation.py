@@ -136,11 +136,16 @@ def check_weight(weight: float | int | torch.Tensor | None) -> float | None:
     return float(weight)
 
 
+def check_flag(name: str, value: Any) -> None:
+    """Refuse an option that must be True or False (a truthy string is not a decision)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}={value!r} must be True or False")
+
+
 def check_arguments(model: Any, optimizer: Any, grad_accum_steps: Any, clip_grad_norm: Any,
                      bucket_mb: Any, reduce_dtype: Any, param_groups: Any, zero3_units: Any,
                      skip_nonfinite: Any = True, max_nonfinite_skips: Any = None) -> None:
-    if not isinstance(skip_nonfinite, bool):
-        raise TypeError(f"skip_nonfinite={skip_nonfinite!r} must be True or False")
+    check_flag("skip_nonfinite", skip_nonfinite)
     if max_nonfinite_skips is not None and (isinstance(max_nonfinite_skips, bool)
                                             or not isinstance(max_nonfinite_skips, int) or max_nonfinite_skips < 1):
         raise ValueError(f"max_nonfinite_skips={max_nonfinite_skips!r} must be an int >= 1 (skipped steps "

@@ -1,0 +1,67 @@
+"""Lines kept from a DDP loop, caught where they run (or honoured exactly), under every strategy."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+import dspark
+from tests.engine import tiny_models as tm
+from tests.messages import assert_names
+
+SGD = functools.partial(torch.optim.SGD, lr=0.2)
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = tm.batch("mlp", 8, step)
+    return dspark.distribute_batch((x, y), shard_dim=0)
+
+
+def _loss(engine: dspark.Engine, step: int) -> torch.Tensor:
+    x, y = _batch(step)
+    return tm.loss_fn("mlp", engine(x), y)
+
+
+def _divided_loss(strategy: str, allow: bool) -> dict[str, object]:
+    """nanoGPT's ``loss = loss / gradient_accumulation_steps`` in the spellings dspark check once
+    missed; then, refused with nothing changed, the same engine trains on."""
+    gradient_accumulation_steps = 2
+
+    def scaled(loss: torch.Tensor, k: int = gradient_accumulation_steps) -> torch.Tensor:
+        return loss * k ** -1
+
+    engine = dspark.Engine(tm.make("mlp"), optimizer=SGD, strategy=strategy,
+                           grad_accum_steps=gradient_accumulation_steps, allow_accum_scaled_loss=allow)
+    before = engine.full_state_dict()
+    spellings = {"div_": lambda loss: loss.div_(gradient_accumulation_steps),
+                 "mul_": lambda loss: loss.mul_(1.0 / gradient_accumulation_steps),
+                 "helper": scaled}
+    messages = {}
+    for name, spell in spellings.items():
+        try:
+            engine.backward(spell(_loss(engine, 0)))
+            messages[name] = "no error"
+            break  # allowed: the window is under way
+        except ValueError as exc:
+            messages[name] = str(exc)
+    unchanged = all(torch.equal(before[k], v) for k, v in engine.full_state_dict().items())
+    for micro in range(2 - (1 if allow else 0)):
+        engine.backward(_loss(engine, micro))
+    applied = engine.step()
+    engine.close()
+    return {"messages": messages, "unchanged": unchanged, "applied": applied}
+
+
+def test_a_loss_divided_by_the_accumulation_count_is_refused_in_every_spelling(pool, strategy: str) -> None:
+    for rank, result in enumerate(pool.run(_divided_loss, strategy, False)):
+        assert result["unchanged"] and result["applied"], result
+        for spelling, message in result["messages"].items():
+            assert message.startswith(f"rank {rank}: "), (spelling, message)
+            assert_names(message, "divided by grad_accum_steps=2", "engine.backward(loss)",
+                         "allow_accum_scaled_loss=True")
+
+
+def test_allow_accum_scaled_loss_lets_a_scaled_loss_through(pool) -> None:
+    for result in pool.run(_divided_loss, "zero2", True):
+        assert result["messages"] == {"div_": "no error"} and result["applied"]
