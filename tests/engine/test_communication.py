@@ -42,9 +42,9 @@ def test_byte_counters_match_the_strategy(pool, strategy: str) -> None:
     assert set(stats) == EXPECTED_KINDS[strategy]
     params = list(tm.make("mlp").parameters())
     grad_bytes = 4 * sum(p.numel() for p in params)
-    # the step's extras: weights, one batch size and one backward() count per rank, one used-flag per
-    # parameter (float64)
-    extras_bytes = 8 * (2 + 2 * 2 + len(params))
+    # the step's extras: weights, one batch size, one position and one hyper-parameter fingerprint per
+    # rank, one used-flag per parameter (float64)
+    extras_bytes = 8 * (2 + 3 * 2 + len(params))
     if strategy in ("replicate", "zero1"):
         assert stats["all_reduce"] == (2, grad_bytes + extras_bytes)  # one bucket + the extras
     # each rank's rows, padded to equal chunks

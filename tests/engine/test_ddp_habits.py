@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 
+import pytest
 import torch
 
 import dspark
@@ -65,3 +66,41 @@ def test_a_loss_divided_by_the_accumulation_count_is_refused_in_every_spelling(p
 def test_allow_accum_scaled_loss_lets_a_scaled_loss_through(pool) -> None:
     for result in pool.run(_divided_loss, "zero2", True):
         assert result["messages"] == {"div_": "no error"} and result["applied"]
+
+
+def _one_rank_changes(strategy: str, group: int, key: str, value: object) -> dict[str, object]:
+    """At step 1, rank 1 alone changes one hyper-parameter of one param group; both ranks change
+    ``lr`` alike first (a schedule), which is no difference."""
+    world = dspark.get_world()
+    adamw = functools.partial(torch.optim.AdamW, lr=0.01, weight_decay=0.1)
+    engine = dspark.Engine(tm.make("mlp"), optimizer=adamw, strategy=strategy,
+                           param_groups=lambda name, p: {"weight_decay": 0.0} if p.ndim < 2 else {})
+    engine.backward(_loss(engine, 0))
+    engine.step()
+    for g in engine.optimizer.param_groups:
+        g["lr"] = 0.005  # every rank: a schedule
+    if world.rank == 1:
+        engine.optimizer.param_groups[group][key] = value
+    after_step_1 = engine.full_state_dict()
+    try:
+        engine.backward(_loss(engine, 1))
+        engine.step()
+        message = "no error"
+    except ValueError as exc:
+        message = str(exc)
+    unchanged = all(torch.equal(after_step_1[k], v) for k, v in engine.full_state_dict().items())
+    engine.close()
+    return {"message": message, "unchanged": unchanged, "step_count": engine.step_count}
+
+
+@pytest.mark.parametrize(("group", "key", "value", "named"), [
+    (0, "lr", 1.0, ("param group 0 'lr'", "0.005 on rank 0", "1.0 on rank 1")),
+    (1, "betas", (0.8, 0.99), ("param group 1 'betas'", "(0.9, 0.999) on rank 0", "(0.8, 0.99) on rank 1")),
+])
+def test_a_hyperparameter_set_on_one_rank_stops_every_rank(pool, strategy: str, group: int, key: str,
+                                                           value: object, named: tuple[str, ...]) -> None:
+    for rank, result in enumerate(pool.run(_one_rank_changes, strategy, group, key, value)):
+        message = str(result["message"])
+        assert message.startswith(f"rank {rank}: "), message
+        assert_names(message, "different hyper-parameters", *named, "on every rank")
+        assert result["unchanged"] and result["step_count"] == 1, result

@@ -24,6 +24,7 @@ from torch import nn
 from dspark import comm
 from dspark.comm import World
 from dspark.engine.grad_reducer import GradReducer, LocalReducer
+from dspark.engine.hyperparams import check_same_hyperparameters, fingerprint
 from dspark.engine.loss_graph import accum_scaling, accum_scaling_message
 from dspark.engine.loss_scaler import LossScaler
 from dspark.engine.memory import storage_bytes
@@ -56,7 +57,8 @@ class BackwardPass:
     def __init__(self, *, slots: Sequence[ParamSlot], frozen_params: Sequence[tuple[str, nn.Parameter]],
                  window: Window, reducer: GradReducer | LocalReducer, zero3: Zero3Scheduler | None,
                  loss_scaler: LossScaler | None, grad_accum_steps: int, shard_grads: bool, world: World,
-                 step_count: Callable[[], int], allow_accum_scaled_loss: bool = False) -> None:
+                 step_count: Callable[[], int], allow_accum_scaled_loss: bool = False,
+                 optimizer: torch.optim.Optimizer | None = None) -> None:
         self.slots = list(slots)
         self.frozen_params = list(frozen_params)
         """Frozen at construction: a gradient on one later means it was unfrozen (not followed)."""
@@ -69,6 +71,9 @@ class BackwardPass:
         self.world = world
         self.step_count = step_count
         self.allow_accum_scaled_loss = allow_accum_scaled_loss
+        self.optimizer = optimizer
+        """Its hyper-parameters are compared across ranks at each reduction (see [Note:
+        hyper-parameters in step]); None: not compared."""
 
     def check(self, loss: torch.Tensor, weight: float | int | torch.Tensor | None) -> float | None:
         """Refuse a backward the window cannot take, with nothing changed; returns the checked weight."""
@@ -194,9 +199,14 @@ class BackwardPass:
                 "engine reduces and steps only the parameters trainable at construction. To unfreeze "
                 "during training, build a new engine after requires_grad_(True), or build it with the "
                 "parameters trainable and param_groups giving them lr=0 until they are to train")
+        compared = self.optimizer if self.world.world_size > 1 else None
         try:
-            window.has_grads = self.reducer.end_backward(weights, StepTag.of(window, self.step_count()),
-                                                         window.nonfinite_loss)
+            window.has_grads = self.reducer.end_backward(
+                weights, StepTag.of(window, self.step_count()), window.nonfinite_loss,
+                hyperparameters=0 if compared is None else fingerprint(compared))
+            if compared is not None:
+                check_same_hyperparameters(self.reducer.hyperparameter_fingerprints, compared,
+                                           rank=self.world.rank)
         except BaseException:
             self.end_window()
             raise

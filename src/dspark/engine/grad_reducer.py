@@ -16,15 +16,17 @@ the moment its last gradient is complete, and a gradient that arrives after its 
 
 [Note: step extras] Besides the buckets, each window that communicates all-reduces one small float64
 vector: ``[sum of weights, ranks that gave a weight, per rank its local batch size + 1 (0: unknown),
-per rank its position, per parameter (in bucket order) 1 if a gradient arrived on this rank]`` (a
-per-rank entry is written by its rank alone, zeros elsewhere). A position is the window's index,
+per rank its position, per rank a fingerprint of its optimizer's hyper-parameters, per parameter (in
+bucket order) 1 if a gradient arrived on this rank]`` (a per-rank entry is written by its rank alone,
+zeros elsewhere). A position is the window's index,
 its training forwards and its backward() calls packed in one integer, with bit 0 set when a loss of
 the window was not finite (:meth:`StepTag.encode`; see [Note: ranks in step] in
 :mod:`dspark.engine.window`). It tells whether a parameter got a gradient on any rank (else it keeps
 ``grad=None``, as in one process), the weights for ``engine.backward(loss, weight=n)``, whether
 unweighted ranks had unequal batches, whether the ranks ran the same micro-batches of the same window
 (errors: the average would not be the mean over the samples, or would mix windows), and whether any
-rank's loss was not finite (the step is then skipped: [Note: non-finite steps]).
+rank's loss was not finite (the step is then skipped: [Note: non-finite steps]). The fingerprints
+are compared by the caller ([Note: hyper-parameters in step] in :mod:`dspark.engine.hyperparams`).
 """
 
 from __future__ import annotations
@@ -62,6 +64,8 @@ class GradReducer:
         self.sync = False
         self.nonfinite_loss = False
         """Whether some rank's loss in the last reduced window was not finite."""
+        self.hyperparameter_fingerprints: list[int] = []
+        """Each rank's optimizer fingerprint in the last reduced window (index = rank)."""
         self._first_arrivals: list[ParamSlot] = []
         self._late: list[ParamSlot] = []  # observing: gradients that arrived after their bucket left
         self._late_bucket: GradBucket | None = None
@@ -130,12 +134,15 @@ class GradReducer:
     def _pre_scale(self) -> float:
         return 1.0 / self.num_ranks if self.low_precision_wire else 1.0
 
-    def end_backward(self, weights: StepWeights, tag: StepTag, nonfinite_loss: torch.Tensor | None = None) -> bool:
+    def end_backward(self, weights: StepWeights, tag: StepTag, nonfinite_loss: torch.Tensor | None = None,
+                     hyperparameters: int = 0) -> bool:
         """Reduce what is left and average: afterwards each parameter (replicate, zero1) or its shard
         (zero2, zero3) holds the averaged gradient. Returns False when every rank gave ``weight=0``:
         there is nothing to average and the step should be skipped. ``tag`` says where this rank is:
         ranks whose tags differ raise (see [Note: ranks in step]). ``nonfinite_loss`` (a bool tensor:
-        a loss of the window was not finite) is or-ed over ranks into :attr:`nonfinite_loss`."""
+        a loss of the window was not finite) is or-ed over ranks into :attr:`nonfinite_loss`;
+        ``hyperparameters`` (this rank's optimizer fingerprint) lands in
+        :attr:`hyperparameter_fingerprints` beside every other rank's."""
         for bucket in self.buckets[self._next:]:
             bucket.launch(self._send_pool, self._out_pool, self._pre_scale())
         self._next = len(self.buckets)
@@ -143,8 +150,9 @@ class GradReducer:
         if self.observing and self.sharded:
             self._launch_late()
         n = self.num_ranks
-        # [weight sum, weighted ranks, batch size + 1 per rank, position per rank, used flags]
-        extras = torch.zeros(2 + 2 * n + len(self.slots), dtype=torch.float64, device=self.device)
+        # [weight sum, weighted ranks, batch size + 1 per rank, position per rank, hyper-parameter
+        # fingerprint per rank, used flags]
+        extras = torch.zeros(2 + 3 * n + len(self.slots), dtype=torch.float64, device=self.device)
         if weights.weight_sum is not None:
             extras[0] = weights.weight_sum
             extras[1] = 1.0
@@ -154,7 +162,8 @@ class GradReducer:
         extras[2 + n + self.rank] = float(tag.encode())
         if nonfinite_loss is not None:
             extras[2 + n + self.rank] += nonfinite_loss.to(torch.float64).reshape(())
-        extras[2 + 2 * n:] = torch.tensor([float(s.used) for s in self._flag_order], dtype=torch.float64)
+        extras[2 + 2 * n + self.rank] = float(hyperparameters)
+        extras[2 + 3 * n:] = torch.tensor([float(s.used) for s in self._flag_order], dtype=torch.float64)
         comm.all_reduce(extras, label="dspark.step_extras.all_reduce")
         for bucket in self.buckets:  # every rank launched every bucket: waiting cannot hang
             bucket.collect()
@@ -167,7 +176,8 @@ class GradReducer:
         tags = [StepTag.decode(p) for p in positions]
         micro_steps = [t.micro_step for t in tags]
         self.nonfinite_loss = any(p & 1 for p in positions)
-        used_anywhere = [v > 0 for v in values[2 + 2 * n:]]
+        self.hyperparameter_fingerprints = [int(v) for v in values[2 + 2 * n: 2 + 3 * n]]
+        used_anywhere = [v > 0 for v in values[2 + 3 * n:]]
         if len(set(micro_steps)) > 1:
             raise ValueError(
                 f"rank {self.rank}: the ranks called engine.backward() a different number of times in "
@@ -295,6 +305,7 @@ class LocalReducer:
         self.sharded = sharded
         self.buckets: list[GradBucket] = []
         self.nonfinite_loss = False
+        self.hyperparameter_fingerprints: list[int] = []
 
     def begin_backward(self, *, sync: bool) -> None:
         for slot in self.slots:
@@ -303,7 +314,9 @@ class LocalReducer:
     def on_grad(self, slot: ParamSlot) -> None:
         slot.arrivals += 1
 
-    def end_backward(self, weights: StepWeights, tag: StepTag, nonfinite_loss: torch.Tensor | None = None) -> bool:
+    def end_backward(self, weights: StepWeights, tag: StepTag, nonfinite_loss: torch.Tensor | None = None,
+                     hyperparameters: int = 0) -> bool:
+        self.hyperparameter_fingerprints = [hyperparameters]
         self.nonfinite_loss = bool(nonfinite_loss) if nonfinite_loss is not None else False
         post = average_factor(weights, total_weight=weights.weight_sum, num_ranks=1, pre_divided=False)
         if post is None:
