@@ -31,7 +31,14 @@ class CollectiveError(DSparkError, RuntimeError):
 
 
 class CollectiveTimeoutError(CollectiveError, TimeoutError):
-    """A collective did not complete within the group's timeout (a rank never joined)."""
+    """A collective did not complete within the group's timeout (a rank never joined). The message
+    names the collective, its bytes, its label and the engine step it was part of, the timeout, and
+    the ranks that never joined."""
+
+    def __init__(self, message: str, *, missing_ranks: tuple[int, ...] | None = None) -> None:
+        super().__init__(message)
+        self.missing_ranks = missing_ranks
+        """The ranks that never joined, where the transport can tell (None where it cannot)."""
 
 
 class OtherRankError(DSparkError, RuntimeError):

@@ -49,6 +49,15 @@ def test_dry_run_prints_the_torchrun_command(capsys: pytest.CaptureFixture[str])
     assert out.rstrip().endswith(f"{EXAMPLE} --flag")
 
 
+def test_help_states_the_default_collective_timeout(capsys: pytest.CaptureFixture[str]) -> None:
+    import inspect
+
+    assert main(["run", "--help"]) == 0
+    default = inspect.signature(dspark.init).parameters["timeout"].default
+    assert_names(" ".join(capsys.readouterr().out.split()), f"{default:g} s by default",
+                 "dspark.init(timeout=SECONDS)")
+
+
 SCRIPT_FLAGS = ["--nproc", "5", "--master", "1", "--nproc=7", "--max", "3", "--log", "x.txt", "--", "-m"]
 """Flags a training script may well have: exact names and abbreviations of both dspark run's options
 (``--master`` abbreviates ``--master-addr`` and ``--master-port``) and torchrun's (``--nproc``,

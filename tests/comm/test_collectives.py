@@ -1,11 +1,14 @@
 from __future__ import annotations
 
+import time
+from typing import Any
+
 import pytest
 import torch
 
 import dspark
 from dspark import comm
-from tests.messages import assert_line_names
+from tests.messages import assert_line_names, assert_names
 
 
 def _sum_and_counters() -> dict:
@@ -44,27 +47,43 @@ def test_collectives_and_byte_counters(pool) -> None:
     assert stats["reduce_scatter"] == (2, 16 + 24, 8 + 12)  # (N-1)/N * bytes
 
 
-def _skip_collective_on_rank_1() -> str:
+def _skip_collective_on_rank_1() -> dict[str, Any]:
     world = dspark.get_world()
     group = comm.new_group(timeout=2.0)
     try:
-        if world.rank == 0:
+        if world.rank == 1:
+            return {}
+        launched = comm.all_reduce(torch.ones(4), group=group, async_op=True, label="dspark.first")
+        started = time.monotonic()
+        try:
+            comm.all_reduce(torch.ones(8), group=group, label="dspark.test.all_reduce")
+        except dspark.CollectiveTimeoutError as exc:
+            got: dict[str, Any] = {"message": str(exc), "after_s": time.monotonic() - started}
+        # the group stopped at that timeout: a launched collective and a new one fail at once
+        started = time.monotonic()
+        for attempt in (launched.wait, lambda: comm.broadcast(torch.ones(2), group=group)):
             try:
-                comm.all_reduce(torch.ones(8), group=group)
+                attempt()
             except dspark.CollectiveTimeoutError as exc:
-                return str(exc)
-            return "no error"
-        return "skipped"
+                got.setdefault("later", []).append(str(exc))
+        got["later_s"] = time.monotonic() - started
+        return got
     finally:
         comm.barrier()  # rank 1 waits here on the default group until rank 0 has timed out
         comm.destroy_group(group)
 
 
-def test_timeout_names_collective_rank_and_timeout(pool) -> None:
-    message, skipped = pool.run(_skip_collective_on_rank_1)
-    assert skipped == "skipped"
-    assert message.startswith("rank 0: all_reduce of 32 bytes "), message
-    assert_line_names(message, "timed out", "2 s")
+@pytest.mark.serial
+def test_timeout_fires_once_at_the_stated_time_and_names_the_collective(pool) -> None:
+    got, skipped = pool.run(_skip_collective_on_rank_1)
+    assert skipped == {}
+    message = got["message"]
+    assert message.startswith("rank 0: all_reduce of 32 bytes (dspark.test.all_reduce) "), message
+    assert_line_names(message, "timed out", "2 s", "rank(s) 1 never joined")
+    assert 2.0 <= got["after_s"] < 3.5, got
+    assert len(got["later"]) == 2 and got["later_s"] < 0.5, got
+    for later in got["later"]:
+        assert_names(later, "not run", "dspark.test.all_reduce")
 
 
 def test_world_size_one_stand_in_is_noop(single_process) -> None:

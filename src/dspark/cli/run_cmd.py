@@ -28,6 +28,9 @@ from dspark.launch.supervisor import DEFAULT_GRACE_S
 
 __all__ = ["add_parser", "launch_plan", "run", "spec_from_args"]
 
+_DEFAULT_TIMEOUT_S = 300.0
+"""``dspark.init``'s default timeout, stated here without importing PyTorch (a test holds them equal)."""
+
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Register ``dspark run``."""
@@ -41,7 +44,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
                     "reach the workers as SIGTERM; after --grace-period the whole process tree is "
                     "killed. Exit code: 0 when every worker exited 0, also after a SIGTERM they "
                     "handled; a failed worker's own (128 + N if signal N killed it), with one line "
-                    "naming the rank; otherwise the signal ends dspark run too (130 after Ctrl-C).")
+                    "naming the rank; otherwise the signal ends dspark run too (130 after Ctrl-C). "
+                    "A collective that waits longer than the script's dspark.init(timeout=SECONDS), "
+                    f"{_DEFAULT_TIMEOUT_S:g} s by default, raises dspark.CollectiveTimeoutError on "
+                    "every rank that waits (docs/launch.md).")
     parser.add_argument("--nproc", "--nproc-per-node", dest="nproc", type=int, default=None,
                         help="worker processes on this node (one device each: a GPU or a CPU core); "
                              "required outside Slurm, else SLURM_GPUS_ON_NODE or SLURM_NTASKS_PER_NODE")

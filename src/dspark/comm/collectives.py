@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from dspark.comm import stats as _stats
+from dspark.comm.failures import describe, group_failed_error, timeout_error
 from dspark.comm.observer import current_observer
 from dspark.comm.shm_setup import stop_shm_transport, through_shm
 from dspark.comm.world_state import get_world
@@ -96,6 +97,7 @@ def new_group(ranks: Sequence[int] | None = None, *, timeout: float | None = Non
 def destroy_group(group: Group) -> None:
     if group.pg is not None and group in _subgroups:
         _subgroups.remove(group)
+        _failed.pop(id(group.pg), None)
         dist.destroy_process_group(group.pg)
 
 
@@ -107,24 +109,41 @@ def release_groups() -> None:
     stop_shm_transport()
     for group in list(_subgroups):
         destroy_group(group)
+    _failed.clear()
 
 
 def _is_noop(group: Group) -> bool:
     return group.size == 1 and not get_world().is_distributed
 
 
-def _raise_from(exc: BaseException, kind: str, group: Group, nbytes: int) -> None:
-    if isinstance(exc, CollectiveError):  # DSpark's own transport: the message is already ours
-        raise exc
-    text = str(exc)
+_failed: dict[int, CollectiveTimeoutError] = {}
+"""The first timeout of each group that had one, by ``id(group.pg)``: see [Note: a timed-out group
+stays failed] in :mod:`dspark.comm.failures`."""
+
+
+def _refuse_if_failed(kind: str, group: Group, nbytes: int, label: str | None) -> None:
+    first = _failed.get(id(group.pg))
+    if first is not None:
+        raise group_failed_error(rank=get_world().rank, what=describe(kind, nbytes, label), first=first)
+
+
+def _raise_from(exc: BaseException, kind: str, group: Group, nbytes: int, label: str | None) -> None:
     rank = get_world().rank
-    if "timed out" in text.lower() or "timeout" in text.lower():
-        raise CollectiveTimeoutError(
-            f"rank {rank}: {kind} of {nbytes} bytes timed out after {group.timeout_s:g} s: "
-            f"another rank of the {group.size}-rank group never joined this collective "
-            f"(it skipped it, crashed, or called a different one). Backend said: {text[:300]}"
-        ) from exc
-    raise CollectiveError(f"rank {rank}: {kind} of {nbytes} bytes failed: {text[:500]}") from exc
+    text = str(exc)
+    if isinstance(exc, CollectiveTimeoutError):  # DSpark's own transport, which knows who is missing
+        error = exc
+    elif isinstance(exc, CollectiveError):  # DSpark's own transport: the message is already ours
+        raise exc
+    elif "timed out" in text.lower() or "timeout" in text.lower():
+        error = timeout_error(rank=rank, what=describe(kind, nbytes, label), timeout_s=group.timeout_s,
+                              missing=None, others=[r for r in range(group.size) if r != group.rank],
+                              detail=f" (backend said: {text[:300]})")
+    else:
+        raise CollectiveError(f"rank {rank}: {describe(kind, nbytes, label)} failed: {text[:500]}") from exc
+    _failed.setdefault(id(group.pg), error)
+    if error is exc:
+        raise exc
+    raise error from exc
 
 
 class Handle:
@@ -147,6 +166,7 @@ class Handle:
     def wait(self) -> None:
         if self._done:
             return
+        _refuse_if_failed(self._kind, self._group, self._nbytes, self._label)
         observer = current_observer()  # see [Note: why the hook lives in comm]
         try:
             if observer is None:
@@ -154,7 +174,7 @@ class Handle:
             else:
                 observer.wait(self._kind, self._label, self._work.wait)
         except Exception as exc:  # the backend's error, re-raised with our context
-            _raise_from(exc, self._kind, self._group, self._nbytes)
+            _raise_from(exc, self._kind, self._group, self._nbytes, self._label)
         self._done = True
         if self._after is not None:
             self._after()
@@ -165,12 +185,13 @@ class Handle:
 
 def _run(kind: str, group: Group, nbytes: int, launch: Callable[[], Any], async_op: bool,
          after: Callable[[], object] | None = None, label: str | None = None) -> Handle:
+    _refuse_if_failed(kind, group, nbytes, label)
     _stats.record(kind, nbytes, group.size)
     observer = current_observer()
     try:
         work = launch() if observer is None else observer.launch(kind, label, launch)
     except Exception as exc:
-        _raise_from(exc, kind, group, nbytes)
+        _raise_from(exc, kind, group, nbytes, label)
     handle = Handle(work, kind, group, nbytes, after, label)
     if not async_op:
         handle.wait()

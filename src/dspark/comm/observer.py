@@ -32,6 +32,11 @@ class CommObserver(Protocol):
         """Block until the collective is done by calling ``wait()``."""
         ...
 
+    def where(self) -> str | None:
+        """What the caller is doing now, for a failed collective's message (``"engine step 3,
+        backward"``), or None."""
+        ...
+
 
 _current: CommObserver | None = None
 

@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
+from dspark.comm.failures import describe, timeout_error
 from dspark.errors import CollectiveError, CollectiveTimeoutError
 
 __all__ = ["ALIGN", "DTYPE_CODES", "SHM_ENV", "SHM_MB_ENV", "ShmOp", "ShmTransport", "ShmWork", "label_text",
@@ -87,14 +88,16 @@ when they share an offset)."""
 
 
 class ShmWork:
-    """One piece of a collective: its place in the sequence and what completing it does."""
+    """One piece of a collective: its place in the sequence and what completing it does. ``nbytes``
+    and ``label`` are the whole collective's (what a message names), not the piece's."""
 
-    __slots__ = ("_finish", "done", "error", "kind", "nbytes", "seq")
+    __slots__ = ("_finish", "done", "error", "kind", "label", "nbytes", "seq")
 
-    def __init__(self, seq: int, kind: str, nbytes: int, finish: Finish) -> None:
+    def __init__(self, seq: int, kind: str, nbytes: int, finish: Finish, label: str = "") -> None:
         self.seq = seq
         self.kind = kind
         self.nbytes = nbytes
+        self.label = label
         self._finish = finish
         self.done = False
         self.error: CollectiveError | None = None
@@ -245,6 +248,8 @@ class ShmTransport:
         words = label_words(label or "")
         works = [self._launch(kind, *piece(a, min(a + step, numel)), words)
                  for a in range(0, max(numel, 1), step)]
+        for work in works:   # a timeout names the whole collective
+            work.nbytes, work.label = numel * bytes_per_element, label or ""
         return ShmOp(self, works)
 
     # -- launch and completion -------------------------------------------------------------------
@@ -378,7 +383,8 @@ class ShmTransport:
         return None   # head == tail with data held: the region is full
 
     # -- waiting ---------------------------------------------------------------------------------
-    def _spin(self, ready: Callable[[], bool], what: str, late: Callable[[], str]) -> None:
+    def _spin(self, ready: Callable[[], bool], what: str,
+              late: Callable[[], CollectiveTimeoutError]) -> None:
         """Wait until ``ready()``: ``what`` names the wait, ``late()`` says who is missing."""
         if ready():
             return
@@ -402,20 +408,24 @@ class ShmTransport:
                             f"{', '.join(map(str, dead))} exited while this rank waited on them "
                             f"(their own error is in their output)")
                 if now > deadline:
-                    raise CollectiveTimeoutError(late())
+                    raise late()
 
-    def _late(self, work: ShmWork, word: int) -> str:
+    def _late(self, work: ShmWork, word: int) -> CollectiveTimeoutError:
         missing = [r for r, c in enumerate(self._ctrl) if int(c[word]) < work.seq]
-        return (f"rank {self.rank}: {work.kind} of {work.nbytes} bytes (collective #{work.seq}) "
-                f"timed out after {self.timeout_s:g} s in shared memory: rank(s) "
-                f"{', '.join(map(str, missing))} never joined it (skipped it, crashed, or called "
-                f"fewer collectives)")
+        return timeout_error(rank=self.rank, what=describe(work.kind, work.nbytes, work.label,
+                                                           f"collective #{work.seq}"),
+                             timeout_s=self.timeout_s, missing=missing, others=self._others(),
+                             detail=" in shared memory")
 
-    def _late_room(self, seq: int) -> str:
+    def _late_room(self, seq: int) -> CollectiveTimeoutError:
         slow = [r for r, c in enumerate(self._ctrl) if int(c[_CONSUMED]) < seq - 1]
-        return (f"rank {self.rank}: collective #{seq} timed out after {self.timeout_s:g} s waiting "
-                f"for rank(s) {', '.join(map(str, slow))} to read this rank's earlier collectives "
-                f"(they never waited on them, crashed, or called fewer collectives)")
+        return timeout_error(rank=self.rank, what=f"collective #{seq}", timeout_s=self.timeout_s,
+                             missing=slow, others=self._others(),
+                             detail=" in shared memory, waiting for other ranks to read this rank's "
+                                    "earlier collectives")
+
+    def _others(self) -> list[int]:
+        return [r for r in range(self.size) if r != self.rank]
 
     def close(self) -> None:
         self._pending.clear()

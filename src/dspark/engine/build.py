@@ -293,4 +293,4 @@ def build_parts(model: nn.Module, factory: OptimizerFactory, *, world: World, st
         slots=slots, frozen_slots=frozen_slots, shard_params=shard_params, batch_check=batch_check,
         batchnorms=batchnorms, zero3=zero3, zero3_guard=zero3_guard, optimizer=optimizer, reducer=reducer,
         update=update, states=states, backward_pass=backward_pass, hooks=hooks, inputs=inputs,
-        observer=StepObserver(world.device, rank=rank, trace=trace))
+        observer=StepObserver(world.device, rank=rank, trace=trace, step_count=step_count))

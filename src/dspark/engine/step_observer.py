@@ -74,8 +74,9 @@ class StepObserver:
     breakdown]); while a phase runs it is the comm layer's observer (``dspark.comm.set_observer``)."""
 
     def __init__(self, device: torch.device, *, rank: int, trace: TraceSession | None = None,
-                 clock: Clock | None = None) -> None:
+                 clock: Clock | None = None, step_count: Callable[[], int] = lambda: 0) -> None:
         self.rank = rank
+        self._step_count = step_count
         self.trace = trace
         self._clock = clock or clock_for(device)
         self._window: _Window | None = None
@@ -154,6 +155,13 @@ class StepObserver:
         after = self._clock.stamp()
         window.marks += (before, after)
         window.waits.append((self._phase, before, after))
+
+    def where(self) -> str | None:
+        """``"engine step 3, backward"`` while a phase runs (the step counts the steps applied so
+        far, as the engine's other messages do): named by a collective that timed out."""
+        if self._phase < 0:
+            return None
+        return f"engine step {self._step_count()}, {PHASES[self._phase]}"
 
     # -- results ---------------------------------------------------------------------------------
     def step_stats(self) -> dict[str, float]:

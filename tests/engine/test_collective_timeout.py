@@ -1,0 +1,79 @@
+"""A collective's timeout fires at the stated time, once, on the rank that waits, and its message names
+the engine step and phase, the collective's label, its bytes and the rank that never joined.
+
+A failed backward (replicate) lets its launched buckets land before their buffers are reused, and a
+failed zero3 forward finishes its launched gathers: each of those waits used to sit out the whole
+timeout again, so the error came after twice the stated time (see [Note: a timed-out group stays
+failed])."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests.messages import assert_names
+
+TIMEOUT_S = 3.0
+
+_SCRIPT = textwrap.dedent("""
+    import functools, json, sys, time
+    import torch
+    import dspark
+
+    strategy, timeout_s, out = sys.argv[1], float(sys.argv[2]), sys.argv[3]
+    world = dspark.init(timeout=timeout_s)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    engine = dspark.Engine(model, optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+                           strategy=strategy)
+    torch.manual_seed(world.rank)
+    x = torch.randn(4, 16)
+    for step in range(2):
+        if world.rank == 1 and step == 1:
+            time.sleep(4 * timeout_s)   # never joins within the timeout; the launcher stops it
+        started = time.monotonic()
+        try:
+            engine.backward(engine(x).pow(2).mean())
+            engine.step()
+        except dspark.CollectiveTimeoutError as exc:
+            result = {"after_s": time.monotonic() - started, "message": str(exc),
+                      "missing": list(exc.missing_ranks or ())}
+            with open(out, "w") as f:
+                json.dump(result, f)
+            sys.exit(3)
+""")
+
+
+def _launch(tmp_path: Path, strategy: str) -> tuple[subprocess.Popen[str], Path]:
+    script = tmp_path / "sleepy_rank.py"
+    script.write_text(_SCRIPT)
+    out = tmp_path / f"{strategy}.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "dspark.cli.main", "run", "--nproc", "2", str(script), strategy,
+               str(TIMEOUT_S), str(out)]
+    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True), out
+
+
+@pytest.mark.slow
+@pytest.mark.serial
+def test_the_timeout_fires_once_at_the_stated_time_and_names_the_step(tmp_path: Path) -> None:
+    # Both jobs at once: while one rank sleeps and the other waits, neither uses a core.
+    jobs = {strategy: _launch(tmp_path, strategy) for strategy in ("replicate", "zero3")}
+    for strategy, (job, out) in jobs.items():
+        output, _ = job.communicate(timeout=120)
+        assert job.returncode != 0 and out.exists(), output
+        got = json.loads(out.read_text())
+        # the stated time, once (twice the timeout before the fix), within a second or two
+        assert TIMEOUT_S <= got["after_s"] < TIMEOUT_S + 1.5, (strategy, got)
+        assert got["missing"] == [1], got
+        label, phase = (("dspark.bucket0.all_reduce", "backward") if strategy == "replicate"
+                        else ("dspark.gather.", "forward"))
+        assert_names(got["message"], "rank 0: ", "engine step 1", phase, label, "bytes",
+                     f"after {TIMEOUT_S:g} s", "rank(s) 1 never joined")
