@@ -24,16 +24,46 @@ def quiet_transformers() -> None:
     logging.set_verbosity_error()  # config warnings about token ids outside the tiny vocabulary
 
 
-def gpt2(seed: int = 0) -> nn.Module:
-    """GPT2LMHeadModel, 2 layers, width 16: the output head is tied to the token embedding."""
+def gpt2(seed: int | None = 0) -> nn.Module:
+    """GPT2LMHeadModel, 2 layers, width 16: the output head is tied to the token embedding.
+    ``seed=None``: the generator as it is."""
     quiet_transformers()
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    torch.manual_seed(seed)
+    if seed is not None:
+        torch.manual_seed(seed)
     config = GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=16, n_layer=2, n_head=2,
                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
                         eos_token_id=0)
     return GPT2LMHeadModel(config)
+
+
+def llama(seed: int | None = 0) -> nn.Module:
+    """LlamaForCausalLM, 2 layers, width 16, grouped-query attention (1 key-value head), untied head.
+    ``seed=None``: the generator as it is (a build under meta_init compared with one on the CPU)."""
+    quiet_transformers()
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if seed is not None:
+        torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32,
+                                        num_hidden_layers=2, num_attention_heads=2,
+                                        num_key_value_heads=1, max_position_embeddings=16))
+
+
+def lora(model: nn.Module, **options: object) -> nn.Module:
+    """``model`` wrapped by peft with a rank-4 LoRA on the attention's query and value projections
+    (GPT-2's fused ``c_attn``) and, where the output head is not tied to the embedding (Llama), a
+    trainable copy of it (``modules_to_save``)."""
+    from peft import LoraConfig, get_peft_model
+
+    gpt2 = type(model).__name__.startswith("GPT2")
+    targets = ["c_attn"] if gpt2 else ["q_proj", "v_proj"]
+    head = [] if gpt2 else ["lm_head"]
+    options = {"modules_to_save": head, **options}
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0,
+                        **options)  # type: ignore[arg-type]
+    return get_peft_model(model, config)
 
 
 def _bert_config() -> object:

@@ -20,19 +20,10 @@ from tests.engine.nanogpt_model import NanoGPT
 SGD = functools.partial(torch.optim.SGD, lr=0.1)
 
 
-def _llama() -> nn.Module:
-    hf_models.quiet_transformers()
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    return LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
-                                        num_hidden_layers=2, num_attention_heads=2,
-                                        num_key_value_heads=1, max_position_embeddings=16))
-
-
 BUILDERS: dict[str, Callable[[], nn.Module]] = {
     "nanogpt": NanoGPT,
     "gpt2": lambda: hf_models.gpt2(seed=0),
-    "llama": _llama,
+    "llama": lambda: hf_models.llama(seed=None),
 }
 
 

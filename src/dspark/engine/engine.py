@@ -329,8 +329,8 @@ class Engine:
             missing, unexpected = engine.load_full_state_dict(backbone, strict=False)  # a new head
         """
         self._check_between_steps("load_full_state_dict")
-        return IncompatibleKeys(*load_from_rank(self._parts.states.weight_entries(), state_dict,
-                                                src_rank=src_rank, strict=strict, device=self.world.device))
+        return IncompatibleKeys(*load_from_rank(*self._parts.states.load_targets(), state_dict, src_rank=src_rank,
+                                                strict=strict, device=self.world.device))
 
     def load_pretrained(self, path: str | os.PathLike[str], key_map: KeyMap | None = None,
                         strict: bool = True) -> IncompatibleKeys:
@@ -338,6 +338,7 @@ class Engine:
         shards + index); every rank reads only what its strategy holds. ``key_map`` renames the file's
         keys (a dict, or a function returning the name or None to skip). Missing, unexpected and
         mis-shaped keys are a ``ValueError`` (``strict=False``: a warning). Returns them. Collective.
+        A peft model takes its base model's file as it is (the adapter keeps its initialisation).
 
         Example::
 
@@ -347,15 +348,15 @@ class Engine:
             engine.load_pretrained("/models/gpt2")        # config.json + model.safetensors
         """
         self._check_between_steps("load_pretrained")
-        return IncompatibleKeys(*load_pretrained(self._parts.states.weight_entries(), path, key_map=key_map,
-                                                 strict=strict))
+        return IncompatibleKeys(*load_pretrained(*self._parts.states.load_targets(), path, key_map=key_map, strict=strict))
 
-    def save_pretrained(self, directory: str | os.PathLike[str], max_shard_size: int | str = "5GB") -> Path:
+    def save_pretrained(self, directory: str | os.PathLike[str], max_shard_size: int | str = "5GB", *,
+                        merged: bool = False) -> Path:
         """Write the weights as HuggingFace does: safetensors shards of at most ``max_shard_size``
-        (``"5GB"``, ``"500MB"`` or bytes) + ``model.safetensors.index.json``, names as in
-        ``model.state_dict()``, a tied parameter once, and the model's ``config`` when it has
-        ``save_pretrained``. zero3 gathers one unit at a time and rank 0 writes each shard when
-        complete: no rank holds the whole model. Collective; returns the directory.
+        (``"5GB"``, ``"500MB"`` or bytes) + index, names as in ``model.state_dict()``, a tied parameter
+        once, and the model's ``config``; zero3 gathers one unit at a time and rank 0 writes each shard
+        when complete. A peft model: its adapter as peft saves it (``merged=True``: the merged model).
+        Collective; returns the directory.
 
         Example::
 
@@ -365,7 +366,7 @@ class Engine:
         self._check_between_steps("save_pretrained")
         self.sync_buffers()
         return self._parts.states.save_pretrained(directory, max_shard_size=max_shard_size,
-                                                  config=getattr(self.module, "config", None))
+                                                  config=getattr(self.module, "config", None), merged=merged)
 
     def sync_buffers(self) -> None:
         """Give every rank rank 0's buffers now (collective; done before checkpoints and full state

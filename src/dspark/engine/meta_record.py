@@ -7,7 +7,9 @@ the function (``nn.init.normal_``, ``Tensor.uniform_``, ``fill_``, ``mul_``, ``_
 arguments, which part of the parameter it wrote (a view's size, strides and offset: ``weight[0].zero_()``
 writes one row) and, for a random operation, the state of the generator before it. It does not matter
 where the operation comes from: ``reset_parameters()`` in a constructor, ``self.apply(fn)``, a loop over
-``named_parameters()``, HuggingFace's ``post_init()`` / ``_init_weights``, a tie made half-way. The
+``named_parameters()``, HuggingFace's ``post_init()`` / ``_init_weights``, a tie made half-way. A
+``copy.deepcopy`` of a recorded parameter (peft's ``modules_to_save`` copy of a head) takes the
+operations recorded so far. The
 engine replays a parameter's operations on a real tensor when it materialises that parameter's unit
 (:func:`replay`), so the result is bitwise the value the same code gives on the CPU with the same seed.
 
@@ -158,10 +160,21 @@ def meta_init() -> Iterator[None]:
         if tensor is not None and tensor.is_meta and _RECORDS.get(tensor) is None:
             recorder.adopt(tensor, parameter=False)
 
+    deepcopy_parameter = nn.Parameter.__deepcopy__
+
+    @functools.wraps(deepcopy_parameter)
+    def on_deepcopy(param: nn.Parameter, memo: dict[int, Any]) -> nn.Parameter:
+        copied = deepcopy_parameter(param, memo)
+        record = _RECORDS.get(param)
+        if record is not None and copied.is_meta and _RECORDS.get(copied) is None:
+            recorder.adopt_copy(copied, record)
+        return copied
+
     tables = _init_tables()
     originals = [(table, name, table[name]) for table in tables for name in _INIT_FUNCTIONS if name in table]
     nn.Module.register_parameter = on_parameter  # type: ignore[method-assign,assignment]
     nn.Module.register_buffer = on_buffer  # type: ignore[method-assign,assignment]
+    nn.Parameter.__deepcopy__ = on_deepcopy  # type: ignore[method-assign,assignment]
     for table, name, original in originals:
         table[name] = recorder.init_wrapper(original, random=_INIT_FUNCTIONS[name])
     try:
@@ -170,6 +183,7 @@ def meta_init() -> Iterator[None]:
     finally:
         nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
         nn.Module.register_buffer = register_buffer  # type: ignore[method-assign]
+        nn.Parameter.__deepcopy__ = deepcopy_parameter  # type: ignore[method-assign]
         for table, name, original in originals:
             table[name] = original
 
@@ -216,6 +230,16 @@ class _Recorder(TorchFunctionMode):
         _RECORDS[t] = record
         self._by_storage[_storage_key(t)] = (t, record)
         return t
+
+    def adopt_copy(self, copied: torch.Tensor, source: InitRecord) -> None:
+        """Record ``copied`` (a ``copy.deepcopy`` of a recorded parameter: peft's ``modules_to_save``,
+        an EMA copy) as the source's value so far: its operations up to now, not those made on the
+        source afterwards. The recorded values are never written, so both records share them."""
+        record = InitRecord(source.shape, source.stride, source.dtype, start=source.start, fill=source.fill,
+                            ops=list(source.ops), problem=source.problem,
+                            base_offset=int(copied.storage_offset()))
+        _RECORDS[copied] = record
+        self._by_storage[_storage_key(copied)] = (copied, record)
 
     def _record_of_alias(self, t: torch.Tensor) -> InitRecord | None:
         if not t.is_meta:

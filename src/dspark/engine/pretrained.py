@@ -37,11 +37,22 @@ from dspark.checkpoint.hf_files import (
 )
 from dspark.engine.agreement import agree
 from dspark.engine.param_slot import ParamSlot
-from dspark.engine.weights import KeyMap, Matching, WeightEntry, match_keys, prefix_hint
+from dspark.engine.weights import (
+    KeyMap,
+    Matching,
+    SavedTensor,
+    WeightEntry,
+    match_keys,
+    prefix_hint,
+)
 
-__all__ = ["load_from_rank", "load_pretrained", "save_pretrained"]
+__all__ = ["ADAPTER_FILES", "HF_FILES", "Names", "load_from_rank", "load_pretrained", "save_gathered",
+           "save_pretrained"]
 
 log = logging.getLogger(__name__)
+
+Names = dict[str, Any]
+"""``match_keys``' ``aliases=`` and ``optional=``, for a model known by other names too."""
 
 
 def _settle(matching: Matching, *, strict: bool, what: str, hint: str = "") -> None:
@@ -54,21 +65,23 @@ def _settle(matching: Matching, *, strict: bool, what: str, hint: str = "") -> N
     log.warning("%s: %s; loading the %d tensor(s) that match", what, problems, len(matching.source_key))
 
 
-def load_pretrained(entries: Sequence[WeightEntry], path: str | os.PathLike[str], *,
+def load_pretrained(entries: Sequence[WeightEntry], names: Names | None, path: str | os.PathLike[str], *,
                     key_map: KeyMap | None = None, strict: bool = True) -> tuple[list[str], list[str]]:
     """Every rank reads its rows of each tensor of the safetensors file or HuggingFace model directory
-    at ``path`` into ``entries`` (collective). Returns ``(missing, unexpected)``.
+    at ``path`` into ``entries`` (collective). ``names``: the model's other names, a peft model's
+    base names (see :func:`dspark.engine.weights.match_keys`). Returns ``(missing, unexpected)``.
 
     Example::
 
-        missing, unexpected = load_pretrained(entries, "gpt2/", key_map={"h.0.ln_1.weight": ...})
+        missing, unexpected = load_pretrained(entries, None, "gpt2/", key_map={"h.0.ln_1.weight": ...})
     """
     source: SafetensorsSource | None = None
     matching: Matching | None = None
     failure: Exception | None = None
     try:
         source = SafetensorsSource(path)
-        matching = match_keys(entries, {k: h.shape for k, h in source.headers.items()}, key_map)
+        matching = match_keys(entries, {k: h.shape for k, h in source.headers.items()}, key_map,
+                              **(names or {}))
         _settle(matching, strict=strict, what=f"the weights at {str(path)!r}",
                 hint=prefix_hint([n for e in entries for n in e.names], list(source.headers))
                 or ". key_map= renames the file's keys to the model's")
@@ -100,8 +113,9 @@ def load_pretrained(entries: Sequence[WeightEntry], path: str | os.PathLike[str]
     return matching.missing, matching.unexpected
 
 
-def load_from_rank(entries: Sequence[WeightEntry], state_dict: Mapping[str, torch.Tensor] | None, *,
-                   src_rank: int | None, strict: bool, device: torch.device) -> tuple[list[str], list[str]]:
+def load_from_rank(entries: Sequence[WeightEntry], names: Names | None,
+                   state_dict: Mapping[str, torch.Tensor] | None, *, src_rank: int | None, strict: bool,
+                   device: torch.device) -> tuple[list[str], list[str]]:
     """Load ``state_dict``, held by rank ``src_rank`` only, into ``entries`` on every rank: checked
     there, then sent one tensor at a time, each rank keeping what it holds (collective).
     ``src_rank=None``: every rank holds the same state dict and nothing is sent. Returns
@@ -110,7 +124,7 @@ def load_from_rank(entries: Sequence[WeightEntry], state_dict: Mapping[str, torc
     Example::
 
         sd = torch.load("model.pt", weights_only=True) if rank == 0 else None
-        load_from_rank(entries, sd, src_rank=0, strict=True, device=torch.device("cpu"))
+        load_from_rank(entries, None, sd, src_rank=0, strict=True, device=torch.device("cpu"))
     """
     world = comm.get_world()
     if src_rank is not None and (isinstance(src_rank, bool) or not isinstance(src_rank, int)
@@ -119,7 +133,7 @@ def load_from_rank(entries: Sequence[WeightEntry], state_dict: Mapping[str, torc
     verdict: tuple[Matching | None, str | None] = (None, None)
     if src_rank is None or world.rank == src_rank:
         try:
-            verdict = (_check_state_dict(entries, state_dict, strict=strict), None)
+            verdict = (_check_state_dict(entries, state_dict, strict=strict, names=names), None)
         except (TypeError, ValueError) as exc:
             verdict = (None, f"{type(exc).__name__}: {exc}")
     if src_rank is not None:
@@ -149,7 +163,7 @@ def load_from_rank(entries: Sequence[WeightEntry], state_dict: Mapping[str, torc
 
 
 def _check_state_dict(entries: Sequence[WeightEntry], state_dict: Mapping[str, torch.Tensor] | None, *,
-                      strict: bool) -> Matching:
+                      strict: bool, names: Names | None) -> Matching:
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"the state dict must be a mapping of name -> tensor on the source rank, got "
                         f"{type(state_dict).__name__}")
@@ -157,7 +171,7 @@ def _check_state_dict(entries: Sequence[WeightEntry], state_dict: Mapping[str, t
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{key!r} is a {type(value).__name__} in the state dict, not a tensor; "
                             "nothing was loaded")
-    matching = match_keys(entries, {k: tuple(v.shape) for k, v in state_dict.items()})
+    matching = match_keys(entries, {k: tuple(v.shape) for k, v in state_dict.items()}, **(names or {}))
     hint = prefix_hint([n for e in entries for n in e.names], list(state_dict))
     if state_dict and len(matching.unexpected) == len(state_dict):
         raise ValueError(f"none of the state dict's {len(state_dict)} keys is a name of the model "
@@ -167,45 +181,34 @@ def _check_state_dict(entries: Sequence[WeightEntry], state_dict: Mapping[str, t
     return matching
 
 
-def save_pretrained(entries: Sequence[WeightEntry], directory: str | os.PathLike[str], *,
+def save_pretrained(tensors: Sequence[SavedTensor], directory: str | os.PathLike[str], *,
                     max_shard_size: int | str, units: Sequence[Sequence[ParamSlot]],
                     gather: Callable[[list[ParamSlot]], None] | None = None,
                     free: Callable[[list[ParamSlot]], None] | None = None, config: Any = None) -> Path:
-    """Write ``entries`` as safetensors shards + index into ``directory`` on rank 0, gathering the
+    """Write ``tensors`` as safetensors shards + index into ``directory`` on rank 0, gathering the
     zero3 ``units`` one at a time with ``gather`` and ``free`` (collective; nothing to gather where
     ``units`` is empty); ``config.save_pretrained(directory)`` beside them when
     the model has a HuggingFace config. Returns the directory.
 
     Example::
 
-        save_pretrained(entries, "out/", max_shard_size="5GB", units=[], gather=print, free=print)
+        save_pretrained(saved_as_is(entries), "out/", max_shard_size="5GB", units=[])
     """
     world = comm.get_world()
     out = Path(directory)
     max_bytes = parse_size(max_shard_size)
-    groups = _groups(entries, units)
-    plan = plan_shards([(e.name, tensor_bytes(e.shape, e.dtype)) for _, group in groups for e in group],
+    groups = _groups(tensors, units)
+    plan = plan_shards([(t.name, tensor_bytes(t.shape, t.dtype)) for _, group in groups for t in group],
                        max_shard_bytes=max_bytes)
     writer: ShardWriter | None = None
     failure: Exception | None = None
     if world.rank == 0:
         try:
-            writer = ShardWriter(_prepare(out), plan)
+            writer = ShardWriter(_prepare(out, ADAPTER_FILES), plan)
         except Exception as exc:
             failure = exc
     agree(failure, what=f"save_pretrained({str(out)!r})")
-    for slots, group in groups:
-        if slots and gather is not None:
-            gather(slots)
-        try:
-            if writer is not None and failure is None:
-                for entry in group:
-                    writer.add(entry.name, entry.full().to("cpu", copy=True))
-        except Exception as exc:  # keep gathering with the others; raised on every rank below
-            failure = exc
-        finally:
-            if slots and free is not None:
-                free(slots)
+    failure = _gathered(groups, writer.add if writer is not None else None, gather=gather, free=free)
     if writer is not None and failure is None:
         try:
             writer.finish()
@@ -217,30 +220,96 @@ def save_pretrained(entries: Sequence[WeightEntry], directory: str | os.PathLike
     return out
 
 
-def _groups(entries: Sequence[WeightEntry], units: Sequence[Sequence[ParamSlot]]
-            ) -> list[tuple[list[ParamSlot], list[WeightEntry]]]:
-    """``(slots to gather, entries then whole)``: one group per zero3 unit, then everything else."""
-    by_slot = {id(e.slot): e for e in entries if e.slot is not None and e.rows is not None}
-    groups: list[tuple[list[ParamSlot], list[WeightEntry]]] = []
-    done: set[int] = set()
-    for unit in units:
-        slots = [s for s in unit if id(s) in by_slot and id(s) not in done]
-        done.update(id(s) for s in slots)
-        if slots:
-            groups.append((slots, [by_slot[id(s)] for s in slots]))
-    rest = [e for e in entries if id(e.slot) not in done or e.slot is None]
-    leftover = [e.slot for e in rest if e.slot is not None and e.rows is not None]
-    groups.append((leftover, rest))
+def save_gathered(tensors: Sequence[SavedTensor], directory: str | os.PathLike[str],
+                  write: Callable[[Path, dict[str, torch.Tensor]], None], *,
+                  units: Sequence[Sequence[ParamSlot]], gather: Callable[[list[ParamSlot]], None] | None = None,
+                  free: Callable[[list[ParamSlot]], None] | None = None) -> Path:
+    """Gather ``tensors`` (a few: a peft adapter) on rank 0 and hand them whole, as one state dict,
+    to ``write(directory, state_dict)`` there (collective; any failure raised on every rank).
+
+    Example::
+
+        save_gathered(saved_as_is(lora_entries), "out/lora", lambda d, sd: save_file(sd, d / "w.st"),
+                      units=[])
+    """
+    world = comm.get_world()
+    out = Path(directory)
+    collected: dict[str, torch.Tensor] = {}
+    failure: Exception | None = None
+    if world.rank == 0:
+        try:
+            _prepare(out, HF_FILES)
+        except Exception as exc:
+            failure = exc
+    agree(failure, what=f"save_pretrained({str(out)!r})")
+    failure = _gathered(_groups(tensors, units), collected.__setitem__ if world.rank == 0 else None,
+                        gather=gather, free=free)
+    if world.rank == 0 and failure is None:
+        try:
+            write(out, collected)
+        except Exception as exc:
+            failure = exc
+    agree(failure, what=f"writing {str(out)!r}")
+    return out
+
+
+def _gathered(groups: list[tuple[list[ParamSlot], list[SavedTensor]]],
+              add: Callable[[str, torch.Tensor], None] | None, *,
+              gather: Callable[[list[ParamSlot]], None] | None,
+              free: Callable[[list[ParamSlot]], None] | None) -> Exception | None:
+    """Every group gathered in turn (every rank), each tensor computed and handed to ``add`` (rank 0's
+    writer; None elsewhere); the first failure, which the caller raises on every rank."""
+    failure: Exception | None = None
+    for slots, group in groups:
+        if slots and gather is not None:
+            gather(slots)
+        try:
+            if add is not None and failure is None:
+                for tensor in group:
+                    add(tensor.name, tensor.value().to("cpu", copy=True))
+        except Exception as exc:  # keep gathering with the others; raised on every rank by the caller
+            failure = exc
+        finally:
+            if slots and free is not None:
+                free(slots)
+    return failure
+
+
+def _groups(tensors: Sequence[SavedTensor], units: Sequence[Sequence[ParamSlot]]
+            ) -> list[tuple[list[ParamSlot], list[SavedTensor]]]:
+    """``(slots to gather, tensors then computed)``: one group per zero3 unit (a tensor goes with the
+    unit of the first entry it needs), then everything else; a group gathers every slot its tensors
+    need."""
+    unit_of = {id(s): i for i, unit in enumerate(units) for s in unit}
+    members: list[list[SavedTensor]] = [[] for _ in range(len(units) + 1)]
+    for tensor in tensors:
+        first = tensor.needs[0].slot if tensor.needs else None
+        members[unit_of.get(id(first), len(units))].append(tensor)
+    groups: list[tuple[list[ParamSlot], list[SavedTensor]]] = []
+    for index, group in enumerate(members):
+        if not group and index < len(units):
+            continue
+        slots = {id(e.slot): e.slot for t in group for e in t.needs if e.slot is not None and e.rows is not None}
+        groups.append((list(slots.values()), group))
     return groups
 
 
-def _prepare(out: Path) -> Path:
+HF_FILES = ("model*.safetensors", INDEX_FILE, "config.json")
+"""What a whole model's save writes (and an adapter's save removes, left by an earlier save)."""
+ADAPTER_FILES = ("adapter_model.safetensors", "adapter_model.bin", "adapter_config.json")
+"""What peft writes for an adapter (and a whole model's save removes: ``transformers`` would load a
+directory holding ``adapter_config.json`` as an adapter over another base)."""
+
+
+def _prepare(out: Path, stale: Sequence[str]) -> Path:
     """Rank 0: the directory, with any weights a previous save left there removed (a save with fewer
-    shards would leave stale ones that an index no longer names)."""
+    shards would leave stale ones that an index no longer names), and the ``stale`` files of the
+    other kind of save."""
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"{str(out)!r} is a file; save_pretrained writes a directory")
     out.mkdir(parents=True, exist_ok=True)
-    for stale in [*out.glob("model*.safetensors"), out / INDEX_FILE]:
-        if stale.is_file():
-            stale.unlink()
+    for pattern in ("model*.safetensors", INDEX_FILE, *stale):
+        for path in out.glob(pattern):
+            if path.is_file():
+                path.unlink()
     return out

@@ -36,11 +36,18 @@ from torch import nn
 
 from dspark import comm
 from dspark.comm import World
+from dspark.engine.adapters import (
+    adapter_layout,
+    adapter_tensor_names,
+    base_load_problem,
+    merged_tensors,
+    save_adapter,
+)
 from dspark.engine.loss_scaler import LossScaler
 from dspark.engine.param_slot import ParamSlot
 from dspark.engine.policy import PrecisionPolicy, ShardingPolicy
-from dspark.engine.pretrained import save_pretrained
-from dspark.engine.weights import WeightEntry, weight_entries
+from dspark.engine.pretrained import Names, save_gathered, save_pretrained
+from dspark.engine.weights import SavedTensor, WeightEntry, saved_as_is, weight_entries
 from dspark.engine.zero3_guard import Zero3StateDictGuard
 from dspark.engine.zero3_units import Zero3Scheduler
 from dspark.tensor import DistTensor, Shard
@@ -133,7 +140,7 @@ class StateDicts:
         """``module.state_dict(keep_vars=True)`` for walks over names and buffers: under zero3 the
         module refuses it while its parameters are freed (see [Note: state dicts under zero3]); the
         parameters' entries here are then empty and must not be read."""
-        with self.guard.allowed() if self.guard is not None else contextlib.nullcontext():
+        with self._names_only():
             return self.module.state_dict(keep_vars=True)
 
     def _opt_param(self, slot: ParamSlot) -> nn.Parameter | None:
@@ -165,15 +172,55 @@ class StateDicts:
         return out
 
     def save_pretrained(self, directory: str | os.PathLike[str], *, max_shard_size: int | str,
-                        config: Any) -> Path:
+                        config: Any, merged: bool) -> Path:
         """See :meth:`Engine.save_pretrained` (buffers already synchronised): zero3 gathers one unit
-        at a time."""
+        at a time; a peft model's adapter as peft saves it, or the merged model."""
         zero3 = self.zero3
-        return save_pretrained(self.weight_entries(), directory, max_shard_size=max_shard_size,
-                               units=[unit.slots for unit in zero3.units] if zero3 is not None else [],
-                               gather=functools.partial(zero3.gather_slots, purpose="save_pretrained")
-                               if zero3 is not None else None,
-                               free=zero3.free_slots if zero3 is not None else None, config=config)
+        gathering: dict[str, Any] = {
+            "units": [unit.slots for unit in zero3.units] if zero3 is not None else [],
+            "gather": functools.partial(zero3.gather_slots, purpose="save_pretrained") if zero3 is not None else None,
+            "free": zero3.free_slots if zero3 is not None else None}
+        entries = self.weight_entries()
+        layout = adapter_layout(self.module, [n for e in entries for n in e.names])
+        if layout is None:
+            if merged:
+                raise ValueError(f"save_pretrained(merged=True) merges a peft model's adapters; this "
+                                 f"{type(self.module).__name__} holds none: save it with merged=False")
+            return save_pretrained(saved_as_is(entries), directory, max_shard_size=max_shard_size, config=config,
+                                   **gathering)
+        if merged:
+            return save_pretrained(merged_tensors(layout, entries), directory, max_shard_size=max_shard_size,
+                                   config=config, **gathering)
+        if not layout.is_peft_model:
+            raise ValueError(f"{type(self.module).__name__} holds peft adapters but is not a peft.PeftModel, "
+                             "so DSpark cannot write the adapter as peft does: wrap the model with "
+                             "peft.get_peft_model, or save the merged model (merged=True)")
+        # peft reads module.state_dict() for names only: allowed under zero3 (see [Note: state dicts
+        # under zero3]); the values it writes are the gathered ones handed to it
+        with self._names_only():
+            needed = set(adapter_tensor_names(self.module, {n: (e.shape, e.dtype) for e in entries for n in e.names}))
+        adapter = [SavedTensor(name, e.shape, e.dtype, (e,), e.full)
+                   for e in entries for name in e.names if name in needed]
+
+        def write(out: Path, state_dict: dict[str, torch.Tensor]) -> None:
+            with self._names_only():
+                save_adapter(self.module, out, state_dict)
+
+        return save_gathered(adapter, directory, write, **gathering)
+
+    def _names_only(self) -> contextlib.AbstractContextManager[None]:
+        return self.guard.allowed() if self.guard is not None else contextlib.nullcontext()
+
+    def load_targets(self) -> tuple[list[WeightEntry], Names | None]:
+        """What weights load into: the entries, and a peft model's other names for them (see [Note:
+        peft names] in :mod:`dspark.engine.adapters`): its base model's names, and the adapter's own
+        tensors as optional."""
+        entries = self.weight_entries()
+        layout = adapter_layout(self.module, [n for e in entries for n in e.names])
+        if layout is None:
+            return entries, None
+        return entries, {"aliases": layout.sources(tied=[e.names for e in entries]), "optional": layout.adapter,
+                         "alias_problem": base_load_problem(self.module)}
 
     # -- sharded ---------------------------------------------------------------------------------
     def sharded(self, *, step_count: int) -> dict[str, Any]:

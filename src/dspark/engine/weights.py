@@ -15,7 +15,7 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -23,7 +23,8 @@ import torch
 
 from dspark.engine.param_slot import ParamSlot
 
-__all__ = ["KeyMap", "Matching", "WeightEntry", "match_keys", "prefix_hint", "weight_entries"]
+__all__ = ["KeyMap", "Matching", "SavedTensor", "WeightEntry", "match_keys", "prefix_hint", "saved_as_is",
+           "weight_entries"]
 
 KeyMap = Mapping[str, str] | Callable[[str], str | None]
 """A source's key -> the model's name (a callable may return None to leave the key out)."""
@@ -73,6 +74,30 @@ class WeightEntry:
         if target is None or (self.rows is not None and not self.slot.gathered):  # type: ignore[union-attr]
             raise AssertionError(f"{self.name} is sharded: gather it first")
         return target.detach()
+
+
+@dataclass(frozen=True, slots=True)
+class SavedTensor:
+    """One tensor of a saved file: its name there, and how to compute it once the entries it
+    ``needs`` are whole (gathered under zero3)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    needs: tuple[WeightEntry, ...]
+    """The entries that must be whole while :attr:`value` runs; the first decides which zero3 unit's
+    gather writes it."""
+    value: Callable[[], torch.Tensor]
+
+
+def saved_as_is(entries: Sequence[WeightEntry]) -> list[SavedTensor]:
+    """Each entry saved under its first name, as it is.
+
+    Example::
+
+        [t.name for t in saved_as_is(entries)]   # the model's state-dict names, a tied weight once
+    """
+    return [SavedTensor(e.name, e.shape, e.dtype, (e,), e.full) for e in entries]
 
 
 def weight_entries(slots: Sequence[ParamSlot], module_state: Mapping[str, torch.Tensor]) -> list[WeightEntry]:
@@ -125,30 +150,43 @@ class Matching(NamedTuple):
 
 
 def match_keys(entries: Sequence[WeightEntry], shapes: Mapping[str, tuple[int, ...]],
-               key_map: KeyMap | None = None) -> Matching:
+               key_map: KeyMap | None = None, *, aliases: Mapping[str, Sequence[str]] | None = None,
+               optional: Collection[str] = (), alias_problem: str | None = None) -> Matching:
     """Match a source's tensors (key -> shape) to ``entries``; a tied parameter is loaded from the
-    first of its names the source holds (HuggingFace stores it once).
+    first of its names the source holds (HuggingFace stores it once). ``aliases``: a source name that
+    is no name of the model -> the model's names it fills (a peft model's base weights, see [Note:
+    peft names] in :mod:`dspark.engine.adapters`); ``optional``: names that are not missing when the
+    source lacks them (the adapter's own tensors); ``alias_problem``: why ``aliases`` must not be used
+    (a ``ValueError`` when a source needs them).
 
     Example::
 
         match_keys(entries, {"h.0.attn.c_attn.weight": (768, 2304)},
                    key_map=lambda k: "transformer." + k).missing
     """
+    known = {name for e in entries for name in e.names}
     by_model: dict[str, str] = {}
+    unexpected: list[str] = []
     for key in shapes:
         mapped = _mapped(key, key_map)
         if mapped is None:
             continue
-        by_model[mapped] = key
-    known = {name for e in entries for name in e.names}
-    unexpected = [name for name in by_model if name not in known]
+        if mapped in known:
+            by_model[mapped] = key
+        elif aliases is not None and mapped in aliases:
+            if alias_problem is not None:
+                raise ValueError(alias_problem)
+            by_model.update(dict.fromkeys(aliases[mapped], key))
+        else:
+            unexpected.append(mapped)
     source_key: dict[str, str] = {}
     missing: list[str] = []
     mismatched: list[str] = []
     for entry in entries:
         found = next((by_model[n] for n in entry.names if n in by_model), None)
         if found is None:
-            missing.append(entry.name)
+            if not all(n in optional for n in entry.names):
+                missing.append(entry.name)
             continue
         key = found
         if tuple(shapes[key]) != entry.shape:
