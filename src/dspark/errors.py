@@ -10,6 +10,7 @@ __all__ = [
     "NotInitializedError",
     "OtherRankError",
     "PlacementError",
+    "ShardedGradError",
     "Zero3StateDictError",
 ]
 
@@ -49,6 +50,13 @@ class OtherRankError(DSparkError, RuntimeError):
         super().__init__(message)
         self.failed_ranks = failed_ranks
         """The ranks where the step failed."""
+
+
+class ShardedGradError(DSparkError, RuntimeError):
+    """A module parameter's gradient was read or changed under ``strategy="zero2"`` or ``"zero3"``,
+    where each rank holds only its rows of each gradient, inside the engine (a
+    ``torch.nn.utils.clip_grad_norm_(model.parameters(), c)`` kept from DDP would clip nothing). The
+    message names ``Engine(clip_grad_norm=c)`` and ``engine.clip_grad_norm_(c)``."""
 
 
 class Zero3StateDictError(DSparkError, RuntimeError):

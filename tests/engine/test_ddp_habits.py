@@ -104,3 +104,58 @@ def test_a_hyperparameter_set_on_one_rank_stops_every_rank(pool, strategy: str, 
         assert message.startswith(f"rank {rank}: "), message
         assert_names(message, "different hyper-parameters", *named, "on every rank")
         assert result["unchanged"] and result["step_count"] == 1, result
+
+
+def _module_clip_in_the_loop(strategy: str, optimizer: str) -> dict[str, object]:
+    """DDP's ``torch.nn.utils.clip_grad_norm_(model.parameters(), c)`` between the window's last
+    backward and the step, on the engine's module."""
+    from tests.engine.cases import get_case
+    from tests.engine.harness import build_engine, micro_batches
+
+    case = get_case("mlp")
+    engine = build_engine("mlp", strategy, optimizer=optimizer, accum=2)
+    norms, message = [], "no error"
+    for step in range(3):
+        for micro in micro_batches(case.batch(step), 2):
+            engine.backward(case.loss(engine, dspark.distribute_batch(micro, shard_dim=0)))
+        try:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(engine.module.parameters(), 0.05)))
+        except dspark.errors.ShardedGradError as exc:
+            message = str(exc)
+            norms.append(engine.clip_grad_norm_(0.05))  # the fix the message names
+        engine.step()
+    state = engine.full_state_dict()
+    engine.close()
+    return {"state": state, "norms": norms, "message": message}
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_clip_of_the_modules_parameters_clips_as_one_process_or_is_refused(pool, strategy: str,
+                                                                           optimizer: str) -> None:
+    from tests.engine.harness import assert_close, train_reference
+
+    want = train_reference("mlp", 3, optimizer=optimizer, accum=2, clip=0.05)
+    for rank, result in enumerate(pool.run(_module_clip_in_the_loop, strategy, optimizer)):
+        assert result["norms"] == pytest.approx(want["norms"], rel=1e-6)
+        assert all(n > 0.05 for n in result["norms"])  # it really clipped
+        assert_close(result["state"], want["state"], f"{strategy} + {optimizer}: the module's clip")
+        message = str(result["message"])
+        if strategy in ("replicate", "zero1"):  # the module holds the whole reduced gradient
+            assert message == "no error", message
+        else:
+            assert message.startswith(f"rank {rank}: "), message
+            assert_names(message, "on the gradient of ", f"strategy={strategy!r}", "would clip nothing",
+                         "clip_grad_norm=c", "engine.clip_grad_norm_(c)")
+
+
+def test_a_sharded_gradient_reads_like_a_gradient_and_step_clears_it(single_process) -> None:
+    engine = dspark.Engine(tm.make("mlp"), optimizer=SGD, strategy="zero2")
+    x, y = tm.batch("mlp", 4, 0)
+    engine.backward(tm.loss_fn("mlp", engine(x), y))
+    weight = engine.module.layers[0].weight
+    assert weight.grad is not None and weight.grad.shape == weight.shape and weight.grad.dtype == weight.dtype
+    with pytest.raises(dspark.errors.ShardedGradError, match=r"norm\(\) on the gradient of layers.0.weight"):
+        weight.grad.norm()
+    engine.step()
+    assert weight.grad is None
+    engine.close()

@@ -29,6 +29,7 @@ from dspark.engine.loss_graph import accum_scaling, accum_scaling_message
 from dspark.engine.loss_scaler import LossScaler
 from dspark.engine.memory import storage_bytes
 from dspark.engine.param_slot import ParamSlot
+from dspark.engine.sharded_grad import mark_sharded_grads
 from dspark.engine.validation import check_weight
 from dspark.engine.window import StepTag, Window
 from dspark.engine.zero3_units import Zero3Scheduler
@@ -58,7 +59,7 @@ class BackwardPass:
                  window: Window, reducer: GradReducer | LocalReducer, zero3: Zero3Scheduler | None,
                  loss_scaler: LossScaler | None, grad_accum_steps: int, shard_grads: bool, world: World,
                  step_count: Callable[[], int], allow_accum_scaled_loss: bool = False,
-                 optimizer: torch.optim.Optimizer | None = None) -> None:
+                 optimizer: torch.optim.Optimizer | None = None, strategy: str = "") -> None:
         self.slots = list(slots)
         self.frozen_params = list(frozen_params)
         """Frozen at construction: a gradient on one later means it was unfrozen (not followed)."""
@@ -72,6 +73,7 @@ class BackwardPass:
         self.step_count = step_count
         self.allow_accum_scaled_loss = allow_accum_scaled_loss
         self.optimizer = optimizer
+        self.strategy = strategy
         """Its hyper-parameters are compared across ranks at each reduction (see [Note:
         hyper-parameters in step]); None: not compared."""
 
@@ -221,6 +223,8 @@ class BackwardPass:
                 full = slot.param.grad
                 slot.opt_param.grad = None if full is None else slot.rows_view(full)[slot.start:slot.stop]
         window.grads_bytes_held = storage_bytes(self._grad_tensors())
+        if self.shard_grads:  # see [Note: a clip of the module's parameters]
+            mark_sharded_grads(self.slots, strategy=self.strategy, rank=self.world.rank)
 
     def _grad_tensors(self) -> Iterator[torch.Tensor | None]:
         for slot in self.slots:

@@ -273,7 +273,8 @@ def build_parts(model: nn.Module, factory: OptimizerFactory, *, world: World, st
         slots=slots, frozen_params=[(names[0], p) for names, p in named if not p.requires_grad],
         window=window, reducer=reducer, zero3=zero3, loss_scaler=loss_scaler,
         grad_accum_steps=grad_accum_steps, shard_grads=strategy.shard_grads, world=world,
-        step_count=step_count, allow_accum_scaled_loss=allow_accum_scaled_loss, optimizer=optimizer)
+        step_count=step_count, allow_accum_scaled_loss=allow_accum_scaled_loss, optimizer=optimizer,
+        strategy=strategy.name)
     hooks: list[Any] = [s.param.register_post_accumulate_grad_hook(backward_pass.grad_ready_hook(s))
                         for s in slots]
     if strategy.shard_optimizer and n > 1:  # see [Note: a rank's optimizer state dict]
