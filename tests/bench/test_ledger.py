@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from dspark.bench.analysis import annotate
-from dspark.bench.ledger import SCHEMA_VERSION, Ledger, default_db_path
+from dspark.bench.ledger import SCHEMA_VERSION, Ledger, LedgerUnsealed, default_db_path
 from dspark.bench.ledger_schema import insert_measurement_sql, measurement_row
 from dspark.bench.measurement import Measurement
 from dspark.bench.result import BenchConfig
@@ -99,7 +99,7 @@ def test_schema_version_and_reopen(tmp_path: Path) -> None:
     path = tmp_path / "l.sqlite"
     with Ledger(path) as first:
         first.append(make_measurement())
-        assert first.schema_version() == SCHEMA_VERSION == 3
+        assert first.schema_version() == SCHEMA_VERSION == 4
     with Ledger(path) as again:  # reopening must not re-create or re-migrate
         assert len(again.measurements()) == 1
         assert again.schema_version() == SCHEMA_VERSION
@@ -128,8 +128,11 @@ def test_a_schema_1_ledger_is_migrated_in_place(tmp_path: Path) -> None:
                   json.dumps(old)))
     conn.commit()
     conn.close()
-    with Ledger(path) as ledger:
-        assert ledger.schema_version() == 3
+    with pytest.raises(LedgerUnsealed, match="--seal"):
+        Ledger(path)   # no hash chain: never chained silently (see [Note: no silent seal])
+    with Ledger(path, seal=True) as ledger:
+        assert ledger.schema_version() == 4
+        assert [seal.from_version for seal in ledger.seals()] == [1]
         (result,) = ledger.results()
     assert (result.step_ms, result.step_ms_p10, result.step_ms_p90) == (130.0, 120.0, 140.0)
     assert result.speedup is None and result.anomalies == []  # analysis is computed when read
@@ -309,7 +312,7 @@ def test_the_ledger_keeps_the_breakdown_and_reads_rows_written_before_it(tmp_pat
         conn.execute(insert_measurement_sql(), (*measurement_row(old)[:-1], text, None, None))
     conn.close()
     with Ledger(db) as ledger:
-        assert ledger.schema_version() == schema == 3
+        assert ledger.schema_version() == schema == 4
         before, after = annotate(ledger.results(), history=ledger)
     assert before.run_id == "run-old" and not before.profiled and before.phase_ms_by_rank == []
     assert before.hosts_by_rank == [] and before.audit_by_rank == []

@@ -135,6 +135,7 @@ def test_a_deleted_row_breaks_the_next_link(tmp_path: Path) -> None:
         report = ledger.verify()
     assert [bad.row_id for bad in report.bad] == [4]
     assert "row 2's hash" in report.bad[0].reason
+    assert len(report.faults) == 1 and "'measurements_no_delete'" in report.faults[0]
 
 
 def test_a_chained_row_whose_ids_lie_about_its_content_is_caught(tmp_path: Path) -> None:
@@ -163,27 +164,129 @@ def test_a_chained_row_whose_ids_lie_about_its_content_is_caught(tmp_path: Path)
     assert_line_names(reasons[2], "round 7", "planned 3")
 
 
-def test_a_schema_2_ledger_is_sealed_into_a_chain(tmp_path: Path) -> None:
+def _downgrade(db: Path, *, edit: bool) -> None:
+    """The finding: drop the hash columns, set the version back to 2 (and rewrite a row), so that
+    DSpark would chain the file as it is now and `verify` pass."""
+    conn = _raw(db)
+    for name in ("measurements_no_update", "schema_version_no_delete", "seals_no_update",
+                 "seals_no_delete", "seals_no_replace"):
+        conn.execute(f"DROP TRIGGER {name}")
+    conn.execute("DROP TABLE seals")
+    conn.execute("ALTER TABLE measurements DROP COLUMN prev_hash")
+    conn.execute("ALTER TABLE measurements DROP COLUMN row_hash")
+    conn.execute("DELETE FROM schema_version WHERE version > 2")
+    conn.execute("INSERT INTO schema_version VALUES (2, 'then')")
+    if edit:
+        row_id, text = conn.execute("SELECT id, measurement_json FROM measurements "
+                                    "WHERE num_devices = 2 ORDER BY id LIMIT 1").fetchone()
+        m = json.loads(text)
+        m["step_ms_by_rank"] = [[120.0] * 3] * 2
+        conn.execute("UPDATE measurements SET measurement_json = ? WHERE id = ?",
+                     (json.dumps(m, sort_keys=True), row_id))
+    conn.execute("CREATE TRIGGER measurements_no_update BEFORE UPDATE ON measurements "
+                 "BEGIN SELECT RAISE(ABORT, 'append-only'); END")
+
+
+def test_a_downgraded_ledger_is_refused_and_never_sealed_silently(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     db = tmp_path / "l.sqlite"
     with Ledger(db) as ledger:
         _run(ledger)
-    # Make it the layout of schema 2: no hash columns, version 2.
-    conn = _raw(db)
-    for name in ("measurements_no_update", "schema_version_no_delete"):
-        conn.execute(f"DROP TRIGGER {name}")
-    conn.execute("ALTER TABLE measurements DROP COLUMN prev_hash")
-    conn.execute("ALTER TABLE measurements DROP COLUMN row_hash")
-    conn.execute("DELETE FROM schema_version WHERE version = 3")
-    conn.execute("INSERT INTO schema_version VALUES (2, 'then')")
-    conn.execute("CREATE TRIGGER measurements_no_update BEFORE UPDATE ON measurements "
-                 "BEGIN SELECT RAISE(ABORT, 'append-only'); END")
+        kept = ledger.head()
+    _downgrade(db, edit=True)
+    for command in (["verify"], ["list"], ["export", "--json", str(tmp_path / "x.json")]):
+        assert main(["bench", *command, "--db", str(db)]) == 2
+        err = capsys.readouterr().err
+        assert_line_names(" ".join(err.split()), "schema 2", "no hash chain", "--seal")
+    assert main(["bench", "verify", "--db", str(db), "--seal"]) == 0  # asked for: chained, recorded
+    out = capsys.readouterr().out
+    assert_line_names(" ".join(out.split()), "SEALED", "rows 1-6", "schema-2")
     with Ledger(db) as ledger:
-        assert ledger.schema_version() == 3
-        assert ledger.verify().ok and ledger.verify().rows == 2 * ROUNDS
+        assert ledger.schema_version() == 4 and ledger.verify().ok
+        assert [(seal.from_version, seal.rows) for seal in ledger.verify().seals] == [(2, 2 * ROUNDS)]
         ledger.append(make_measurement(run_id="run-c", rounds_planned=1))  # chained on the seal
-        assert ledger.verify().ok and ledger.verify().rows == 2 * ROUNDS + 1
+    assert main(["bench", "verify", "--db", str(db)]) == 0
+    assert "SEALED" in capsys.readouterr().out      # every verify reports it
+    assert main(["bench", "verify", "--db", str(db), "--head", kept]) == 1   # the edit, caught
+    assert_line_names(" ".join(capsys.readouterr().err.split()), "TAMPERED", kept, "no row's hash")
     with pytest.raises(sqlite3.DatabaseError, match="append-only"):
         _raw(db).execute("UPDATE measurements SET host = 'x'")
+
+
+def test_a_resealed_ledger_without_edits_still_reaches_its_head(tmp_path: Path) -> None:
+    db = tmp_path / "l.sqlite"
+    with Ledger(db) as ledger:
+        _run(ledger)
+        kept = ledger.head()
+    _downgrade(db, edit=False)
+    with Ledger(db, seal=True) as ledger:
+        report = ledger.verify(head=kept)
+    assert report.ok and report.after_pinned == 0 and len(report.seals) == 1
+
+
+@pytest.mark.parametrize("damage", ["tail row deleted", "chain recomputed", "rows appended"])
+def test_verify_head_catches_deleted_and_rechained_rows(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                        damage: str) -> None:
+    db = tmp_path / "l.sqlite"
+    with Ledger(db) as ledger:
+        _run(ledger)
+        kept = ledger.head()
+    conn = _raw(db)
+    if damage == "tail row deleted":   # the chain of what is left holds: only the head tells
+        conn.execute("DROP TRIGGER measurements_no_delete")
+        conn.execute(f"DELETE FROM measurements WHERE id = {2 * ROUNDS}")
+        conn.execute("CREATE TRIGGER measurements_no_delete BEFORE DELETE ON measurements "
+                     "BEGIN SELECT RAISE(ABORT, 'append-only'); END")
+    elif damage == "chain recomputed":   # a row changed and every hash after it recomputed
+        trigger = conn.execute("SELECT sql FROM sqlite_master WHERE name = 'measurements_no_update'").fetchone()[0]
+        conn.execute("DROP TRIGGER measurements_no_update")
+        columns = ", ".join(CONTENT_COLUMNS)
+        prev = GENESIS
+        for row_id, *content in conn.execute(f"SELECT id, {columns} FROM measurements ORDER BY id").fetchall():
+            if row_id == 2:
+                m = json.loads(content[-1])
+                m["step_ms_by_rank"] = [[120.0] * 3] * 2
+                content[-1] = json.dumps(m, sort_keys=True)
+            prev, new = prev, row_hash(prev, content)
+            conn.execute("UPDATE measurements SET measurement_json = ?, prev_hash = ?, row_hash = ? "
+                         "WHERE id = ?", (content[-1], prev, new, row_id))
+            prev = new
+        conn.execute(trigger)
+    else:
+        with Ledger(db) as ledger:
+            ledger.append(make_measurement(run_id="run-c", rounds_planned=1))
+    assert main(["bench", "verify", "--db", str(db)]) == 0   # the chain alone cannot tell
+    capsys.readouterr()
+    code = main(["bench", "verify", "--db", str(db), "--head", kept])
+    out, err = capsys.readouterr()
+    if damage == "rows appended":
+        assert code == 0 and "1 row(s) appended since" in out
+    else:
+        assert code == 1
+        assert_line_names(" ".join(err.split()), "TAMPERED", kept, "no row's hash")
+
+
+def test_a_crafted_ledger_is_one_line_not_a_traceback(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    db = tmp_path / "l.sqlite"
+    with Ledger(db) as ledger:
+        _run(ledger)
+    conn = _raw(db)
+    conn.execute("DROP TRIGGER schema_version_no_delete")
+    conn.execute("DELETE FROM schema_version")
+    assert main(["bench", "verify", "--db", str(db)]) == 2
+    assert_line_names(" ".join(capsys.readouterr().err.split()), "schema_version", "no version")
+    conn.execute("INSERT INTO schema_version VALUES (4, 'now')")
+    conn.execute("DROP TRIGGER measurements_no_delete")
+    assert main(["bench", "verify", "--db", str(db)]) == 1
+    assert_line_names(" ".join(capsys.readouterr().err.split()), "TAMPERED", "'measurements_no_delete'", "missing")
+    conn.execute("ALTER TABLE measurements DROP COLUMN row_hash")
+    assert main(["bench", "verify", "--db", str(db)]) == 2
+    assert_line_names(" ".join(capsys.readouterr().err.split()), "'measurements'", "['row_hash']")
+    conn.execute("DELETE FROM schema_version")   # a schema-2 file without its trigger, half-chained
+    conn.execute("INSERT INTO schema_version VALUES (2, 'then')")
+    conn.execute("DROP TRIGGER measurements_no_update")
+    assert main(["bench", "verify", "--db", str(db), "--seal"]) == 2
+    assert_line_names(" ".join(capsys.readouterr().err.split()), "altered outside DSpark")
 
 
 def test_require_intact_names_only_the_runs_asked_for(tmp_path: Path) -> None:
@@ -193,6 +296,8 @@ def test_require_intact_names_only_the_runs_asked_for(tmp_path: Path) -> None:
     conn = _raw(db)
     conn.execute("DROP TRIGGER measurements_no_delete")
     conn.execute("DELETE FROM measurements WHERE id = 1")
+    conn.execute("CREATE TRIGGER measurements_no_delete BEFORE DELETE ON measurements "
+                 "BEGIN SELECT RAISE(ABORT, 'append-only'); END")
     with Ledger(db) as ledger:
         report = ledger.verify()
         ledger.require_intact(report, ["another-run"])

@@ -19,6 +19,7 @@ against which code is the evidence. A corrected result is a new row with a newer
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -29,21 +30,24 @@ from pathlib import Path
 from types import TracebackType
 
 from dspark.bench.faults import is_injected
-from dspark.bench.ledger_chain import GENESIS, ChainReport, row_hash, verify_rows
+from dspark.bench.ledger_chain import GENESIS, ChainReport, Seal, row_hash, verify_rows
+from dspark.bench.ledger_rows import ROWS_SUFFIX, load_rows, write_rows
 from dspark.bench.ledger_schema import (
     CONTENT_COLUMNS,
     KEY_COLUMNS,
     SCHEMA_VERSION,
+    LedgerUnsealed,
     insert_measurement_sql,
     measurement_row,
     migrate,
+    missing_triggers,
     utc_timestamp,
 )
 from dspark.bench.measurement import Measurement, results_from_measurements
 from dspark.bench.result import BenchConfig, BenchResult, ConfigKey
 
-__all__ = ["SCHEMA_VERSION", "ChainReport", "Ledger", "LedgerTampered", "RunSummary",
-           "default_db_path", "utc_timestamp"]
+__all__ = ["SCHEMA_VERSION", "ChainReport", "Ledger", "LedgerTampered", "LedgerUnsealed", "RunSummary",
+           "Seal", "default_db_path", "utc_timestamp"]
 
 logger = logging.getLogger(__name__)
 
@@ -108,11 +112,27 @@ class Ledger:
             stale = ledger.stale("1e5fe8e", host="box")
     """
 
-    def __init__(self, path: str | Path, *, create: bool = True) -> None:
+    def __init__(self, path: str | Path, *, create: bool = True, seal: bool = False) -> None:
         """Open the ledger at ``path``; with ``create=False`` (a command that only reads) a missing
         file is a ``FileNotFoundError`` instead of a new empty ledger. A directory, or a file that is
-        not a DSpark ledger, is a ``ValueError`` naming the path."""
+        not a DSpark ledger, is a ``ValueError`` naming the path; a ledger without a hash chain a
+        :class:`LedgerUnsealed` unless ``seal=True`` (see [Note: no silent seal]). A ``.jsonl`` path
+        is a kept artifact's rows (see [Note: kept rows]), read into memory, read-only."""
         self.path = Path(path).expanduser()
+        self._untrusted: frozenset[str] = frozenset()
+        """Measurement ids :meth:`verify` found bad: left out of everything read after it."""
+        self.read_only = self.path.suffix == ROWS_SUFFIX
+        if self.read_only:
+            if not self.path.is_file():
+                raise FileNotFoundError(f"no ledger rows file at {str(self.path)!r} (`dspark bench "
+                                        "export --rows PATH` writes one)")
+            self._conn = sqlite3.connect(":memory:", isolation_level=None)
+            try:
+                load_rows(self._conn, self.path)
+            except BaseException:
+                self._conn.close()
+                raise
+            return
         if self.path.is_dir():
             raise ValueError(f"ledger path {str(self.path)!r} is a directory; give a file path, e.g. "
                              f"{str(self.path / 'bench.sqlite')!r}")
@@ -123,18 +143,19 @@ class Ledger:
             raise FileNotFoundError(f"no ledger at {str(self.path)!r}: `dspark bench` writes one there "
                                     "(or pass --db with the path of an existing ledger)")
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._untrusted: frozenset[str] = frozenset()
-        """Measurement ids :meth:`verify` found bad: left out of everything read after it."""
         try:
             # Autocommit mode: every write below opens and closes its own transaction explicitly.
             self._conn = sqlite3.connect(self.path, timeout=30.0, isolation_level=None)
         except sqlite3.Error as err:
             raise ValueError(f"cannot open the ledger {str(self.path)!r}: {err}") from err
         try:
-            migrate(self._conn, self.path)
-        except sqlite3.OperationalError:  # locked, read-only, disk full: not the file's kind
+            migrate(self._conn, self.path, seal=seal)
+        except sqlite3.OperationalError as err:
             self._conn.close()
-            raise
+            if any(word in str(err) for word in ("locked", "readonly", "disk", "unable to open")):
+                raise  # locked, read-only, disk full: not the file's kind
+            raise ValueError(f"{str(self.path)!r} is not a DSpark ledger as DSpark writes it "
+                             f"(SQLite: {err}): it was altered outside DSpark") from None
         except sqlite3.DatabaseError as err:
             self._conn.close()
             raise ValueError(f"{str(self.path)!r} is not a DSpark ledger (SQLite: {err}); pass --db "
@@ -177,6 +198,9 @@ class Ledger:
 
             ledger.append(measurement)   # right after the launch that measured it
         """
+        if self.read_only:
+            raise ValueError(f"{str(self.path)!r} is a kept artifact's rows, read-only: record into "
+                             "an SQLite ledger (--db PATH.sqlite)")
         items = [measurements] if isinstance(measurements, Measurement) else list(measurements)
         rows = []
         for index, m in enumerate(items):
@@ -206,25 +230,47 @@ class Ledger:
         row = self._conn.execute("SELECT row_hash FROM measurements ORDER BY id DESC LIMIT 1").fetchone()
         return str(row[0]) if row and row[0] is not None else GENESIS
 
-    def verify(self) -> ChainReport:
-        """Check every row against the hash chain and its own content (see [Note: hash chain]);
-        from then on, what this object reads leaves out the rows found bad.
+    def verify(self, *, head: str | None = None) -> ChainReport:
+        """Check every row against the hash chain and its own content (see [Note: hash chain]),
+        and, with ``head`` (kept elsewhere), that the chain still reaches it; the report also names
+        missing append-only triggers and every seal (see [Note: no silent seal]). From then on, what
+        this object reads leaves out the rows found bad.
 
         Example::
 
-            report = ledger.verify()
+            report = ledger.verify(head=kept_head)
             report.first_bad   # None, or the first row that fails, with the reason
         """
         columns = ", ".join(CONTENT_COLUMNS)
         report = verify_rows(self._conn.execute(
             f"SELECT id, {columns}, prev_hash, row_hash FROM measurements ORDER BY id"),
-            CONTENT_COLUMNS)
+            CONTENT_COLUMNS, pinned=head)
         self._untrusted = frozenset(row.measurement_id for row in report.bad)
-        return report
+        faults = [*report.faults, *(f"its append-only trigger {name!r} is missing: the file was "
+                                    "altered outside DSpark" for name in missing_triggers(self._conn))]
+        return dataclasses.replace(report, faults=tuple(faults), seals=self.seals())
+
+    def seals(self) -> tuple[Seal, ...]:
+        """Every time DSpark chained rows that had no hash (see [Note: no silent seal]), oldest first."""
+        return tuple(Seal(sealed_at=str(at), from_version=int(version), rows=int(rows), head=str(head))
+                     for at, version, rows, head in self._conn.execute(
+                         "SELECT sealed_at, from_version, rows, head FROM seals ORDER BY id"))
+
+    def export_rows(self, path: str | Path) -> int:
+        """Write every row, with its hashes, to ``path`` (see [Note: kept rows]); returns the count.
+
+        Example::
+
+            ledger.export_rows("benchmarks/results/x/ledger.jsonl")
+        """
+        return write_rows(self._conn, Path(path))
 
     def require_intact(self, report: ChainReport, run_ids: Sequence[str] | None = None) -> None:
         """Refuse (:class:`LedgerTampered`) when ``report`` found a bad row in one of ``run_ids``
         (any run when None), naming the first such row and how to see them all."""
+        if report.faults:
+            raise LedgerTampered(f"{self.path}: {report.faults[0]}; no result of it is shown "
+                                 f"(`dspark bench verify --db {self.path}`)")
         bad = [row for row in report.bad if run_ids is None or row.run_id in run_ids]
         if bad:
             raise LedgerTampered(
@@ -234,10 +280,18 @@ class Ledger:
     # -- reading ---------------------------------------------------------------------------------
 
     def _select(self, where: str = "", params: Sequence[object] = ()) -> list[Measurement]:
-        sql = f"SELECT measurement_id, measurement_json FROM measurements {where} {_ORDER}"
-        return [Measurement.from_dict(json.loads(text))
-                for measurement_id, text in self._conn.execute(sql, tuple(params))
-                if measurement_id not in self._untrusted]
+        sql = f"SELECT id, measurement_id, measurement_json FROM measurements {where} {_ORDER}"
+        found = []
+        for row_id, measurement_id, text in self._conn.execute(sql, tuple(params)):
+            if measurement_id in self._untrusted:
+                continue
+            try:
+                found.append(Measurement.from_dict(json.loads(text)))
+            except (ValueError, TypeError, RecursionError) as exc:
+                raise LedgerTampered(f"{self.path}: row {row_id} ({measurement_id!r}) does not read as "
+                                     f"a measurement ({type(exc).__name__}); `dspark bench verify "
+                                     f"--db {self.path}` names every such row") from None
+        return found
 
     def measurements(self, *, run_id: str | None = None, commit: str | None = None,
                      host: str | None = None) -> list[Measurement]:

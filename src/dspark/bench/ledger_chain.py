@@ -14,9 +14,12 @@ chain in insertion order and names every row that breaks it:
 * a row whose ``prev_hash`` is not the previous row's hash (a row deleted or slipped in before it);
 * a row whose ids or columns disagree with its JSON, or whose round is beyond its run's plan.
 
-What it cannot see: a forger who recomputes the chain with this very code, or removes the newest
-rows. ``dspark bench`` prints the chain's head after every run and ``dspark bench verify`` prints
-it too: a head kept elsewhere (a CI log) pins everything up to it.
+What the chain alone cannot see: a forger who recomputes it with this very code, or removes the
+newest rows. A head kept elsewhere catches both: ``dspark bench`` prints the chain's head after every
+run, ``dspark bench verify`` prints it too, and ``dspark bench verify --head H`` requires ``H`` to be
+some row's hash, every row up to it intact (rows appended after it are reported, not refused). Each
+artifact under ``benchmarks/results/`` keeps its rows with their hashes and its head in
+``benchmarks/results/HEADS``, a tracked file whose git history shows any head that changed.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["GENESIS", "BadRow", "ChainReport", "row_hash", "verify_rows"]
+__all__ = ["GENESIS", "BadRow", "ChainReport", "Seal", "row_hash", "verify_rows"]
 
 GENESIS = "0" * 64
 """The ``prev_hash`` of a ledger's first row."""
@@ -58,6 +61,22 @@ class BadRow:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class Seal:
+    """Rows DSpark chained that had no hash (see [Note: no silent seal] in
+    :mod:`dspark.bench.ledger_schema`): what they held before ``sealed_at`` is not vouched for."""
+
+    sealed_at: str
+    from_version: int
+    rows: int
+    head: str
+
+    def __str__(self) -> str:
+        return (f"rows 1-{self.rows} were chained on {self.sealed_at} from an unchained schema-"
+                f"{self.from_version} file (head then {self.head}): what they held before that is "
+                "not vouched for")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class ChainReport:
     """What :func:`verify_rows` found."""
 
@@ -65,10 +84,17 @@ class ChainReport:
     bad: tuple[BadRow, ...]
     head: str
     """The last row's stored ``row_hash`` (:data:`GENESIS` for an empty ledger)."""
+    pinned: str | None = None
+    """The head the rows were checked against (``--head``), if any."""
+    after_pinned: int = 0
+    """Rows appended after the pinned head's row."""
+    faults: tuple[str, ...] = ()
+    """What is wrong with the file as a whole: the pinned head is no row's, a trigger is missing."""
+    seals: tuple[Seal, ...] = ()
 
     @property
     def ok(self) -> bool:
-        return not self.bad
+        return not self.bad and not self.faults
 
     @property
     def first_bad(self) -> BadRow | None:
@@ -85,8 +111,8 @@ def _content_faults(content: Sequence[object], columns: Sequence[str]) -> list[s
     row = dict(zip(columns, content, strict=True))
     try:
         m = Measurement.from_dict(json.loads(str(row["measurement_json"])))
-    except (ValueError, TypeError) as exc:
-        return [f"its JSON does not read as a measurement ({exc})"]
+    except (ValueError, TypeError, RecursionError) as exc:
+        return [f"its JSON does not read as a measurement ({type(exc).__name__}: {str(exc)[:200]})"]
     faults = []
     if row["measurement_id"] != m.measurement_id:
         faults.append(f"its id {row['measurement_id']!r} is not the one its content implies "
@@ -107,9 +133,12 @@ def _content_faults(content: Sequence[object], columns: Sequence[str]) -> list[s
     return faults
 
 
-def verify_rows(rows: Iterable[Sequence[object]], columns: Sequence[str]) -> ChainReport:
+def verify_rows(rows: Iterable[Sequence[object]], columns: Sequence[str], *,
+                pinned: str | None = None) -> ChainReport:
     """Check rows ``(id, *content, prev_hash, row_hash)`` in insertion order, ``content`` named by
-    ``columns``; every row that breaks the chain or disagrees with itself is in the report.
+    ``columns``; every row that breaks the chain or disagrees with itself is in the report. With
+    ``pinned`` (a head kept elsewhere), a fault unless some row's hash is ``pinned``: a row at or
+    before it was deleted, or the chain recomputed.
 
     Example::
 
@@ -118,9 +147,12 @@ def verify_rows(rows: Iterable[Sequence[object]], columns: Sequence[str]) -> Cha
     """
     bad: list[BadRow] = []
     expected_prev, count, previous_id = GENESIS, 0, None
+    pinned_at = 0 if pinned == GENESIS else None
     for row_id, *rest in rows:
         *content, prev_hash, stored = rest
         count += 1
+        if pinned is not None and stored == pinned:
+            pinned_at = count
         names = dict(zip(columns, content, strict=True))
         reasons = []
         if stored is None:
@@ -139,4 +171,11 @@ def verify_rows(rows: Iterable[Sequence[object]], columns: Sequence[str]) -> Cha
                               run_id=str(names["run_id"]), reason="; ".join(reasons)))
         expected_prev = str(stored) if stored is not None else expected_prev
         previous_id = row_id
-    return ChainReport(rows=count, bad=tuple(bad), head=expected_prev)
+    faults: tuple[str, ...] = ()
+    if pinned is not None and pinned_at is None:
+        faults = (f"the pinned head {pinned} is no row's hash (the chain now ends at "
+                  f"{expected_prev}, after {count} row(s)): a row at or before it was deleted, or "
+                  "changed and the chain recomputed",)
+    return ChainReport(rows=count, bad=tuple(bad), head=expected_prev, pinned=pinned,
+                       after_pinned=count - (pinned_at or 0) if pinned_at is not None else 0,
+                       faults=faults)

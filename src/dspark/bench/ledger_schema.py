@@ -23,10 +23,20 @@ breakdown, no audit, no kernel, one pass a step); an older DSpark reading a newe
 file: the raw figures of a launch belong in its one ``measurement_json``, and a column or side
 table for them would only repeat it.
 3. ``prev_hash`` and ``row_hash`` on every measurement: a hash chain (see [Note: hash chain] in
-   :mod:`dspark.bench.ledger_chain`). A schema-2 file is sealed in place: its rows are chained in
-   the order they were inserted, so what they held when this DSpark first opened the file is what
-   ``dspark bench verify`` vouches for from then on. The schema-1 ``results`` table, kept by the
-   migration to 2, is never read.
+   :mod:`dspark.bench.ledger_chain`). The schema-1 ``results`` table, kept by the migration to 2,
+   is never read.
+4. ``seals``: one row each time DSpark chained rows that had no hash (see [Note: no silent seal]).
+   A schema-3 file gains the empty table on open; nothing in it is rewritten.
+
+[Note: no silent seal]
+A file of schema 1 or 2 has no hash chain, and neither has a chained file whose hash columns were
+dropped and whose version was set back: from the file alone the two cannot be told apart. So no
+such file is chained on open (that would launder whatever was edited in it): it is refused, with
+the one command that chains it, ``dspark bench verify --seal``. That command chains the rows as
+they are now, in insertion order, and records the seal (when, from which version, how many rows,
+the head it gave) in ``seals``, which every ``dspark bench verify`` reports from then on. A kept
+artifact's rows never carry a seal (``make figures`` refuses one), and a head
+kept from before a re-seal catches any row that changed (``dspark bench verify --head``).
 """
 
 from __future__ import annotations
@@ -44,13 +54,19 @@ from dspark.bench.ledger_chain import GENESIS, row_hash
 if TYPE_CHECKING:
     from dspark.bench.measurement import Measurement
 
-__all__ = ["CONTENT_COLUMNS", "KEY_COLUMNS", "SCHEMA_VERSION", "insert_measurement_sql",
-           "measurement_row", "migrate", "utc_timestamp"]
+__all__ = ["CONTENT_COLUMNS", "KEY_COLUMNS", "SCHEMA_VERSION", "TRIGGERS", "LedgerUnsealed",
+           "create_schema", "insert_measurement_sql", "measurement_row", "migrate", "missing_triggers",
+           "utc_timestamp"]
 
 logger = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 """Bump with a migration in ``_MIGRATIONS`` when the table layout changes."""
+
+
+class LedgerUnsealed(ValueError):
+    """A ledger without a hash chain (schema 1 or 2, or one whose chain was dropped): refused until
+    it is sealed explicitly (see [Note: no silent seal])."""
 
 KEY_COLUMNS = ("workload", "num_devices", "strategy", "precision", "batch_placement",
                "global_batch")
@@ -165,8 +181,42 @@ def _execute_script(conn: sqlite3.Connection, script: str) -> None:
         raise AssertionError(f"incomplete SQL statement in a ledger migration: {pending!r}")
 
 
+_SEALS = """
+CREATE TABLE seals (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    sealed_at TEXT NOT NULL,              -- UTC
+    from_version INTEGER NOT NULL,        -- the unchained schema the rows were in
+    rows INTEGER NOT NULL,                -- rows chained (ids 1..rows)
+    head TEXT NOT NULL                    -- the chain's head right after the seal
+);
+""" + _append_only("seals", "id")
+
+TRIGGERS = ("schema_version_no_update", "schema_version_no_delete", "measurements_no_update",
+            "measurements_no_delete", "measurements_no_replace", "seals_no_update", "seals_no_delete",
+            "seals_no_replace")
+"""The triggers that keep a ledger append-only (see [Note: append-only for real])."""
+
+_COLUMNS = {"schema_version": ("version", "applied_at"),
+            "measurements": ("id", *CONTENT_COLUMNS, "prev_hash", "row_hash"),
+            "seals": ("id", "sealed_at", "from_version", "rows", "head")}
+
+
+def create_schema(conn: sqlite3.Connection) -> None:
+    """Create an empty ledger's tables and triggers on ``conn`` (no version row).
+
+    Example::
+
+        create_schema(sqlite3.connect(":memory:", isolation_level=None))
+    """
+    _execute_script(conn, _SCHEMA_VERSION_TABLE + _MEASUREMENTS + _SEALS)
+
+
 def _create(conn: sqlite3.Connection) -> None:
-    _execute_script(conn, _SCHEMA_VERSION_TABLE + _MEASUREMENTS)
+    create_schema(conn)
+
+
+def _add_seals(conn: sqlite3.Connection) -> None:
+    _execute_script(conn, _SEALS)
 
 
 def _from_schema1(conn: sqlite3.Connection) -> None:
@@ -186,10 +236,11 @@ def _from_schema1(conn: sqlite3.Connection) -> None:
 
 
 def _seal_schema2(conn: sqlite3.Connection) -> None:
-    # The only rewrite DSpark ever makes: adding the chain to rows that had none (see the docstring).
+    # The only rewrite DSpark ever makes: adding the chain to rows that had none, when told to (see
+    # [Note: no silent seal]).
     conn.execute("ALTER TABLE measurements ADD COLUMN prev_hash TEXT")
     conn.execute("ALTER TABLE measurements ADD COLUMN row_hash TEXT")
-    conn.execute("DROP TRIGGER measurements_no_update")
+    conn.execute("DROP TRIGGER IF EXISTS measurements_no_update")
     previous = GENESIS
     columns = ", ".join(CONTENT_COLUMNS)
     rows = conn.execute(f"SELECT id, {columns} FROM measurements ORDER BY id").fetchall()
@@ -208,9 +259,15 @@ def measurement_row(m: Measurement) -> tuple[object, ...]:
             m.host, *m.key, m.config_hash, json.dumps(m.to_dict(), sort_keys=True))
 
 
-# from version -> what brings a ledger at that version to SCHEMA_VERSION (0: a new file)
-_MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {
-    0: _create, 1: _from_schema1, 2: _seal_schema2}
+# from version -> the steps that bring a ledger at that version to SCHEMA_VERSION (0: a new file)
+_MIGRATIONS: dict[int, tuple[Callable[[sqlite3.Connection], None], ...]] = {
+    0: (_create,), 1: (_from_schema1, _add_seals), 2: (_seal_schema2, _add_seals), 3: (_add_seals,)}
+_UNCHAINED = (1, 2)
+"""Versions without a hash chain: migrated only by an explicit seal (see [Note: no silent seal])."""
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
 def _version(conn: sqlite3.Connection, path: Path) -> int:
@@ -221,31 +278,88 @@ def _version(conn: sqlite3.Connection, path: Path) -> int:
             raise ValueError(f"{path} is an SQLite file but not a DSpark ledger (it has tables and "
                              "no schema_version); pass another --db or move it aside")
         return 0
-    version = int(conn.execute("SELECT MAX(version) FROM schema_version").fetchone()[0] or 0)
-    if version > SCHEMA_VERSION:
-        raise ValueError(f"{path}: ledger schema version {version} is newer than this DSpark "
+    found = conn.execute("SELECT MAX(version) FROM schema_version").fetchone()[0]
+    if not isinstance(found, int) or isinstance(found, bool):
+        raise ValueError(f"{path}: its schema_version table holds no version ({found!r}): the file "
+                         "was altered outside DSpark; pass another --db")
+    if found > SCHEMA_VERSION:
+        raise ValueError(f"{path}: ledger schema version {found} is newer than this DSpark "
                          f"understands ({SCHEMA_VERSION}); upgrade DSpark")
-    return version
+    if found != SCHEMA_VERSION and (found not in _MIGRATIONS or found == 0):
+        raise ValueError(f"{path}: ledger schema version {found!r} was never DSpark's (valid: 1 to "
+                         f"{SCHEMA_VERSION}): the file was altered outside DSpark")
+    return found
 
 
-def migrate(conn: sqlite3.Connection, path: Path) -> None:
+def _check_layout(conn: sqlite3.Connection, path: Path) -> None:
+    """Refuse, in one line, a file at :data:`SCHEMA_VERSION` whose tables lack a column (a hash
+    column dropped, say): nothing could be read or verified from it."""
+    for table, columns in _COLUMNS.items():
+        have = {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
+        missing = [column for column in columns if column not in have]
+        if missing:
+            what = f"table {table!r} lacks column(s) {missing}" if have else f"it has no table {table!r}"
+            raise ValueError(f"{path}: {what}, which every schema-{SCHEMA_VERSION} DSpark ledger has: "
+                             "the file was altered outside DSpark and cannot be verified")
+
+
+def missing_triggers(conn: sqlite3.Connection) -> list[str]:
+    """The append-only :data:`TRIGGERS` this ledger lacks (dropped outside DSpark)."""
+    have = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type='trigger'")}
+    return [name for name in TRIGGERS if name not in have]
+
+
+_UNIQUE = {"measurements": ("id", "measurement_id"), "seals": ("id",)}
+
+
+def _restore_triggers(conn: sqlite3.Connection) -> None:
+    """Create the append-only triggers a sealed file lacks (an old file, or one altered by hand)."""
+    for name in missing_triggers(conn):
+        table, kind = name.rsplit("_no_", 1)
+        if kind == "update":
+            _execute_script(conn, _no_update(table))
+        elif kind == "replace":
+            _execute_script(conn, _no_replace(table, *_UNIQUE[table]))
+        else:
+            _execute_script(conn, f"CREATE TRIGGER {name} BEFORE DELETE ON {table} BEGIN SELECT "
+                                  f"RAISE(ABORT, 'the DSpark ledger is append-only: {table} are never "
+                                  "deleted'); END;")
+
+
+def migrate(conn: sqlite3.Connection, path: Path, *, seal: bool = False) -> None:
     """Bring the ledger on ``conn`` (autocommit mode) to :data:`SCHEMA_VERSION` in one transaction,
-    or refuse a file this DSpark does not know.
+    or refuse a file this DSpark does not know. A file without a hash chain (schema 1 or 2) is a
+    :class:`LedgerUnsealed` unless ``seal=True``, which chains its rows and records the seal (see
+    [Note: no silent seal]).
 
     Example::
 
         migrate(sqlite3.connect(path, isolation_level=None), path)
     """
     if _version(conn, path) == SCHEMA_VERSION:
+        _check_layout(conn, path)
         return
     conn.execute("BEGIN IMMEDIATE")  # another process may be migrating the same file
     try:
         version = _version(conn, path)  # again, under the lock
+        if version in _UNCHAINED and not seal:
+            raise LedgerUnsealed(
+                f"{path}: ledger schema {version} has no hash chain (written before DSpark chained "
+                "its rows, or its chain was dropped), so nothing vouches for its rows; `dspark bench "
+                f"verify --db {path} --seal` chains them as they are now, a seal every verify reports")
         if version != SCHEMA_VERSION:
             logger.info("ledger %s: migrating schema %d -> %d", path, version, SCHEMA_VERSION)
-            _MIGRATIONS[version](conn)
+            for step in _MIGRATIONS[version]:
+                step(conn)
+            if version in _UNCHAINED:
+                _restore_triggers(conn)
+                rows, head = conn.execute("SELECT COUNT(*), (SELECT row_hash FROM measurements "
+                                          "ORDER BY id DESC LIMIT 1) FROM measurements").fetchone()
+                conn.execute("INSERT INTO seals (sealed_at, from_version, rows, head) VALUES (?, ?, ?, ?)",
+                             (_now(), version, rows, head or GENESIS))
             conn.execute("INSERT INTO schema_version (version, applied_at) VALUES (?, ?)",
-                         (SCHEMA_VERSION, datetime.now(timezone.utc).isoformat(timespec="seconds")))
+                         (SCHEMA_VERSION, _now()))
+        _check_layout(conn, path)
     except BaseException:
         conn.execute("ROLLBACK")
         raise

@@ -13,31 +13,32 @@ Example::
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
-import json
-import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.table import Table
+
+from dspark.cli.bench_common import (
+    EXIT_FAILED,
+    check_outputs,
+    console,
+    db_path,
+    describe,
+    write_json,
+)
+from dspark.cli.bench_ledger_cmd import (
+    compare_runs,
+    export_results,
+    list_results,
+    report_run,
+    verify_ledger,
+)
 
 __all__ = ["add_parser", "run"]
 
-EXIT_FAILED = 1
-# Rich assumes 80 columns when stdout is not a terminal (`make bench | tee`, CI logs), which
-# squeezes the results table into unreadable cells.
-_PIPE_WIDTH = 180
-
-
-def _console(*, stderr: bool = False) -> Console:
-    console = Console(stderr=stderr)
-    if not console.is_terminal:
-        console = Console(stderr=stderr, width=_PIPE_WIDTH)
-    return console
 
 
 def _names(text: str) -> tuple[str, ...]:
@@ -168,17 +169,23 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     target = exporting.add_mutually_exclusive_group(required=True)
     target.add_argument("--json", type=Path, metavar="PATH", help="write a JSON list of objects")
     target.add_argument("--csv", type=Path, metavar="PATH", help="write a CSV file")
+    target.add_argument("--rows", type=Path, metavar="PATH.jsonl",
+                        help="write the ledger itself, every row with its hashes, a JSON object a "
+                             "line: what an artifact keeps (every `dspark bench` action reads it "
+                             "back with --db PATH.jsonl)")
     exporting.add_argument("--run", metavar="REF", help="only this run or commit (default: all)")
     _add_db(exporting, default=argparse.SUPPRESS)
     verifying = actions.add_parser(
-        "verify", help="check the ledger's hash chain; name the first row that fails it")
+        "verify", help="check the ledger's hash chain; name the first row that fails it",
+        description="Check every row against the hash chain and its own content, and report any "
+                    "seal. --db takes an SQLite ledger or a kept artifact's rows (.jsonl).")
+    verifying.add_argument("--head", metavar="HASH",
+                           help="a head kept elsewhere (benchmarks/results/HEADS, a CI log): fail "
+                                "unless the chain still reaches it (a deleted or re-chained row)")
+    verifying.add_argument("--seal", action="store_true",
+                           help="chain a ledger that has none (schema 1 or 2) as it is now; the "
+                                "seal is recorded and every verify reports it")
     _add_db(verifying, default=argparse.SUPPRESS)
-
-
-def _db_path(args: argparse.Namespace) -> Path:
-    from dspark.bench.ledger import default_db_path
-
-    return Path(args.db) if args.db is not None else default_db_path()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -188,39 +195,9 @@ def run(args: argparse.Namespace) -> int:
 
         run(build_parser().parse_args(["bench", "list"]))
     """
-    handlers = {None: _run_suite, "list": _list, "compare": _compare, "rerun": _rerun,
-                "report": _report, "export": _export, "verify": _verify}
+    handlers = {None: _run_suite, "list": list_results, "compare": compare_runs, "rerun": _rerun,
+                "report": report_run, "export": export_results, "verify": verify_ledger}
     return handlers[args.action](args)
-
-
-def _check_outputs(args: argparse.Namespace) -> None:
-    """``--json PATH``'s folder, ``--report DIR`` and ``--trace DIR`` must be writable places, not
-    files: ``ValueError`` naming the option and the path."""
-    for option, path, is_dir in (("--json", getattr(args, "json", None), False),
-                                 ("--report", getattr(args, "report", None), True),
-                                 ("--trace", getattr(args, "trace", None), True)):
-        if path is None:
-            continue
-        if is_dir and path.exists() and not path.is_dir():
-            raise ValueError(f"{option} {str(path)!r} is a file; give a directory (it is created if needed)")
-        if not is_dir and path.is_dir():
-            raise ValueError(f"{option} {str(path)!r} is a directory; give a file path")
-        above = next((p for p in (path if is_dir else path.parent, *path.parents)
-                      if p.exists()), None)
-        if above is not None and not above.is_dir():
-            raise ValueError(f"{option} {str(path)!r}: {str(above)!r} is a file, not a directory")
-        if above is not None and not os.access(above, os.W_OK | os.X_OK):
-            raise PermissionError(f"{option} {str(path)!r}: {str(above)!r} is not writable")
-        try:  # the folder now, as the write would later: a place no one can write fails here
-            (path if is_dir else path.parent).mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise ValueError(f"{option} {str(path)!r}: cannot create its folder: {exc}") from None
-
-
-def _write_json(path: Path, rows: object) -> None:
-    """Write ``rows`` as JSON to ``path``, creating its folder as ``--report`` and ``--trace`` do."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(rows, indent=2))
 
 
 def _write_after_run(what: str, write: Callable[[], str], out: Console, err: Console,
@@ -249,9 +226,9 @@ def _run_and_show(configs: Sequence[Any], args: argparse.Namespace, *, seed_tabl
     )
     from dspark.bench.runner import RunFailure, new_run_id, run_suite
 
-    out, err = _console(), _console(stderr=True)
-    db = _db_path(args)
-    _check_outputs(args)  # before anything is measured: a bad path must not cost the run
+    out, err = console(), console(stderr=True)
+    db = db_path(args)
+    check_outputs(args)  # before anything is measured: a bad path must not cost the run
     failures: list[RunFailure] = []
     run_id = new_run_id()
     started = time.perf_counter()
@@ -270,7 +247,7 @@ def _run_and_show(configs: Sequence[Any], args: argparse.Namespace, *, seed_tabl
     written = True
     if args.json is not None:
         def json_out() -> str:
-            _write_json(args.json, [r.to_dict() for r in results])
+            write_json(args.json, [r.to_dict() for r in results])
             return f"wrote {len(results)} results to {args.json}"
         written &= _write_after_run("--json", json_out, out, err, run_id)
     if args.report is not None and results:
@@ -285,7 +262,7 @@ def _run_and_show(configs: Sequence[Any], args: argparse.Namespace, *, seed_tabl
               f"in {wall_s:.0f} s, recorded in {db} (hash chain head {head})")
     # Each failure's error output was logged when it happened; this is the summary.
     for failure in failures:
-        err.print(f"[bold red]FAILED[/] {_describe(failure.config)} (exit code {failure.exit_code}): "
+        err.print(f"[bold red]FAILED[/] {describe(failure.config)} (exit code {failure.exit_code}): "
                   "the failed round recorded nothing", highlight=False)
     return EXIT_FAILED if failures or not written else 0
 
@@ -298,17 +275,11 @@ def _print_traces(results: Sequence[Any], trace_root: Path, out: Console) -> Non
         where = trace_dir_of(result.config, trace_root)
         files = sorted(where.glob("rank*.json"))
         if files:
-            out.print(f"traces of {_describe(result.config)}: {where}/rank*.json "
+            out.print(f"traces of {describe(result.config)}: {where}/rank*.json "
                       f"({len(files)} file{'' if len(files) == 1 else 's'})", highlight=False)
         elif result.strategy in PEERS:
-            out.print(f"no trace of {_describe(result.config)}: a peer (PyTorch's or "
+            out.print(f"no trace of {describe(result.config)}: a peer (PyTorch's or "
                       "DeepSpeed's) has no DSpark trace option", highlight=False)
-
-
-def _describe(config: Any) -> str:
-    from dspark.bench.runner import describe_config
-
-    return describe_config(config)
 
 
 def _run_suite(args: argparse.Namespace) -> int:
@@ -336,11 +307,11 @@ def _rerun(args: argparse.Namespace) -> int:
                          "commit to call results stale against; install it from a clone "
                          "(pip install -e .)")
     host = socket.gethostname()
-    with Ledger(_db_path(args), create=False) as ledger:
+    with Ledger(db_path(args), create=False) as ledger:
         stale = ledger.stale(commit, host=host, current_dirty=dirty)
         known = ledger.latest_by_key(host=host)
         others = sorted({r.host for r in ledger.latest_by_key().values()} - {host})
-    out = _console()
+    out = console()
     code = f"{commit[:12]}{' with uncommitted changes' if dirty else ''}"
     if not known:
         # "Nothing is stale" would read as "everything is current" for a ledger of other machines.
@@ -357,7 +328,7 @@ def _rerun(args: argparse.Namespace) -> int:
     fits = [c for c in stale if c.num_devices <= machine.num_devices]
     for config in stale:
         if config not in fits:
-            out.print(f"  skipped {_describe(config)}: this machine has {machine.num_devices} "
+            out.print(f"  skipped {describe(config)}: this machine has {machine.num_devices} "
                       f"{machine.device_kind}(s)", highlight=False)
     # A speedup needs its baseline measured in the same run (see dspark.bench.analysis).
     baselines = [known[c.baseline_key].config if c.baseline_key in known
@@ -370,122 +341,7 @@ def _rerun(args: argparse.Namespace) -> int:
     out.print(f"re-running {len(fits)} configuration(s) recorded on {host} against other code "
               f"than {code}{why}, with {len(configs) - len(fits)} baseline(s):", highlight=False)
     for config in configs:
-        out.print(f"  {_describe(config)}", highlight=False)
+        out.print(f"  {describe(config)}", highlight=False)
     if not configs:
         return 0
     return _run_and_show(configs, args, seed_table=False)
-
-
-def _list(args: argparse.Namespace) -> int:
-    from dspark.bench.analysis import annotate
-    from dspark.bench.formatting import format_speedup
-    from dspark.bench.ledger import Ledger
-
-    with Ledger(_db_path(args), create=False) as ledger:
-        chain = ledger.verify()  # rows it finds bad are left out of what is read below
-        results = annotate(ledger.results(), history=ledger)
-    table = Table(title=f"{len(results)} results in {_db_path(args)}", title_justify="left")
-    for header in ("run", "time (UTC)", "commit", "host", "configuration", "rounds", "step ms",
-                   "speedup", "anomalies"):
-        # One anomaly kind per line, never cut: the column the reader looks for.
-        table.add_column(header, no_wrap=header in ("run", "time (UTC)", "speedup", "anomalies"))
-    for r in results:
-        table.add_row(r.run_id, r.timestamp[:19], r.git_commit[:10] + ("+" if r.git_dirty else ""),
-                      r.host, _describe(r.config), str(r.rounds), f"{r.step_ms:.1f}",
-                      format_speedup(r),
-                      _flags(r, chain))
-    _console().print(table)
-    if not chain.ok:
-        _console(stderr=True).print(
-            f"[bold red]TAMPERED[/]: {len(chain.bad)} row(s) fail the hash chain and are left out, "
-            f"first {chain.first_bad}; `dspark bench verify` lists them", highlight=False)
-    return 0
-
-
-def _flags(result: Any, chain: Any) -> str:
-    """One anomaly kind per line, then an injected fault, then a tampered run: what voids a row."""
-    from dspark.bench.faults import describe_injected
-
-    flags = list(dict.fromkeys(str(a.get("kind")) for a in result.anomalies))
-    flags += [describe_injected(result)] if result.injected_faults else []
-    flags += ["TAMPERED (rows left out)"] if result.run_id in chain.bad_runs else []
-    return "\n".join(flags) or "-"
-
-
-def _compare(args: argparse.Namespace) -> int:
-    from dspark.bench.compare import compare
-    from dspark.bench.ledger import Ledger
-    from dspark.bench.noise import NoiseModel
-    from dspark.bench.report import render_comparison
-
-    with Ledger(_db_path(args), create=False) as ledger:
-        chain = ledger.verify()
-        a, b = ledger.resolve(args.a), ledger.resolve(args.b)
-        ledger.require_intact(chain, [r.run_id for r in (*a, *b)])
-        noise = NoiseModel.from_history(ledger.results())
-    render_comparison(compare(a, b, a_label=args.a, b_label=args.b, noise=noise), _console())
-    return 0
-
-
-def _report(args: argparse.Namespace) -> int:
-    from dspark.bench.analysis import annotate
-    from dspark.bench.ledger import Ledger
-    from dspark.bench.report import write_html_report
-
-    _check_outputs(args)
-    with Ledger(_db_path(args), create=False) as ledger:
-        chain = ledger.verify()
-        chosen = ledger.resolve(args.run)
-        ledger.require_intact(chain, [r.run_id for r in chosen])
-        results = annotate(chosen, history=ledger)
-    _console().print(f"wrote the report of {len(results)} results to "
-                    f"{write_html_report(results, args.report)}")
-    return 0
-
-
-def _export(args: argparse.Namespace) -> int:
-    from dspark.bench.analysis import annotate
-    from dspark.bench.ledger import Ledger
-    from dspark.bench.result import BenchResult
-
-    _check_outputs(args)
-    with Ledger(_db_path(args), create=False) as ledger:
-        chain = ledger.verify()
-        chosen = ledger.resolve(args.run) if args.run else ledger.results()
-        ledger.require_intact(chain, None if not args.run else [r.run_id for r in chosen])
-        results = annotate(chosen, history=ledger)
-    rows = [r.to_dict() for r in results]
-    if args.json is not None:
-        _write_json(args.json, rows)
-        path = args.json
-    else:
-        names = list(BenchResult.__dataclass_fields__)
-        args.csv.parent.mkdir(parents=True, exist_ok=True)
-        with open(args.csv, "w", newline="") as handle:
-            writer = csv.DictWriter(handle, fieldnames=names)
-            writer.writeheader()
-            for row in rows:
-                # Lists and dicts as JSON text: one cell each, and readable back.
-                writer.writerow({k: json.dumps(v) if isinstance(v, (list, dict)) else v
-                                 for k, v in row.items()})
-        path = args.csv
-    _console().print(f"wrote {len(rows)} results to {path}")
-    return 0
-
-
-def _verify(args: argparse.Namespace) -> int:
-    from dspark.bench.ledger import Ledger
-
-    with Ledger(_db_path(args), create=False) as ledger:
-        report = ledger.verify()
-    out = _console()
-    if report.ok:
-        out.print(f"{ledger.path}: {report.rows} row(s), the hash chain holds; head "
-                  f"{report.head}", highlight=False)
-        return 0
-    err = _console(stderr=True)
-    err.print(f"[bold red]TAMPERED[/]: {ledger.path}: {len(report.bad)} of {report.rows} row(s) "
-              f"fail the hash chain; first {report.first_bad}", highlight=False)
-    for row in report.bad[1:]:
-        err.print(f"  {row}", highlight=False)
-    return EXIT_FAILED
