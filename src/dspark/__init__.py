@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from dspark import comm as comm
     from dspark.comm import World, get_world, init, shutdown
     from dspark.data import DataLoader, gather_for_metrics, reduce_metrics
-    from dspark.engine import Engine, meta_init
+    from dspark.engine import Engine, EngineConfig, meta_init
     from dspark.errors import (
         CollectiveError,
         CollectiveTimeoutError,
@@ -71,6 +71,7 @@ _PUBLIC: dict[str, tuple[str, str | None]] = {
     "gather_for_metrics": ("dspark.data", "gather_for_metrics"),
     "reduce_metrics": ("dspark.data", "reduce_metrics"),
     "Engine": ("dspark.engine", "Engine"),
+    "EngineConfig": ("dspark.engine", "EngineConfig"),
     "meta_init": ("dspark.engine", "meta_init"),
     "CollectiveError": ("dspark.errors", "CollectiveError"),
     "CollectiveTimeoutError": ("dspark.errors", "CollectiveTimeoutError"),
@@ -139,6 +140,7 @@ __all__ = [
     "DataLoader",
     "DistTensor",
     "Engine",
+    "EngineConfig",
     "NotInitializedError",
     "PlacementError",
     "Plan",

@@ -155,6 +155,8 @@ def test_a_launch_in_micro_batches_records_them(single_process) -> None:
     m = run_config(config)
     assert m.micro_batches == 4 and m.max_micro_batch == 2
     assert m.engine_options["grad_accum_steps"] == 4
+    recorded = m.engine_options["engine_config"]  # the whole EngineConfig, next to the result
+    assert dspark.EngineConfig.from_dict(recorded).grad_accum_steps == 4 and "observation" not in recorded
     assert m.batch is not None and m.batch["samples_by_rank"] == [8]  # every pass counted
     assert m.config == config  # a rerun measures the same thing
 

@@ -62,6 +62,7 @@ from torch import nn
 
 from dspark.comm import World
 from dspark.comm.stats import wire_bytes
+from dspark.engine.config import EngineConfig
 from dspark.engine.optimizer_kernel import prefer_fused_kernel
 from dspark.engine.policy import PrecisionPolicy, precision_policy
 
@@ -138,7 +139,8 @@ def dspark_bucket_mb(engine_cls: type | None = None) -> float:
         import dspark
 
         engine_cls = dspark.Engine
-    return float(inspect.signature(engine_cls).parameters["bucket_mb"].default)
+    parameter = inspect.signature(engine_cls).parameters.get("bucket_mb")
+    return float(EngineConfig().communication.bucket_mb if parameter is None else parameter.default)
 
 
 def peer_precision(name: str, precision: str, *, known: Collection[str],

@@ -104,8 +104,9 @@ class Measurement(Recorded):
     bus_bytes_per_s: float = 0.0
     buffer_sync: str = ""
     engine_options: dict[str, Any] = field(default_factory=dict)
-    """DSpark's engine: keyword arguments beyond the configuration; a DeepSpeed peer: its
-    ``deepspeed_config`` and ``deepspeed_version``."""
+    """DSpark's engine: keyword arguments beyond the configuration, and ``engine_config``, the
+    whole :class:`dspark.EngineConfig` it ran with (``to_dict()``, less where its trace went); a
+    DeepSpeed peer: its ``deepspeed_config`` and ``deepspeed_version``."""
     optimizer_kernel: str = ""
     """The kernel the optimizer stepped with (``fused``, ``foreach``, ``for-loop``); "" in a row
     written before it was recorded."""

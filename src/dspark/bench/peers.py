@@ -50,6 +50,7 @@ from torch import nn
 from dspark.bench.deepspeed_peer import DEEPSPEED_PEERS, DeepSpeedPeer, peer_precision
 from dspark.comm import World
 from dspark.comm.stats import wire_bytes
+from dspark.engine.config import EngineConfig
 from dspark.engine.loss_scaler import LossScaler
 
 __all__ = ["DEEPSPEED_PEERS", "FP16_PEERS", "PEERS", "TORCH_PEERS", "PeerEngine", "buffer_sync",
@@ -65,7 +66,13 @@ strategy it is compared with."""
 
 
 def _engine_accepts(engine_cls: type, name: str) -> bool:
-    return name in inspect.signature(engine_cls).parameters
+    """Whether ``engine_cls`` takes option ``name``: by its signature, or, for an engine that takes
+    its options as ``**options`` (:class:`dspark.EngineConfig`'s), by the config's names."""
+    parameters = inspect.signature(engine_cls).parameters
+    if name in parameters:
+        return True
+    takes_options = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    return takes_options and name in EngineConfig().options()
 
 
 def _default_engine() -> type:

@@ -161,8 +161,13 @@ class _Trainer:
                                        grad_accum_steps=self.passes)
         if not self.is_dspark:  # a peer records its configuration (DeepSpeed's, its accumulation)
             self.options = dict(self.engine.options)
-        elif self.passes > 1:
-            self.options["grad_accum_steps"] = self.passes
+        else:
+            if self.passes > 1:
+                self.options["grad_accum_steps"] = self.passes
+            # the whole configuration it ran with, next to the result (where a trace goes aside)
+            recorded = self.engine.config.to_dict()
+            recorded.pop("observation")
+            self.options["engine_config"] = recorded
         self.optimizer_kernel = kernel_name(self.engine.optimizer)
         self.traced = bool(tracing)
         self.shard_dim: Any = 0 if config.batch_placement == "shard" else dspark.REPLICATE

@@ -16,8 +16,9 @@ import torch
 from torch import nn
 
 from dspark.comm import World
+from dspark.engine.config import EngineConfig
 
-__all__ = ["AutoChoice", "AutoRequest", "AutoResolver", "check_memory_budget", "check_planned_rows", "resolve_auto",
+__all__ = ["AutoChoice", "AutoRequest", "AutoResolver", "check_planned_rows", "resolve_auto",
            "set_auto_resolver", "strategy_and_plan"]
 
 
@@ -67,17 +68,6 @@ def set_auto_resolver(resolver: AutoResolver) -> None:
     _resolver[:] = [resolver]
 
 
-def check_memory_budget(memory_budget: Any) -> int | None:
-    """``memory_budget`` as bytes per rank (None: the resolver's default); anything else is a
-    ``ValueError`` naming it."""
-    if memory_budget is None:
-        return None
-    if isinstance(memory_budget, bool) or not isinstance(memory_budget, int) or memory_budget <= 0:
-        raise ValueError(f"memory_budget={memory_budget!r} must be an int > 0 (bytes per rank) or None "
-                         "(the device's memory less a margin)")
-    return memory_budget
-
-
 def resolve_auto(request: AutoRequest) -> AutoChoice:
     """The registered resolver's choice for ``request``.
 
@@ -92,37 +82,35 @@ def resolve_auto(request: AutoRequest) -> AutoChoice:
     return _resolver[0](request)
 
 
-def strategy_and_plan(strategy: str, memory_budget: Any, *, model: nn.Module,
-                      optimizer: Callable[..., torch.optim.Optimizer], precision: str, bucket_mb: float,
-                      world: World, sample_batch: Any = None, loss_fn: Any = None,
-                      grad_accum_steps: int | None = None) -> AutoChoice:
-    """The engine's ``strategy`` by name and the plan it came from: ``"auto"`` asks the resolver for
-    the fastest strategy that fits ``memory_budget`` bytes per rank (and, given ``sample_batch``, the
-    micro-batch with it); any other name is kept, with no plan, and refuses ``memory_budget``,
+def strategy_and_plan(config: EngineConfig, *, model: nn.Module, optimizer: Callable[..., torch.optim.Optimizer],
+                      world: World, sample_batch: Any = None, loss_fn: Any = None) -> AutoChoice:
+    """The engine's strategy by name and the plan it came from: ``config.strategy="auto"`` asks the
+    resolver for the fastest strategy that fits ``config.memory_budget`` bytes per rank (and, given
+    ``sample_batch``, the micro-batch with it); any other name is kept, with no plan, and refuses
     ``sample_batch`` and ``loss_fn`` (only ``"auto"`` reads them).
 
     Example::
 
-        strategy_and_plan("zero2", None, model=m, optimizer=opt, precision="fp32", bucket_mb=25.0,
+        strategy_and_plan(EngineConfig(strategy="zero2"), model=m, optimizer=opt,
                           world=world)   # AutoChoice(strategy="zero2", plan=None)
     """
-    if strategy == "auto":  # see [Note: auto without a circle]
+    if config.strategy == "auto":  # see [Note: auto without a circle]
         if loss_fn is not None and sample_batch is None:
             raise ValueError("loss_fn= is what strategy='auto' probes sample_batch= with; pass a sample "
                              "batch too, or leave loss_fn out")
         if loss_fn is not None and not callable(loss_fn):
             raise TypeError(f"loss_fn must be a function (outputs, targets) -> loss, got "
                             f"{type(loss_fn).__name__}")
-        return resolve_auto(AutoRequest(model=model, optimizer=optimizer, precision=precision,
-                                        bucket_mb=bucket_mb, memory_budget=check_memory_budget(memory_budget),
-                                        world=world, sample_batch=sample_batch, loss_fn=loss_fn,
-                                        grad_accum_steps=grad_accum_steps))
-    for name, value in (("memory_budget", memory_budget), ("sample_batch", sample_batch), ("loss_fn", loss_fn)):
+        return resolve_auto(AutoRequest(model=model, optimizer=optimizer, precision=config.precision,
+                                        bucket_mb=float(config.communication.bucket_mb),
+                                        memory_budget=config.memory_budget, world=world,
+                                        sample_batch=sample_batch, loss_fn=loss_fn,
+                                        grad_accum_steps=config.grad_accum_steps))
+    for name, value in (("sample_batch", sample_batch), ("loss_fn", loss_fn)):
         if value is not None:
-            shown = repr(value) if name == "memory_budget" else f"<{type(value).__name__}>"
-            raise ValueError(f"{name}={shown} is what strategy='auto' plans with; with "
-                             f"strategy={strategy!r} leave it out, or pass strategy='auto'")
-    return AutoChoice(strategy=strategy, plan=None)
+            raise ValueError(f"{name}=<{type(value).__name__}> is what strategy='auto' plans with; with "
+                             f"strategy={config.strategy!r} leave it out, or pass strategy='auto'")
+    return AutoChoice(strategy=config.strategy, plan=None)
 
 
 def check_planned_rows(rows: int | None, micro_batch: int, grad_accum_steps: int) -> None:

@@ -71,9 +71,6 @@ class BatchCheck:
     """
 
     def __init__(self, *, every: int | None, step_count: Callable[[], int]) -> None:
-        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 0):
-            raise ValueError(f"batch_check_every={every!r} must be an int >= 1 (steps between checks), "
-                             "or None / 0 to turn the check off")
         self.every = every or 0
         self._world = comm.get_world()
         self._step_count = step_count

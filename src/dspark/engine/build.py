@@ -6,7 +6,6 @@ them (:func:`build_parts`, which ``Engine.__init__`` calls once)."""
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +19,7 @@ from dspark.engine.auto import check_planned_rows
 from dspark.engine.backward import BackwardPass
 from dspark.engine.batch_check import BatchCheck
 from dspark.engine.buffer_sync import BufferSync, broadcast_tensors
+from dspark.engine.config import EngineConfig
 from dspark.engine.global_batchnorm import convert_batchnorm, restore_batchnorm
 from dspark.engine.grad_reducer import GradReducer, LocalReducer
 from dspark.engine.inputs import ForwardInputs, InputRecorder, Reader
@@ -27,9 +27,9 @@ from dspark.engine.loss_scaler import LossScaler
 from dspark.engine.materialize import has_meta_tensors, materialize
 from dspark.engine.optimizer_guard import check_elementwise, guard_sharded_optimizer
 from dspark.engine.optimizer_kernel import prefer_fused_kernel
-from dspark.engine.param_groups import ParamGroupsFn, group_by_overrides
+from dspark.engine.param_groups import group_by_overrides
 from dspark.engine.param_slot import ParamSlot
-from dspark.engine.policy import PrecisionPolicy, ShardingPolicy
+from dspark.engine.policy import ShardingPolicy, precision_policy
 from dspark.engine.state_dict import StateDicts
 from dspark.engine.step_observer import StepObserver
 from dspark.engine.trace import TraceSession
@@ -192,56 +192,51 @@ class EngineParts:
         self.batchnorms.clear()
 
 
-def build_parts(model: nn.Module, factory: OptimizerFactory, *, world: World, strategy: ShardingPolicy,
-                precision: PrecisionPolicy, window: Window, loss_scaler: LossScaler | None,
-                grad_accum_steps: int, clip_grad_norm: float | None, bucket_mb: float,
-                reduce_dtype: torch.dtype | None, param_groups: ParamGroupsFn | None, zero3_units: UnitPolicy,
-                sync_batchnorm: bool, broadcast_buffers: bool, batch_check_every: int | None,
-                trace_dir: str | os.PathLike[str] | None, trace_steps: tuple[int, int], skip_nonfinite: bool,
-                max_nonfinite_skips: int | None, defer_host_reads: bool,
-                step_count: Callable[[], int], planned_micro_batch: int | None = None,
-                allow_accum_scaled_loss: bool = False) -> EngineParts:
+def build_parts(model: nn.Module, factory: OptimizerFactory, *, config: EngineConfig, world: World,
+                strategy: ShardingPolicy, grad_accum_steps: int, window: Window, loss_scaler: LossScaler | None,
+                step_count: Callable[[], int], defer_host_reads: bool,
+                planned_micro_batch: int | None = None) -> EngineParts:
     """Check that every rank has the same model and optimizer, place the model, build the optimizer
     and wire the parts of a step around them, in the same order on every rank (each check and
-    broadcast is collective). The engine's own state comes in as values: its accumulation ``window``
-    and ``step_count()``, the steps applied so far. ``planned_micro_batch``: the rows per training
-    forward ``strategy="auto"`` planned, refused above it.
+    broadcast is collective). ``config``: the engine's options; ``strategy`` and ``grad_accum_steps``
+    as they run (``strategy="auto"``'s choice); the engine's own state comes in as values: its
+    accumulation ``window``, its fp16 ``loss_scaler`` and ``step_count()``, the steps applied so
+    far; ``defer_host_reads``: the update reads the device in a GPU's order.
+    ``planned_micro_batch``: the rows per training forward ``strategy="auto"`` planned, refused
+    above it.
 
     Example::
 
-        parts = build_parts(model, functools.partial(torch.optim.SGD, lr=0.1), world=world, ...)
+        parts = build_parts(model, functools.partial(torch.optim.SGD, lr=0.1), config=EngineConfig(),
+                            world=world, strategy=STRATEGIES["replicate"], grad_accum_steps=1, ...)
         parts.close()   # the module is a plain module again (unless zero3)
     """
     n, rank = world.world_size, world.rank
-    settings = {"strategy": strategy.name, "precision": precision.name, "grad_accum_steps": grad_accum_steps,
-                "clip_grad_norm": clip_grad_norm, "bucket_mb": bucket_mb,
-                "reduce_dtype": str(reduce_dtype), "loss_scaler": repr(loss_scaler),
-                "param_groups": param_groups is not None, "zero3_units": zero3_units is not None,
-                "sync_batchnorm": sync_batchnorm, "broadcast_buffers": broadcast_buffers,
-                "batch_check_every": batch_check_every, "skip_nonfinite": skip_nonfinite,
-                "max_nonfinite_skips": max_nonfinite_skips, "allow_accum_scaled_loss": allow_accum_scaled_loss}
-    check_same_model_on_every_rank(model, rank, settings)
+    precision = precision_policy(config.precision)
+    comm_config, checks, observation = config.communication, config.checks, config.observation
+    check_same_model_on_every_rank(model, rank, config.agreed_settings())
     named = unique_params(model)
     trainable = [(names[0], p) for names, p in named if p.requires_grad]
+    param_groups = config.param_groups
     groups = agreed("param_groups", lambda: None if param_groups is None else
                     group_by_overrides(trainable, param_groups))
     shard_params = strategy.shard_params and n > 1
     # identical input batches on two ranks raise PlacementError (see engine/batch_check.py)
-    batch_check = BatchCheck(every=batch_check_every, step_count=step_count)
+    batch_check = BatchCheck(every=checks.batch_check_every, step_count=step_count)
     slot_of: dict[int, ParamSlot] = {}
     agreed("placing the model on its device",
            lambda: place_model(model, named, slot_of, world=world, shard_params=shard_params))
     all_slots = [slot_of[id(p)] for _, p in named if id(p) in slot_of]
     slots = [s for s in all_slots if s.requires_grad]
     check_no_sync_batchnorm_on_cpu(model, world.device)
-    batchnorms = convert_batchnorm(model) if sync_batchnorm else []
+    batchnorms = convert_batchnorm(model) if comm_config.sync_batchnorm else []
     buffer_sync = None
-    if broadcast_buffers and n > 1:
+    if comm_config.broadcast_buffers and n > 1:
         skip = {id(b) for m in batchnorms for b in m.buffers(recurse=False)}
         buffer_sync = BufferSync(model, skip=skip)
 
     zero3, zero3_guard = shard_parameters(
-        model, all_slots, strategy=strategy, world=world, policy=zero3_units,
+        model, all_slots, strategy=strategy, world=world, policy=comm_config.zero3_units,
         in_backward=lambda: window.in_backward, window=lambda: window.index)
     optimizer = agreed("building the optimizer", lambda: build_optimizer(
         factory, slots, groups, module=model, strategy=strategy, rank=rank))
@@ -251,8 +246,8 @@ def build_parts(model: nn.Module, factory: OptimizerFactory, *, world: World, st
     sharded = strategy.shard_grads
     collective = SHARDED_REDUCE.get(world.backend, "all_reduce") if sharded else "all_reduce"
     reducer = LocalReducer(slots, sharded=sharded) if n == 1 else GradReducer(
-        slots, sharded=sharded, collective=collective, bucket_mb=bucket_mb,
-        wire_dtype=reduce_dtype, rank=rank, num_ranks=n, device=world.device)
+        slots, sharded=sharded, collective=collective, bucket_mb=comm_config.bucket_mb,
+        wire_dtype=comm_config.reduce_dtype, rank=rank, num_ranks=n, device=world.device)
 
     def after_optimizer() -> None:
         """zero1/zero2: check the sharded optimizer's state once, and all-gather the updated rows."""
@@ -263,9 +258,9 @@ def build_parts(model: nn.Module, factory: OptimizerFactory, *, world: World, st
             reducer.gather_updated_rows()
 
     update = Update(optimizer, slots, shard_grads=strategy.shard_grads, loss_scaler=loss_scaler,
-                    clip_grad_norm=clip_grad_norm, device=world.device, rank=rank, num_ranks=n,
+                    clip_grad_norm=config.clip_grad_norm, device=world.device, rank=rank, num_ranks=n,
                     defer_host_reads=defer_host_reads, after_optimizer=after_optimizer,
-                    skip_nonfinite=skip_nonfinite, max_nonfinite_skips=max_nonfinite_skips)
+                    skip_nonfinite=checks.skip_nonfinite, max_nonfinite_skips=checks.max_nonfinite_skips)
     frozen_slots = [s for s in all_slots if not s.requires_grad]
     states = StateDicts(model, slots, frozen_slots, optimizer, strategy=strategy, precision=precision,
                         loss_scaler=loss_scaler, zero3=zero3, guard=zero3_guard, world=world)
@@ -273,8 +268,8 @@ def build_parts(model: nn.Module, factory: OptimizerFactory, *, world: World, st
         slots=slots, frozen_params=[(names[0], p) for names, p in named if not p.requires_grad],
         window=window, reducer=reducer, zero3=zero3, loss_scaler=loss_scaler,
         grad_accum_steps=grad_accum_steps, shard_grads=strategy.shard_grads, world=world,
-        step_count=step_count, allow_accum_scaled_loss=allow_accum_scaled_loss, optimizer=optimizer,
-        strategy=strategy.name)
+        step_count=step_count, allow_accum_scaled_loss=checks.allow_accum_scaled_loss,
+        optimizer=optimizer, strategy=strategy.name)
     hooks: list[Any] = [s.param.register_post_accumulate_grad_hook(backward_pass.grad_ready_hook(s))
                         for s in slots]
     if strategy.shard_optimizer and n > 1:  # see [Note: a rank's optimizer state dict]
@@ -288,8 +283,9 @@ def build_parts(model: nn.Module, factory: OptimizerFactory, *, world: World, st
     inputs = InputRecorder(  # see [Note: forward inputs]
         model, readers=readers, in_backward=lambda: window.in_backward,
         before_training_forward=None if buffer_sync is None else buffer_sync.before_forward)
+    trace_dir, (warmup, active) = observation.trace_dir, observation.trace_steps
     trace = None if trace_dir is None else TraceSession(
-        trace_dir, rank=rank, warmup=trace_steps[0], active=trace_steps[1], device=world.device)
+        trace_dir, rank=rank, warmup=warmup, active=active, device=world.device)
     return EngineParts(
         slots=slots, frozen_slots=frozen_slots, shard_params=shard_params, batch_check=batch_check,
         batchnorms=batchnorms, zero3=zero3, zero3_guard=zero3_guard, optimizer=optimizer, reducer=reducer,

@@ -22,28 +22,19 @@ from torch import nn
 from dspark import comm, cpu_malloc
 from dspark.engine.audit import audit_rows
 from dspark.engine.auto import strategy_and_plan
-from dspark.engine.batch_check import DEFAULT_BATCH_CHECK_EVERY
 from dspark.engine.buffer_sync import broadcast_tensors
 from dspark.engine.build import EngineParts, OptimizerFactory, build_parts
+from dspark.engine.config import EngineConfig, loss_scaler_for
 from dspark.engine.host_read import defers_host_reads
-from dspark.engine.loss_scaler import LossScaler
 from dspark.engine.memory import frozen_held, memory_report
-from dspark.engine.param_groups import ParamGroupsFn
 from dspark.engine.policy import precision_policy, sharding_policy
 from dspark.engine.pretrained import load_from_rank, load_pretrained
 from dspark.engine.state_dict import IncompatibleKeys
 from dspark.engine.step_observer import observed
-from dspark.engine.trace import check_trace_args
-from dspark.engine.validation import (
-    check_arguments,
-    check_flag,
-    check_max_norm,
-    loss_scaler_for,
-    warn_emulated_bf16,
-)
+from dspark.engine.trace import check_no_outer_profiler
+from dspark.engine.validation import check_max_norm, check_model_and_optimizer, warn_emulated_bf16
 from dspark.engine.weights import KeyMap
 from dspark.engine.window import Window, check_between_steps, check_ranks_in_step
-from dspark.engine.zero3_units import UnitPolicy
 from dspark.tensor import DistTensor, Placement
 from dspark.tensor.batch import split_batch
 
@@ -76,55 +67,44 @@ class Engine:
     ``allow_accum_scaled_loss=True`` for one meant to be scaled so). ``strategy="auto"`` picks
     the fastest strategy (with ``sample_batch``, and micro-batch) that fits ``memory_budget``
     (``engine.plan``). Identical input batches on two ranks raise :class:`dspark.PlacementError`.
-    Every argument, what runs under the precision and the checks that keep ranks in step:
-    docs/engine.md.
+    The options are :class:`dspark.EngineConfig`'s, by keyword or as ``config=`` (keyword options
+    apply on top of it). Every option, what runs under the precision and the checks that keep
+    ranks in step: docs/engine.md.
     """
 
-    def __init__(
-        self, model: nn.Module, *, optimizer: OptimizerFactory, strategy: str = "replicate",
-        precision: str = "fp32", grad_accum_steps: int | None = None, clip_grad_norm: float | None = None,
-        bucket_mb: float = 25.0, reduce_dtype: torch.dtype | None = None, loss_scaler: LossScaler | None = None,
-        param_groups: ParamGroupsFn | None = None, zero3_units: UnitPolicy = None, sync_batchnorm: bool = False,
-        broadcast_buffers: bool = True, batch_check_every: int | None = DEFAULT_BATCH_CHECK_EVERY,
-        trace_dir: str | os.PathLike[str] | None = None, trace_steps: tuple[int, int] = (1, 2),
-        memory_budget: int | None = None, skip_nonfinite: bool = True, max_nonfinite_skips: int | None = 20,
-        sample_batch: Any = None, loss_fn: Callable[..., torch.Tensor] | None = None,
-        allow_accum_scaled_loss: bool = False,
-    ) -> None:
-        check_arguments(model, optimizer, 1 if grad_accum_steps is None else grad_accum_steps, clip_grad_norm,
-                        bucket_mb, reduce_dtype, param_groups, zero3_units, skip_nonfinite, max_nonfinite_skips)
-        check_flag("allow_accum_scaled_loss", allow_accum_scaled_loss)
-        check_trace_args(trace_dir, trace_steps)
+    def __init__(self, model: nn.Module, *, optimizer: OptimizerFactory, config: EngineConfig | None = None,
+                 sample_batch: Any = None, loss_fn: Callable[..., torch.Tensor] | None = None,
+                 **options: Any) -> None:
+        if config is not None and not isinstance(config, EngineConfig):
+            raise TypeError(f"config must be a dspark.EngineConfig, got {type(config).__name__}")
+        # keyword options apply on top of config (see [Note: options declared once])
+        self.config = config = (config or EngineConfig()).replace(**options)
+        """The options this engine was built with, as given (``strategy="auto"`` stays ``"auto"``:
+        :attr:`strategy` and :attr:`grad_accum_steps` say what it chose)."""
+        check_model_and_optimizer(model, optimizer)
+        check_no_outer_profiler(config.observation.trace_dir)
         self.world = comm.get_world()
-        choice = strategy_and_plan(strategy, memory_budget, model=model, optimizer=optimizer,
-                                   precision=str(precision), bucket_mb=float(bucket_mb), world=self.world,
-                                   sample_batch=sample_batch, loss_fn=loss_fn, grad_accum_steps=grad_accum_steps)
+        choice = strategy_and_plan(config, model=model, optimizer=optimizer, world=self.world,
+                                   sample_batch=sample_batch, loss_fn=loss_fn)
         self.plan: Any = choice.plan
         """``strategy="auto"``: the :class:`dspark.plan.Plan` it chose from; else None."""
         self.micro_batch = choice.micro_batch
         """Rows per forward auto planned from ``sample_batch`` (:meth:`micro_batches`); else None."""
-        self.grad_accum_steps = grad_accum_steps = choice.grad_accum_steps or grad_accum_steps or 1
+        self.grad_accum_steps: int = choice.grad_accum_steps or config.grad_accum_steps or 1
         self.strategy = sharding_policy(choice.strategy)
-        self.precision = precision_policy(precision)
+        self.precision = precision_policy(config.precision)
         if self.world.device.type == "cpu":
             cpu_malloc.tune_for_training()  # before the first step allocates: see dspark.cpu_malloc
             if self.precision.compute_dtype == torch.bfloat16 and self.world.rank == 0:
                 warn_emulated_bf16()
-        self.clip_grad_norm = None if clip_grad_norm is None else float(clip_grad_norm)
-        self.bucket_mb = float(bucket_mb)
-        self.reduce_dtype = reduce_dtype
-        self.loss_scaler = loss_scaler_for(self.precision, loss_scaler)
+        self.loss_scaler = loss_scaler_for(config)
         self.step_count = 0
         self._window = Window()
         parts = build_parts(
-            model, optimizer, world=self.world, strategy=self.strategy, precision=self.precision,
-            window=self._window, loss_scaler=self.loss_scaler, grad_accum_steps=grad_accum_steps,
-            clip_grad_norm=self.clip_grad_norm, bucket_mb=self.bucket_mb, reduce_dtype=reduce_dtype,
-            param_groups=param_groups, zero3_units=zero3_units, sync_batchnorm=sync_batchnorm,
-            broadcast_buffers=broadcast_buffers, batch_check_every=batch_check_every, trace_dir=trace_dir,
-            trace_steps=trace_steps, skip_nonfinite=skip_nonfinite, max_nonfinite_skips=max_nonfinite_skips,
-            defer_host_reads=defers_host_reads(self.world.device), step_count=lambda: self.step_count,
-            planned_micro_batch=self.micro_batch, allow_accum_scaled_loss=allow_accum_scaled_loss)
+            model, optimizer, config=config, world=self.world, strategy=self.strategy,
+            grad_accum_steps=self.grad_accum_steps, window=self._window, loss_scaler=self.loss_scaler,
+            step_count=lambda: self.step_count, defer_host_reads=defers_host_reads(self.world.device),
+            planned_micro_batch=self.micro_batch)
         self.module = model
         self.slots = parts.slots
         """The trainable parameters, one slot each (tied parameters share one)."""

@@ -34,7 +34,7 @@ import torch
 
 from dspark import comm
 
-__all__ = ["COMM_WAIT", "PHASE_RANGES", "Range", "TraceSession", "check_trace_args", "named_ranges",
+__all__ = ["COMM_WAIT", "PHASE_RANGES", "Range", "TraceSession", "check_no_outer_profiler", "named_ranges",
            "ranges_enabled", "trace_range"]
 
 PHASE_RANGES = ("dspark.forward", "dspark.backward", "dspark.optimizer")
@@ -120,17 +120,9 @@ def trace_range(name: str) -> contextlib.AbstractContextManager[Any]:
     return Range(name) if _enabled else _NULL
 
 
-def check_trace_args(trace_dir: Any, trace_steps: Any) -> None:
-    """Raise ``TypeError``/``ValueError`` naming the value when the engine's trace options are wrong,
-    and ``RuntimeError`` when ``trace_dir`` is given while a PyTorch profiler is already recording."""
-    if trace_dir is not None and not isinstance(trace_dir, (str, os.PathLike)):
-        raise TypeError(f"trace_dir={trace_dir!r} must be None or a directory path (str or PathLike)")
-    ok = (isinstance(trace_steps, tuple) and len(trace_steps) == 2
-          and all(isinstance(n, int) and not isinstance(n, bool) for n in trace_steps)
-          and trace_steps[0] >= 0 and trace_steps[1] >= 1)
-    if not ok:
-        raise ValueError(f"trace_steps={trace_steps!r} must be (warmup, active): ints, warmup >= 0 "
-                         "untraced steps first, then active >= 1 traced steps, e.g. (1, 2)")
+def check_no_outer_profiler(trace_dir: str | os.PathLike[str] | None) -> None:
+    """``RuntimeError`` when ``trace_dir`` is given while a PyTorch profiler is already recording (the
+    option's own values are checked by :class:`dspark.engine.config.ObservationConfig`)."""
     if trace_dir is not None and torch.autograd.profiler._is_profiler_enabled:
         raise RuntimeError(
             f"Engine(trace_dir={str(trace_dir)!r}) while a PyTorch profiler is already recording "

@@ -12,13 +12,11 @@ import torch
 from torch import nn
 
 from dspark import comm
-from dspark.engine.loss_scaler import LossScaler
 from dspark.engine.param_slot import ParamSlot
-from dspark.engine.policy import PrecisionPolicy
 
-__all__ = ["check_arguments", "check_max_norm", "check_no_sync_batchnorm_on_cpu",
+__all__ = ["check_max_norm", "check_model_and_optimizer", "check_no_sync_batchnorm_on_cpu",
            "check_same_model_on_every_rank", "check_same_optimizer_on_every_rank", "check_weight",
-           "loss_scaler_for", "unique_params", "warn_emulated_bf16", "warn_unknown_group_options"]
+           "unique_params", "warn_emulated_bf16", "warn_unknown_group_options"]
 
 
 def unique_params(model: nn.Module) -> list[tuple[list[str], nn.Parameter]]:
@@ -136,20 +134,9 @@ def check_weight(weight: float | int | torch.Tensor | None) -> float | None:
     return float(weight)
 
 
-def check_flag(name: str, value: Any) -> None:
-    """Refuse an option that must be True or False (a truthy string is not a decision)."""
-    if not isinstance(value, bool):
-        raise TypeError(f"{name}={value!r} must be True or False")
-
-
-def check_arguments(model: Any, optimizer: Any, grad_accum_steps: Any, clip_grad_norm: Any,
-                     bucket_mb: Any, reduce_dtype: Any, param_groups: Any, zero3_units: Any,
-                     skip_nonfinite: Any = True, max_nonfinite_skips: Any = None) -> None:
-    check_flag("skip_nonfinite", skip_nonfinite)
-    if max_nonfinite_skips is not None and (isinstance(max_nonfinite_skips, bool)
-                                            or not isinstance(max_nonfinite_skips, int) or max_nonfinite_skips < 1):
-        raise ValueError(f"max_nonfinite_skips={max_nonfinite_skips!r} must be an int >= 1 (skipped steps "
-                         "in a row before the engine raises), or None for no limit")
+def check_model_and_optimizer(model: Any, optimizer: Any) -> None:
+    """The engine's two inputs beside its options (:class:`dspark.EngineConfig` checks those): a
+    module, and a factory that builds the optimizer over the tensors the engine gives it."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if isinstance(optimizer, torch.optim.Optimizer) or not callable(optimizer):
@@ -157,23 +144,6 @@ def check_arguments(model: Any, optimizer: Any, grad_accum_steps: Any, clip_grad
             f"optimizer must be a factory that takes the parameters and returns an optimizer, e.g. "
             f"functools.partial(torch.optim.AdamW, lr=3e-4); got {type(optimizer).__name__} (the "
             f"engine decides which tensors the optimizer updates: whole parameters or shards)")
-    if isinstance(grad_accum_steps, bool) or not isinstance(grad_accum_steps, int) or grad_accum_steps < 1:
-        raise ValueError(f"grad_accum_steps={grad_accum_steps!r} must be an int >= 1")
-    if clip_grad_norm is not None and not (isinstance(clip_grad_norm, (int, float)) and clip_grad_norm > 0):
-        raise ValueError(f"clip_grad_norm={clip_grad_norm!r} must be None or a number > 0")
-    if not (isinstance(bucket_mb, (int, float)) and bucket_mb > 0):
-        raise ValueError(f"bucket_mb={bucket_mb!r} must be a number > 0 (megabytes per bucket)")
-    if reduce_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"reduce_dtype={reduce_dtype!r} must be None, torch.float32, torch.bfloat16 "
-                         "or torch.float16")
-    if param_groups is not None and not callable(param_groups):
-        raise TypeError(f"param_groups must be a function (name, param) -> dict of optimizer options, "
-                        f"got {type(param_groups).__name__}")
-    if zero3_units is not None and not callable(zero3_units):
-        classes = zero3_units if isinstance(zero3_units, (list, tuple)) else None
-        if classes is None or not all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
-            raise TypeError(f"zero3_units={zero3_units!r} must be a list of nn.Module classes or a "
-                            "function (name, module) -> bool")
 
 
 def check_no_sync_batchnorm_on_cpu(model: nn.Module, device: torch.device) -> None:
@@ -187,20 +157,6 @@ def check_no_sync_batchnorm_on_cpu(model: nn.Module, device: torch.device) -> No
             "refuses CPU tensors): on CPU ranks keep the model's plain BatchNorm layers (leave out "
             "nn.SyncBatchNorm.convert_sync_batchnorm) and pass sync_batchnorm=True to dspark.Engine "
             "for statistics over the global batch")
-
-
-def loss_scaler_for(precision: PrecisionPolicy, loss_scaler: LossScaler | None) -> LossScaler | None:
-    """The engine's loss scaler: ``loss_scaler`` (or a default one) under fp16, None otherwise; one
-    given with a precision that scales nothing is a ``ValueError``.
-
-    Example::
-
-        loss_scaler_for(PRECISIONS["fp16"], None)   # LossScaler(scale=65536.0, ...)
-    """
-    if loss_scaler is not None and not precision.loss_scaling:
-        raise ValueError(f"loss_scaler={loss_scaler!r} with precision={precision.name!r}: only "
-                         "fp16 scales its loss; pass precision='fp16', or leave loss_scaler out")
-    return (loss_scaler or LossScaler()) if precision.loss_scaling else None
 
 
 def check_max_norm(max_norm: Any) -> None:
