@@ -19,7 +19,6 @@ import argparse
 import functools
 import json
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +26,7 @@ import torch
 
 import dspark
 from dspark import comm
+from dspark.bench.barrier_timing import barrier_timed_ms
 from dspark.bench.table_artifact import write_table
 from dspark.models import get_workload
 from dspark.tensor.fingerprint import batch_fingerprint
@@ -40,20 +40,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--out", type=Path, default=None, help="write DIR/table.json (rank 0)")
     return parser.parse_args()
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _timed_ms(fn: Any, device: torch.device) -> float:
-    comm.barrier()
-    _sync(device)
-    start = time.perf_counter()
-    fn()
-    _sync(device)
-    return (time.perf_counter() - start) * 1e3
 
 
 def main() -> None:
@@ -82,14 +68,14 @@ def main() -> None:
         # cache, fresh allocations), so a fixed order charged that to the checking engine every step
         order = list(engines.items()) if i % 2 == 0 else list(reversed(engines.items()))
         for every, engine in order:
-            elapsed = _timed_ms(functools.partial(step, engine, batch), world.device)
+            elapsed = barrier_timed_ms(functools.partial(step, engine, batch), world.device)
             if i >= args.warmup:
                 step_ms[every].append(elapsed)
         fp = batch_fingerprint(batch, device=world.device)
         if i >= args.warmup:
-            fingerprint_ms.append(_timed_ms(
+            fingerprint_ms.append(barrier_timed_ms(
                 functools.partial(batch_fingerprint, batch, device=world.device), world.device))
-            gather_ms.append(_timed_ms(functools.partial(comm.all_gather, fp), world.device))
+            gather_ms.append(barrier_timed_ms(functools.partial(comm.all_gather, fp), world.device))
 
     checks = engines[1].batch_check.checks
     strategy, precision = engines[1].strategy.name, engines[1].precision.name

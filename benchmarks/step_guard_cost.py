@@ -1,6 +1,8 @@
 """What the step's guards cost: the non-finite check (``skip_nonfinite=True``: a flag of each loss,
-read with the reduction) and the step tags (see [Note: ranks in step] in dspark.engine.window), both
-carried in the small vector the gradient reduction all-reduces anyway.
+read with the reduction, and one of the reduced gradients, found in the pass that scales them: see
+[Note: non-finite gradients found in the reduction] in dspark.engine.finite_check, and
+benchmarks/nonfinite_check_cost.py for its parts) and the step tags (see [Note: ranks in step] in
+dspark.engine.window), carried in the small vector the gradient reduction all-reduces anyway.
 
     OMP_NUM_THREADS=1 dspark run --nproc 2 benchmarks/step_guard_cost.py --workload tiny --strategy replicate
     OMP_NUM_THREADS=1 dspark run --nproc 2 benchmarks/step_guard_cost.py --workload gpt2-cpu --strategy zero2

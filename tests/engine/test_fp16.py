@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import math
 
 import pytest
 import torch
@@ -77,7 +76,5 @@ def test_overflow_skips_the_step_on_every_rank(pool, strategy: str, order: str) 
         assert after_skip == before / 2
         assert result["good"] == [True, True]
         assert after_growth == before  # grew back after growth_interval good steps
-        # the skipped step's norm, as clip_grad_norm_ after GradScaler's unscale_ reports it, not the
-        # previous step's finite one
-        assert not math.isfinite(result["norm_after_skip"]), result["norm_after_skip"]
-        assert math.isfinite(result["norm_after_good"])
+        # the overflow is the reduction's non-finite flag: no norm is measured without clipping
+        assert result["norm_after_skip"] is None and result["norm_after_good"] is None, result

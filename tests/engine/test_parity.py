@@ -99,7 +99,9 @@ def test_ranks_end_with_identical_parameters(pool) -> None:
 
 
 def test_bf16_wire_halves_reduce_bytes(pool) -> None:
-    fp32 = pool.run(engine_state, "mlp", "zero2", 1)[0]["stats"]["all_reduce"]
-    bf16 = pool.run(engine_state, "mlp", "zero2", 1, reduce_dtype=torch.bfloat16)
-    extras = 8 * (2 + 3 * 2 + len(list(tm.make("mlp").parameters())))  # float64 whatever the wire
-    assert (bf16[0]["stats"]["all_reduce"][1] - extras) * 2 == fp32[1] - extras
+    # zero2's gradients travel by reduce-scatter; the step's small float64 vectors by all-reduce,
+    # whatever the wire
+    fp32 = pool.run(engine_state, "mlp", "zero2", 1)[0]["stats"]
+    bf16 = pool.run(engine_state, "mlp", "zero2", 1, reduce_dtype=torch.bfloat16)[0]["stats"]
+    assert fp32["reduce_scatter"][1] > 0 and bf16["reduce_scatter"][1] * 2 == fp32["reduce_scatter"][1]
+    assert bf16["all_reduce"] == fp32["all_reduce"]

@@ -93,11 +93,13 @@ def test_a_rank_that_skipped_step_is_refused_by_the_whole_state_calls(pool, tmp_
         assert result["type"] == "CollectiveError", (rank, strategy, then, result)
         message = result["error"]
         assert message.startswith(f"rank {rank}:"), message
-    if strategy in ("zero1", "zero2"):
-        # their step all-gathers the updated rows: rank 0's step meets rank 1's state call, and the
-        # collectives' labels say what each rank was doing
+    if strategy != "replicate":
+        # their step has a collective of its own: zero1 all-gathers the updated rows, zero2 and
+        # zero3 first all-reduce the flag of a non-finite gradient in their shards; rank 0's step
+        # meets rank 1's state call, and the collectives' labels say what each rank was doing
         assert results[0]["where"] == "training" and results[1]["where"] == then, results
-        step_label = "dspark.bucket0.all_gather"
+        step_label = ("dspark.bucket0.all_gather" if strategy == "zero1"
+                      else "dspark.nonfinite_grads.all_reduce")
         for result in results:
             assert step_label in result["error"] and f"dspark.{then}.step_check" in result["error"], result
     else:

@@ -245,9 +245,11 @@ def build_parts(model: nn.Module, factory: OptimizerFactory, *, config: EngineCo
         check_elementwise(optimizer, strategy=strategy.name, after_step=False)
     sharded = strategy.shard_grads
     collective = SHARDED_REDUCE.get(world.backend, "all_reduce") if sharded else "all_reduce"
-    reducer = LocalReducer(slots, sharded=sharded) if n == 1 else GradReducer(
+    check_finite = checks.skip_nonfinite or loss_scaler is not None  # see [Note: non-finite gradients found in the reduction]
+    reducer = LocalReducer(slots, sharded=sharded, check_finite=check_finite) if n == 1 else GradReducer(
         slots, sharded=sharded, collective=collective, bucket_mb=comm_config.bucket_mb,
-        wire_dtype=comm_config.reduce_dtype, rank=rank, num_ranks=n, device=world.device)
+        wire_dtype=comm_config.reduce_dtype, rank=rank, num_ranks=n, device=world.device,
+        check_finite=check_finite)
 
     def after_optimizer() -> None:
         """zero1/zero2: check the sharded optimizer's state once, and all-gather the updated rows."""

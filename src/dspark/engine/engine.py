@@ -215,22 +215,23 @@ class Engine:
             log.warning("rank %d: every rank gave weight=0: nothing to average, step skipped",
                         self.world.rank)
             return False
-        applied = self._parts.update.apply(nonfinite_loss=self._parts.reducer.nonfinite_loss)
+        reducer = self._parts.reducer
+        applied = self._parts.update.apply(nonfinite_loss=reducer.nonfinite_loss, found_inf=reducer.found_inf)
         if applied:
             self.step_count += 1
         return applied
 
     @property
     def nonfinite_steps(self) -> int:
-        """Steps skipped so far because the global gradient norm was not finite (fp16 overflows
+        """Steps skipped so far because a loss or a reduced gradient was not finite (fp16 overflows
         included)."""
         return self._parts.update.nonfinite_steps
 
     @property
     def last_grad_norm(self) -> float | None:
         """The global gradient norm (before clipping) of the last step that measured it: with
-        ``clip_grad_norm=``, under fp16, or through :meth:`clip_grad_norm_`; inf or nan when a
-        gradient held one. None before any such step."""
+        ``clip_grad_norm=`` or through :meth:`clip_grad_norm_`; inf or nan when a gradient held one.
+        None before any such step."""
         return self._parts.update.last_grad_norm
 
     def clip_grad_norm_(self, max_norm: float) -> float:

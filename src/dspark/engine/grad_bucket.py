@@ -30,6 +30,7 @@ from collections.abc import Sequence
 import torch
 
 from dspark import comm
+from dspark.engine.finite_check import scale_and_check
 from dspark.engine.param_slot import ParamSlot
 
 __all__ = ["BufferPool", "GradBucket", "make_buckets", "memory_order_flat"]
@@ -251,34 +252,37 @@ class GradBucket:
         self._wire = None
         self._collected = True
 
-    def finish(self, post_scale: float, used_anywhere: Sequence[bool]) -> None:
+    def finish(self, post_scale: float, used_anywhere: Sequence[bool], found_inf: torch.Tensor | None = None) -> None:
         """Scale the reduced gradients and hand them to the parameters (or their shards): a parameter
-        no rank produced a gradient for keeps ``grad=None``, as in single-process PyTorch."""
+        no rank produced a gradient for keeps ``grad=None``, as in single-process PyTorch. With
+        ``found_inf`` the same pass flags a value that is not finite (see [Note: non-finite gradients
+        found in the reduction] in :mod:`dspark.engine.finite_check`)."""
         self.collect()
         if self.sharded:
             shards = self._shards()
-            if post_scale != 1.0:
-                shards.mul_(post_scale)
+            scale_and_check([shards], post_scale, found_inf)
             for slot, offset, used in zip(self.slots, self.offsets, used_anywhere, strict=True):
                 slot.shard_grad = shards[offset: offset + slot.shard_numel] if used else None
         else:
-            if post_scale != 1.0 and self.grad_buffer is not None:
-                self.grad_buffer.mul_(post_scale)
+            if self.grad_buffer is not None:
+                scale_and_check([self.grad_buffer], post_scale, found_inf)
             for slot, used in zip(self.slots, used_anywhere, strict=True):
                 slot.param.grad = slot.grad_view if used else None
         self.reset()
 
-    def add_to_shards(self, post_scale: float) -> None:
+    def add_to_shards(self, post_scale: float, found_inf: torch.Tensor | None = None) -> None:
         """A bucket of gradients that arrived late (after their first bucket left): add its reduced
-        shards into the slots' shard gradients."""
+        shards, scaled (and checked, with ``found_inf``, as :meth:`finish` does), into the slots'
+        shard gradients."""
         self.collect()
         shards = self._shards()
+        scale_and_check([shards], post_scale, found_inf)
         for slot, offset in zip(self.slots, self.offsets, strict=True):
             late = shards[offset: offset + slot.shard_numel]
             if slot.shard_grad is None:
-                slot.shard_grad = late.mul(post_scale)
+                slot.shard_grad = late.clone()  # its own storage, as before: the late bucket goes
             else:
-                slot.shard_grad.add_(late, alpha=post_scale)
+                slot.shard_grad.add_(late)
         self.reset()
 
     def abandon(self) -> None:

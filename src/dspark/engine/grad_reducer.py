@@ -36,6 +36,7 @@ from collections.abc import Sequence
 import torch
 
 from dspark import comm
+from dspark.engine.finite_check import new_flag, scale_and_check
 from dspark.engine.grad_bucket import BufferPool, GradBucket, make_buckets, memory_order_flat
 from dspark.engine.param_slot import ParamSlot
 from dspark.engine.window import StepTag, StepWeights, average_factor, check_in_step
@@ -51,8 +52,14 @@ class GradReducer:
     """Reduce the gradients of ``slots`` across ranks (see the module notes)."""
 
     def __init__(self, slots: Sequence[ParamSlot], *, sharded: bool, collective: str, bucket_mb: float,
-                 wire_dtype: torch.dtype | None, rank: int, num_ranks: int, device: torch.device) -> None:
+                 wire_dtype: torch.dtype | None, rank: int, num_ranks: int, device: torch.device,
+                 check_finite: bool = True) -> None:
         self.slots = list(slots)
+        self.check_finite = check_finite
+        self.found_inf: torch.Tensor | None = None
+        """After a reduction with ``check_finite``: 1 where this rank's reduced gradients (its shards,
+        zero2/zero3) hold a value that is not finite (see [Note: non-finite gradients found in the
+        reduction])."""
         self.sharded = sharded
         self.collective = collective
         self.bucket_mb = bucket_mb
@@ -203,12 +210,13 @@ class GradReducer:
                               num_ranks=n, pre_divided=self.low_precision_wire)
         if post is None:
             return False
+        found_inf = self.found_inf = new_flag(self.device) if self.check_finite else None
         offset = 0
         for bucket in self.buckets:
-            bucket.finish(post, used_anywhere[offset: offset + len(bucket.slots)])
+            bucket.finish(post, used_anywhere[offset: offset + len(bucket.slots)], found_inf)
             offset += len(bucket.slots)
         if self._late_bucket is not None:
-            self._late_bucket.add_to_shards(post)
+            self._late_bucket.add_to_shards(post, found_inf)
             self._late_bucket = None
         self._send_pool.release()
         self._out_pool.release()
@@ -300,9 +308,11 @@ class LocalReducer:
     shard is the whole gradient, and the average is the same rule with a world size of 1 (see
     [Note: the averaging rule])."""
 
-    def __init__(self, slots: Sequence[ParamSlot], *, sharded: bool) -> None:
+    def __init__(self, slots: Sequence[ParamSlot], *, sharded: bool, check_finite: bool = True) -> None:
         self.slots = list(slots)
         self.sharded = sharded
+        self.check_finite = check_finite
+        self.found_inf: torch.Tensor | None = None
         self.buckets: list[GradBucket] = []
         self.nonfinite_loss = False
         self.hyperparameter_fingerprints: list[int] = []
@@ -321,12 +331,12 @@ class LocalReducer:
         post = average_factor(weights, total_weight=weights.weight_sum, num_ranks=1, pre_divided=False)
         if post is None:
             return False
-        if post != 1.0:
-            # one multi-tensor kernel per dtype instead of one launch per parameter: on a GPU, fp16's
-            # unscale of ResNet-50's 161 gradients was 160 extra launches a step
-            grads = [slot.param.grad for slot in self.slots if slot.param.grad is not None]
-            if grads:
-                torch._foreach_mul_(grads, post)
+        # one multi-tensor kernel per dtype instead of one launch per parameter: on a GPU, fp16's
+        # unscale of ResNet-50's 161 gradients was 160 extra launches a step; the same pass finds a
+        # non-finite gradient (see [Note: non-finite gradients found in the reduction])
+        grads = [slot.param.grad for slot in self.slots if slot.param.grad is not None]
+        self.found_inf = new_flag(grads[0].device) if self.check_finite and grads else None
+        scale_and_check(grads, post, self.found_inf)
         if self.sharded:
             for slot in self.slots:
                 grad = slot.param.grad

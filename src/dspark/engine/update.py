@@ -8,20 +8,22 @@ zero3) sum their squares across ranks (padding rows are zero). On a GPU the step
 the host only after the optimizer's kernels are queued (see [Note: the step's one host read] in
 :mod:`dspark.engine.host_read`).
 
-[Note: non-finite steps] A NaN or an infinity in one rank's loss reaches every rank's gradients
-through the reduction, and one optimizer step with it makes every parameter NaN for good. fp16 always
-skips a step whose global gradient norm is not finite and lowers its loss scale (that is how dynamic
-loss scaling works). With ``Engine(skip_nonfinite=True)``, the default, fp32 and bf16 skip it too
-(``step()`` returns False on every rank, parameters and optimizer state untouched): where the norm is
-measured anyway (``clip_grad_norm``), a norm that is not finite; else a loss of the window that was
-not finite on any rank, a flag that rides in the reduction's own small vector ([Note: step extras]
-in :mod:`dspark.engine.grad_reducer`), so the check costs no pass over the gradients and no
-collective. (A non-finite gradient behind a finite loss is then seen only with clipping on:
-``clip_grad_norm=float("inf")`` measures the norm without clipping.) Every rank reads the same norm
-or the same flags, so every rank decides alike. Skips are counted (``engine.nonfinite_steps``), and
-``max_nonfinite_skips`` skipped steps in a row raise ``FloatingPointError``: a loss that stays
-non-finite is a bug to fix, not a run to keep going silently (fp16's first steps may overflow while
-the loss scale falls, 16 halvings from 2**16 to 1, so the default, 20, leaves room for them).
+[Note: non-finite steps] A NaN or an infinity in one rank's loss or gradients reaches every rank's
+gradients through the reduction, and one optimizer step with it makes every parameter NaN for good.
+fp16 always skips a step whose gradients are not finite and lowers its loss scale (that is how
+dynamic loss scaling works). With ``Engine(skip_nonfinite=True)``, the default, fp32 and bf16 skip it
+too (``step()`` returns False on every rank, parameters and optimizer state untouched), on every
+strategy, whatever the loss says: an ``inf`` in one rank's input through ``tanh`` gives a finite
+loss and infinite gradients. What decides: a loss of the window that was not finite on any rank (a
+flag in the reduction's own small vector, [Note: step extras] in :mod:`dspark.engine.grad_reducer`);
+then, where the norm is measured anyway (``clip_grad_norm``), a norm that is not finite; else the
+reduction's flag, set in the pass that scales the reduced gradients into their mean ([Note: non-finite
+gradients found in the reduction] in :mod:`dspark.engine.finite_check`: no extra pass; zero2/zero3
+all-reduce it, one element). Every rank reads the same norm or the same flags, so every rank
+decides alike. Skips are counted (``engine.nonfinite_steps``), and ``max_nonfinite_skips`` skipped
+steps in a row raise ``FloatingPointError``: a loss that stays non-finite is a bug to fix, not a run
+to keep going silently (fp16's first steps may overflow while the loss scale falls, 16 halvings from
+2**16 to 1, so the default, 20, leaves room for them).
 """
 
 from __future__ import annotations
@@ -116,29 +118,62 @@ class Update:
         self.clip_to(float(max_norm), norm)
         return norm
 
-    def apply(self, *, nonfinite_loss: bool = False) -> bool:
+    def apply(self, *, nonfinite_loss: bool = False, found_inf: torch.Tensor | None = None) -> bool:
         """The optimizer step over the reduced gradients. False when it was skipped: a loss of the
-        window not finite on some rank, or a global gradient norm not finite (see [Note: non-finite
-        steps])."""
+        window not finite on some rank, a reduced gradient not finite (``found_inf``: this rank's
+        flag from the reduction, see [Note: non-finite gradients found in the reduction] in
+        :mod:`dspark.engine.finite_check`), or, where the norm is measured, a global gradient norm
+        not finite (see [Note: non-finite steps])."""
         guard = self.skip_nonfinite or self.loss_scaler is not None
-        if self.loss_scaler is None and self.clip_grad_norm is None:  # the norm is not measured
-            if nonfinite_loss and self.skip_nonfinite:
-                return not self._skips(math.nan, what="a loss of the window")
-            self.nonfinite_in_a_row = 0
-            self.optimizer.step()
-            self.after_optimizer()
+        if guard and nonfinite_loss:  # every rank read the same flag with the reduction
+            return not self._skips(True, what="a loss of the window")
+        if self.clip_grad_norm is None:  # no norm: the reduction's flag decides
+            flag = self._every_ranks_flag(found_inf) if guard else None
+            if flag is None:
+                self.nonfinite_in_a_row = 0
+                self._optimizer_step(None)
+                return True
+            if self.defer_host_reads and skips_on_found_inf(self.optimizer):
+                read = DeferredRead(flag)
+                self._optimizer_step(flag)  # the device skips the update; the host reads afterwards
+                return not self._skips(read.value() > 0, what="a reduced gradient")
+            if self._skips(bool(flag.item() > 0), what="a reduced gradient"):
+                return False
+            self._optimizer_step(None)
             return True
         if self.defer_host_reads and (not guard or skips_on_found_inf(self.optimizer)):
             return self._apply_reading_the_norm_after(guard)
         norm = self.global_grad_norm()
         self.last_grad_norm = norm  # inf or nan on an overflow, as clip_grad_norm_ after unscale_
-        if self._skips(norm):
+        if self._skips(not math.isfinite(norm), what="the global gradient norm"):
             return False
-        if self.clip_grad_norm is not None:
-            self.clip_to(self.clip_grad_norm, norm)
-        self.optimizer.step()
-        self.after_optimizer()
+        self.clip_to(self.clip_grad_norm, norm)
+        self._optimizer_step(None)
         return True
+
+    def _every_ranks_flag(self, found_inf: torch.Tensor | None) -> torch.Tensor | None:
+        """``found_inf`` as every rank's: shards (zero2, zero3) differ, so their flags are or-ed
+        across ranks in one all-reduce of one element (whole gradients are equal everywhere)."""
+        if found_inf is not None and self.shard_grads and self.num_ranks > 1:
+            comm.all_reduce(found_inf, op="max", label="dspark.nonfinite_grads.all_reduce")
+        return found_inf
+
+    def _optimizer_step(self, found_inf: torch.Tensor | None) -> None:
+        """``optimizer.step()`` then ``after_optimizer()``; with ``found_inf`` (a fused Adam, AdamW or
+        SGD: :func:`skips_on_found_inf`), the kernel skips the update on the device when it is 1,
+        ``torch.amp.GradScaler``'s protocol. zero1/zero2 gather their rows whatever the device
+        decided: after a skip the rows are the ones every rank already holds, and the ranks stay in
+        step with each other."""
+        if found_inf is None:
+            self.optimizer.step()
+        else:
+            self.optimizer.found_inf = found_inf.float().reshape(())  # type: ignore[attr-defined]
+            self.optimizer.grad_scale = None  # type: ignore[attr-defined]  # unscaled already
+            try:
+                self.optimizer.step()
+            finally:
+                del self.optimizer.found_inf, self.optimizer.grad_scale  # type: ignore[attr-defined]
+        self.after_optimizer()
 
     def _apply_reading_the_norm_after(self, guard: bool) -> bool:
         """The step with its one host read after the optimizer's kernels are queued: the clip
@@ -151,30 +186,25 @@ class Update:
             grads = [g for g in self.owned_grads() if g is not None]
             if grads:
                 torch._foreach_mul_(grads, coef)
-        if not guard:
-            self.optimizer.step()
-        else:  # a fused Adam, AdamW or SGD (skips_on_found_inf): GradScaler's protocol
-            self.optimizer.found_inf = (~torch.isfinite(total)).float().reshape(())  # type: ignore[attr-defined]
-            self.optimizer.grad_scale = None  # type: ignore[attr-defined]  # unscaled already
-            try:
-                self.optimizer.step()
-            finally:
-                del self.optimizer.found_inf, self.optimizer.grad_scale  # type: ignore[attr-defined]
-        # zero1/zero2 gather their rows whatever the device decided: after an overflow the rows are
-        # the ones every rank already holds, and the ranks stay in step with each other
-        self.after_optimizer()
+        self._optimizer_step((~torch.isfinite(total)).float() if guard else None)
         norm = math.sqrt(read.value())
         self.last_grad_norm = norm
-        return not self._skips(norm) if guard else True
+        return not self._skips(not math.isfinite(norm), what="the global gradient norm") if guard else True
 
-    def _skips(self, norm: float, what: str = "the global gradient norm") -> bool:
-        """Whether a step with this global gradient ``norm`` is skipped (see [Note: non-finite
-        steps]); counts it, and raises after ``max_nonfinite_skips`` skips in a row."""
-        skip = self.loss_scaler is not None and self._fp16_overflowed(norm)
-        if not skip and self.skip_nonfinite and not math.isfinite(norm):
-            skip = True
+    def _skips(self, bad: bool, *, what: str) -> bool:
+        """Whether a step where ``what`` was (``bad``) or was not finite is skipped (see [Note:
+        non-finite steps]); fp16's loss scale backs off or grows with it. Counts a skip, and raises
+        after ``max_nonfinite_skips`` skips in a row."""
+        if self.loss_scaler is not None:  # fp16's overflow check is this same flag
+            self.loss_scaler.update(found_overflow=bad)
+            if bad:
+                log.warning("rank %d: fp16 gradients overflowed (%s is not finite); step skipped, loss "
+                            "scale now %g", self.rank, what, self.loss_scaler.scale)
+        elif bad and self.skip_nonfinite:
             log.warning("rank %d: %s is not finite: step skipped on every rank", self.rank, what)
-        if not skip:
+        else:
+            bad = False
+        if not bad:
             self.nonfinite_in_a_row = 0
             return False
         self.nonfinite_steps += 1
@@ -182,20 +212,10 @@ class Update:
         limit = self.max_nonfinite_skips
         if limit is not None and self.nonfinite_in_a_row >= limit:
             raise FloatingPointError(
-                f"rank {self.rank}: {what} was not finite ({norm}) in {self.nonfinite_in_a_row} "
-                f"steps in a row (max_nonfinite_skips={limit}); each was skipped, and training is not "
-                "progressing. The loss is NaN or infinite: look for a log of 0, a division by zero, an "
-                "input holding NaN, or a learning rate that diverged (fp16: a loss too large for its "
-                "range, try bf16). Pass max_nonfinite_skips=None to keep skipping without a limit")
+                f"rank {self.rank}: {what} was not finite in {self.nonfinite_in_a_row} steps in a row "
+                f"(max_nonfinite_skips={limit}); each was skipped, and training is not progressing. "
+                "The loss or the gradients are NaN or infinite: look for a log of 0, a division by "
+                "zero, an input holding NaN or inf, or a learning rate that diverged (fp16: a loss "
+                "too large for its range, try bf16). Pass max_nonfinite_skips=None to keep skipping "
+                "without a limit")
         return True
-
-    def _fp16_overflowed(self, norm: float) -> bool:
-        """Update the loss scale from this step's norm; True (with a warning) on an overflow."""
-        if self.loss_scaler is None:
-            raise AssertionError("an overflow check without fp16's loss scaler")
-        overflow = not math.isfinite(norm)
-        self.loss_scaler.update(found_overflow=overflow)
-        if overflow:
-            log.warning("rank %d: fp16 gradients overflowed; step skipped, loss scale now %g",
-                        self.rank, self.loss_scaler.scale)
-        return overflow
