@@ -11,6 +11,8 @@ import torch
 from torch.utils.data import TensorDataset
 
 import dspark
+from dspark.engine.grad_reducer import UnequalBatchesError
+from tests.messages import assert_names
 
 GLOBAL_BATCH = 8
 EPOCHS = 2
@@ -105,9 +107,32 @@ def _train_uneven_in_one_process(optimizer: str, num_samples: int) -> dict[str, 
 @pytest.mark.parametrize(("strategy", "num_samples"), [("replicate", 35), ("zero3", 33)])
 def test_drop_last_false_trains_like_one_process_on_every_sample(pool, optimizer: str, strategy: str,
                                                                   num_samples: int) -> None:
-    """The last global batch holds 3 samples (2 + 1 rows) or 1 (rank 1 gets a zero-row batch):
-    weighted by batch_info.local_size, the step is one process's on the same global batch."""
+    """The last global batch holds 3 samples (2 + 1 rows) or 1 (rank 1 gets a padding batch, see
+    [Note: padding batches]): weighted by batch_info.local_size, the step is one process's on the
+    same global batch."""
     reference = _train_uneven_in_one_process(optimizer, num_samples)
     for state in pool.run(_train_uneven_on_ranks, optimizer, strategy, num_samples):
         for name, want in reference.items():
             torch.testing.assert_close(state[name], want, rtol=1e-5, atol=1e-6)
+
+
+def _train_unweighted_over_padding() -> str:
+    engine = dspark.Engine(_model(), optimizer=_optimizer("sgd"), strategy="zero2")
+    loader = dspark.DataLoader(_dataset_of(33), global_batch_size=GLOBAL_BATCH, seed=4, drop_last=False)
+    try:
+        for x, y in loader:
+            engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+            engine.step()
+    except UnequalBatchesError as exc:
+        return str(exc)
+    finally:
+        engine.close()
+    return "no error"
+
+
+def test_an_unweighted_step_over_a_padding_batch_is_refused(pool) -> None:
+    """Both ranks' last batch has one row, but rank 1's is padding (a copy of rank 0's sample): the
+    engine counts it as none, so the unweighted step is refused rather than training on the sample
+    twice."""
+    for message in pool.run(_train_unweighted_over_padding):
+        assert_names(message, "rank 0: 1", "rank 1: 0", "weight=loader.batch_info.local_size")

@@ -1,7 +1,7 @@
 """drop_last=False accepts any dataset length (issue 30): the epoch's last, partial global batch is
-split as evenly as possible, a rank with no rows of it gets a zero-row batch shaped like a real one,
-and every sample is served exactly once per epoch. Ranks are simulated with rank/world_size (no
-process group)."""
+split as evenly as possible, a rank with no rows of it gets a padding batch (one real sample of that
+batch, marked as padding: no model is handed zero rows), and every sample is served exactly once per
+epoch. Ranks are simulated with rank/world_size (no process group)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import IterableDataset, TensorDataset
 
 import dspark
-from dspark.data.empty_rows import zero_rows
+from dspark.data.padding import current_batch_is_padding
 
 
 def _dataset(n: int) -> TensorDataset:
@@ -29,7 +29,7 @@ class _Stream(IterableDataset[tuple[torch.Tensor, torch.Tensor]]):
 
 
 def _passes(dataset: object, world_size: int, **kwargs: object) -> list[list[tuple[torch.Tensor, int]]]:
-    """One epoch on each simulated rank: (ids, batch_info.local_size) per batch."""
+    """One epoch on each simulated rank: (real ids, batch_info.local_size) per batch."""
     out = []
     for rank in range(world_size):
         loader = dspark.DataLoader(dataset, global_batch_size=64, drop_last=False, rank=rank,
@@ -37,9 +37,12 @@ def _passes(dataset: object, world_size: int, **kwargs: object) -> list[list[tup
         batches = []
         for ids, features in loader:
             info = loader.batch_info
-            assert info is not None and len(ids) == info.local_size == len(features)
+            assert info is not None and len(ids) == info.local_size + info.padding == len(features) > 0
+            assert info.padding == 0 or info.local_size == 0  # all real or all padding
+            assert current_batch_is_padding() == (info.padding > 0)
             assert features.shape[1:] == (3,) and features.dtype == torch.float32
-            batches.append((ids, info.local_size))
+            batches.append((ids[: info.local_size], info.local_size))
+        assert not current_batch_is_padding()  # the end of a pass clears the mark
         out.append(batches)
     return out
 
@@ -78,10 +81,19 @@ def test_len_and_position_count_the_partial_batch() -> None:
     assert (loader.epoch, loader.batches_consumed) == (1, 0)
 
 
-def test_zero_rows_keeps_structure_dtype_and_trailing_shape() -> None:
-    batch = {"x": torch.ones(1, 3, dtype=torch.bfloat16), "pair": (torch.zeros(1, 2, 5), ["text"]),
-             "scalar": torch.tensor(7)}
-    empty = zero_rows(batch)
-    assert empty["x"].shape == (0, 3) and empty["x"].dtype == torch.bfloat16
-    assert empty["pair"][0].shape == (0, 2, 5) and empty["pair"][1] == []
-    assert empty["scalar"].shape == ()  # no rows to cut: kept
+@pytest.mark.parametrize("iterable", [False, True])
+def test_a_rank_with_no_rows_gets_a_real_sample_marked_as_padding(iterable: bool) -> None:
+    # 3 samples, a global batch of 4 on 4 ranks: one partial batch; rank 3 has none of it
+    dataset = _Stream(3) if iterable else _dataset(3)
+    served = []
+    for rank in range(4):
+        loader = dspark.DataLoader(dataset, global_batch_size=4, drop_last=False, shuffle=False,
+                                   rank=rank, world_size=4)
+        ((ids, _),) = list(loader)
+        info = loader.batch_info
+        assert info is not None and (info.global_size, info.local_size) == (3, 1 if rank < 3 else 0)
+        assert info.padding == (1 if rank == 3 else 0)
+        served.append(ids.tolist())
+    assert served == [[0], [1], [2], [0]]  # the padding is the batch's first sample
+    with pytest.raises(ValueError, match="drop_last=False"):
+        dspark.DataLoader(_dataset(3), global_batch_size=4, rank=0, world_size=4)  # drop_last=True

@@ -1,12 +1,13 @@
 """Run by ``test_four_ranks.py`` under ``dspark run --nproc 4``: the collectives and every strategy on
 four ranks, where the 2-rank pool cannot look (uneven shards over 4: a 13-row embedding is split
 4 + 4 + 4 + 1; the all-to-all behind gloo's reduce-scatter routes N x N pieces, not 2 x 2), and a
-model so small that rank 3 owns no row of any parameter, through a checkpoint.
+model so small that rank 3 owns no row of any parameter, through a checkpoint; and HuggingFace
+models evaluated on 3 samples, where rank 3 has no sample (tests/data/eval_lengths.py).
 
 From the repository root, ``PYTHONPATH=. python -m dspark.cli.main run --nproc 4
 --oversubscribe tests/engine/four_ranks_worker.py OUT.pt`` (--oversubscribe: on fewer than 4 cores): rank 0 saves
 ``{"collectives": {...}, "states": {(strategy, optimizer): state_dict}, "rowless": {(strategy,
-optimizer): state_dict}}`` to ``OUT.pt``."""
+optimizer): state_dict}, "eval": {(model, strategy): result}}`` to ``OUT.pt``."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import torch
 
 import dspark
 from dspark import comm
+from tests.data import eval_lengths
 from tests.engine import loop_models as lm
 
 STEPS = 3
@@ -101,6 +103,12 @@ def main() -> None:
     out["rowless"] = {(strategy, optimizer): train_rowless(strategy, optimizer,
                                                            f"{sys.argv[1]}.{strategy}.{optimizer}.ckpt")
                       for strategy in ("zero1", "zero2", "zero3") for optimizer in OPTIMIZERS}
+    out["eval"] = {}
+    for model in eval_lengths.MODELS:
+        for strategy in ("replicate", "zero1", "zero2", "zero3"):
+            result = eval_lengths.evaluate(model, strategy, 3, 4)
+            result["rows"] = comm.all_gather_object(result["rows"])  # every rank's
+            out["eval"][(model, strategy)] = result
     if world.rank == 0:
         torch.save(out, sys.argv[1])
     comm.barrier()

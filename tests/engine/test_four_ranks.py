@@ -1,6 +1,7 @@
 """Four real gloo ranks (``dspark run --nproc 4``), beyond the 2-rank pool: the collectives give the
 right chunk to each rank, and every strategy trains as one process on the same global batches, with
-SGD (scale-sensitive) and AdamW, on a model whose shards are uneven over 4 ranks."""
+SGD (scale-sensitive) and AdamW, on a model whose shards are uneven over 4 ranks; HuggingFace models
+evaluate 3 samples as one process, rank 3 running a padding sample instead of zero rows."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.data import eval_lengths
 from tests.engine import loop_models as lm
 from tests.engine.four_ranks_worker import OPTIMIZERS, STEPS, rowless_loss, rowless_model
 
@@ -68,3 +70,13 @@ def test_a_rank_that_owns_no_row_trains_and_resumes_as_one_process(four_ranks: d
     want = {k: v.detach() for k, v in model.state_dict().items()}
     assert not torch.equal(want["0.weight"], rowless_model()[0].weight.detach())  # it trained
     assert lm.max_rel_error(four_ranks["rowless"][(strategy, optimizer)], want) <= TOLERANCE
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", sorted(eval_lengths.MODELS))
+def test_three_samples_on_four_ranks_evaluate_as_one_process(four_ranks: dict, model: str,
+                                                             strategy: str) -> None:
+    result = four_ranks["eval"][(model, strategy)]
+    eval_lengths.check([{**result, "rows": [r for ranks in result["rows"] for r in ranks]}],
+                       eval_lengths.reference(model, 3))
+    assert [ranks[-1] for ranks in result["rows"]] == [1, 1, 1, 1]  # rank 3: the padding sample

@@ -23,7 +23,6 @@ from torch.utils.data import IterableDataset
 from torch.utils.data._utils.collate import default_collate
 
 from dspark.data.agreement import check_same_settings, check_stream_in_step
-from dspark.data.empty_rows import zero_rows
 from dspark.data.order import (
     BatchInfo,
     check_batch_size_value,
@@ -33,6 +32,7 @@ from dspark.data.order import (
     local_rows,
     smaller_batch_fix,
 )
+from dspark.data.padding import mark_current_batch
 from dspark.data.sampler import GlobalBatchSampler
 from dspark.data.stream import CollateWithInfo, RankStream
 
@@ -79,7 +79,7 @@ class DataLoader:
     Order: see [Note: global batch order] in :mod:`dspark.data.order` and, for iterable datasets,
     [Note: iterable datasets] in :mod:`dspark.data.stream`. Position and resume: see
     [Note: loader position] in :mod:`dspark.data.loader`. A dataset or stream with fewer samples than
-    one global batch is a ``ValueError``.
+    one global batch is a ``ValueError`` unless ``drop_last=False`` (then it is one partial batch).
 
     ``global_batch_size`` must divide by the world size, so that every rank's mean loss weighs the
     same number of samples; ``allow_uneven=True`` accepts any size that leaves no rank empty and
@@ -87,10 +87,11 @@ class DataLoader:
     ``drop_last=True`` (the default) drops the last, partial global batch of each epoch;
     ``drop_last=False`` serves it, split as evenly as possible over its own size, so any dataset
     length works and every sample is served exactly once per epoch (a rank gets one row fewer than
-    others, or, when that batch holds fewer samples than there are ranks, a batch of zero rows shaped
-    like a real one). :attr:`batch_info` tells each batch's global and local sizes: weight an uneven
-    batch with ``engine.backward(loss, weight=loader.batch_info.local_size)``, and evaluate with
-    :func:`dspark.gather_for_metrics` / :func:`dspark.reduce_metrics`.
+    others, or, when that batch holds fewer samples than there are ranks, one of its samples marked
+    as padding: see [Note: padding batches] in :mod:`dspark.data.padding`). :attr:`batch_info` tells
+    each batch's global and local sizes: weight an uneven batch with ``engine.backward(loss,
+    weight=loader.batch_info.local_size)``, and evaluate with :func:`dspark.gather_for_metrics` /
+    :func:`dspark.reduce_metrics`, which leave padding out.
 
     When the place in the world comes from ``dspark.init()``, every pass starts with one small
     all-gather that checks that every rank has the same dataset length, settings and position, and an
@@ -180,10 +181,11 @@ class DataLoader:
             raise TypeError(f"dataset of type {type(dataset).__name__} is neither map-style "
                             "(__getitem__ and __len__) nor a torch.utils.data.IterableDataset")
         num_samples = len(dataset)
-        if num_samples < self.global_batch_size:
+        if num_samples < self.global_batch_size and (self.drop_last or not num_samples):
             raise ValueError(f"the dataset holds {num_samples} samples, fewer than one global batch of "
                              f"{self.global_batch_size}: no step could run. "
-                             f"{smaller_batch_fix(num_samples, self.world_size)}")
+                             f"{smaller_batch_fix(num_samples, self.world_size)}; or, to evaluate, "
+                             "drop_last=False serves them as one partial batch")
         return num_samples
 
     # -- position ----------------------------------------------------------------------------------
@@ -236,8 +238,10 @@ class DataLoader:
             for index, batch in enumerate(self._torch_loader, start=start):
                 self._batch_info = self._sampler.batch_info(epoch, index)
                 self._advance(last=index + 1 == len(self._sampler.sizes))
-                yield zero_rows(batch) if self._batch_info.local_size == 0 else batch
+                mark_current_batch(padding=self._batch_info.padding > 0)
+                yield batch
                 self._check_current(generation)  # before fetching more: a stale pass takes nothing
+            mark_current_batch(padding=False)
             return
         stream = RankStream(self.dataset, global_batch_size=self.global_batch_size, rank=self.rank,
                             world_size=self.world_size, drop_last=self.drop_last, epoch=epoch,
@@ -261,8 +265,10 @@ class DataLoader:
             info, batch = item
             self._batch_info = info
             self._advance(last=False)
-            yield zero_rows(batch) if info.local_size == 0 else batch
+            mark_current_batch(padding=info.padding > 0)
+            yield batch
             self._check_current(generation)
+        mark_current_batch(padding=False)
         self._epoch, self._consumed = epoch + 1, 0  # the stream's end is this epoch's end
 
     def _settings(self) -> dict[str, int]:

@@ -3,11 +3,12 @@ with the right weights, so that N ranks report what one process computes on the 
 
 [Note: gathering in dataset order] ``dspark.DataLoader`` cuts each global batch into contiguous runs
 of rows in rank order (rank 0 the first rows, then rank 1, ...; see [Note: even split of a batch] in
-:mod:`dspark.data.order`) and never pads: a last, partial batch gives some ranks one row fewer, or
-none. So the ranks' rows of one batch, concatenated in rank order, are that global batch as one process
-sees it, each sample once. The gather moves rows of different counts by padding each rank's part to
-the longest for the collective and cutting the padding off again on arrival; nothing padded reaches
-the caller.
+:mod:`dspark.data.order`): a last, partial batch gives some ranks one row fewer, or none, and a rank
+with none holds a padding batch, which the gather leaves out (see [Note: padding batches] in
+:mod:`dspark.data.padding`). So the ranks' rows of one batch, concatenated in rank order, are that
+global batch as one process sees it, each sample once. The gather moves rows of different counts by
+filling each rank's part up to the longest for the collective and cutting the filling off again on
+arrival; none of it reaches the caller.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from dspark import comm
+from dspark.data.padding import current_batch_is_padding
 
 __all__ = ["gather_for_metrics", "reduce_metrics"]
 
@@ -34,7 +36,8 @@ def gather_for_metrics(x: T) -> T:
     rank order along dim 0, on every rank: with batches from :class:`dspark.DataLoader`, the global
     batch in the order one process sees it, each sample exactly once (see
     [Note: gathering in dataset order]). Every tensor's dim 0 is its rows; ranks may hold different
-    numbers of rows (zero included) but the same trailing shape and dtype.
+    numbers of rows (zero included) but the same trailing shape and dtype. A rank whose current
+    batch is padding adds no rows (see [Note: padding batches] in :mod:`dspark.data.padding`).
 
     Example::
 
@@ -54,6 +57,8 @@ def gather_for_metrics(x: T) -> T:
     world = comm.get_world()
     if world.world_size == 1:
         return x
+    if current_batch_is_padding():
+        leaves = [leaf[:0] for leaf in leaves]
     described = comm.all_gather_object((str(spec), [_describe(leaf) for leaf in leaves]))
     _check_alike(described)
     gathered = []
@@ -89,8 +94,9 @@ def reduce_metrics(metrics: Mapping[str, Any], *, weight: float | int | torch.Te
     sum_r(w_r)``, with ``w_r`` this rank's ``weight`` (the samples or tokens its metrics average
     over). A metric is a number or a tensor (same shape on every rank; per-class values average
     element-wise). A rank with ``weight=0`` counts for nothing, even if its metric is NaN (the mean
-    of no rows). Returns float64 tensors on the CPU, shaped as the inputs (two collectives: the
-    names and shapes compared, then one all-reduce).
+    of no rows), and so does a rank whose current batch is padding (see [Note: padding batches] in
+    :mod:`dspark.data.padding`). Returns float64 tensors on the CPU, shaped as the inputs (two
+    collectives: the names and shapes compared, then one all-reduce).
 
     Example::
 
@@ -103,6 +109,8 @@ def reduce_metrics(metrics: Mapping[str, Any], *, weight: float | int | torch.Te
     if not (w >= 0.0 and w != float("inf")):
         raise ValueError(f"reduce_metrics: weight={weight!r} must be a finite number >= 0 (the samples "
                          "or tokens this rank's metrics average over)")
+    if current_batch_is_padding():
+        w = 0.0
     names = list(metrics)
     values = [torch.as_tensor(metrics[name]).detach().to("cpu", torch.float64) for name in names]
     # entry 0 counts the ranks, entry 1 sums the weights

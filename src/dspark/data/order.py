@@ -13,9 +13,9 @@ resuming at another world size exact.
 possible, in rank order: every rank gets ``g // N`` rows and the first ``g % N`` ranks one more
 (41 on 8 ranks: 6, 5, 5, 5, 5, 5, 5, 5; 3 on 8 ranks: 1, 1, 1 and five ranks with none). A full
 global batch divides by ``N`` (unless ``allow_uneven``), so only an epoch's last, partial batch
-(``drop_last=False``) can be uneven; a rank with no rows then gets a batch of zero rows. The ranks'
-rows concatenated in rank order are the global batch in order, which is what
-:func:`dspark.gather_for_metrics` relies on.
+(``drop_last=False``) can be uneven; a rank with no rows then gets a padding batch (see [Note:
+padding batches] in :mod:`dspark.data.padding`). The ranks' real rows concatenated in rank order are
+the global batch in order, which is what :func:`dspark.gather_for_metrics` relies on.
 """
 
 from __future__ import annotations
@@ -54,9 +54,13 @@ class BatchInfo:
     """Samples in the global batch, over all ranks (less than ``global_batch_size`` only for the
     last batch of an epoch with ``drop_last=False``)."""
     local_size: int
-    """Samples of it on this rank."""
+    """Samples of it on this rank (real rows, padding not counted)."""
     local_start: int
     """This rank's first row within the global batch."""
+    padding: int = 0
+    """Rows of this rank's batch that are padding: a rank with no rows of a last, partial global batch
+    gets a copy of one of its samples (``local_size`` 0, ``padding`` 1); see [Note: padding batches]
+    in :mod:`dspark.data.padding`."""
 
 
 def _splitmix64(x: int) -> int:

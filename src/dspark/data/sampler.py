@@ -18,7 +18,7 @@ class GlobalBatchSampler(Sampler[list[int]]):
     [Note: global batch order] in :mod:`dspark.data.order`). The owner sets the position before each
     pass; the sampler itself keeps no count of what was consumed (workers prefetch ahead of that).
     A rank with no rows of a batch (a last, partial one smaller than the world) gets the index of the
-    batch's first sample, as a template that the loader cuts to zero rows (:mod:`dspark.data.empty_rows`).
+    batch's first sample, as padding (see [Note: padding batches] in :mod:`dspark.data.padding`).
 
     Example::
 
@@ -44,14 +44,14 @@ class GlobalBatchSampler(Sampler[list[int]]):
         """Where global batch ``index`` of ``epoch`` puts this rank's rows."""
         start, stop = local_rows(self.sizes[index], self.world_size, self.rank)
         return BatchInfo(epoch=epoch, index=index, global_size=self.sizes[index],
-                         local_size=stop - start, local_start=start)
+                         local_size=stop - start, local_start=start, padding=int(start == stop))
 
     def __iter__(self) -> Iterator[list[int]]:
         order = epoch_order(self.num_samples, seed=self.seed, epoch=self.epoch, shuffle=self.shuffle)
         offset = sum(self.sizes[: self.start_batch])
         for index in range(self.start_batch, len(self.sizes)):
             start, stop = local_rows(self.sizes[index], self.world_size, self.rank)
-            if start == stop:  # no rows here: one sample of the batch, cut to zero rows by the loader
+            if start == stop:  # no rows here: one sample of the batch, as padding
                 start, stop = 0, 1
             yield order[offset + start: offset + stop].tolist()
             offset += self.sizes[index]

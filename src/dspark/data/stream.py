@@ -15,8 +15,8 @@ dataset's ``torch.utils.data.get_worker_info()`` returns None: one that splits i
 parts. Resuming at global batch ``k`` reads and skips the first ``k*G`` samples.
 
 A last, partial global batch (``drop_last=False``) is split by the even split rule of its own size,
-which is known only when the stream ends (a rank with no rows of it gets the batch's first sample as a
-template, which the loader cuts to zero rows); so with ``drop_last=False`` a worker holds the raw samples
+which is known only when the stream ends (a rank with no rows of it gets the batch's first sample as
+padding, see [Note: padding batches] in :mod:`dspark.data.padding`); so with ``drop_last=False`` a worker holds the raw samples
 of the global batch it is assembling (not collated), and with ``drop_last=True`` only its rows.
 """
 
@@ -88,15 +88,15 @@ class RankStream(IterableDataset[tuple[BatchInfo, list[Any]]]):
                                     local_size=own_stop - own_start, local_start=own_start), rows
                 index += 1
                 continue
-            if index == 0:
+            if index == 0 and (self.drop_last or not count):
                 raise ValueError(
                     f"the iterable dataset yielded {count} samples in epoch {self.epoch}, fewer than "
                     f"one global batch of {size}: no step could run. "
                     f"{smaller_batch_fix(count, self.world_size)}")
             if count and not self.drop_last and mine:
                 start, stop = local_rows(count, self.world_size, self.rank)
-                yield BatchInfo(epoch=self.epoch, index=index, global_size=count,
-                                local_size=stop - start, local_start=start), kept[start:stop] or kept[:1]
+                yield BatchInfo(epoch=self.epoch, index=index, global_size=count, local_size=stop - start,
+                                local_start=start, padding=int(start == stop)), kept[start:stop] or kept[:1]
             return
 
 

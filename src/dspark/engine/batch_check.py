@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from dspark import comm
+from dspark.data.padding import current_batch_is_padding
 from dspark.engine.inputs import ForwardInputs
 from dspark.errors import PlacementError
 from dspark.tensor.fingerprint import FINGERPRINT_LEN, identical_ranks
@@ -98,6 +99,9 @@ class BatchCheck:
         if not self.enabled:
             return
         self._last = inputs
+        if current_batch_is_padding():  # a copy of another rank's sample by design: compared with none
+            self._fingerprint = None
+            return
         if self._due():  # the last forward before the step's first backward is the one compared
             self._fingerprint = inputs.fingerprint(device=self._world.device)
             if not inputs.leaves and (args or kwargs) and not self._warned_blind:

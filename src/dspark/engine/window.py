@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dspark import comm
+from dspark.data.padding import current_batch_is_padding
 from dspark.errors import CollectiveError
 
 if TYPE_CHECKING:
@@ -119,9 +120,10 @@ class Window:
 
     def count_forward(self, inputs: ForwardInputs, args: Any, kwargs: Any) -> None:
         """A reader of each training forward's inputs (see [Note: forward inputs]): one more forward,
-        and its rows added to ``batch_size`` when they are known."""
+        and its rows added to ``batch_size`` when they are known (none for a loader's padding batch,
+        see [Note: padding batches] in :mod:`dspark.data.padding`)."""
         self.forwards += 1
-        rows = inputs.rows
+        rows = 0 if current_batch_is_padding() else inputs.rows
         if rows is not None:
             self.batch_size = (self.batch_size or 0) + rows
 
