@@ -10,7 +10,6 @@ from dspark.bench.analysis import annotate
 from dspark.bench.anomalies import (
     activation_bytes_per_rank,
     audit_lines,
-    below_cost_model,
     is_batch_replicated,
     memory_above_expected,
     reduction_scratch_bytes,
@@ -184,25 +183,6 @@ def test_sharded_parts_held_whole_during_a_step_are_not_activations() -> None:
                              model_state_bytes_expected_per_rank=200 * MB,
                              peak_bytes_per_rank=200 * MB + 1000 * MB * 3 // 2 + 100 * MB)
         assert bool(memory_above_expected(result, one)) == flagged, strategy
-
-
-# -- below_cost_model ------------------------------------------------------------------------
-
-def test_below_cost_model() -> None:
-    one = make_result()
-    slow = _scaled(make_result(num_devices=2, step_ms=200.0), one)  # model: 122.5 + 10.2 ms
-    (found,) = below_cost_model(slow, one)
-    assert found["predicted_step_ms"] == pytest.approx(132.7)
-    assert found["message"].startswith("2 devices "), found["message"]
-    assert_line_names(found["message"], "1.23x", "61%", "cost model", "1.85x", "92%", "200 ms",
-                      "133 ms", "122 ms compute", "128/256", "245 ms", "10.2 ms communication",
-                      "102.0 MB", "10.00 GB/s", "8%")
-    assert not found["wire_bytes_estimated"]
-    assert below_cost_model(_scaled(make_result(num_devices=2, step_ms=136.0), one), one) == []
-    assert below_cost_model(_scaled(make_result(num_devices=2, step_ms=170.0), one), one) == []
-    no_bus = _scaled(make_result(num_devices=2, step_ms=200.0, bus_bytes_per_s=0.0), one)
-    assert below_cost_model(no_bus, one) == []
-    assert below_cost_model(one, one) == []
 
 
 # -- regression ------------------------------------------------------------------------------

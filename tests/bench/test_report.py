@@ -70,7 +70,7 @@ def test_seed_table_marks_a_flagged_fix_and_missing_runs() -> None:
     render_seed_table(annotate([one, slow_fix]), console)
     text = console.export_text()
     assert_line_names(text, "replicated batch", "not measured")
-    assert_line_names(text, "sharded", "FLAGGED", "negative_scaling", "below_cost_model", "off_plan")
+    assert_line_names(text, "sharded", "FLAGGED", "negative_scaling", "off_plan")
 
 
 def test_comparison_renders_rows_and_counts() -> None:

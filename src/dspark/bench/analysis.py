@@ -18,15 +18,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from dspark.bench.anomalies import (
-    below_cost_model,
-    memory_above_expected,
-    regression,
-    replicated_batch,
-)
+from dspark.bench.anomalies import memory_above_expected, regression, replicated_batch
 from dspark.bench.breakdown import straggler
 from dspark.bench.causes import negative_scaling
-from dspark.bench.cost_model import StepPrediction, cost_model_step_ms, predict_step
 from dspark.bench.noise import NoiseModel
 from dspark.bench.off_plan import off_plan, predicted_fields
 from dspark.bench.result import BenchResult
@@ -39,11 +33,8 @@ if TYPE_CHECKING:
 __all__ = [
     "ANOMALY_KINDS",
     "Scaling",
-    "StepPrediction",
     "annotate",
-    "cost_model_step_ms",
     "find_baseline",
-    "predict_step",
     "scaling",
 ]
 
@@ -53,11 +44,11 @@ _Rule = Callable[[BenchResult, BenchResult | None], list[dict[str, Any]]]
 # (annotate() puts straggler, which needs the noise model, between the two groups).
 _BASELINE_RULES: tuple[_Rule, ...] = (
     negative_scaling, suspect_baseline, replicated_batch, missing_samples, memory_above_expected,
-    below_cost_model, off_plan)
+    off_plan)
 _TRUST_RULES: tuple[_Rule, ...] = (busy_machine,)
 
 ANOMALY_KINDS = ("negative_scaling", "suspect_baseline", "replicated_batch", "missing_samples",
-                 "memory_above_expected", "below_cost_model", "off_plan", "straggler", "busy_machine",
+                 "memory_above_expected", "off_plan", "straggler", "busy_machine",
                  "regression")
 
 

@@ -32,8 +32,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dspark.bench.cost_model import predict_step
-from dspark.bench.formatting import format_mb, format_ms, format_ratio
+from dspark.bench.formatting import format_mb, format_ms
 from dspark.bench.noise import NoiseModel
 from dspark.bench.peers import PEERS
 from dspark.bench.result import BenchResult
@@ -42,14 +41,11 @@ from dspark.engine.policy import STRATEGIES
 
 __all__ = [
     "ACTIVATION_TOLERANCE",
-    "COST_MODEL_MIN_EFFICIENCY",
-    "COST_MODEL_SLOWDOWN",
     "MEMORY_SLACK_BYTES",
     "MODEL_STATE_TOLERANCE",
     "activation_bytes_per_rank",
     "anomaly",
     "audit_lines",
-    "below_cost_model",
     "devices",
     "gathered_bytes",
     "is_batch_replicated",
@@ -67,10 +63,6 @@ ACTIVATION_TOLERANCE = 1.5
 """Activations may reach 1.5x a 1/N share (per-rank fixed buffers do not shrink with the batch)."""
 MEMORY_SLACK_BYTES = 1_000_000
 """Absolute slack on both memory rules, so tiny CPU presets are not flagged for allocator noise."""
-COST_MODEL_SLOWDOWN = 1.35
-"""A step this many times the cost model's prediction is suspicious ..."""
-COST_MODEL_MIN_EFFICIENCY = 0.8
-"""... when the scaling efficiency is also below this (a fast run slower than a model is fine)."""
 
 
 def anomaly(kind: str, message: str, **numbers: Any) -> dict[str, Any]:
@@ -320,48 +312,6 @@ def memory_above_expected(result: BenchResult,
                 expected_activation_bytes_per_rank=expected_activation,
                 ratio=held / expected_activation))
     return found
-
-
-def below_cost_model(result: BenchResult, baseline: BenchResult | None) -> list[dict[str, Any]]:
-    """The measured speedup is far below what compute share + communication predict.
-
-    Skipped when no bus bandwidth was measured (``bus_bytes_per_s == 0``). Example::
-
-        below_cost_model(two_devices, one_device)
-        # "2 devices reach 1.10x (efficiency 55%), the cost model predicts 1.85x (...)"
-    """
-    if (result.num_devices <= 1 or baseline is None or result.bus_bytes_per_s <= 0
-            or result.speedup is None or result.step_ms <= 0 or baseline.step_ms <= 0
-            or result.local_batch < 1):
-        return []
-    wire, estimated = wire_bytes(result)
-    predicted = predict_step(baseline_step_ms=baseline.step_ms, local_batch=result.local_batch,
-                             global_batch=result.global_batch, comm_wire_bytes_per_step=wire,
-                             bus_bytes_per_s=result.bus_bytes_per_s)
-    speedup = result.speedup
-    efficiency = speedup / result.num_devices
-    slowdown = result.step_ms / predicted.step_ms
-    if slowdown <= COST_MODEL_SLOWDOWN or efficiency >= COST_MODEL_MIN_EFFICIENCY:
-        return []
-    predicted_speedup = baseline.step_ms / predicted.step_ms
-    predicted_efficiency = predicted_speedup / result.num_devices
-    comm_share = predicted.comm_ms / predicted.step_ms
-    message = (
-        f"{devices(result.num_devices)} reach {format_ratio(speedup)} (efficiency "
-        f"{efficiency:.0%}), the cost model predicts {format_ratio(predicted_speedup)} "
-        f"({predicted_efficiency:.0%}): measured {format_ms(result.step_ms)} vs predicted "
-        f"{format_ms(predicted.step_ms)} = {format_ms(predicted.compute_ms)} compute "
-        f"({result.local_batch}/{result.global_batch} of the {format_ms(baseline.step_ms)} "
-        f"1-device step) + {format_ms(predicted.comm_ms)} communication "
-        f"({format_mb(wire)} on the wire{', estimated' if estimated else ''} at "
-        f"{result.bus_bytes_per_s / 1e9:.2f} GB/s; {comm_share:.0%} of the prediction); the "
-        f"step takes {format_ratio(slowdown)} the prediction, spent on what the model does not "
-        "count: stragglers, oversubscribed cores, extra copies or synchronisation")
-    return [anomaly("below_cost_model", message, speedup=speedup, efficiency=efficiency,
-                    predicted_speedup=predicted_speedup, predicted_step_ms=predicted.step_ms,
-                    predicted_compute_ms=predicted.compute_ms,
-                    predicted_comm_ms=predicted.comm_ms, step_ms=result.step_ms,
-                    wire_bytes_estimated=estimated)]
 
 
 _PROVENANCE = (("git_commit", "commit"), ("git_dirty", "uncommitted changes"),
