@@ -103,7 +103,8 @@ def suspect_baseline(result: BenchResult, baseline: BenchResult | None) -> list[
     n = result.num_devices
     low = result.speedup_min if result.speedup_min is not None else result.speedup
     high = result.speedup_max if result.speedup_max is not None else result.speedup
-    rounds = list(zip(result.round_indices, result.round_speedups, strict=False)) or [("?", high)]
+    rounds: list[tuple[int | str, float]] = (
+        list(zip(result.round_indices, result.round_speedups, strict=False)) or [("?", high)])
     above = [(index, s) for index, s in rounds if s > n * (1 + SUPERLINEAR_MARGIN)]
     unsteady = _unsteady(baseline)
     if not above and low <= n and unsteady is None:
