@@ -11,6 +11,7 @@ __all__ = [
     "OtherRankError",
     "PlacementError",
     "ShardedGradError",
+    "ShardedOptimizerStateError",
     "Zero3StateDictError",
 ]
 
@@ -57,6 +58,12 @@ class ShardedGradError(DSparkError, RuntimeError):
     where each rank holds only its rows of each gradient, inside the engine (a
     ``torch.nn.utils.clip_grad_norm_(model.parameters(), c)`` kept from DDP would clip nothing). The
     message names ``Engine(clip_grad_norm=c)`` and ``engine.clip_grad_norm_(c)``."""
+
+
+class ShardedOptimizerStateError(DSparkError, RuntimeError):
+    """``optimizer.state_dict()`` or ``load_state_dict()`` of an optimizer sharded by zero1, zero2 or
+    zero3 on several ranks: it holds only this rank's rows, so a saved state dict would be part of the
+    state. The message names ``engine.save()`` / ``engine.load()``."""
 
 
 class Zero3StateDictError(DSparkError, RuntimeError):

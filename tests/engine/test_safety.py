@@ -299,38 +299,63 @@ def test_zero3_names_an_evaluation_that_ran_on_one_rank_only(pool) -> None:
         assert result["recovered"] is True
 
 
-def _optimizer_state_saved_on_rank_0(path: str) -> dict[str, object]:
-    """A loop written for DDP saves ``optimizer.state_dict()`` on rank 0 and loads that file on
-    every rank; under zero1-3 each rank's optimizer holds only its rows."""
+def _optimizer_state_saved_on_rank_0(strategy: str, path: str) -> dict[str, object]:
+    """A loop written for DDP saves ``optimizer.state_dict()`` on rank 0 (nanoGPT's checkpoint) and
+    loads a saved one on every rank; under zero1-3 each rank's optimizer holds only its rows."""
     world = dspark.get_world()
     torch.manual_seed(0)
-    engine = dspark.Engine(tm.TinyMLP(), optimizer=ADAMW, strategy="zero2")
+    engine = dspark.Engine(tm.TinyMLP(), optimizer=ADAMW, strategy=strategy)
     x = dspark.distribute_batch(torch.randn(4, 6), shard_dim=0)
     engine.backward(engine(x).square().mean())
     engine.step()
-    own = engine.optimizer.state_dict()
-    if world.rank == 0:
-        torch.save(own, path)
-    dspark.comm.barrier()
-    got: dict[str, object] = {}
+    got: dict[str, object] = {"saved": "nothing"}
+    if world.rank == 0:  # `if master_process:`
+        try:
+            torch.save({"optimizer": engine.optimizer.state_dict()}, path)
+            got["saved"] = "a file"
+        except dspark.errors.ShardedOptimizerStateError as exc:
+            got["saved"] = str(exc)
+    plain = torch.optim.AdamW(tm.TinyMLP().parameters()).state_dict()  # one process's, as DDP saves
     try:
-        engine.optimizer.load_state_dict(torch.load(path, weights_only=True))
-        got["rank0_file"] = "no error"
-    except ValueError as exc:
-        got["rank0_file"] = str(exc)
-    engine.optimizer.load_state_dict(own)  # a rank's own state dict loads back
-    got["own"] = "loaded"
+        engine.optimizer.load_state_dict(plain)
+        got["loaded"] = "no error"
+    except dspark.errors.ShardedOptimizerStateError as exc:
+        got["loaded"] = str(exc)
+    engine.save(path + ".ckpt")  # the fix the messages name, and the engine's own load through the guard
+    engine.load(path + ".ckpt")
+    got["resumed"] = engine.step_count
     engine.close()
     return got
 
 
-def test_a_sharded_optimizer_state_dict_refuses_another_ranks_rows(pool, tmp_path) -> None:
-    r0, r1 = pool.run(_optimizer_state_saved_on_rank_0, str(tmp_path / "optimizer.pt"))
-    assert r0["rank0_file"] == "no error" and r0["own"] == r1["own"] == "loaded"
-    message = str(r1["rank0_file"])
-    assert message.startswith("rank 1: "), message
-    assert_line_names(message, "optimizer state dict", "shard of rank 0 of 2", "strategy='zero2'")
-    assert_names(message, "engine.save(path)", "engine.load(path)")
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
+def test_a_sharded_optimizers_own_state_dict_is_refused_with_the_fix(pool, tmp_path, strategy: str) -> None:
+    r0, r1 = pool.run(_optimizer_state_saved_on_rank_0, strategy, str(tmp_path / "optimizer.pt"))
+    assert not (tmp_path / "optimizer.pt").exists() and r1["saved"] == "nothing"
+    saved = str(r0["saved"])
+    assert saved.startswith("rank 0: "), saved
+    assert_names(saved, "optimizer.state_dict()", f"strategy={strategy!r} on 2 ranks", "rank 0's rows",
+                 "engine.save(path", "engine.load(path)")
+    for rank, result in enumerate((r0, r1)):
+        loaded = str(result["loaded"])
+        assert loaded.startswith(f"rank {rank}: "), loaded
+        assert_names(loaded, "optimizer.load_state_dict()", f"strategy={strategy!r}", "engine.load(path)")
+        assert result["resumed"] == 1
+
+
+def _replicated_optimizer_state_dict() -> int:
+    engine = dspark.Engine(tm.TinyMLP(), optimizer=ADAMW, strategy="replicate")
+    engine.backward(engine(dspark.distribute_batch(torch.randn(4, 6), shard_dim=0)).square().mean())
+    engine.step()
+    state = engine.optimizer.state_dict()
+    engine.optimizer.load_state_dict(state)
+    engine.close()
+    return sum(v.numel() for s in state["state"].values() for v in s.values())
+
+
+def test_a_replicated_optimizer_keeps_pytorchs_state_dict(pool) -> None:
+    whole = sum(2 * p.numel() + 1 for p in tm.TinyMLP().parameters())  # exp_avg, exp_avg_sq, step
+    assert pool.run(_replicated_optimizer_state_dict) == [whole, whole]
 
 
 def _deferred_tag_checks() -> dict[str, object]:

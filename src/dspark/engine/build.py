@@ -25,7 +25,7 @@ from dspark.engine.grad_reducer import GradReducer, LocalReducer
 from dspark.engine.inputs import ForwardInputs, InputRecorder, Reader
 from dspark.engine.loss_scaler import LossScaler
 from dspark.engine.materialize import has_meta_tensors, materialize
-from dspark.engine.optimizer_guard import check_elementwise, guard_sharded_optimizer
+from dspark.engine.optimizer_guard import ShardedOptimizerGuard, check_elementwise
 from dspark.engine.optimizer_kernel import prefer_fused_kernel
 from dspark.engine.param_groups import group_by_overrides
 from dspark.engine.param_slot import ParamSlot
@@ -264,8 +264,11 @@ def build_parts(model: nn.Module, factory: OptimizerFactory, *, config: EngineCo
                     defer_host_reads=defer_host_reads, after_optimizer=after_optimizer,
                     skip_nonfinite=checks.skip_nonfinite, max_nonfinite_skips=checks.max_nonfinite_skips)
     frozen_slots = [s for s in all_slots if not s.requires_grad]
+    optimizer_guard = (ShardedOptimizerGuard(optimizer, rank=rank, world_size=n, strategy=strategy.name)
+                       if strategy.shard_optimizer and n > 1 else None)  # see [Note: a rank's optimizer state dict]
     states = StateDicts(model, slots, frozen_slots, optimizer, strategy=strategy, precision=precision,
-                        loss_scaler=loss_scaler, zero3=zero3, guard=zero3_guard, world=world)
+                        loss_scaler=loss_scaler, zero3=zero3, guard=zero3_guard, world=world,
+                        optimizer_guard=optimizer_guard)
     backward_pass = BackwardPass(
         slots=slots, frozen_params=[(names[0], p) for names, p in named if not p.requires_grad],
         window=window, reducer=reducer, zero3=zero3, loss_scaler=loss_scaler,
@@ -274,8 +277,8 @@ def build_parts(model: nn.Module, factory: OptimizerFactory, *, config: EngineCo
         optimizer=optimizer, strategy=strategy.name)
     hooks: list[Any] = [s.param.register_post_accumulate_grad_hook(backward_pass.grad_ready_hook(s))
                         for s in slots]
-    if strategy.shard_optimizer and n > 1:  # see [Note: a rank's optimizer state dict]
-        hooks.extend(guard_sharded_optimizer(optimizer, rank=rank, world_size=n, strategy=strategy.name))
+    if optimizer_guard is not None:
+        hooks.extend(optimizer_guard.handles)
     readers: list[Reader] = [window.count_forward, batch_check.record]
     if planned_micro_batch is not None:
         def planned_rows(inputs: ForwardInputs, args: Any, kwargs: Any) -> None:

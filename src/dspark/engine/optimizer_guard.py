@@ -1,25 +1,32 @@
-"""Sharded optimizer state refuses to load on a rank it does not belong to.
+"""A sharded optimizer's own ``state_dict()`` and ``load_state_dict()`` refuse to run, instead of
+saving or loading part of the state without a word.
 
 [Note: a rank's optimizer state dict] Under zero1, zero2 and zero3 on several ranks,
-``engine.optimizer`` steps only this rank's rows, so its ``state_dict()`` holds this rank's shard
-of the AdamW moments. A loop written for one process or DDP saves ``optimizer.state_dict()`` on
-rank 0 and loads that file on every rank: rank 1 would then take rank 0's moments for its own rows
-(the shapes often agree), and training would go on from a wrong state without a word. So the state
-dict is stamped with the rank, the world size and the strategy that wrote it, and loading a stamped
-state dict on another rank or world size (zero1-3 split rows by one rule, so the stage may differ)
-is a ``ValueError`` that names both and the fix (``engine.save`` /
-``engine.load``, which reshard at any world size). Each rank saving and loading its own file is
-allowed; a state dict without the stamp (the engine's own, or one built by hand) loads as PyTorch
-loads it.
+``engine.optimizer`` steps only this rank's rows, so its ``state_dict()`` holds this rank's part of
+the AdamW moments (half of them on 2 ranks). A loop written for one process or DDP saves
+``optimizer.state_dict()`` on rank 0 beside the model (nanoGPT's checkpoint): that file would hold
+rank 0's half of the state, and a resume from it would train on with the other half missing or
+taken from the wrong rows, all without an error. Returning the whole state instead would make
+``state_dict()`` a collective, which a loop calls on rank 0 alone (``if master_process:``): that
+rank would wait in it for ever. So both calls raise :class:`dspark.errors.ShardedOptimizerStateError`
+on the rank that makes them, naming the calls that do the job: ``engine.save(path)`` /
+``engine.load(path)`` (the whole state, sharded, at any world size and strategy), or
+``engine.sharded_state_dict()`` for PyTorch's distributed checkpoint. The engine's own loading of
+the state runs inside :meth:`ShardedOptimizerGuard.allowed`. On one rank, and under replicate, the
+optimizer holds the whole state and its state dict is PyTorch's.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-__all__ = ["NOT_ELEMENTWISE", "STAMP_KEY", "check_elementwise", "guard_sharded_optimizer"]
+from dspark.errors import ShardedOptimizerStateError
+
+__all__ = ["NOT_ELEMENTWISE", "ShardedOptimizerGuard", "check_elementwise"]
 
 NOT_ELEMENTWISE = {"Adafactor": "keeps factored row and column statistics of each whole parameter",
                    "LBFGS": "keeps a history of whole flattened gradients and steps with a closure"}
@@ -47,35 +54,58 @@ def check_elementwise(optimizer: torch.optim.Optimizer, *, strategy: str, after_
                          "checkpoint could reshard it). Use strategy='replicate' with it, or an "
                          "element-wise optimizer (AdamW, SGD, Adam, ...)")
 
-STAMP_KEY = "dspark_shard"
-"""The key :func:`guard_sharded_optimizer` adds to ``optimizer.state_dict()``."""
+class ShardedOptimizerGuard:
+    """Hooks that make a sharded ``optimizer``'s ``state_dict()`` and ``load_state_dict()`` raise
+    (see the module note); ``handles`` take them off.
+
+    Example::
+
+        guard = ShardedOptimizerGuard(optimizer, rank=0, world_size=2, strategy="zero2")
+        optimizer.state_dict()        # ShardedOptimizerStateError naming engine.save(path)
+        with guard.allowed():
+            optimizer.load_state_dict(resharded)   # the engine's own loading
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, *, rank: int, world_size: int, strategy: str) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.strategy = strategy
+        self._internal = 0
+        self.handles = [optimizer.register_state_dict_pre_hook(self._saving),
+                        optimizer.register_load_state_dict_pre_hook(self._loading)]
+
+    @contextlib.contextmanager
+    def allowed(self) -> Iterator[None]:
+        """The engine's own calls, which handle the shards themselves."""
+        self._internal += 1
+        try:
+            yield
+        finally:
+            self._internal -= 1
+
+    def _where(self) -> str:
+        return (f"an optimizer sharded by strategy={self.strategy!r} on {self.world_size} ranks: it holds "
+                f"and steps only rank {self.rank}'s rows of each parameter")
+
+    def _saving(self, optimizer: torch.optim.Optimizer) -> None:
+        if self._internal:
+            return
+        raise ShardedOptimizerStateError(
+            f"rank {self.rank}: optimizer.state_dict() of {self._where()}, so its state dict would hold "
+            f"this rank's part of the state only, and torch.save of it (a DDP loop's checkpoint) would "
+            f"write part of the optimizer without a word. {_FIXES}")
+
+    def _loading(self, optimizer: torch.optim.Optimizer, state_dict: Any) -> None:
+        if self._internal:
+            return
+        raise ShardedOptimizerStateError(
+            f"rank {self.rank}: optimizer.load_state_dict() into {self._where()}, and a state dict saved "
+            f"by one process, by DDP or by another rank holds other rows (or whole tensors): these "
+            f"rows would train on with state that is not theirs. {_FIXES}")
 
 
-def guard_sharded_optimizer(optimizer: torch.optim.Optimizer, *, rank: int, world_size: int,
-                            strategy: str) -> list[Any]:
-    """Stamp ``optimizer``'s state dicts and check the stamp on load (see the module note); returns
-    the hook handles."""
-    mine = {"rank": rank, "world_size": world_size, "strategy": strategy}
-
-    def stamp(opt: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
-        state_dict[STAMP_KEY] = dict(mine)
-        return state_dict
-
-    def check(opt: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
-        found = state_dict.get(STAMP_KEY)
-        if found is None:
-            return state_dict
-        # zero1, zero2 and zero3 split rows by one rule: the same rank of the same world size owns
-        # the same rows whatever the stage
-        if (found.get("rank"), found.get("world_size")) != (rank, world_size):
-            raise ValueError(
-                f"rank {rank}: this optimizer state dict holds the shard of rank {found.get('rank')} "
-                f"of {found.get('world_size')} under strategy={found.get('strategy')!r}, and this "
-                f"rank owns other rows (rank {rank} of {world_size}, strategy={strategy!r}): loading "
-                "it would give these rows another rank's optimizer state. Save and load the "
-                "optimizer with engine.save(path) / engine.load(path) (sharded, any world size and "
-                "strategy), or let every rank save and load its own engine.optimizer.state_dict()")
-        return {k: v for k, v in state_dict.items() if k != STAMP_KEY}
-
-    return [optimizer.register_state_dict_post_hook(stamp),
-            optimizer.register_load_state_dict_pre_hook(check)]
+_FIXES = ("Save with engine.save(path, extra={...}) on every rank (the whole state, sharded, with the "
+          "model, the step and the extras) and resume with engine.load(path), at any world size and "
+          "strategy; for PyTorch's distributed checkpoint, engine.sharded_state_dict() and "
+          "engine.load_sharded_state_dict(sd). Under strategy='replicate' the optimizer holds the whole "
+          "state and its own state_dict() is PyTorch's.")

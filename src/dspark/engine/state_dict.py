@@ -44,6 +44,7 @@ from dspark.engine.adapters import (
     save_adapter,
 )
 from dspark.engine.loss_scaler import LossScaler
+from dspark.engine.optimizer_guard import ShardedOptimizerGuard
 from dspark.engine.param_slot import ParamSlot
 from dspark.engine.policy import PrecisionPolicy, ShardingPolicy
 from dspark.engine.pretrained import Names, save_gathered, save_pretrained
@@ -118,7 +119,8 @@ class StateDicts:
     def __init__(self, module: nn.Module, slots: Sequence[ParamSlot], frozen_slots: Sequence[ParamSlot],
                  optimizer: torch.optim.Optimizer, *, strategy: ShardingPolicy, precision: PrecisionPolicy,
                  loss_scaler: LossScaler | None, zero3: Zero3Scheduler | None,
-                 guard: Zero3StateDictGuard | None, world: World) -> None:
+                 guard: Zero3StateDictGuard | None, world: World,
+                 optimizer_guard: ShardedOptimizerGuard | None = None) -> None:
         self.module = module
         self.slots = list(slots)
         self.frozen_slots = list(frozen_slots)
@@ -129,6 +131,7 @@ class StateDicts:
         self.loss_scaler = loss_scaler
         self.zero3 = zero3
         self.guard = guard
+        self.optimizer_guard = optimizer_guard
         self.world = world
         self.rank = world.rank
 
@@ -341,15 +344,21 @@ class StateDicts:
                 else:
                     entry[key] = value
             per_param[index_of[id(param)]] = entry
-        current = optimizer.state_dict()["param_groups"]
+        current = optimizer.param_groups
         saved_groups = saved.get("param_groups") or [{} for _ in current]
         if len(saved_groups) != len(current):
             raise ValueError(f"the state dict has {len(saved_groups)} optimizer param group(s), this "
                              f"engine's optimizer {len(current)}: build the optimizer with the same groups "
                              "(the same param_groups function)")
-        groups = [{**{k: v for k, v in s.items() if k != "params"}, "params": now["params"]}
-                  for s, now in zip(saved_groups, current, strict=True)]
-        optimizer.load_state_dict({"state": per_param, "param_groups": groups})
+        groups: list[dict[str, Any]] = []
+        first = 0
+        for s, now in zip(saved_groups, current, strict=True):  # params by index, as state_dict() packs them
+            groups.append({**{k: v for k, v in s.items() if k != "params"},
+                           "params": list(range(first, first + len(now["params"])))})
+            first += len(now["params"])
+        guard = self.optimizer_guard
+        with contextlib.nullcontext() if guard is None else guard.allowed():
+            optimizer.load_state_dict({"state": per_param, "param_groups": groups})
 
 
 def _install_param(slot: ParamSlot, value: torch.Tensor, name: str) -> None:
