@@ -19,11 +19,11 @@ optimizer holds the whole state and its state dict is PyTorch's.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
+from dspark.engine.own_calls import OwnCalls
 from dspark.errors import ShardedOptimizerStateError
 
 __all__ = ["NOT_ELEMENTWISE", "ShardedOptimizerGuard", "check_elementwise"]
@@ -70,25 +70,20 @@ class ShardedOptimizerGuard:
         self.rank = rank
         self.world_size = world_size
         self.strategy = strategy
-        self._internal = 0
+        self._own = OwnCalls()
         self.handles = [optimizer.register_state_dict_pre_hook(self._saving),
                         optimizer.register_load_state_dict_pre_hook(self._loading)]
 
-    @contextlib.contextmanager
-    def allowed(self) -> Iterator[None]:
+    def allowed(self) -> contextlib.AbstractContextManager[None]:
         """The engine's own calls, which handle the shards themselves."""
-        self._internal += 1
-        try:
-            yield
-        finally:
-            self._internal -= 1
+        return self._own.running()
 
     def _where(self) -> str:
         return (f"an optimizer sharded by strategy={self.strategy!r} on {self.world_size} ranks: it holds "
                 f"and steps only rank {self.rank}'s rows of each parameter")
 
     def _saving(self, optimizer: torch.optim.Optimizer) -> None:
-        if self._internal:
+        if self._own:
             return
         raise ShardedOptimizerStateError(
             f"rank {self.rank}: optimizer.state_dict() of {self._where()}, so its state dict would hold "
@@ -96,7 +91,7 @@ class ShardedOptimizerGuard:
             f"write part of the optimizer without a word. {_FIXES}")
 
     def _loading(self, optimizer: torch.optim.Optimizer, state_dict: Any) -> None:
-        if self._internal:
+        if self._own:
             return
         raise ShardedOptimizerStateError(
             f"rank {self.rank}: optimizer.load_state_dict() into {self._where()}, and a state dict saved "

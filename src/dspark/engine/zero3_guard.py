@@ -17,11 +17,12 @@ A module whose parameters are all whole (inside its unit's forward) passes: noth
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from torch import nn
 
+from dspark.engine.own_calls import OwnCalls
 from dspark.engine.param_slot import ParamSlot
 from dspark.errors import Zero3StateDictError
 
@@ -40,7 +41,7 @@ class Zero3StateDictGuard:
 
     def __init__(self, root: nn.Module, slots: Sequence[ParamSlot], *, rank: int) -> None:
         self.rank = rank
-        self._internal = 0
+        self._own = OwnCalls()
         self._slot_of = {id(s.param): s for s in slots}
         self._handles: list[Any] = []
         seen: set[int] = set()
@@ -56,19 +57,14 @@ class Zero3StateDictGuard:
             if register_load is not None:  # public since PyTorch 2.5; before, torch's size check fails loudly
                 self._handles.append(register_load(self._loading))
 
-    @contextlib.contextmanager
-    def allowed(self) -> Iterator[None]:
+    def allowed(self) -> contextlib.AbstractContextManager[None]:
         """The engine's own state-dict walks: names and buffers, never the freed values."""
-        self._internal += 1
-        try:
-            yield
-        finally:
-            self._internal -= 1
+        return self._own.running()
 
     def _freed(self, module: nn.Module, prefix: str) -> list[str]:
         """The freed parameters under ``module`` (the whole subtree: its own hook fires first), named
         as in its state dict."""
-        if self._internal:
+        if self._own:
             return []
         return [prefix + name for name, p in module.named_parameters()
                 if id(p) in self._slot_of and not self._slot_of[id(p)].gathered]
