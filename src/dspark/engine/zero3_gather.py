@@ -171,7 +171,8 @@ class GatherTags:
             "the choice the same on every rank (seed it alike), or run the skipped unit with a zero "
             "contribution (e.g. on an empty batch, or multiplied by 0). In evaluation: evaluate on "
             "every rank (each on its own share of the data), not on rank 0 alone; generate the same "
-            "number of tokens on every rank; for an evaluation on one rank, load "
+            "number of tokens on every rank (HuggingFace's generate(): synced_gpus=True, the default "
+            "DSpark gives the engine's module); for an evaluation on one rank, load "
             "engine.full_state_dict() into a plain copy of the model. Or train with "
             "strategy='zero2', which runs such models as one process does.")
 

@@ -41,7 +41,8 @@ per dtype, started in the same order on every rank (same graph, same hooks).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -50,6 +51,7 @@ from torch import nn
 from dspark.engine.compile_boundary import outside_compile
 from dspark.engine.param_slot import ParamSlot
 from dspark.engine.zero3_gather import PURPOSES, Gather, GatherTags
+from dspark.engine.zero3_generate import SyncedGenerate
 from dspark.engine.zero3_plan import (
     MIN_NESTED_UNIT_BYTES,
     UnitPolicy,
@@ -128,6 +130,7 @@ class Zero3Scheduler:
             self._handles.append(unit.module.register_forward_hook(self._post_forward_hook(unit)))
         for name, module, own, owner in loose_modules(root, self.units, slots):
             self._handles.append(module.register_forward_pre_hook(_refuse_freed_call(name, own, owner)))
+        self._generate = SyncedGenerate(root, self.holding_root)  # see [Note: generation under zero3]
 
     @property
     def slots(self) -> list[ParamSlot]:
@@ -307,6 +310,21 @@ class Zero3Scheduler:
         finally:
             self.tags.activity = None
 
+    @contextlib.contextmanager
+    def holding_root(self) -> Iterator[None]:
+        """Keep the root unit gathered for the duration, however many forwards run inside (see [Note:
+        generation under zero3]); its gather is tagged like a forward's."""
+        root = self.units[0]
+        for slot in root.slots:
+            self._holders[id(slot)] += 1
+        try:
+            self._gather(root.slots, root.label)
+            yield
+        finally:
+            for slot in root.slots:
+                self._holders[id(slot)] -= 1
+            self._free(root.slots)
+
     def free_slots(self, slots: Iterable[ParamSlot]) -> None:
         for slot in slots:
             if slot.gathered:
@@ -322,3 +340,4 @@ class Zero3Scheduler:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._generate.remove()
