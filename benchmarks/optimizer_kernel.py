@@ -1,6 +1,6 @@
 """One AdamW step on one core with each of PyTorch's kernels: the default loop, ``foreach=True``
 and ``fused=True`` (the one DSpark's engine picks when the factory leaves the choice open, see
-:mod:`dspark.engine.optimizer_kernel`). The kernels are interleaved, several repeats each, and the
+:mod:`dspark.policy.optimizer_kernel`). The kernels are interleaved, several repeats each, and the
 median step is printed; ``--out DIR`` writes it as ``DIR/table.json`` for docs/figures.md (see
 [Note: table artifacts]).
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from dspark.models import get_workload
-from dspark.plan import Plan, PlanRow, Probe, get_interconnect, model_shape, row_cost
+from dspark.planner import Plan, PlanRow, Probe, get_interconnect, model_shape, row_cost
 
 ARTIFACTS = Path(__file__).parent / "results" / "2026-12-04-h200" / "final"
 H200_BYTES = 143771 * 2**20

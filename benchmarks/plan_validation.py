@@ -11,11 +11,11 @@ Models: the two CPU presets (gpt2-cpu, resnet50-cpu) and a HuggingFace GPT2LMHea
 from a config (4 layers x 256, vocabulary 2048, 128 tokens). bf16 autocast, AdamW, the
 workloads' global batches (gpt2-cpu 32, resnet50-cpu 128, HF 16). Measured per configuration: the
 median step of ``--steps`` timed steps after one warm-up (the slowest rank's), and the tensor peak
-of one more step (:func:`dspark.plan.peak_memory.measure_peak_bytes`, the lab's measure), the
+of one more step (:func:`dspark.planner.peak_memory.measure_peak_bytes`, the lab's measure), the
 largest over ranks. On 1 rank every strategy is the same engine path (nothing to shard or
 communicate), so 1 rank is measured once, as replicate. 4 ranks on a 2-core machine share cores:
 only their memory is compared. The link is measured first, on 2 ranks through the same transport
-(:func:`dspark.plan.link_probe.measure_link`: all-reduce, reduce-scatter and all-gather apart), and
+(:func:`dspark.planner.link_probe.measure_link`: all-reduce, reduce-scatter and all-gather apart), and
 the plan is made over it; the artifact keeps it under ``"link"``.
 """
 
@@ -71,7 +71,7 @@ def worker(name: str, strategy: str, steps: int) -> None:
 
     import dspark
     from dspark import comm
-    from dspark.plan.peak_memory import measure_peak_bytes
+    from dspark.planner.peak_memory import measure_peak_bytes
 
     world = dspark.init()
     model, batch, loss_fn, _ = build(name)
@@ -109,7 +109,7 @@ def link_worker() -> None:
     import dataclasses
 
     import dspark
-    from dspark.plan.link_probe import measure_link
+    from dspark.planner.link_probe import measure_link
 
     world = dspark.init()
     link = measure_link(world)
@@ -119,8 +119,8 @@ def link_worker() -> None:
 
 
 def link_from_dict(data: dict[str, Any]) -> Any:
-    """The :class:`dspark.plan.Interconnect` ``dataclasses.asdict`` wrote."""
-    from dspark.plan.interconnect import Interconnect, LinkCost
+    """The :class:`dspark.planner.Interconnect` ``dataclasses.asdict`` wrote."""
+    from dspark.planner.interconnect import Interconnect, LinkCost
 
     return Interconnect(**{**data, "inter_node": None,
                            "per_collective": tuple((name, LinkCost(**cost)) for name, cost in data["per_collective"])})

@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from dspark.engine.policy import STRATEGIES as _POLICIES
+from dspark.policy.strategies import STRATEGIES as _POLICIES
 
 STRATEGIES: tuple[str, ...] = tuple(_POLICIES)

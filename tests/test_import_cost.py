@@ -40,8 +40,8 @@ def test_dspark_run_starts_without_importing_torch() -> None:
 
 def test_import_dspark_imports_no_torch_and_names_resolve_on_use() -> None:
     assert _loaded_after("import dspark\nassert 'torch' not in sys.modules") == []
-    probe = ("import dspark, dspark.plan\n"
-             "assert callable(dspark.plan) and dspark.Engine.__name__ == 'Engine'\n"
+    probe = ("import dspark, dspark.planner\n"
+             "assert dspark.Engine.__name__ == 'Engine' and dspark.plan is dspark.planner.plan\n"
              "assert dspark.print.__name__ == 'rank_print' and dspark.checkpoint.__name__ == 'dspark.checkpoint'\n"
              "from dspark import *\nassert Shard(0).dim == 0")
     subprocess.run([sys.executable, "-c", probe], check=True, timeout=120)

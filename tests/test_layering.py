@@ -1,6 +1,7 @@
-"""The whole import graph of src/dspark against the declared layers (DESIGN.md, "Architecture"):
-data flows one way, cli -> bench/check/launch -> engine/plan/data/checkpoint -> tensor -> comm, host
-stands apart, and no two modules import each other, lazily or not. A new upward import or circle
+"""The whole import graph of src/dspark against the declared layers (CONTRIBUTING.md, "Layering"):
+data flows one way, cli -> bench/check/launch -> engine/planner/data/checkpoint -> policy/meta/models
+-> tensor -> comm, the engine imports the planner and never the reverse, host stands apart, and no
+two modules import each other, lazily or not. A new upward import or circle
 fails here, naming the importing file, the imported module and the rule it breaks."""
 
 from __future__ import annotations
@@ -29,11 +30,13 @@ LAYERS = Layers(
         "errors": 0, "_version": 0, "cpu_malloc": 0, "profiler_banner": 0,
         "comm": 1,
         "tensor": 2,
-        # the benchmark workloads: plain PyTorch models that the lab and the planner build
-        "models": 3,
-        # of engine and plan only one may import the other (strategy="auto" must not make a
-        # circle): layers of one rank are held to one direction by the layer-circle rule
-        "engine": 4, "plan": 4, "data": 4, "checkpoint": 4,
+        # the benchmark workloads: plain PyTorch models that the lab and the planner build; the
+        # strategies' rules and meta materialisation, which the engine and the planner both read
+        "models": 3, "policy": 3, "meta": 3,
+        # of engine and planner only one may import the other (strategy="auto" must not make a
+        # circle): layers of one rank are held to one direction by the layer-circle rule, and
+        # ENGINE_OVER_PLANNER below says which
+        "engine": 4, "planner": 4, "data": 4, "checkpoint": 4,
         # print, log_dir, Tracker, progress: above comm only (engine.step_stats() reaches the
         # tracker as a value)
         "logs": 4,
@@ -44,7 +47,7 @@ LAYERS = Layers(
     apart={
         # host probing: reports comm's backends; `dspark env` shows it, the planner reads the
         # machine's memory from it
-        "host": (frozenset({"comm", "_version", "errors"}), frozenset({"cli", "plan"})),
+        "host": (frozenset({"comm", "_version", "errors"}), frozenset({"cli", "planner"})),
     },
 )
 
@@ -57,6 +60,17 @@ def test_the_import_graph_keeps_the_layers() -> None:
     assert len(modules_of(SRC)) > 100 and len(edges) > 300, "the graph should cover all of DSpark"
     assert not (problems := layering_violations(edges, LAYERS, known_circles=KNOWN_CIRCLES)), \
         "\n".join(problems)
+
+
+def test_the_engine_imports_the_planner_and_never_the_reverse() -> None:
+    """[Note: auto as a plain function]: ``Engine(strategy="auto")`` calls the planner, so the planner
+    may not import the engine, lazily or not (what both read lives in dspark.policy and dspark.meta)."""
+    edges = import_graph(SRC)
+    assert any(e.importer.startswith("dspark.engine") and e.imported.startswith("dspark.planner")
+               for e in edges), "the engine should call the planner for strategy='auto'"
+    upward = [f"{e.where()}: {e.importer} imports {e.imported}" for e in edges
+              if e.importer.startswith("dspark.planner") and e.imported.startswith("dspark.engine")]
+    assert not upward, "the planner imports the engine:\n" + "\n".join(upward)
 
 
 def test_lazy_and_type_only_imports_are_in_the_graph(tmp_path: Path) -> None:
@@ -112,9 +126,9 @@ def test_the_rules_on_a_synthetic_graph() -> None:
     assert "host (apart" in apart and "may not be imported by bench" in apart
     (unknown,) = layering_violations([edge("dspark.attic.x", "dspark.comm.y")], LAYERS)
     assert "'attic' is not in the table" in unknown
-    both_ways = [edge("dspark.engine.x", "dspark.plan.y"), edge("dspark.plan.z", "dspark.engine.w")]
+    both_ways = [edge("dspark.engine.x", "dspark.planner.y"), edge("dspark.planner.z", "dspark.engine.w")]
     (layer_circle,) = layering_violations(both_ways, LAYERS)
-    assert_line_names(layer_circle, "circle", "engine, plan")
+    assert_line_names(layer_circle, "circle", "engine, planner")
     known = {frozenset({"dspark.engine.a", "dspark.engine.b"}): "being removed"}
     (stale,) = layering_violations([], LAYERS, known_circles=known)
     assert "is gone" in stale

@@ -23,8 +23,6 @@ imports, for type checkers), never as an import at the top: tests/test_import_co
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 from typing import TYPE_CHECKING, Any
 
 from dspark._version import __version__
@@ -36,7 +34,7 @@ if TYPE_CHECKING:
     from dspark import comm as comm
     from dspark.comm import World, get_world, init, shutdown
     from dspark.data import DataLoader, gather_for_metrics, reduce_metrics
-    from dspark.engine import Engine, EngineConfig, meta_init
+    from dspark.engine import Engine, EngineConfig
     from dspark.errors import (
         CollectiveError,
         CollectiveTimeoutError,
@@ -48,9 +46,10 @@ if TYPE_CHECKING:
     from dspark.logs import Tracker, log_dir
     from dspark.logs import rank_print as print  # dspark.print: the rank-aware print
     from dspark.logs.progress import progress
+    from dspark.meta import meta_init
 
-    # dspark.plan is the function (the package stays importable: ``from dspark.plan import Plan``)
-    from dspark.plan import Plan, PlanRow, plan
+    # dspark.plan is the planner's function; its package is dspark.planner
+    from dspark.planner import Plan, PlanRow, plan
     from dspark.tensor import (
         REPLICATE,
         DistTensor,
@@ -72,7 +71,7 @@ _PUBLIC: dict[str, tuple[str, str | None]] = {
     "reduce_metrics": ("dspark.data", "reduce_metrics"),
     "Engine": ("dspark.engine", "Engine"),
     "EngineConfig": ("dspark.engine", "EngineConfig"),
-    "meta_init": ("dspark.engine", "meta_init"),
+    "meta_init": ("dspark.meta", "meta_init"),
     "CollectiveError": ("dspark.errors", "CollectiveError"),
     "CollectiveTimeoutError": ("dspark.errors", "CollectiveTimeoutError"),
     "DSparkError": ("dspark.errors", "DSparkError"),
@@ -83,9 +82,9 @@ _PUBLIC: dict[str, tuple[str, str | None]] = {
     "log_dir": ("dspark.logs", "log_dir"),
     "progress": ("dspark.logs", "progress"),
     "print": ("dspark.logs", "rank_print"),
-    "Plan": ("dspark.plan", "Plan"),
-    "PlanRow": ("dspark.plan", "PlanRow"),
-    "plan": ("dspark.plan", "plan"),
+    "Plan": ("dspark.planner", "Plan"),
+    "PlanRow": ("dspark.planner", "PlanRow"),
+    "plan": ("dspark.planner", "plan"),
     "REPLICATE": ("dspark.tensor", "REPLICATE"),
     "DistTensor": ("dspark.tensor", "DistTensor"),
     "Replicate": ("dspark.tensor", "Replicate"),
@@ -95,11 +94,6 @@ _PUBLIC: dict[str, tuple[str, str | None]] = {
 }
 """Public name -> (module, attribute in it; None: the module itself)."""
 
-_WITH: dict[str, tuple[str, ...]] = {"Engine": ("dspark.plan",)}
-"""Modules imported with a public name: ``Engine(strategy="auto")`` calls the planner, which the
-engine may not import (see [Note: auto without a circle] in :mod:`dspark.engine.auto`), so the
-package, which sits above both, imports it with the engine."""
-
 
 def __getattr__(name: str) -> Any:
     try:
@@ -107,8 +101,6 @@ def __getattr__(name: str) -> Any:
     except KeyError:
         raise AttributeError(f"module 'dspark' has no attribute {name!r}") from None
     value = importlib.import_module(module)
-    for companion in _WITH.get(name, ()):
-        importlib.import_module(companion)
     if attribute is not None:
         value = getattr(value, attribute)
     globals()[name] = value  # once: later reads find it without this function
@@ -118,19 +110,6 @@ def __getattr__(name: str) -> Any:
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_PUBLIC))
 
-
-class _Package(types.ModuleType):
-    """``dspark.plan`` is the function, though ``dspark/plan/`` is a package: the import system
-    sets a package's subpackages as its attributes when they are first imported, which would
-    replace the function with the module (``from dspark.plan import Plan`` keeps working)."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if isinstance(value, types.ModuleType) and _PUBLIC.get(name, ("", None))[1] is not None:
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
 
 __all__ = [
     "REPLICATE",

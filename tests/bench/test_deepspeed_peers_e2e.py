@@ -17,7 +17,7 @@ import torch
 
 import dspark
 from dspark.bench.deepspeed_peer import DEEPSPEED_PEERS, DeepSpeedPeer
-from dspark.engine.optimizer_kernel import kernel_name
+from dspark.policy.optimizer_kernel import kernel_name
 
 pytestmark = [
     pytest.mark.slow,

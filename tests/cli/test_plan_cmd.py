@@ -15,18 +15,18 @@ from dspark.cli.plan_cmd import parse_bytes
 
 def test_plan_prints_writes_json_and_plot_and_replans_from_the_probe(tmp_path: Path, capsys) -> None:
     out, png = tmp_path / "plan.json", tmp_path / "plan.png"
-    assert main(["plan", "--model", "tests.plan.factories:small_mlp", "--devices", "1,2",
+    assert main(["plan", "--model", "tests.planner.factories:small_mlp", "--devices", "1,2",
                  "--json", str(out), "--plot", str(png)]) == 0
     captured = capsys.readouterr()
     text = captured.out
     assert "replicate" in text and "zero3" in text and "peak MB" in text
-    assert "probing tests.plan.factories:small_mlp" in captured.err and "probed in" in captured.err
+    assert "probing tests.planner.factories:small_mlp" in captured.err and "probed in" in captured.err
     assert "probing" not in text  # progress on stderr: stdout is the table alone
     data = json.loads(out.read_text())
     assert {(r["strategy"], r["devices"]) for r in data["rows"]} >= {("zero2", 2), ("replicate", 1)}
     assert png.read_bytes()[:4] == b"\x89PNG"
     again = tmp_path / "again.json"
-    assert main(["plan", "--model", "tests.plan.factories:small_mlp", "--devices", "1,2,8",
+    assert main(["plan", "--model", "tests.planner.factories:small_mlp", "--devices", "1,2,8",
                  "--probe", str(out), "--interconnect", "nvlink", "--strategies", "zero3",
                  "--json", str(again)]) == 0
     replanned = json.loads(again.read_text())
@@ -35,7 +35,7 @@ def test_plan_prints_writes_json_and_plot_and_replans_from_the_probe(tmp_path: P
 
 
 @pytest.mark.parametrize("argv, word", [
-    (["--model", "tests.plan.factories:not_a_pair"], "(model, sample_batch)"),
+    (["--model", "tests.planner.factories:not_a_pair"], "(model, sample_batch)"),
     (["--model", "nomodule"], "module:factory"),
     (["--workload", "gpt2-cpu", "--devices", "0"], "--devices"),
     (["--workload", "gpt2-cpu", "--memory-budget", "lots"], "lots"),
@@ -52,7 +52,7 @@ def test_parse_bytes() -> None:
 
 
 def test_trace_fake_plans_memory_without_running_a_step(capsys) -> None:
-    assert main(["plan", "--model", "tests.plan.factories:small_mlp", "--devices", "1,2", "--trace", "fake"]) == 0
+    assert main(["plan", "--model", "tests.planner.factories:small_mlp", "--devices", "1,2", "--trace", "fake"]) == 0
     assert "fake trace" in capsys.readouterr().out
 
 

@@ -433,7 +433,7 @@ def test_a_tie_whose_direction_the_module_tree_cannot_tell_is_warned_about(caplo
     """nanoGPT's tie keeps the head's initialisation on the CPU; the module tree has no trace of the
     direction, so the embedding's (the first holder's) is used, with a warning naming both and the
     fix. A parent's reset_parameters(), which runs after both, decides the value: no warning."""
-    from dspark.engine.materialize import materialize
+    from dspark.meta.materialize import materialize
 
     with torch.device("meta"):
         model = model_class()

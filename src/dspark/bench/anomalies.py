@@ -37,7 +37,7 @@ from dspark.bench.noise import NoiseModel
 from dspark.bench.peers import PEERS
 from dspark.bench.result import BenchResult
 from dspark.engine import format_audit
-from dspark.engine.policy import STRATEGIES
+from dspark.policy.strategies import STRATEGIES
 
 __all__ = [
     "ACTIVATION_TOLERANCE",

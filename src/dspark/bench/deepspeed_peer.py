@@ -17,7 +17,7 @@ with every result (``engine_options["deepspeed_config"]``). What it pins, and wh
 * the same optimizer, built the same way: the worker's ``AdamW`` factory over the model's
   parameters, handed to DeepSpeed as its client optimizer, with PyTorch's fused kernel turned on by
   the rule DSpark's engine applies to its own (see [Note: fused optimizer] in
-  :mod:`dspark.engine.optimizer_kernel`). The kernel that ran is recorded on both sides
+  :mod:`dspark.policy.optimizer_kernel`). The kernel that ran is recorded on both sides
   (``optimizer_kernel``);
 * ``gradient_clipping: 0``: DeepSpeed clips at 1.0 unless told otherwise, DSpark's runs do not clip;
   and, for stages 1 and 2, ``compute_grad_norm: false`` (DeepSpeed's own switch for "no clipping,
@@ -63,8 +63,8 @@ from torch import nn
 from dspark.comm import World
 from dspark.comm.stats import wire_bytes
 from dspark.engine.config import EngineConfig
-from dspark.engine.optimizer_kernel import prefer_fused_kernel
-from dspark.engine.policy import PrecisionPolicy, precision_policy
+from dspark.policy.optimizer_kernel import prefer_fused_kernel
+from dspark.policy.strategies import PrecisionPolicy, precision_policy
 
 __all__ = ["DEEPSPEED_PEERS", "INSTALL_HINT", "DeepSpeedPeer", "deepspeed_config",
            "deepspeed_missing", "dspark_bucket_mb", "peer_precision", "require_deepspeed"]

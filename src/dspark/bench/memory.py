@@ -1,6 +1,6 @@
 """A process's peak resident memory, recorded beside the tensor peak of one training step.
 
-The tensor peak itself is measured by :mod:`dspark.plan.peak_memory` (the planner's one-device
+The tensor peak itself is measured by :mod:`dspark.planner.peak_memory` (the planner's one-device
 probe measures the same way); its names are re-exported here for the lab's workers.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import resource
 from pathlib import Path
 
-from dspark.plan.peak_memory import held_tensor_bytes, measure_peak_bytes, peak_of_running_sum
+from dspark.planner.peak_memory import held_tensor_bytes, measure_peak_bytes, peak_of_running_sum
 
 __all__ = ["held_tensor_bytes", "measure_peak_bytes", "peak_of_running_sum", "peak_rss_bytes",
            "reset_peak_rss"]

@@ -1,11 +1,11 @@
-"""Every lab run held to its plan: what :mod:`dspark.plan` predicts for an N-device result from its
+"""Every lab run held to its plan: what :mod:`dspark.planner` predicts for an N-device result from its
 own 1-device baseline, and the ``off_plan`` anomaly when the run costs more than that.
 
 [Note: a result's plan] The baseline of the same run is a measured step on one device: its
 forward, backward and optimizer times (``--profile``'s breakdown; without it the step is split
 1 : 2 between forward and backward, as a backward's two matrix products per forward one make it),
-and its tensor peak beyond model state. :meth:`dspark.plan.Probe.from_one_step` turns that into a
-probe, proportional to the batch; :func:`dspark.plan.row_cost` then prices the result's strategy
+and its tensor peak beyond model state. :meth:`dspark.planner.Probe.from_one_step` turns that into a
+probe, proportional to the batch; :func:`dspark.planner.row_cost` then prices the result's strategy
 on its device count at its local micro-batch, over the bus bandwidth the result measured (gloo
 on CPU cores: no overlap, see [Note: collective time]). The plan assumes what a healthy run does:
 the batch split N ways. A run whose ranks each received the whole batch (the seed's bug) holds
@@ -24,9 +24,9 @@ from typing import Any
 from dspark.bench.anomalies import anomaly, devices
 from dspark.bench.formatting import format_mb, format_ms
 from dspark.bench.result import BenchResult
-from dspark.engine.policy import STRATEGIES
 from dspark.models import get_workload
-from dspark.plan import Interconnect, ModelShape, Probe, RowCost, model_shape, row_cost
+from dspark.planner import Interconnect, ModelShape, Probe, RowCost, model_shape, row_cost
+from dspark.policy.strategies import STRATEGIES
 
 __all__ = ["OFF_PLAN_PEAK_TOLERANCE", "OFF_PLAN_STEP_TOLERANCE", "off_plan", "plan_for_result",
            "predicted_fields"]

@@ -211,7 +211,7 @@ class BenchResult(Recorded):
     the DeepSpeed configuration (``deepspeed_config``) and version."""
     optimizer_kernel: str = ""
     """The kernel the optimizer stepped with: ``fused``, ``foreach`` or ``for-loop`` (DSpark's
-    engine turns on the fused one; see dspark.engine.optimizer_kernel); "" when not recorded."""
+    engine turns on the fused one; see dspark.policy.optimizer_kernel); "" when not recorded."""
     micro_batches: int = 1
     """Forward/backward passes per rank per step: the local batch in equal micro-batches of at
     most the workload's ``max_micro_batch`` (gradients accumulated, one optimizer step)."""

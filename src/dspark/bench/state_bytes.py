@@ -5,7 +5,8 @@ its strategy should hold.
 with the arithmetic it allocated them by, so it agrees with the formula by construction. Here the
 bench walks what is reachable from the outside: every parameter and buffer of the module, their
 ``.grad``, the tensors the optimizer updates and their ``.grad``, and the optimizer's state. Each
-storage counts once (views and tied weights share one), in the first part it is found in. So a
+storage counts once, in the first part it is found in ([Note: storage bytes] in
+:mod:`dspark.tensor.storage`). So a
 zero3 parameter left gathered after its block ran shows up as the parameter's whole storage, on top
 of the shard the optimizer updates.
 
@@ -20,8 +21,9 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from dspark.engine.memory import expected_state_bytes, optimizer_state_elements
-from dspark.engine.policy import STRATEGIES
+from dspark.policy.state_bytes import expected_state_bytes, optimizer_state_elements
+from dspark.policy.strategies import STRATEGIES
+from dspark.tensor.storage import storage_bytes
 
 __all__ = ["STATE_PARTS", "expected_model_state", "held_model_state", "param_specs"]
 
@@ -40,12 +42,6 @@ def param_specs(model: nn.Module) -> list[ParamSpec]:
         param_specs(torch.nn.Linear(3, 2))   # [((2, 3), torch.float32), ((2,), torch.float32)]
     """
     return [(tuple(p.shape), p.dtype) for p in model.parameters() if p.requires_grad]
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    # A DTensor (FSDP2's parameters) holds its shard in a local tensor.
-    to_local = getattr(tensor, "to_local", None)
-    return to_local() if callable(to_local) else tensor
 
 
 def _optimizer_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
@@ -73,28 +69,14 @@ def held_model_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dic
     state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     parts = {"params": [*params, *opt_params], "grads": [*_grads(params), *_grads(opt_params)],
              "optimizer": state, "buffers": list(module.buffers())}
-    seen: set[int] = set()
-    out = {}
-    for part, tensors in parts.items():
-        total = 0
-        for tensor in tensors:
-            try:
-                storage = _local(tensor).untyped_storage()
-                key, nbytes = storage.data_ptr(), storage.nbytes()
-            except RuntimeError:  # a storage freed in place (FSDP2's resharded parameters)
-                continue
-            if nbytes == 0 or key in seen:
-                continue
-            seen.add(key)
-            total += nbytes
-        out[part] = total
-    return out
+    seen: set[int] = set()  # each storage in the first part it is found in
+    return {part: storage_bytes(tensors, seen) for part, tensors in parts.items()}
 
 
 def expected_model_state(specs: Iterable[ParamSpec], strategy: str, optimizer: torch.optim.Optimizer,
                          *, rank: int, num_ranks: int) -> dict[str, int]:
     """What ``strategy``'s formula says rank ``rank`` holds for parameters of ``specs``:
-    ``{"params", "grads", "optimizer"}`` in bytes (see :mod:`dspark.engine.memory`).
+    ``{"params", "grads", "optimizer"}`` in bytes (see :mod:`dspark.policy.state_bytes`).
 
     Example::
 

@@ -32,7 +32,7 @@ from dspark.bench import deepspeed_peer
 from dspark.bench.cpu_precision import choose_cpu_precision, cpu_matmul_ms
 from dspark.bench.peers import DEEPSPEED_PEERS, FP16_PEERS, PEERS
 from dspark.bench.result import BenchConfig
-from dspark.engine.policy import PRECISIONS, STRATEGIES
+from dspark.policy.strategies import PRECISIONS, STRATEGIES
 
 __all__ = ["SUITES", "Machine", "SuiteOverrides", "build_suite", "check_devices"]
 

@@ -69,7 +69,7 @@ from dspark.bench.peers import PEERS, TORCH_PEERS, buffer_sync, dspark_engine_op
 from dspark.bench.provenance import collect_provenance
 from dspark.bench.result import BenchConfig
 from dspark.bench.state_bytes import expected_model_state, held_model_state, param_specs
-from dspark.engine.optimizer_kernel import kernel_name
+from dspark.policy.optimizer_kernel import kernel_name
 
 __all__ = ["PROBE_STEPS", "SLOW_RANK_ENV", "TRACE_STEPS", "bus_bytes_per_s", "error_path", "main",
            "out_of_memory_hint", "run_config"]

@@ -67,7 +67,7 @@ def _devices(text: str) -> list[int]:
 def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Register ``dspark plan``."""
     from dspark.models import WORKLOADS
-    from dspark.plan import INTERCONNECTS
+    from dspark.planner import INTERCONNECTS
 
     parser = subparsers.add_parser(
         "plan", help="predict each strategy's peak memory and step per rank on 1 to N devices",
@@ -142,7 +142,7 @@ def _from_factory(spec: str) -> tuple[Any, Any, Any]:
 def run(args: argparse.Namespace) -> int:
     """Plan, print the table, write the JSON and the plot when asked."""
     import dspark
-    from dspark.plan import Probe
+    from dspark.planner import Probe
 
     max_micro_batch = None
     if args.workload:
@@ -179,7 +179,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(plan.to_json() + "\n")
     if args.plot:
-        from dspark.plan.plot import save_speedup_plot
+        from dspark.planner.plot import save_speedup_plot
 
         save_speedup_plot(plan, args.plot)
     return 0

@@ -4,10 +4,10 @@ from dspark.engine.audit import AUDIT_TOLERANCE, above_share, format_audit
 from dspark.engine.config import ChecksConfig, CommunicationConfig, EngineConfig, ObservationConfig
 from dspark.engine.engine import Engine, IncompatibleKeys
 from dspark.engine.loss_scaler import LossScaler
-from dspark.engine.meta_record import meta_init
-from dspark.engine.policy import PRECISIONS, STRATEGIES, PrecisionPolicy, ShardingPolicy
 from dspark.engine.step_observer import STEP_STATS_KEYS
 from dspark.engine.trace import named_ranges, trace_range
+from dspark.meta.record import meta_init
+from dspark.policy.strategies import PRECISIONS, STRATEGIES, PrecisionPolicy, ShardingPolicy
 
 __all__ = [
            "AUDIT_TOLERANCE",

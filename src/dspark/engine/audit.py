@@ -33,12 +33,13 @@ from torch import nn
 
 from dspark import comm
 from dspark.engine.inputs import ForwardInputs
-from dspark.engine.memory import expected_state_bytes, optimizer_state_elements, storage_bytes
 from dspark.engine.param_slot import ParamSlot
-from dspark.engine.policy import ShardingPolicy
+from dspark.policy.state_bytes import expected_state_bytes, optimizer_state_elements
+from dspark.policy.strategies import ShardingPolicy
 from dspark.tensor import Replicate, Shard
 from dspark.tensor.fingerprint import FINGERPRINT_LEN, identical_ranks
 from dspark.tensor.shard_math import chunk_size
+from dspark.tensor.storage import storage_bytes
 
 __all__ = ["AUDIT_KINDS", "AUDIT_TOLERANCE", "above_share", "audit_rows", "format_audit"]
 
@@ -74,7 +75,7 @@ def audit_rows(*, module: nn.Module, slots: Iterable[ParamSlot], strategy: Shard
                batch: ForwardInputs | None, rank: int, num_ranks: int,
                device: torch.device) -> list[dict[str, Any]]:
     """The audit's rows on this rank (see [Note: replication audit]); a collective."""
-    seen: set[tuple[int, int]] = set()
+    seen: set[int] = set()
     all_slots = list(slots)
     slot_of = {id(s.param): s for s in all_slots}
     trainable = [s for s in all_slots if s.requires_grad]

@@ -27,12 +27,12 @@ from dspark.engine.grad_reducer import GradReducer, LocalReducer
 from dspark.engine.hyperparams import check_same_hyperparameters, fingerprint
 from dspark.engine.loss_graph import accum_scaling, accum_scaling_message
 from dspark.engine.loss_scaler import LossScaler
-from dspark.engine.memory import storage_bytes
 from dspark.engine.param_slot import ParamSlot
 from dspark.engine.sharded_grad import mark_sharded_grads
 from dspark.engine.validation import check_weight
 from dspark.engine.window import StepTag, Window
 from dspark.engine.zero3_units import Zero3Scheduler
+from dspark.tensor.storage import storage_bytes
 
 __all__ = ["BackwardPass"]
 

@@ -14,22 +14,19 @@ import torch
 from torch import nn
 
 from dspark.comm import World
-from dspark.engine.agreement import agreed
-from dspark.engine.auto import check_planned_rows
+from dspark.engine.auto_strategy import check_planned_rows
 from dspark.engine.backward import BackwardPass
 from dspark.engine.batch_check import BatchCheck
 from dspark.engine.buffer_sync import BufferSync, broadcast_tensors
 from dspark.engine.config import EngineConfig
+from dspark.engine.failure_agreement import agreed
 from dspark.engine.global_batchnorm import convert_batchnorm, restore_batchnorm
 from dspark.engine.grad_reducer import GradReducer, LocalReducer
 from dspark.engine.inputs import ForwardInputs, InputRecorder, Reader
 from dspark.engine.loss_scaler import LossScaler
-from dspark.engine.materialize import has_meta_tensors, materialize
 from dspark.engine.optimizer_guard import ShardedOptimizerGuard, check_elementwise
-from dspark.engine.optimizer_kernel import prefer_fused_kernel
 from dspark.engine.param_groups import group_by_overrides
 from dspark.engine.param_slot import ParamSlot
-from dspark.engine.policy import ShardingPolicy, precision_policy
 from dspark.engine.state_dict import StateDicts
 from dspark.engine.step_observer import StepObserver
 from dspark.engine.trace import TraceSession
@@ -43,7 +40,11 @@ from dspark.engine.validation import (
 )
 from dspark.engine.window import Window
 from dspark.engine.zero3_guard import Zero3StateDictGuard
-from dspark.engine.zero3_units import UnitPolicy, Zero3Scheduler
+from dspark.engine.zero3_units import Zero3Scheduler
+from dspark.meta.materialize import has_meta_tensors, materialize
+from dspark.policy.optimizer_kernel import prefer_fused_kernel
+from dspark.policy.strategies import ShardingPolicy, precision_policy
+from dspark.policy.units import UnitPolicy
 
 __all__ = ["SHARDED_REDUCE", "EngineParts", "OptimizerFactory", "build_optimizer", "build_parts",
            "place_model", "shard_parameters"]

@@ -31,8 +31,8 @@ from torch import nn
 from dspark.engine.batch_check import DEFAULT_BATCH_CHECK_EVERY
 from dspark.engine.loss_scaler import LossScaler
 from dspark.engine.param_groups import ParamGroupsFn
-from dspark.engine.policy import PRECISIONS, STRATEGIES
-from dspark.engine.zero3_plan import UnitPolicy
+from dspark.policy.strategies import PRECISIONS, STRATEGIES
+from dspark.policy.units import UnitPolicy
 
 __all__ = ["GROUPS", "ChecksConfig", "CommunicationConfig", "EngineConfig", "ObservationConfig", "loss_scaler_for",
            "option", "option_docs", "options_table"]

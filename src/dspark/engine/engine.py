@@ -1,5 +1,5 @@
 """``Engine``: data-parallel training of one model on every rank, with the ZeRO stage as policy
-(:mod:`~dspark.engine.policy`: one code path serves every strategy). This file holds the public API;
+(:mod:`~dspark.policy.strategies`: one code path serves every strategy). This file holds the public API;
 :func:`~dspark.engine.build.build_parts` builds the parts it drives: the forward's inputs
 (:mod:`~dspark.engine.inputs`), zero3's gathers (:mod:`~dspark.engine.zero3_units`), backward over the
 accumulation window (:mod:`~dspark.engine.backward`, :mod:`~dspark.engine.window`), gradients reduced
@@ -21,13 +21,12 @@ from torch import nn
 
 from dspark import comm, cpu_malloc
 from dspark.engine.audit import audit_rows
-from dspark.engine.auto import strategy_and_plan
+from dspark.engine.auto_strategy import strategy_and_plan
 from dspark.engine.buffer_sync import broadcast_tensors
 from dspark.engine.build import EngineParts, OptimizerFactory, build_parts
 from dspark.engine.config import EngineConfig, loss_scaler_for
 from dspark.engine.host_read import defers_host_reads
-from dspark.engine.memory import frozen_held, memory_report
-from dspark.engine.policy import precision_policy, sharding_policy
+from dspark.engine.memory_report import frozen_held, memory_report
 from dspark.engine.pretrained import load_from_rank, load_pretrained
 from dspark.engine.state_dict import IncompatibleKeys
 from dspark.engine.step_observer import observed
@@ -35,6 +34,8 @@ from dspark.engine.trace import check_no_outer_profiler
 from dspark.engine.validation import check_max_norm, check_model_and_optimizer, warn_emulated_bf16
 from dspark.engine.weights import KeyMap
 from dspark.engine.window import Window, check_between_steps, check_ranks_in_step
+from dspark.planner import Plan
+from dspark.policy.strategies import precision_policy, sharding_policy
 from dspark.tensor import DistTensor, Placement
 from dspark.tensor.batch import split_batch
 
@@ -86,8 +87,8 @@ class Engine:
         self.world = comm.get_world()
         choice = strategy_and_plan(config, model=model, optimizer=optimizer, world=self.world,
                                    sample_batch=sample_batch, loss_fn=loss_fn)
-        self.plan: Any = choice.plan
-        """``strategy="auto"``: the :class:`dspark.plan.Plan` it chose from; else None."""
+        self.plan: Plan | None = choice.plan
+        """``strategy="auto"``: the :class:`dspark.planner.Plan` it chose from; else None."""
         self.micro_batch = choice.micro_batch
         """Rows per forward auto planned from ``sample_batch`` (:meth:`micro_batches`); else None."""
         self.grad_accum_steps: int = choice.grad_accum_steps or config.grad_accum_steps or 1

@@ -35,7 +35,7 @@ from dspark.checkpoint.hf_files import (
     plan_shards,
     tensor_bytes,
 )
-from dspark.engine.agreement import agree
+from dspark.engine.failure_agreement import agree
 from dspark.engine.param_slot import ParamSlot
 from dspark.engine.weights import (
     KeyMap,

@@ -46,11 +46,11 @@ from dspark.engine.adapters import (
 from dspark.engine.loss_scaler import LossScaler
 from dspark.engine.optimizer_guard import ShardedOptimizerGuard
 from dspark.engine.param_slot import ParamSlot
-from dspark.engine.policy import PrecisionPolicy, ShardingPolicy
 from dspark.engine.pretrained import Names, save_gathered, save_pretrained
 from dspark.engine.weights import SavedTensor, WeightEntry, saved_as_is, weight_entries
 from dspark.engine.zero3_guard import Zero3StateDictGuard
 from dspark.engine.zero3_units import Zero3Scheduler
+from dspark.policy.strategies import PrecisionPolicy, ShardingPolicy
 from dspark.tensor import DistTensor, Shard
 
 __all__ = ["IncompatibleKeys", "StateDicts", "is_per_element", "rows_shape"]

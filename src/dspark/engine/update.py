@@ -37,8 +37,8 @@ import torch
 from dspark import comm
 from dspark.engine.host_read import DeferredRead
 from dspark.engine.loss_scaler import LossScaler
-from dspark.engine.optimizer_kernel import skips_on_found_inf
 from dspark.engine.param_slot import ParamSlot
+from dspark.policy.optimizer_kernel import skips_on_found_inf
 
 __all__ = ["Update"]
 

@@ -13,8 +13,9 @@ import torch
 from dspark import comm
 from dspark.engine.param_slot import ParamSlot
 from dspark.errors import CollectiveError
+from dspark.policy.units import TAG_BYTES
 
-__all__ = ["BACKWARD", "DEFERRED_TAG_CHECKS", "FORWARD", "NO_GRAD", "PURPOSES", "TAG_BYTES", "Gather",
+__all__ = ["BACKWARD", "DEFERRED_TAG_CHECKS", "FORWARD", "NO_GRAD", "PURPOSES", "Gather",
            "GatherTags", "tag_tensor", "tags_of"]
 
 FORWARD, NO_GRAD, BACKWARD = 1, 2, 3
@@ -26,7 +27,6 @@ _PHASE_NAMES = {FORWARD: "a training forward", NO_GRAD: "a forward without grad 
                 BACKWARD: "backward", **{4 + i: f"engine.{name}()" for i, name in enumerate(PURPOSES)}}
 DEFERRED_TAG_CHECKS = 256
 """On an accelerator, gather tags are checked at the end of backward or after this many gathers."""
-TAG_BYTES = 8
 
 
 class Gather:

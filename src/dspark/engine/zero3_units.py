@@ -52,24 +52,20 @@ from dspark.engine.compile_boundary import outside_compile
 from dspark.engine.param_slot import ParamSlot
 from dspark.engine.zero3_gather import PURPOSES, Gather, GatherTags
 from dspark.engine.zero3_generate import SyncedGenerate
-from dspark.engine.zero3_plan import (
+from dspark.engine.zero3_plan import Zero3Unit, loose_modules, plan_units
+from dspark.engine.zero3_saved import SavedParams
+from dspark.policy.units import (
     MIN_NESTED_UNIT_BYTES,
+    SECOND_PREFETCH_MAX_BYTES,
     UnitPolicy,
-    Zero3Unit,
-    loose_modules,
-    plan_units,
     unit_modules,
 )
-from dspark.engine.zero3_saved import SavedParams
 from dspark.tensor.batch import batch_leaves, map_batch
 
-# the plan's names, re-exported: callers configure and inspect zero3 units through this module
+# the unit rule's names (dspark.policy.units), re-exported: the engine's callers reach zero3 here
 __all__ = ["MIN_NESTED_UNIT_BYTES", "SECOND_PREFETCH_MAX_BYTES", "UnitPolicy", "Zero3Scheduler",
            "unit_modules"]
 
-SECOND_PREFETCH_MAX_BYTES = 16 << 20
-"""The unit after next is gathered ahead too when its parameters take at most this many bytes whole
-(see [Note: prefetch depth])."""
 
 
 def _refuse_freed_call(name: str, slots: list[ParamSlot], unit: Zero3Unit) -> Callable[..., None]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from torch import nn
 
-from dspark.plan import Interconnect, Probe, model_shape
-from dspark.plan.cost import row_cost
+from dspark.planner import Interconnect, Probe, model_shape
+from dspark.planner.cost import row_cost
 
 
 def _model() -> nn.Module:

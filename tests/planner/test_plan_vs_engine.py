@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 
 import dspark
-from dspark.engine.policy import STRATEGIES
-from dspark.plan import Plan
-from dspark.plan.peak_memory import measure_peak_bytes
-from tests.plan.test_planner import _batch, _mlp
+from dspark.planner import Plan
+from dspark.planner.peak_memory import measure_peak_bytes
+from dspark.policy.strategies import STRATEGIES
+from tests.planner.test_planner import _batch, _mlp
 
 GLOBAL_BATCH = 64
 PEAK_BAND = (0.75, 1.33)

@@ -30,8 +30,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from dspark.engine.policy import precision_policy
-from dspark.plan.probe import Line, Probe, loss_of, slice_batch
+from dspark.planner.probe import Line, Probe, loss_of, slice_batch
+from dspark.policy.strategies import precision_policy
 
 __all__ = ["fake_activation_bytes", "fake_probe"]
 
@@ -86,7 +86,7 @@ def fake_activation_bytes(model: nn.Module, sample_batch: Any, *, loss_fn: Calla
 def fake_probe(model: nn.Module, sample_batch: Any, *, loss_fn: Callable[[Any, Any], torch.Tensor] | None,
                precision: str, device: torch.device, batches: tuple[int, int], unit_bytes: list[int],
                optimizer_state: tuple[int, bool]) -> Probe:
-    """A :class:`dspark.plan.Probe` from fake traces at the two batch sizes (see [Note: the fake
+    """A :class:`dspark.planner.Probe` from fake traces at the two batch sizes (see [Note: the fake
     trace]): activations as measured would be, no time; gradients ready evenly through backward in
     reverse parameter order and each zero3 unit's share of forward by its bytes, as
     :meth:`Probe.from_one_step` assumes.

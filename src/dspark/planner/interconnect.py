@@ -7,7 +7,7 @@
 * reduce-scatter, all-gather: ``(N-1) a + (N-1)/N * S / B``  (``S`` = the whole, gathered size)
 
 A profile may give a collective its own ``(B, a)`` (:class:`LinkCost`): a short probe on a real
-world measures each of the three apart (:mod:`dspark.plan.link_probe`), since one transport can move
+world measures each of the three apart (:mod:`dspark.planner.link_probe`), since one transport can move
 an all-gather's bytes faster than an all-reduce's (no sum) and a reduce-scatter may be built from
 another collective. A ring's latency term grows with ``N``; at hundreds of ranks NCCL switches to trees, whose
 all-reduce takes ``2 log2(N) a + 2 S / B`` (reduce up, broadcast down, pipelined). The model takes

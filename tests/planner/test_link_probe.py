@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import dspark
-from dspark.plan.interconnect import COLLECTIVES, all_gather_s
-from dspark.plan.link_probe import measure_link
+from dspark.planner.interconnect import COLLECTIVES, all_gather_s
+from dspark.planner.link_probe import measure_link
 
 
 def _measure() -> tuple:

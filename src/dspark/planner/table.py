@@ -21,13 +21,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from dspark.engine.policy import STRATEGIES, precision_policy
-from dspark.engine.zero3_units import unit_modules
 from dspark.host.cpu_memory import memory_info
-from dspark.plan.cost import ModelShape, RowCost, row_cost, state_bytes
-from dspark.plan.fake_trace import fake_activation_bytes, fake_probe
-from dspark.plan.interconnect import Interconnect, get_interconnect
-from dspark.plan.probe import LossFn, Probe, batch_size, measure_probe, optimizer_state_of
+from dspark.planner.cost import ModelShape, RowCost, row_cost, state_bytes
+from dspark.planner.fake_trace import fake_activation_bytes, fake_probe
+from dspark.planner.interconnect import Interconnect, get_interconnect
+from dspark.planner.probe import LossFn, Probe, batch_size, measure_probe, optimizer_state_of
+from dspark.policy.strategies import STRATEGIES, precision_policy
+from dspark.policy.units import unit_modules
 
 __all__ = ["Plan", "PlanRow", "default_memory_budget", "format_plan", "loop_advice", "model_shape", "plan"]
 
@@ -43,7 +43,7 @@ process's own libraries)."""
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PlanRow(RowCost):
     """One strategy on ``devices`` ranks: a rank's predicted peak and step, by part (the byte and
-    millisecond fields of :class:`dspark.plan.cost.RowCost`)."""
+    millisecond fields of :class:`dspark.planner.cost.RowCost`)."""
 
     strategy: str
     devices: int
@@ -201,7 +201,7 @@ def default_memory_budget(device: torch.device, local_ranks: int = 1) -> int:
 def model_shape(model: nn.Module, optimizer_state: tuple[int, bool] = (2, True)) -> ModelShape:
     """What the cost model reads of ``model`` (any device, meta included): its trainable and frozen
     parameters' shapes and dtypes, tied ones once, and which zero3 unit gathers each (the engine's
-    default units). ``optimizer_state``: see :func:`dspark.engine.memory.optimizer_state_elements`.
+    default units). ``optimizer_state``: see :func:`dspark.policy.state_bytes.optimizer_state_elements`.
 
     Example::
 
@@ -239,13 +239,13 @@ def plan(model: nn.Module, sample_batch: Any, loss_fn: LossFn | None = None, *,
          device: torch.device | str | None = None, probe: Probe | None = None,
          trace: str = "auto") -> Plan:
     """Predict every strategy's peak memory and step per rank on each device count, from one short
-    probe of ``model`` on one device (see :mod:`dspark.plan.probe` and :mod:`dspark.plan.cost`).
+    probe of ``model`` on one device (see :mod:`dspark.planner.probe` and :mod:`dspark.planner.cost`).
 
     ``sample_batch`` is ``(inputs, targets)`` with ``loss_fn(model(inputs), targets)``, or what the
     model takes when it returns its loss itself; its leading size is the global batch unless
     ``global_batch`` says otherwise. ``memory_budget`` is bytes per rank (default: see
     :func:`default_memory_budget`); a row that does not fit at the whole local batch tries smaller
-    equal micro-batches. ``interconnect`` names a profile (:data:`dspark.plan.INTERCONNECTS`) or is
+    equal micro-batches. ``interconnect`` names a profile (:data:`dspark.planner.INTERCONNECTS`) or is
     one; default ``loopback-gloo`` on a CPU, ``nvlink`` on a GPU. ``probe`` reuses an earlier
     measurement. The model may be built on the meta device: the probe materialises a copy.
 ``trace`` says how a new probe is made: ``"measure"`` runs steps on the device, ``"fake"`` traces

@@ -6,7 +6,7 @@ are never stepped), forward under the precision's autocast, backward, the optimi
 local batch sizes, so that each cost is a line ``fixed + per_sample * batch``:
 
 * forward, backward and optimizer milliseconds (median over ``steps`` steps after one warm-up);
-* the tensor peak of one step (:func:`dspark.plan.peak_memory.measure_peak_bytes`) less the model
+* the tensor peak of one step (:func:`dspark.planner.peak_memory.measure_peak_bytes`) less the model
   state one device holds (parameters, whole gradients, optimizer state) and less the caller's own
   parameters and buffers where they sit on the same device (held while the copy runs, absent from a
   real run): the step's *activations* (at the batch) and the *runtime* (the fixed part: scratch that does not shrink with the batch);
@@ -18,7 +18,7 @@ local batch sizes, so that each cost is a line ``fixed + per_sample * batch``:
 
 A model built on the meta device is materialised on this device first (``reset_parameters()``, as
 the engine does): the probe needs real numbers to run. That needs its one-device state in memory;
-the planner says so and stops where it would not fit (see :func:`dspark.plan.plan`).
+the planner says so and stops where it would not fit (see :func:`dspark.plan`).
 """
 
 from __future__ import annotations
@@ -36,11 +36,12 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from dspark.engine.materialize import has_meta_tensors, materialize
-from dspark.engine.memory import expected_state_bytes, optimizer_state_elements
-from dspark.engine.optimizer_kernel import prefer_fused_kernel
-from dspark.engine.policy import STRATEGIES, precision_policy
-from dspark.plan.peak_memory import measure_peak_bytes
+from dspark.meta.materialize import has_meta_tensors, materialize
+from dspark.planner.peak_memory import measure_peak_bytes
+from dspark.policy.optimizer_kernel import prefer_fused_kernel
+from dspark.policy.state_bytes import expected_state_bytes, optimizer_state_elements
+from dspark.policy.strategies import STRATEGIES, precision_policy
+from dspark.tensor.storage import storage_bytes
 
 __all__ = ["Line", "LossFn", "Probe", "batch_size", "loss_of", "measure_copy_bytes_per_s", "measure_probe",
            "optimizer_state_of", "slice_batch"]
@@ -80,7 +81,7 @@ class Probe:
     unit_forward_share: tuple[float, ...]
     """Per zero3 unit (the engine's default units, root first): its share of the forward time."""
     optimizer_state: tuple[int, bool]
-    """:func:`dspark.engine.memory.optimizer_state_elements` of the optimizer after a step."""
+    """:func:`dspark.policy.state_bytes.optimizer_state_elements` of the optimizer after a step."""
     optimizer_fixed_ms: float = 0.0
     """The part of ``optimizer_ms`` that does not shrink with the rows stepped (a kernel launch and
     the bookkeeping per parameter tensor): a step over ``1/N`` of every parameter's rows takes
@@ -288,7 +289,7 @@ def measure_probe(model: nn.Module, sample_batch: Any, *, loss_fn: LossFn | None
         raise ValueError(f"steps={steps!r} must be >= 1")
     # the caller's own tensors on this device are held while the copy runs, but a trained model has
     # only one set: not part of the step's peak (they were, as the fixed part: a constant excess)
-    caller_bytes = _storage_bytes([*model.parameters(), *model.buffers()], device)
+    caller_bytes = storage_bytes([*model.parameters(), *model.buffers()], device_type=device.type)
     work = copy.deepcopy(model)
     if has_meta_tensors(work):
         materialize(work, device, lambda name, p: None)
@@ -380,7 +381,7 @@ def measure_copy_bytes_per_s(device: torch.device, nbytes: int, repeats: int = 5
 
 
 def optimizer_state_of(factory: Callable[..., torch.optim.Optimizer]) -> tuple[int, bool]:
-    """:func:`dspark.engine.memory.optimizer_state_elements` of what ``factory`` builds, read from
+    """:func:`dspark.policy.state_bytes.optimizer_state_elements` of what ``factory`` builds, read from
     one built over a meta parameter (no memory, no step); ``(0, False)`` for an optimizer that cannot
     be built on meta (its state is then counted from its first step, where a step runs).
 
@@ -393,16 +394,6 @@ def optimizer_state_of(factory: Callable[..., torch.optim.Optimizer]) -> tuple[i
         return optimizer_state_elements(factory([param]))
     except Exception:
         return 0, False
-
-
-def _storage_bytes(tensors: Sequence[torch.Tensor], device: torch.device) -> int:
-    """Bytes of the distinct storages of ``tensors`` that live on ``device``'s type (meta: none)."""
-    seen: dict[int, int] = {}
-    for t in tensors:
-        if t.device.type == device.type and not t.is_meta:
-            storage = t.untyped_storage()
-            seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
 
 
 def _one_device_state_bytes(model: nn.Module, trainable: Sequence[torch.Tensor],

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import dspark
-from dspark.engine.optimizer_kernel import kernel_name, prefer_fused_kernel
+from dspark.policy.optimizer_kernel import kernel_name, prefer_fused_kernel
 
 
 def _params(dtype: torch.dtype = torch.float32) -> list[nn.Parameter]:

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 import dspark
-from dspark.plan.auto import auto_plan, choose
+from dspark.planner.auto_choice import auto_plan, choose
 from tests.messages import assert_line_names
-from tests.plan.test_planner import _mlp
+from tests.planner.test_planner import _mlp
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3)
 
@@ -83,3 +86,16 @@ def test_memory_budget_goes_with_auto_only_and_one_process_gets_replicate(single
     engine = dspark.Engine(_mlp(), optimizer=ADAMW, strategy="auto")
     assert engine.strategy.name == "replicate" and engine.plan.rows[0].devices == 1
     engine.close()
+
+
+@pytest.mark.slow
+def test_auto_works_from_the_engine_module_in_a_fresh_interpreter() -> None:
+    """No registry and no import order (see [Note: auto as a plain function]): importing the engine
+    alone is enough for strategy="auto" (it raised when dspark.plan had not been imported first)."""
+    script = ("from dspark.engine import Engine\nimport dspark, functools, torch\ndspark.init()\n"
+              "engine = Engine(torch.nn.Linear(8, 2), optimizer=functools.partial(torch.optim.SGD, lr=0.1), "
+              "strategy='auto')\nprint(engine.strategy.name, len(engine.plan.rows), engine.config.strategy)\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["replicate", "4", "auto"]

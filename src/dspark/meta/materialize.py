@@ -29,10 +29,10 @@ Initialisation done outside ``reset_parameters()`` (``self.apply(fn)`` in ``__in
 ``named_parameters()``, HuggingFace's ``post_init()``) leaves no trace in the module tree, so under a
 plain ``torch.device("meta")`` this walk would give those parameters PyTorch's defaults instead (a
 nanoGPT embedding with std 1.0 instead of 0.02). Before anything is materialised, the constructors of
-the model's own module classes are read (:mod:`dspark.engine.init_scan`); one that initialises
+the model's own module classes are read (:mod:`dspark.meta.init_scan`); one that initialises
 parameters itself is refused with the fix, ``dspark.meta_init()``. A model built under
 ``dspark.meta_init()`` is materialised by replaying what its code did instead ([Note: recorded
-initialisation] in :mod:`dspark.engine.meta_record`), one parameter at a time.
+initialisation] in :mod:`dspark.meta.record`), one parameter at a time.
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from dspark.engine.init_scan import check_reset_only
-from dspark.engine.meta_record import forget, record_of, replay
+from dspark.meta.init_scan import check_reset_only
+from dspark.meta.record import forget, record_of, replay
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 
 from dspark import comm
-from dspark.plan.interconnect import COLLECTIVES, Interconnect, LinkCost
+from dspark.planner.interconnect import COLLECTIVES, Interconnect, LinkCost
 
 __all__ = ["SIZES", "fit_link_cost", "measure_link"]
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import dspark
-from dspark.engine.meta_record import meta_init, record_of, replay
+from dspark.meta.record import meta_init, record_of, replay
 from tests.engine import hf_models
 from tests.engine.nanogpt_model import NanoGPT
 

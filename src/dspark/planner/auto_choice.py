@@ -1,5 +1,6 @@
-"""``Engine(strategy="auto")``'s choice: plan the model on the current world, pick the fastest
-strategy that fits the memory budget, the same on every rank.
+"""``Engine(strategy="auto")``'s choice, a plain function the engine calls: plan the model on the
+current world, pick the fastest strategy that fits the memory budget, the same on every rank (see
+[Note: auto as a plain function] in :mod:`dspark.engine.auto_strategy`).
 
 [Note: what auto knows] At construction the engine has a model and an optimizer but no batch:
 activations and compute cannot be measured yet. What differs between strategies can: model state
@@ -19,22 +20,61 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 from dspark import comm
-from dspark.engine.auto import AutoChoice, AutoRequest, set_auto_resolver
-from dspark.engine.policy import STRATEGIES
-from dspark.plan.cost import row_cost
-from dspark.plan.interconnect import Interconnect
-from dspark.plan.link_probe import measure_link
-from dspark.plan.planner import Plan, PlanRow, default_memory_budget, model_shape, plan
-from dspark.plan.probe import Probe, batch_size, optimizer_state_of
+from dspark.comm import World
+from dspark.planner.cost import row_cost
+from dspark.planner.interconnect import Interconnect
+from dspark.planner.link_probe import measure_link
+from dspark.planner.probe import Probe, batch_size, optimizer_state_of
+from dspark.planner.table import Plan, PlanRow, default_memory_budget, model_shape, plan
+from dspark.policy.strategies import STRATEGIES
 
-__all__ = ["TIE_MS", "TIE_SHARE", "announce", "auto_plan", "choose"]
+__all__ = ["TIE_MS", "TIE_SHARE", "AutoChoice", "AutoRequest", "announce", "auto_choice", "auto_plan", "choose"]
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AutoRequest:
+    """What the engine knows at construction, handed to :func:`auto_choice`."""
+
+    model: nn.Module
+    optimizer: Callable[..., torch.optim.Optimizer]
+    precision: str
+    bucket_mb: float
+    memory_budget: int | None
+    """Bytes per rank the strategy must fit in; None: the device's memory less a margin."""
+    world: World
+    sample_batch: Any = None
+    """One step's batch as this rank's loop gets it (before any split into micro-batches); None:
+    no batch at construction, so no micro-batch is chosen (see [Note: what auto knows])."""
+    loss_fn: Callable[..., torch.Tensor] | None = None
+    """``loss_fn(model(inputs), targets)`` for ``sample_batch = (inputs, targets)``; None: the model
+    returns its loss."""
+    grad_accum_steps: int | None = None
+    """The loop's own accumulation when the user set it (the micro-batch is then fixed); None: auto
+    may choose it with the micro-batch."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AutoChoice:
+    """What the engine runs: the strategy ``strategy="auto"`` chose (or the one given by name), the
+    same on every rank."""
+
+    strategy: str
+    plan: Plan | None
+    """The plan the choice came from (None: a strategy given by name)."""
+    grad_accum_steps: int | None = None
+    """Micro-batches per step auto planned (None: not chosen, no sample batch)."""
+    micro_batch: int | None = None
+    """Rows per forward auto planned on each rank (None: not chosen)."""
 
 TIE_SHARE = 0.02
 """Steps within 2% of the fastest count as equal; the less sharded strategy wins the tie."""
@@ -48,7 +88,7 @@ def auto_plan(model: nn.Module, *, optimizer: object, precision: str, bucket_mb:
               num_ranks: int, bus_bytes_per_s: float, backend: str, memory_budget: int,
               link: Interconnect | None = None) -> Plan:
     """Every strategy's row on ``num_ranks`` ranks as auto sees it (see [Note: what auto knows]),
-    over ``link`` (:func:`dspark.plan.link_probe.measure_link`'s) or else one all-reduce bandwidth.
+    over ``link`` (:func:`dspark.planner.link_probe.measure_link`'s) or else one all-reduce bandwidth.
 
     Example::
 
@@ -107,7 +147,17 @@ def _numel(shape: tuple[int, ...]) -> int:
     return out
 
 
-def _resolve(request: AutoRequest) -> AutoChoice:
+def auto_choice(request: AutoRequest) -> AutoChoice:
+    """The fastest strategy that fits ``request.memory_budget`` on the current world, the same on
+    every rank (rank 0 measures and decides; see [Note: what auto knows]); with a sample batch, the
+    micro-batch too ([Note: auto with a batch]).
+
+    Example::
+
+        choice = auto_choice(AutoRequest(model=m, optimizer=opt, precision="fp32", bucket_mb=25.0,
+                                         memory_budget=None, world=dspark.get_world()))
+        choice.strategy, choice.plan   # "replicate", Plan(...)
+    """
     world = request.world
     link = measure_link(world, repeats=3) if world.world_size > 1 else None
     bandwidth = link.bytes_per_s if link is not None else 0.0
@@ -192,5 +242,3 @@ def _resolve_with_batch(request: AutoRequest, budget: int, link: Interconnect | 
     return AutoChoice(strategy=row.strategy, plan=result, grad_accum_steps=row.passes,
                       micro_batch=row.micro_batch)
 
-
-set_auto_resolver(_resolve)

@@ -3,7 +3,7 @@
 [Note: predicted memory] A rank's peak is the sum of
 
 * model state (parameters, gradients, optimizer state): exact, from the engine's own formula
-  (:func:`dspark.engine.memory.expected_state_bytes`, the same arithmetic ``memory_report()``
+  (:func:`dspark.policy.state_bytes.expected_state_bytes`, the same arithmetic ``memory_report()``
   checks the engine against);
 * activations: the probe's line at the micro-batch (see [Note: the probe]);
 * runtime: the probe's fixed part (scratch that does not shrink with the batch);
@@ -13,7 +13,7 @@
   send buffers count only where they exceed the whole gradients a sharded rank no longer keeps;
   zero3 also holds the root
   unit whole, the unit running and the units gathered ahead of it (one, or two when the next is
-  small: :data:`dspark.engine.zero3_units.SECOND_PREFETCH_MAX_BYTES`). After the optimizer step
+  small: :data:`dspark.policy.units.SECOND_PREFETCH_MAX_BYTES`). After the optimizer step
   zero1/zero2 gather the updated rows through two buckets in flight (a send shard and a receive
   buffer each); activations are gone by then, so that gather sets the peak only when it is larger
   than the activations and runtime scratch it replaces. Replicate and zero1 reduce in place (gradients live in their
@@ -47,7 +47,7 @@ gradient bytes, ``U`` a zero3 unit's padded parameter bytes:
   position, which parameters had gradients).
 
 Each collective costs [Note: collective time] with its own measured terms where the link has them
-(:mod:`dspark.plan.link_probe`): its latency term makes the count of collectives matter, not only
+(:mod:`dspark.planner.link_probe`): its latency term makes the count of collectives matter, not only
 their bytes.
 """
 
@@ -59,12 +59,11 @@ from dataclasses import dataclass
 
 import torch
 
-from dspark.engine.memory import expected_state_bytes
-from dspark.engine.policy import STRATEGIES, ShardingPolicy
-from dspark.engine.zero3_gather import TAG_BYTES  # each gather's tag: see [Note: gather tags]
-from dspark.engine.zero3_units import SECOND_PREFETCH_MAX_BYTES
-from dspark.plan.interconnect import Interconnect, all_gather_s, all_reduce_s, reduce_scatter_s
-from dspark.plan.probe import Probe
+from dspark.planner.interconnect import Interconnect, all_gather_s, all_reduce_s, reduce_scatter_s
+from dspark.planner.probe import Probe
+from dspark.policy.state_bytes import expected_state_bytes
+from dspark.policy.strategies import STRATEGIES, ShardingPolicy
+from dspark.policy.units import SECOND_PREFETCH_MAX_BYTES, TAG_BYTES  # see [Note: gather tags]
 from dspark.tensor.shard_math import chunk_size
 
 __all__ = ["ModelShape", "RowCost", "row_cost"]
@@ -83,7 +82,7 @@ class ModelShape:
     units: tuple[tuple[int, ...], ...]
     """zero3 units (root first): indices into ``trainable`` of the parameters each gathers."""
     optimizer_state: tuple[int, bool]
-    """:func:`dspark.engine.memory.optimizer_state_elements` of the optimizer."""
+    """:func:`dspark.policy.state_bytes.optimizer_state_elements` of the optimizer."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

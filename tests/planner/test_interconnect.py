@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from dspark.plan import INTERCONNECTS, Interconnect, get_interconnect
-from dspark.plan.interconnect import all_gather_s, all_reduce_s, reduce_scatter_s
+from dspark.planner import INTERCONNECTS, Interconnect, get_interconnect
+from dspark.planner.interconnect import all_gather_s, all_reduce_s, reduce_scatter_s
 
 LINK = Interconnect(name="test", bytes_per_s=1e9, latency_s=1e-5, source="by hand")
 
@@ -49,7 +49,7 @@ def test_every_profile_names_its_source_and_unknown_names_list_the_valid_ones() 
 
 
 def test_a_collective_measured_apart_uses_its_own_terms() -> None:
-    from dspark.plan.interconnect import LinkCost
+    from dspark.planner.interconnect import LinkCost
 
     link = Interconnect(name="apart", bytes_per_s=1e9, latency_s=1e-5, source="by hand",
                         per_collective=(("all_gather", LinkCost(bytes_per_s=4e9, latency_s=1e-3)),))
@@ -61,7 +61,7 @@ def test_a_collective_measured_apart_uses_its_own_terms() -> None:
 
 
 def test_the_link_probe_fit_reads_the_ring_terms_back() -> None:
-    from dspark.plan.link_probe import fit_link_cost
+    from dspark.planner.link_probe import fit_link_cost
 
     truth = Interconnect(name="t", bytes_per_s=2e9, latency_s=3e-5, source="by hand")
     for collective, formula in (("all_reduce", all_reduce_s), ("reduce_scatter", reduce_scatter_s),

@@ -35,6 +35,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from dspark.profiler_banner import quiet_banners
+from dspark.tensor.storage import storage_bytes
 
 __all__ = ["held_tensor_bytes", "measure_peak_bytes", "peak_of_running_sum"]
 
@@ -56,15 +57,6 @@ def peak_of_running_sum(deltas: Iterable[int]) -> int:
     return peak
 
 
-def _storage_key(tensor: torch.Tensor) -> tuple[int, int] | None:
-    try:
-        storage = tensor.untyped_storage()
-        nbytes = storage.nbytes()
-        return (storage.data_ptr(), nbytes) if nbytes else None
-    except RuntimeError:  # a storage another library freed in place (FSDP2's resharded params)
-        return None
-
-
 def held_tensor_bytes(device: torch.device | str = "cpu") -> int:
     """Bytes of the tensor storages on ``device`` this process can reach from Python right now
     (and the gradients of leaf tensors), each storage counted once.
@@ -76,22 +68,13 @@ def held_tensor_bytes(device: torch.device | str = "cpu") -> int:
         held_tensor_bytes("cpu") - before   # 1000000
     """
     device_type = torch.device(device).type
-    seen: dict[int, int] = {}
     # type() instead of isinstance(): isinstance reads __class__, which some lazy module proxies
     # answer with a deprecation warning.
     tensors = [obj for obj in gc.get_objects() if issubclass(type(obj), torch.Tensor)]
-    for tensor in tensors:
-        candidates = [tensor]
-        if tensor.is_leaf and tensor.requires_grad and tensor.grad is not None:
-            candidates.append(tensor.grad)
-        for candidate in candidates:
-            if (candidate.device.type != device_type or candidate.is_sparse or candidate.is_meta
-                    or issubclass(type(candidate), FakeTensor)):  # a planner's fake trace: no storage
-                continue
-            key = _storage_key(candidate)
-            if key is not None:
-                seen[key[0]] = max(seen.get(key[0], 0), key[1])
-    return sum(seen.values())
+    grads = [t.grad for t in tensors if t.is_leaf and t.requires_grad and t.grad is not None]
+    # a planner's fake trace holds no storage; each real one counts once ([Note: storage bytes])
+    return storage_bytes((t for t in [*tensors, *grads] if not issubclass(type(t), FakeTensor)),
+                         device_type=device_type)
 
 
 def _profiled_peak_bytes(fn: Callable[[], object], device: torch.device) -> int:

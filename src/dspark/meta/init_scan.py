@@ -1,5 +1,5 @@
 """Whether a model built under a plain ``with torch.device("meta"):`` initialises its parameters only
-in ``reset_parameters()``: the one case in which DSpark's module walk (:mod:`dspark.engine.materialize`)
+in ``reset_parameters()``: the one case in which DSpark's module walk (:mod:`dspark.meta.materialize`)
 gives the values the CPU build gives.
 
 A constructor that initialises parameters itself (``self.apply(self._init_weights)``, a loop over

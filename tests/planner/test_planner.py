@@ -10,10 +10,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import dspark
-from dspark.engine.memory import expected_state_bytes
-from dspark.engine.policy import STRATEGIES
-from dspark.plan import Plan, get_interconnect, model_shape
-from dspark.plan.cost import buckets, state_bytes
+from dspark.planner import Plan, get_interconnect, model_shape
+from dspark.planner.cost import buckets, state_bytes
+from dspark.policy.state_bytes import expected_state_bytes
+from dspark.policy.strategies import STRATEGIES
 
 
 def _mlp() -> nn.Module:
@@ -125,9 +125,9 @@ def test_sgd_without_momentum_plans_no_optimizer_state() -> None:
 
 
 def test_a_model_whose_state_does_not_fit_the_probe_device_is_refused_with_the_numbers(monkeypatch) -> None:
-    from dspark.plan import planner
+    from dspark.planner import table
 
-    monkeypatch.setattr(planner, "default_memory_budget", lambda device, local_ranks=1: 1000)
+    monkeypatch.setattr(table, "default_memory_budget", lambda device, local_ranks=1: 1000)
     state_mb = f"{16 * sum(p.numel() for p in _mlp().parameters()) / 1e6 + 0.0:,.1f} MB"
     with pytest.raises(ValueError, match=f"state \\({state_mb}\\) exceeds the 0.0 MB"):
         dspark.plan(_mlp(), _batch(), F.cross_entropy, devices=[1], trace="measure")
@@ -141,10 +141,10 @@ def _meta_tower() -> nn.Module:
 
 
 def test_a_meta_model_whose_activations_exceed_the_budget_is_planned_by_its_fake_trace(monkeypatch) -> None:
-    from dspark.plan import planner
+    from dspark.planner import table
 
     batch = (torch.zeros(4096, 1024), torch.zeros(4096, 1024))
-    monkeypatch.setattr(planner, "default_memory_budget", lambda device, local_ranks=1: 200_000_000)
+    monkeypatch.setattr(table, "default_memory_budget", lambda device, local_ranks=1: 200_000_000)
     plan = dspark.plan(_meta_tower(), batch, F.mse_loss, devices=[1, 2])
     assert plan.probe.device == "fake:cpu" and "fake trace" in str(plan)
     # saved for backward, each 4096 x 1024 fp32: the input, 8 Linear outputs (GELU inputs), 8 GELU
@@ -159,7 +159,7 @@ def test_a_meta_model_whose_activations_exceed_the_budget_is_planned_by_its_fake
 
 
 def test_the_fake_trace_is_within_15_percent_of_the_measured_activations() -> None:
-    from dspark.plan.fake_trace import fake_activation_bytes
+    from dspark.planner.fake_trace import fake_activation_bytes
 
     precision = "fp32"  # not bf16 on so narrow a model: see [Note: the fake trace]
     measured = dspark.plan(_mlp(), _batch(256), F.cross_entropy, devices=[1], precision=precision,

@@ -8,7 +8,7 @@ from pathlib import Path
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from dspark.plan.planner import Plan
+from dspark.planner.table import Plan
 
 __all__ = ["save_speedup_plot", "speedup_figure"]
 

@@ -1,4 +1,4 @@
-"""A model factory for ``dspark plan --model tests.plan.factories:small_mlp``."""
+"""A model factory for ``dspark plan --model tests.planner.factories:small_mlp``."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import Any
 
 import torch.nn.functional as F
 
-from tests.plan.test_planner import _batch, _mlp
+from tests.planner.test_planner import _batch, _mlp
 
 
 def small_mlp() -> tuple[Any, Any, Any]:
