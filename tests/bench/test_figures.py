@@ -83,6 +83,9 @@ ALLOWED: tuple[tuple[str, str, str], ...] = (
     ("bench.md", "(25 MiB)", "DSpark's default bucket size, a config value"),
     ("bench.md", "1.5x a 1/N share", "an anomaly rule's threshold"),
     ("bench.md", "+ 1 ms", "an anomaly rule's threshold"),
+    ("checkpoints.md", "## Bounds on what is read", "the bounds are config values, the sizes per entry "
+                                                   "what a save writes (counted, not timed), 200 MB the "
+                                                   "crafted file's size"),
     ("cli.md", "300 s by default", "dspark.init's default timeout, a config value"),
     ("engine-internals.md", "from 1 MiB of parameters", "the zero3 unit rule's threshold"),
     ("engine-internals.md", "at most 16 MiB of parameters", "the prefetch rule's threshold"),

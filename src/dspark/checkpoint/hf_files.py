@@ -10,8 +10,8 @@ is the single file ``model.safetensors`` and no index. Every file carries the me
 before any tensor exists, so a writer can receive the tensors one by one (gathered unit by unit, or
 read from a checkpoint) and hold at most one shard.
 
-Reading goes through ``safe_open``: a tensor's header is read without its data, and ``get_slice``
-reads only the rows asked for.
+Reading parses each file's header once and reads only the rows asked for (see [Note: safetensors
+read once] in :mod:`dspark.checkpoint.safetensors_file`); writing goes through ``safetensors``.
 
 Example::
 
@@ -30,9 +30,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any
 
 import torch
+
+from dspark.checkpoint.errors import CheckpointError
+from dspark.checkpoint.plain_files import HF_INDEX, read_plain_file
+from dspark.checkpoint.safetensors_file import SafetensorsEntry, read_header, read_rows
 
 __all__ = ["INDEX_FILE", "SINGLE_FILE", "SafetensorsSource", "ShardWriter", "TensorHeader",
            "parse_size", "plan_shards", "shard_file_names", "tensor_bytes"]
@@ -174,7 +177,9 @@ class TensorHeader:
 
 
 class SafetensorsSource:
-    """The tensors of a ``.safetensors`` file or a HuggingFace model directory, read lazily.
+    """The tensors of a ``.safetensors`` file or a HuggingFace model directory, read lazily: each
+    file's header is parsed once, within its bound, and each read takes only the rows asked for
+    (see [Note: safetensors read once] in :mod:`dspark.checkpoint.safetensors_file`).
 
     Example::
 
@@ -189,30 +194,19 @@ class SafetensorsSource:
         self.path = Path(path)
         self.files = _files_of(self.path)
         self.headers: dict[str, TensorHeader] = {}
+        self._entries: dict[str, SafetensorsEntry] = {}
         for file in self.files:
-            with _open(file) as handle:
-                for name in handle.keys():
-                    piece = handle.get_slice(name)
-                    self.headers[name] = TensorHeader(file, tuple(piece.get_shape()),
-                                                      _dtype(piece.get_dtype(), file))
+            for name, entry in read_header(file).items():
+                self.headers[name] = TensorHeader(file, entry.shape, entry.dtype)
+                self._entries[name] = entry
 
     def read(self, name: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
-        """Rows ``start:stop`` of ``name`` (the whole tensor when both are None; a 0-d tensor whole).
-        The file is mapped for this read only: the pages read leave the process's memory with it."""
-        header = self.headers[name]
-        with _open(header.file) as handle:
-            if (start is None and stop is None) or not header.shape:
-                return handle.get_tensor(name).clone()  # type: ignore[no-any-return]
-            return handle.get_slice(name)[start:stop].clone()  # type: ignore[no-any-return]
+        """Rows ``start:stop`` of ``name`` (the whole tensor when both are None; a 0-d tensor whole),
+        read into a fresh buffer: nothing of the file stays mapped."""
+        return read_rows(self.headers[name].file, self._entries[name], start, stop)
 
     def close(self) -> None:
         """Nothing stays open between reads; kept so callers can release a source explicitly."""
-
-
-def _open(file: Path) -> Any:
-    from safetensors import safe_open
-
-    return safe_open(str(file), framework="pt")
 
 
 def _files_of(path: Path) -> list[Path]:
@@ -227,8 +221,10 @@ def _files_of(path: Path) -> list[Path]:
     index = path / INDEX_FILE
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+            weight_map = json.loads(read_plain_file(index, HF_INDEX))["weight_map"]
+        except CheckpointError:
+            raise
+        except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
             raise ValueError(f"{str(index)!r} is not a safetensors index ({type(exc).__name__}: {exc})") from exc
         if not isinstance(weight_map, Mapping):
             raise ValueError(f"{str(index)!r}: weight_map must map names to files")
@@ -247,21 +243,6 @@ def _files_of(path: Path) -> list[Path]:
     hint = f" (it holds {found[:3]}, but no {INDEX_FILE} says which are the model)" if found else ""
     raise FileNotFoundError(f"{str(path)!r} has neither {SINGLE_FILE} nor {INDEX_FILE}{hint}; "
                             "a .bin (pickle) checkpoint is not read: convert it to safetensors")
-
-
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-           "U8": torch.uint8, "BOOL": torch.bool}
-
-
-def _dtype(name: str, file: Path) -> torch.dtype:
-    dtype = _DTYPES.get(name) or getattr(torch, _FP8.get(name, ""), None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"{str(file)!r} holds a tensor of dtype {name!r}, which DSpark does not read")
-    return dtype
-
-
-_FP8 = {"F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
 
 
 def tensor_bytes(shape: Sequence[int], dtype: torch.dtype) -> int:

@@ -25,7 +25,7 @@ from dspark.checkpoint.errors import (
     CheckpointNotFoundError,
 )
 from dspark.checkpoint.manifest import MANIFEST_FILE, SUMMARY_FIELDS, read_manifest, read_verified
-from dspark.checkpoint.plain_files import write_json
+from dspark.checkpoint.plain_files import DSPARK_JSON, write_json
 
 __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "INFO_FILE", "CheckpointInfo", "check_is_checkpoint",
            "is_checkpoint", "read_checkpoint_info", "write_info"]
@@ -138,7 +138,7 @@ def read_checkpoint_info(path: str | os.PathLike[str], *, verify: bool = True) -
     info_path = directory / INFO_FILE
     manifest = read_manifest(directory)
     try:
-        raw: Any = json.loads(read_verified(directory, INFO_FILE, manifest).decode("utf-8"))
+        raw: Any = json.loads(read_verified(directory, INFO_FILE, manifest, DSPARK_JSON).decode("utf-8"))
     except CheckpointError:
         raise
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:

@@ -45,13 +45,14 @@ import torch
 from dspark.checkpoint import digest
 from dspark.checkpoint.errors import CheckpointError, CheckpointIntegrityError
 from dspark.checkpoint.plain_files import (
-    MAX_JSON_BYTES,
+    MANIFEST,
+    Bound,
     check_plain_file,
     read_plain_file,
     write_json,
 )
 
-__all__ = ["MANIFEST_FILE", "SUMMARY_FIELDS", "FileEntry", "Manifest", "build_manifest", "check_bytes",
+__all__ = ["MANIFEST_FILE", "MAX_MANIFEST_FILES", "SUMMARY_FIELDS", "FileEntry", "Manifest", "build_manifest", "check_bytes",
            "file_chunks", "hash_files",
            "id_tensor", "read_manifest", "read_verified", "save_id_key", "write_manifest"]
 
@@ -60,6 +61,9 @@ log = logging.getLogger(__name__)
 MANIFEST_FILE = "manifest.json"
 _FORMAT = "dspark-manifest"
 _VERSION = 1
+MAX_MANIFEST_FILES = 100_000
+"""Files a manifest may list: a save writes one shard file per rank and four more (see [Note: bounds
+on what is read] in :mod:`dspark.checkpoint.plain_files`)."""
 SUMMARY_FIELDS = ("step_count", "world_size", "strategy", "precision", "optimizer", "num_params",
                   "dspark_version", "created_utc")
 """What the manifest repeats of ``dspark.json`` (what ``dspark ckpt verify`` prints)."""
@@ -108,6 +112,8 @@ class Manifest:
     directory: Path
     hash_name: str
     """The hash of every digest in it (one of :data:`dspark.checkpoint.digest.HASH_NAMES`)."""
+    file_sha256: str = ""
+    """sha256 of ``manifest.json`` itself: one value that identifies every byte of the checkpoint."""
 
     def entry(self, name: str) -> FileEntry:
         if name not in self.files:
@@ -184,7 +190,9 @@ def write_manifest(directory: Path, payload: dict[str, Any]) -> None:
 def read_manifest(directory: Path) -> Manifest | None:
     """The manifest of the checkpoint in ``directory``; None when it has none (format 2, or
     removed: the caller decides by the format); :class:`CheckpointIntegrityError` when it is not a
-    manifest DSpark wrote.
+    manifest DSpark wrote; :class:`CheckpointError` when it is over its bound (see [Note: bounds on
+    what is read] in :mod:`dspark.checkpoint.plain_files`). Parsed once per process: a load reads it
+    in several places (see [Note: the manifest is parsed once]).
 
     Example::
 
@@ -194,16 +202,34 @@ def read_manifest(directory: Path) -> Manifest | None:
     if not path.exists() and not path.is_symlink():
         return None
     try:
-        raw = json.loads(read_plain_file(path, limit=MAX_JSON_BYTES).decode("utf-8"))
-        return _parse(raw, directory)
+        data = read_plain_file(path, MANIFEST)
+        identity = (str(directory), digest.chunk_digest(data, "sha256"))
+        known = _parsed.get(identity)
+        if known is not None:
+            return known
+        manifest = _parse(json.loads(data.decode("utf-8")), directory, file_sha256=identity[1])
     except CheckpointError:
         raise
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, RecursionError) as exc:
         raise CheckpointIntegrityError(f"{str(path)!r} is damaged: it is not a manifest DSpark wrote "
                                        f"({type(exc).__name__}: {str(exc)[:200]})") from exc
+    if len(_parsed) >= 4:
+        _parsed.pop(next(iter(_parsed)))
+    _parsed[identity] = manifest
+    return manifest
 
 
-def _parse(raw: Any, directory: Path) -> Manifest:
+# [Note: the manifest is parsed once] A load reads the manifest where it checks dspark.json, where it
+# checks training_state.json, where it checks DCP's .metadata and where it checks each record, and an
+# export again for each shard it writes: each read parsed it afresh. The last few manifests parsed are
+# kept by their directory and the sha256 of their bytes (hashing is far cheaper than parsing, and
+# needed anyway: the digest identifies the checkpoint), so the same bytes are parsed once per
+# process, and a manifest changed on disk, even within the file system's timestamp resolution, is
+# parsed anew.
+_parsed: dict[tuple[str, str], Manifest] = {}
+
+
+def _parse(raw: Any, directory: Path, *, file_sha256: str) -> Manifest:
     if not isinstance(raw, dict) or raw.get("format") != _FORMAT:
         raise ValueError(f"no \"format\": {_FORMAT!r}")
     try:
@@ -220,6 +246,11 @@ def _parse(raw: Any, directory: Path) -> Manifest:
     summary = raw["checkpoint"]
     if not isinstance(summary, dict) or set(summary) != set(SUMMARY_FIELDS):
         raise ValueError(f"checkpoint must hold {list(SUMMARY_FIELDS)}")
+    if not isinstance(raw["files"], dict) or len(raw["files"]) > MAX_MANIFEST_FILES:
+        listed = len(raw["files"]) if isinstance(raw["files"], dict) else raw["files"]
+        raise CheckpointError(f"{str(directory / MANIFEST_FILE)!r} lists {listed!r:.60} files, more than "
+                              f"the {MAX_MANIFEST_FILES} DSpark reads (see 'Bounds on what is read' in "
+                              "docs/checkpoints.md): it is damaged or was crafted")
     files = {}
     for name, item in raw["files"].items():
         if not isinstance(name, str) or "/" in name or "\\" in name or name in ("", ".", ".."):
@@ -233,7 +264,7 @@ def _parse(raw: Any, directory: Path) -> Manifest:
                                 id_record=None if id_record is None else (_count(id_record[0]),
                                                                           _count(id_record[1])))
     return Manifest(save_id=save_id, summary=summary, files=files, directory=directory,
-                    hash_name=hash_name)
+                    hash_name=hash_name, file_sha256=file_sha256)
 
 
 def _count(value: Any) -> int:
@@ -248,15 +279,15 @@ def _hex(value: Any) -> str:
     return value
 
 
-def read_verified(directory: Path, name: str, manifest: Manifest | None) -> bytes:
-    """The bytes of ``directory/name`` (a plain file), checked against ``manifest`` before anyone
-    parses them; unchecked when there is no manifest (see [Note: checkpoint integrity]).
+def read_verified(directory: Path, name: str, manifest: Manifest | None, bound: Bound) -> bytes:
+    """The bytes of ``directory/name`` (a plain file within ``bound``), checked against ``manifest``
+    before anyone parses them; unchecked when there is no manifest (see [Note: checkpoint integrity]).
 
     Example::
 
-        json.loads(read_verified(Path("ckpt"), "dspark.json", read_manifest(Path("ckpt"))))
+        json.loads(read_verified(Path("ckpt"), "dspark.json", read_manifest(Path("ckpt")), DSPARK_JSON))
     """
-    data = read_plain_file(directory / name)
+    data = read_plain_file(directory / name, bound)
     if manifest is not None:
         check_bytes(manifest, name, data)
     return data

@@ -28,11 +28,9 @@ from torch.distributed.checkpoint import filesystem as dcp_filesystem
 from torch.distributed.checkpoint import metadata as dcp_metadata
 
 from dspark.checkpoint.errors import CheckpointError, first_line
-from dspark.checkpoint.plain_files import read_plain_file
+from dspark.checkpoint.plain_files import DCP_METADATA, read_plain_file
 
 __all__ = ["load_metadata", "validate_metadata"]
-
-_MAX_METADATA_BYTES = 2**30   # DCP's index of a model of billions of parameters is a few MB
 
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 _FILESYSTEM_MODULE = "torch.distributed.checkpoint.filesystem"
@@ -102,7 +100,7 @@ def load_metadata(path: Path, *, check: Callable[[bytes], None] | None = None) -
         load_metadata(Path("ckpt/.metadata")).state_dict_metadata["model/w"].size   # torch.Size([7, 6])
     """
     try:
-        raw = read_plain_file(path, limit=_MAX_METADATA_BYTES)
+        raw = read_plain_file(path, DCP_METADATA)
     except OSError as exc:
         raise CheckpointError(f"{str(path)!r} cannot be read ({type(exc).__name__}: {exc})") from exc
     if check is not None:

@@ -13,7 +13,7 @@ from typing import Any
 from dspark.checkpoint import json_values
 from dspark.checkpoint.errors import CheckpointError
 from dspark.checkpoint.manifest import read_manifest, read_verified
-from dspark.checkpoint.plain_files import write_json
+from dspark.checkpoint.plain_files import TRAINING_STATE, write_json
 
 __all__ = ["STATE_FILE", "TrainingState", "read_training_state", "write_training_state"]
 
@@ -89,7 +89,8 @@ def read_training_state(directory: Path) -> TrainingState:
     """
     path = directory / STATE_FILE
     try:
-        raw = json.loads(read_verified(directory, STATE_FILE, read_manifest(directory)).decode("utf-8"))
+        raw = json.loads(read_verified(directory, STATE_FILE, read_manifest(directory),
+                                       TRAINING_STATE).decode("utf-8"))
     except CheckpointError:
         raise
     except FileNotFoundError as exc:

@@ -21,7 +21,12 @@ from dspark.checkpoint.manifest import (
     Manifest,
     read_manifest,
 )
-from dspark.checkpoint.plain_files import check_plain_file
+from dspark.checkpoint.plain_files import (
+    DSPARK_JSON,
+    TRAINING_STATE,
+    check_plain_file,
+    read_plain_file,
+)
 
 __all__ = ["RecordCheck", "VerifyReport", "verify_checkpoint"]
 
@@ -160,7 +165,7 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> VerifyReport:
         return report
     report.save_id, report.summary = manifest.save_id, dict(manifest.summary)
     # sha256 whatever the files' hash: the value users record stays comparable across versions
-    report.manifest_digest = digest.chunk_digest((directory / MANIFEST_FILE).read_bytes(), "sha256")
+    report.manifest_digest = manifest.file_sha256
     for name, entry in sorted(manifest.files.items()):
         problem = _check_whole_file(directory / name, entry, manifest.hash_name)
         if problem is not None:
@@ -204,15 +209,17 @@ def _check_whole_file(path: Path, entry: FileEntry, hash_name: str) -> str | Non
 def _cross_check(directory: Path, manifest: Manifest) -> list[str]:
     """The JSON files name this save, and ``dspark.json`` says what the manifest says."""
     problems = []
-    for name in ("dspark.json", "training_state.json"):
+    read: dict[str, Any] = {}
+    for name, bound in (("dspark.json", DSPARK_JSON), ("training_state.json", TRAINING_STATE)):
         try:
-            theirs = json.loads((directory / name).read_bytes()).get("save_id")
-        except (OSError, ValueError, AttributeError) as exc:
+            read[name] = json.loads(read_plain_file(directory / name, bound))
+            theirs = read[name].get("save_id")
+        except (OSError, ValueError, AttributeError, RecursionError) as exc:  # CheckpointError included
             problems.append(f"{str(directory / name)!r} cannot be read ({type(exc).__name__}: {exc})")
             continue
         if theirs != manifest.save_id:
             problems.append(f"{str(directory / name)!r} names save {theirs!r}, the manifest {manifest.save_id!r}")
-    info = json.loads((directory / "dspark.json").read_bytes()) if not problems else {}
+    info = read.get("dspark.json", {}) if not problems else {}
     differ = [k for k in SUMMARY_FIELDS if info and info.get(k) != manifest.summary.get(k)]
     if differ:
         problems.append(f"{MANIFEST_FILE} and dspark.json differ in {differ}")

@@ -99,9 +99,16 @@ def run_verify(args: argparse.Namespace) -> int:
               f"{summary['strategy']} on {summary['world_size']} rank(s); manifest sha256 "
               f"{report.manifest_digest}")
     else:
-        for problem in report.problems:
+        for problem in report.problems[:_SHOWN_PROBLEMS]:
             print(f"FAILED: {problem}")
+        if len(report.problems) > _SHOWN_PROBLEMS:
+            print(f"FAILED: ... and {len(report.problems) - _SHOWN_PROBLEMS} more problem(s) "
+                  f"({len(report.problems)} in all; --json lists every one)")
     return 0 if report.ok else 1
+
+
+_SHOWN_PROBLEMS = 20
+"""Problems ``verify`` prints one per line: a checkpoint with thousands of bad files says so in one more."""
 
 
 def run_export(args: argparse.Namespace) -> int:

@@ -5,8 +5,9 @@ rank (what ``engine.load_pretrained``, ``engine.load_full_state_dict(sd, src_ran
 [Note: pretrained weights without N copies] Each rank ends up holding only what its strategy keeps
 (:mod:`dspark.engine.weights`): under zero3 its rows of each parameter. So
 
-* ``load_pretrained`` has every rank open the safetensors files (``safe_open`` maps them; reading
-  a slice reads those bytes only) and read its own rows of each tensor: nobody reads the whole model;
+* ``load_pretrained`` has every rank read the safetensors files' headers (once each) and then its own
+  rows of each tensor, those bytes only ([Note: safetensors read once] in
+  :mod:`dspark.checkpoint.safetensors_file`): nobody reads the whole model;
 * ``load_full_state_dict(sd, src_rank=0)`` has one rank hold the state dict; the others pass None.
   The source rank checks names and shapes first (every rank learns the verdict), then sends one
   tensor at a time, and each rank keeps its rows: a rank holds at most its shard plus one tensor;
