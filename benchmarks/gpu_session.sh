@@ -15,7 +15,7 @@
 # with all three alive would count two other copies of the model state in each figure.
 # This version (isolated peaks, DDP beside DSpark in the lab) awaits a lent GPU: it has not run on
 # one yet. Keep what it writes under benchmarks/results/<date>-<machine>/ (artifact.json is written
-# for `make figures`).
+# for `make figures`), then pin it: python -m dspark.bench.figures --pin <date>-<machine>.
 # Worst case 90 + 2 x 100 + 150 + 2 x 50 s = 9 min; about 4 minutes expected. 9 files come back.
 set -u
 OUT=${OUT:-gpu-session}
@@ -46,7 +46,7 @@ bench() {
   local name=$1 batch=$2
   timeout 100 "$PY" -m dspark.cli.main bench --workloads "$name" --devices 1 --strategies replicate,torch-ddp \
     --precision fp16 --global-batch "$batch" --rounds 1 --warmup 3 --steps 10 --profile \
-    --db "${TMPDIR:-/tmp}/dspark-gpu-ledger.sqlite" --json "$OUT/$name.json" --no-progress \
+    --db "$OUT/ledger.sqlite" --no-progress \
     > "$OUT/$name.txt" 2>&1
   echo "exit $?" >> "$OUT/$name.txt"
 }
@@ -71,16 +71,20 @@ SBS=benchmarks/one_device_vs_pytorch.py
   echo "exit $?"
 } > "$OUT/side_by_side.txt" 2>&1
 
-# 4. the record `make figures` reads: the lab's exported rows, the command, the commit, the machine
-COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+# 4. the record `make figures` reads: the lab's ledger rows with their hashes, the command that
+#    measured them (this script), the commit, the machine
+"$PY" -m dspark.cli.main bench export --db "$OUT/ledger.sqlite" --rows "$OUT/ledger.jsonl" \
+  > "$OUT/export.txt" 2>&1 && rm -f "$OUT/ledger.sqlite"
+COMMIT=$(git rev-parse HEAD 2>/dev/null || echo unknown)
+if [ -n "$(git status --porcelain --untracked-files=no 2>/dev/null)" ]; then COMMIT="$COMMIT (with uncommitted changes)"; fi
 MACHINE=$(sed -n 3p "$OUT/machine.txt" | tr -d '"')
 cat > "$OUT/artifact.json" <<JSON
 {
   "title": "One GPU: the lab at real size, fp16, AdamW, DSpark beside DDP, each in its own processes",
-  "command": "dspark bench --workloads W --devices 1 --strategies replicate,torch-ddp --precision fp16 --global-batch 256 --rounds 1 --warmup 3 --steps 10 --profile (benchmarks/gpu_session.sh, W = resnet50, gpt2-124m)",
+  "command": "OUT=$OUT bash benchmarks/gpu_session.sh",
   "commit": "$COMMIT",
   "machine": "$MACHINE (machine.txt)",
-  "headline": false,
-  "results": ["resnet50.json", "gpt2-124m.json"]
+  "notes": "The script's lab step: dspark bench --devices 1 --strategies replicate,torch-ddp --precision fp16 --global-batch 256 --rounds 1 --warmup 3 --steps 10 --profile, for resnet50 and for gpt2-124m (8 micro-batches of 32).",
+  "ledger": "ledger.jsonl"
 }
 JSON

@@ -4,22 +4,27 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from dspark.bench import record as record_module
+from dspark.bench.artifact_check import ArtifactRefused, pin_artifact, read_heads
 from dspark.bench.figures import (
     HEADLINE_END,
     HEADLINE_START,
     headline_block,
     load_artifacts,
+    main,
     render_figures,
     replace_headline,
     unsupported_numbers,
 )
 from dspark.bench.table_artifact import load_table, write_table
+from tests.messages import assert_names
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -58,13 +63,151 @@ def test_a_hand_edited_number_is_caught(artifacts):
     assert unsupported_numbers(edited, artifacts) == [f"{float(step) * 0.9:.1f}"]
 
 
+def _keep(results: Path, name: str, meta: dict, *, pin: bool = True) -> Path:
+    """Write ``results/name/artifact.json`` (title, command, commit, machine filled in) and pin it."""
+    (results / name).mkdir(parents=True, exist_ok=True)
+    (results / name / "artifact.json").write_text(json.dumps(
+        {"title": "t", "command": "c", "commit": "x", "machine": "m", **meta}))
+    if pin:
+        pin_artifact(results, name)
+    return results / name
+
+
 def test_an_artifact_naming_a_missing_file_is_refused(tmp_path):
-    run = tmp_path / "2026-01-01-box"
-    run.mkdir()
-    (run / "artifact.json").write_text(json.dumps({
-        "title": "t", "command": "c", "commit": "x", "machine": "m", "results": ["gone.json"]}))
-    with pytest.raises(ValueError, match=r"gone\.json"):
+    _keep(tmp_path, "2026-01-01-box", {"results": ["gone.json"]}, pin=False)
+    (tmp_path / "HEADS").write_text(f"{'0' * 64}  2026-01-01-box\n")
+    with pytest.raises(ValueError, match=r"2026-01-01-box: file 'gone\.json'"):
         load_artifacts(tmp_path)
+
+
+def _repo_with(tmp_path: Path, *names: str) -> Path:
+    """A repository root holding copies of the kept artifacts ``names``, their heads, a README."""
+    results = tmp_path / "benchmarks" / "results"
+    heads = read_heads(ROOT / "benchmarks" / "results")
+    for name in names:
+        shutil.copytree(ROOT / "benchmarks" / "results" / name, results / name)
+    (results / "HEADS").write_text("".join(f"{heads[n]}  {n}\n" for n in names))
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "README.md").write_text(f"# R\n\n{HEADLINE_START}\n{HEADLINE_END}\n")
+    return tmp_path
+
+
+QUICK = "2026-12-05-xeon-2vcpu-quick-quiet"
+
+
+def test_a_forged_results_json_is_refused_by_make_figures(tmp_path, capsys):
+    """The finding: gpt2-cpu's 1-device step set to 517.4 ms, below its own p10 of 569.1, and a 2.10x
+    speedup that its steps do not give, went into the README with every figures test green."""
+    root = _repo_with(tmp_path, QUICK)
+    assert main(["--root", str(root)]) == 0
+    capsys.readouterr()
+    path = root / "benchmarks" / "results" / QUICK / "results.json"
+    rows = json.loads(path.read_text())
+    for row in rows:
+        if row["workload"] == "gpt2-cpu":
+            row.update({"step_ms": 517.4} if row["num_devices"] == 1 else {"speedup": 2.10})
+    path.write_text(json.dumps(rows, indent=1))
+    before = (root / "README.md").read_text()
+    assert main(["--root", str(root)]) == 1
+    err = " ".join(capsys.readouterr().err.split())
+    assert (root / "README.md").read_text() == before    # nothing written
+    assert_names(err, f"REFUSED {QUICK}", "results.json#3", "does not match the hash")
+    assert_names(err, "step_ms 517.4 lies outside its own p10-p90 (569.1-917.0)")
+    assert_names(err, "speedup 2.1 does not follow from its steps", "1.8592")
+
+
+@pytest.mark.parametrize("damage", ["cell edited", "row removed", "head changed"])
+def test_a_changed_table_is_refused_by_name(tmp_path, damage):
+    directory = _keep(tmp_path, "2026-01-01-box", {"tables": ["table.json"]}, pin=False)
+    write_table(directory, columns=["a", "b s"], rows=[["x", 1.5], ["y", 2.5]])
+    pin_artifact(tmp_path, "2026-01-01-box")
+    assert [t.rows for t in load_artifacts(tmp_path)[0].tables] == [(("x", "1.50"), ("y", "2.50"))]
+    if damage == "head changed":
+        (tmp_path / "HEADS").write_text(f"{'1' * 64}  2026-01-01-box\n")
+        match = "pins 1111"
+    else:
+        rows = [["x", 1.5]] if damage == "row removed" else [["x", 1.5], ["y", 2.0]]
+        write_table(directory, columns=["a", "b s"], rows=rows)
+        match = "added or removed" if damage == "row removed" else r"table\.json#2: its content does not match"
+    with pytest.raises(ArtifactRefused, match=rf"2026-01-01-box: .*{match}"):
+        load_artifacts(tmp_path)
+
+
+def test_a_ledger_artifact_renders_its_rows_and_refuses_a_deleted_tail_row(tmp_path):
+    from dspark.bench.ledger import Ledger
+    from tests.bench.test_ledger_chain import _run
+
+    directory = _keep(tmp_path / "results", "2026-01-01-box-quick", {"ledger": "ledger.jsonl"}, pin=False)
+    with Ledger(tmp_path / "l.sqlite") as ledger:
+        _run(ledger)
+        ledger.export_rows(directory / "ledger.jsonl")
+        head = ledger.head()
+    assert pin_artifact(tmp_path / "results", "2026-01-01-box-quick") == head
+    (artifact,) = load_artifacts(tmp_path / "results")
+    assert artifact.verified == "6 ledger rows" and artifact.head == head
+    assert [r["num_devices"] for r in artifact.rows] == [1, 2] and artifact.rows[1]["speedup"] > 1.8
+    lines = (directory / "ledger.jsonl").read_text().splitlines()
+    (directory / "ledger.jsonl").write_text("\n".join(lines[:-1]) + "\n")
+    with pytest.raises(ArtifactRefused, match=rf"2026-01-01-box-quick: the pinned head {head} is no row's"):
+        load_artifacts(tmp_path / "results")
+
+
+def test_a_pinned_head_is_never_changed_nor_an_artifact_removed(tmp_path):
+    directory = _keep(tmp_path, "2026-01-01-box", {"tables": ["table.json"]}, pin=False)
+    write_table(directory, columns=["a"], rows=[["1"]])
+    pin_artifact(tmp_path, "2026-01-01-box")
+    write_table(directory, columns=["a"], rows=[["2"]])
+    with pytest.raises(ValueError, match="already pinned"):
+        pin_artifact(tmp_path, "2026-01-01-box")
+    shutil.rmtree(directory)
+    with pytest.raises(ArtifactRefused, match="pinned in HEADS but not kept"):
+        load_artifacts(tmp_path)
+
+
+def test_no_head_in_git_history_was_ever_changed():
+    """Every head HEADS ever pinned, in every commit that touched it, is still pinned as it was."""
+    git = ["git", "-C", str(ROOT)]
+    try:
+        commits = subprocess.run([*git, "log", "--format=%H", "--", "benchmarks/results/HEADS"],
+                                 capture_output=True, text=True, check=True).stdout.split()
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout")
+    now = read_heads(ROOT / "benchmarks" / "results")
+    changed = []
+    for commit in commits:
+        text = subprocess.run([*git, "show", f"{commit}:benchmarks/results/HEADS"],
+                              capture_output=True, text=True, check=True).stdout
+        for line in text.splitlines():
+            head, _, name = line.partition("  ")
+            if now.get(name) != head:
+                changed.append(f"{commit[:12]}: {name} pinned {head[:16]}, now {now.get(name)}")
+    assert changed == []
+
+
+def _quick_artifact(results: Path, name: str, *, cores: int = 2, load: float = 0.5,
+                    foreign: float = 0.01) -> None:
+    from dspark.bench.analysis import annotate
+    from tests.bench.factory import make_result
+
+    rows = [r.to_dict() for r in annotate([
+        make_result(core_foreign_share_by_round=[foreign] * 3),
+        make_result(num_devices=2, step_ms=130.0, core_foreign_share_by_round=[foreign] * 3)])]
+    (results / name).mkdir(parents=True)
+    (results / name / "results.json").write_text(json.dumps(rows))
+    (results / name / "output.txt").write_text(f"$ uptime\n load average: {load}, 1.0, 1.0\n")
+    _keep(results, name, {"results": ["results.json"], "command": "dspark bench --suite quick",
+                          "machine": f"Some CPU (x86_64), {cores} logical cores, 8.0 GiB, no GPU"})
+
+
+def test_the_headline_is_the_newest_quiet_quick_suite_on_the_reference_machine(tmp_path):
+    _quick_artifact(tmp_path, "2026-01-01-a")
+    _quick_artifact(tmp_path, "2026-01-02-busy", foreign=0.5)        # flagged busy_machine
+    _quick_artifact(tmp_path, "2026-01-03-loaded", load=3.5)          # load above its 2 cores
+    _quick_artifact(tmp_path, "2026-01-04-bigger", cores=16)          # not the reference machine
+    block = headline_block(load_artifacts(tmp_path))
+    assert "benchmarks/results/2026-01-01-a/" in block and "on Some CPU (2 logical cores" in block
+    _quick_artifact(tmp_path, "2026-01-05-b")
+    assert "benchmarks/results/2026-01-05-b/" in headline_block(load_artifacts(tmp_path))
 
 
 # --- no measured figure typed into the other docs -------------------------------------------------
@@ -190,9 +333,7 @@ def test_every_link_to_figures_md_lands_on_an_anchor():
 def test_a_table_artifact_is_rendered_and_its_numbers_are_known(tmp_path):
     run = tmp_path / "2026-01-01-box-startup"
     write_table(run, columns=["command", "exit s"], rows=[["`dspark run`", 1.234]], caption="median of 5")
-    (run / "artifact.json").write_text(json.dumps({
-        "title": "Start-up", "anchor": "startup-time", "command": "c", "commit": "x", "machine": "m",
-        "tables": ["table.json"]}))
+    _keep(tmp_path, run.name, {"title": "Start-up", "anchor": "startup-time", "tables": ["table.json"]})
     artifacts = load_artifacts(tmp_path)
     text = render_figures(artifacts)
     assert '<a id="startup-time"></a>' in text and "| `dspark run` | 1.23 |" in text
@@ -204,9 +345,7 @@ def test_a_table_artifact_is_rendered_and_its_numbers_are_known(tmp_path):
 def test_the_newest_of_two_artifacts_with_one_anchor_keeps_it(tmp_path):
     for name in ("2026-01-01-a", "2026-01-02-b"):
         write_table(tmp_path / name, columns=["a"], rows=[["1"]])
-        (tmp_path / name / "artifact.json").write_text(json.dumps({
-            "title": "t", "anchor": "same", "command": "c", "commit": "x", "machine": "m",
-            "tables": ["table.json"]}))
+        _keep(tmp_path, name, {"anchor": "same", "tables": ["table.json"]})
     assert [a.anchor for a in load_artifacts(tmp_path)] == ["2026-01-01-a", "same"]
 
 
@@ -218,19 +357,22 @@ def test_a_table_with_a_ragged_row_is_refused(tmp_path):
         load_table(tmp_path / "table.json")
 
 
-def test_record_keeps_a_complete_artifact(tmp_path, monkeypatch):
-    answers = {"uptime": "load average: 0.10\n", "env": "dspark env table\n",
-               "git rev-parse": "abc123\n", "git status": ""}
-
+def _fake_run(answers: dict[str, str]):
     def fake_run(command):
         if command[-1] == "--json":
             return json.dumps({"cpu": {"model": "Xeon", "arch": "x86_64", "logical_cores": 2},
                                "memory": {"total_bytes": 2 * 2**30}, "versions": {"torch": "2.x",
                                                                                   "python": "3.11"}})
         key = " ".join(command[:2]) if command[0] == "git" else Path(command[-1]).name
-        return answers[key]
+        return answers.get(key, "")
+    return fake_run
 
-    monkeypatch.setattr(record_module, "_run", fake_run)
+
+@pytest.mark.parametrize("dirty", [False, True])
+def test_record_keeps_a_complete_artifact(tmp_path, monkeypatch, dirty):
+    monkeypatch.setattr(record_module, "_run", _fake_run({
+        "uptime": "load average: 0.10\n", "env": "dspark env table\n", "git rev-parse": "abc123\n",
+        "git status": " M src/dspark/x.py\n" if dirty else ""}))
     script = ("import sys; from dspark.bench.table_artifact import write_table; "
               "write_table(sys.argv[sys.argv.index('--out') + 1], columns=['a s'], rows=[[0.5]])")
     out = record_module.record(results_dir=tmp_path, name="2026-01-01-box-x", title="X",
@@ -239,9 +381,12 @@ def test_record_keeps_a_complete_artifact(tmp_path, monkeypatch):
     assert meta["commit"] == "abc123" and meta["anchor"] == "x" and meta["tables"] == ["table.json"]
     assert meta["machine"].startswith("Xeon (x86_64), 2 logical cores, 2.0 GiB, no GPU")
     assert meta["command"].endswith(f"--out {out}")
+    assert ("not_reproducible" in meta) == dirty
     assert (out / "machine.txt").read_text() == "dspark env table\n"
     assert (out / "output.txt").read_text().rstrip().endswith("load average: 0.10")
-    assert load_artifacts(tmp_path)[0].tables[0].rows == (("0.50",),)
+    (artifact,) = load_artifacts(tmp_path)    # chained, its head pinned: it verifies
+    assert artifact.tables[0].rows == (("0.50",),) and artifact.head == read_heads(tmp_path)[out.name]
+    assert any("not reproducible" in note for note in artifact.provenance) == dirty
     with pytest.raises(ValueError, match=r"2026-01-01-box-x"):
         record_module.record(results_dir=tmp_path, name="2026-01-01-box-x", title="X",
                              command=[sys.executable, "-c", script])
@@ -256,25 +401,18 @@ def test_every_kept_measurement_is_in_an_artifact_directory():
 
 
 def test_record_keeps_a_bench_run_from_its_own_ledger(tmp_path, monkeypatch):
-    """``--ledger``: the run gets ``--db DIR/ledger.sqlite`` and its exported rows are the artifact."""
-    exported = []
-
-    def fake_run(command):
-        if command[1:3] == ["bench", "export"]:
-            exported.append(command)
-            Path(command[-1]).write_text(json.dumps([{"workload": "w"}]))
-            return ""
-        if command[-1] == "--json":
-            return json.dumps({"cpu": {"model": "Xeon", "arch": "x86_64", "logical_cores": 2}})
-        return {"uptime": "load average: 0.10\n", "git rev-parse": "abc123\n"}.get(
-            " ".join(command[:2]) if command[0] == "git" else Path(command[-1]).name, "")
-
-    monkeypatch.setattr(record_module, "_run", fake_run)
-    script = "import sys; open(sys.argv[sys.argv.index('--db') + 1], 'w').write('ledger')"
+    """``--ledger``: the run gets ``--db DIR/ledger.sqlite``; its rows, hashes included, are kept as
+    ``ledger.jsonl`` and its head pinned."""
+    monkeypatch.setattr(record_module, "_run", _fake_run({"uptime": "load average: 0.10\n",
+                                                          "git rev-parse": "abc123\n"}))
+    script = ("import sys; from dspark.bench.ledger import Ledger; from tests.bench.test_ledger_chain "
+              "import _run; _run(Ledger(sys.argv[sys.argv.index('--db') + 1]))")
     out = record_module.record(results_dir=tmp_path, name="2026-01-01-box-seed", title="S",
                                command=[sys.executable, "-c", script], ledger=True)
     meta = json.loads((out / "artifact.json").read_text())
-    assert meta["results"] == ["results.json"] and "tables" not in meta
-    assert exported[0][exported[0].index("--db") + 1] == str(out / "ledger.sqlite")
+    assert meta["ledger"] == "ledger.jsonl" and "tables" not in meta and "results" not in meta
     assert f"--db {out / 'ledger.sqlite'} && " in meta["command"]
-    assert json.loads((out / "results.json").read_text()) == [{"workload": "w"}]
+    assert meta["command"].endswith(f"--rows {out / 'ledger.jsonl'}")
+    assert not (out / "ledger.sqlite").exists() and len((out / "ledger.jsonl").read_text().splitlines()) == 7
+    (artifact,) = load_artifacts(tmp_path)
+    assert artifact.verified == "6 ledger rows" and len(artifact.rows) == 2

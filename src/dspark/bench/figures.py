@@ -3,12 +3,21 @@
 [Note: figures from artifacts]
 A published figure is only as good as the record behind it. Every number in docs/figures.md and in
 the README's headline table is rendered here from an artifact under ``benchmarks/results/<date>-<machine>/``:
-``artifact.json`` (the title, the command that measured it, the commit, the machine, and the files
-holding the exported ledger rows, ``dspark bench export --json``, under ``"results"``, or a
-benchmark's own tables under ``"tables"``, see [Note: table artifacts]) beside those files. Nothing
-is typed by hand: ``tests/bench/test_figures.py`` regenerates both and fails on any difference, and
-on any number in a table that no artifact value renders to. A figure without an artifact is not
-published; :data:`NOT_REMEASURED` names the command that would measure it again.
+``artifact.json`` (the title, the exact command that measured it, the commit, the machine, and what
+it keeps: a ``dspark bench`` run's ledger rows under ``"ledger"``, see [Note: kept rows], a
+benchmark's own tables under ``"tables"``, see [Note: table artifacts], or, for artifacts kept
+before ledgers were, exported result rows under ``"results"``) beside those files. Before anything
+is rendered, every artifact is verified against the chain head pinned for it in
+``benchmarks/results/HEADS`` and every result checked against its own figures (see [Note: pinned
+heads] in :mod:`dspark.bench.artifact_check`); one that fails is refused by name and nothing is
+written. Results are rendered as analysed now, from the kept rows: ``--check`` re-derives every
+number and compares. ``tests/bench/test_figures.py`` fails on any difference, and on any number in
+a table that no artifact value renders to. A figure without an artifact is not published;
+:data:`NOT_REMEASURED` names the command that would measure it again.
+
+What each artifact lacks to be re-made is said under it: measured with uncommitted changes (not
+reproducible), no ``dspark env`` kept, no load recorded. The README's headline is chosen by
+:func:`headline_artifact`'s rule, never by hand.
 
 Each section has a stable anchor (``"anchor"`` in ``artifact.json``, else the directory's name) that
 the other docs link to (``figures.md#startup-time``); a re-measurement kept under the same anchor
@@ -17,8 +26,8 @@ under "Not re-measured" until an artifact with that anchor is kept, so the links
 
 Example::
 
-    python -m dspark.bench.figures            # rewrite docs/figures.md and README.md's table
-    python -m dspark.bench.figures --check    # exit 1 when either is not what the artifacts give
+    python -m dspark.bench.figures            # verify every artifact, rewrite figures.md and the README's table
+    python -m dspark.bench.figures --check    # verify and re-derive; exit 1 when either differs
 """
 
 from __future__ import annotations
@@ -31,66 +40,37 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from dspark.bench.table_artifact import Table, load_table, markdown_table
+from dspark.bench.artifact_check import (
+    HEADS_FILE,
+    ArtifactRefused,
+    check_artifact,
+    pin_artifact,
+    read_heads,
+)
+from dspark.bench.table_artifact import Table, markdown_table
 
-__all__ = ["NOT_REMEASURED", "Artifact", "headline_block", "load_artifacts", "main",
-           "render_figures", "replace_headline", "unsupported_numbers"]
+__all__ = ["NOT_REMEASURED", "REFERENCE_MACHINE", "Artifact", "headline_artifact", "headline_block",
+           "load_artifacts", "main", "render_figures", "replace_headline", "unsupported_numbers"]
 
 HEADLINE_START = "<!-- figures:headline:start -->"
 HEADLINE_END = "<!-- figures:headline:end -->"
 
 NOT_REMEASURED: tuple[tuple[str, str, str], ...] = (
-    ("peers", "the peers suite: DSpark beside DDP, FSDP2 and DeepSpeed",
-     "make peers; dspark bench --suite peers --json peers.json"),
-    ("gpt2-124m-memory-per-rank", "GPT-2 124M's memory per rank beside DDP and FSDP2",
-     "dspark bench --workloads gpt2-124m --strategies replicate,zero3,torch-ddp,torch-fsdp2 "
-     "--devices 2 --global-batch 2 --rounds 1"),
-    ("side-by-side", "DSpark and a peer in the same processes, step by step",
-     "dspark run --nproc 2 benchmarks/side_by_side.py --workload resnet50-cpu --steps 40"),
-    ("cpu-malloc", "the engine's CPU malloc choices",
-     "OMP_NUM_THREADS=1 python benchmarks/cpu_malloc.py --workload gpt2-cpu --batch 16"),
-    ("shm-collectives", "collectives through shared memory against gloo",
-     "dspark run --nproc 2 benchmarks/shm_collectives.py"),
-    ("reduce-scatter", "reduce-scatter as one all-to-all on gloo", "dspark run --nproc 2 benchmarks/reduce_scatter.py"),
-    ("optimizer-kernel", "the fused optimizer kernel", "OMP_NUM_THREADS=1 python benchmarks/optimizer_kernel.py"),
-    ("zero-real-memory", "ZeRO's saving in real memory", "python benchmarks/zero_real_memory.py"),
-    ("meta-zero3-rss", "a model over one rank's budget, built on meta",
-     "dspark run --nproc 2 benchmarks/meta_zero3_rss.py --budget-gib 3"),
-    ("save-stall", "checkpoint save stall, synchronous and asynchronous",
-     "dspark run --nproc 2 benchmarks/save_stall.py --params-m 8 --saves 5 --ckpt /tmp/stall-ckpt"),
-    ("restart-time", "restart after a killed worker", "python benchmarks/restart_time.py --kills 10"),
-    ("observe-overhead", "the step observer's and the batch fingerprint's overhead",
-     "dspark run --nproc 2 benchmarks/observe_overhead.py --workload tiny gpt2-cpu --strategy zero2 "
-     "--steps 40"),
-    ("examples-on-real-data", "the examples on real data",
-     "python benchmarks/examples_on_real_data.py"),
     ("one-gpu-vs-pytorch", "one GPU beside plain PyTorch", "OUT=DIR bash benchmarks/gpu_session.sh"),
-    ("startup-time", "`dspark run` beside `torchrun --standalone` at start and exit, and `import dspark`",
-     ".venv/bin/python benchmarks/startup_time.py --repeats 5"),
-    ("async-save-vs-dcp", "DSpark's asynchronous save beside DCP's `async_save`",
-     "dspark run --nproc 2 benchmarks/async_save_vs_dcp.py --params-m 8 --saves 5 --ckpt /tmp/stall-ckpt"),
-    ("pretrained-load-rss", "peak RSS per rank while pretrained weights load, three ways",
-     ".venv/bin/python benchmarks/pretrained_load_rss.py"),
-    ("checkpoint-verification-cost", "what a load's manifest check costs, warm and cold page cache",
-     "python benchmarks/ckpt_verify_cost.py --repeats 5 --cache both --sha256"),
-    ("plan-at-scale", "what `dspark plan` predicts for ResNet-50 and GPT-2 124M on 2 DGX Spark boxes "
-     "and on 8 to 256 GPUs (predictions, not measurements)",
-     ".venv/bin/python benchmarks/plan_at_scale.py"),
-    ("check-scaling", "`dspark check`'s time and peak memory against the file's size",
-     "python benchmarks/check_scaling.py"),
-    ("batch-check-cost", "the replicated-batch check's cost per step",
-     "dspark run --nproc 2 benchmarks/batch_check_cost.py --workload gpt2-cpu --steps 20"),
-    ("step-guard-cost", "what the step's guards (`skip_nonfinite`, step tags) cost a step",
-     "OMP_NUM_THREADS=1 dspark run --nproc 2 benchmarks/step_guard_cost.py --workload tiny "
-     "--strategy zero2 --steps 60"),
 )
 """Figures published before they had a kept artifact: ``(anchor, what, command)``, dropped from the
 docs, with the command that measures them. An entry whose anchor a kept artifact has is not listed."""
 
 
+REFERENCE_MACHINE = (2, "no GPU")
+"""The machine the headline is measured on: ``(logical cores, GPU)`` as its ``artifact.json``'s
+machine line says them, the 2-core CPU VM the project's CI and ``make bench`` target (any CPU model:
+the headline names it)."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Artifact:
-    """One kept measurement: ``benchmarks/results/<name>/artifact.json`` and its ledger rows."""
+    """One kept measurement: ``benchmarks/results/<name>/artifact.json`` and its rows, verified."""
 
     name: str
     title: str
@@ -98,41 +78,75 @@ class Artifact:
     commit: str
     machine: str
     notes: str
-    headline: bool
     rows: tuple[dict[str, Any], ...]
+    """Results as analysed now from the kept rows (see [Note: consistent results])."""
     anchor: str = ""
     """The section's HTML anchor in docs/figures.md (links: ``figures.md#ANCHOR``)."""
     tables: tuple[Table, ...] = ()
     """Tables written by the benchmark itself (see [Note: table artifacts])."""
+    head: str = ""
+    """The chain head pinned for it in ``benchmarks/results/HEADS`` (see [Note: pinned heads])."""
+    verified: str = ""
+    """What was verified against that head."""
+    provenance: tuple[str, ...] = ()
+    """What keeps it from being re-made exactly, or complete (see [Note: figures from artifacts])."""
+    load: float | None = None
+    """The 1-minute load average right after the run (``output.txt`` ends with ``uptime``)."""
+
+
+_LOAD = re.compile(r"load average: ([\d.]+)")
+
+
+def _provenance(directory: Path, meta: dict[str, Any]) -> tuple[list[str], float | None]:
+    notes = []
+    if "uncommitted" in meta["commit"] or meta.get("not_reproducible"):
+        why = meta.get("not_reproducible") or ("measured with uncommitted changes, which were not "
+                                                "kept: the code that ran is unknown")
+        notes.append(f"**not reproducible**: {why}")
+    if not (directory / "machine.txt").is_file():
+        notes.append("no `dspark env` (machine.txt) was kept")
+    output = directory / "output.txt"
+    loads = _LOAD.findall(output.read_text(errors="replace")) if output.is_file() else []
+    if not loads:
+        notes.append("the machine's load was not recorded (no `uptime` after the run)")
+    if meta.get("chained"):
+        notes.append(f"chained {meta['chained']}")
+    return notes, float(loads[-1]) if loads else None
 
 
 def load_artifacts(results_dir: Path) -> list[Artifact]:
-    """Every ``<results_dir>/*/artifact.json``, by directory name; a file it names that is missing,
-    or not a JSON list of result rows (``"results"``) or a table (``"tables"``), and an artifact with
-    neither are ``ValueError``s naming them. Artifacts that share an anchor are measurements of one
-    thing: the newest (the last directory by name, ``<date>-...``) keeps the anchor, so the docs'
-    links reach the latest figures, and each older one is anchored by its directory's name."""
-    artifacts = []
+    """Every ``<results_dir>/*/artifact.json``, by directory name, each verified against its head
+    pinned in ``results_dir/HEADS`` and its results checked (:func:`check_artifact`): one that fails
+    is an :class:`ArtifactRefused` naming it (all that fail, a line each). Artifacts that share an
+    anchor are measurements of one thing: the newest (the last directory by name, ``<date>-...``)
+    keeps the anchor, so the docs' links reach the latest figures, and each older one is anchored by
+    its directory's name."""
+    heads = read_heads(Path(results_dir))
+    artifacts, refused = [], []
     for meta_path in sorted(Path(results_dir).glob("*/artifact.json")):
-        meta = json.loads(meta_path.read_text())
-        if not meta.get("results") and not meta.get("tables"):
-            raise ValueError(f"{meta_path}: names no \"results\" (ledger rows) and no \"tables\"")
-        for rel in [*meta.get("results", []), *meta.get("tables", [])]:
-            if not (meta_path.parent / rel).is_file():
-                raise ValueError(f"{meta_path}: file {rel!r} is missing")
-        tables = tuple(load_table(meta_path.parent / rel) for rel in meta.get("tables", []))
-        rows: list[dict[str, Any]] = []
-        for rel in meta.get("results", []):
-            path = meta_path.parent / rel
-            data = json.loads(path.read_text())
-            if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
-                raise ValueError(f"{path}: not a JSON list of result rows (dspark bench export --json)")
-            rows.extend(data)
-        artifacts.append(Artifact(name=meta_path.parent.name, title=meta["title"],
-                                  command=meta["command"], commit=meta["commit"],
-                                  machine=meta["machine"], notes=meta.get("notes", ""),
-                                  headline=bool(meta.get("headline", False)), rows=tuple(rows),
-                                  anchor=meta.get("anchor") or meta_path.parent.name, tables=tables))
+        directory = meta_path.parent
+        try:
+            meta = json.loads(meta_path.read_text())
+            if not meta.get("results") and not meta.get("tables") and not meta.get("ledger"):
+                raise ArtifactRefused(f"{directory.name}: names no \"ledger\", \"results\" or \"tables\"")
+            checked = check_artifact(directory, meta, heads.get(directory.name))
+        except ArtifactRefused as exc:
+            refused.append(str(exc))
+            continue
+        except (ValueError, KeyError) as exc:
+            refused.append(f"{directory.name}: {meta_path.name}: {type(exc).__name__}: {exc}")
+            continue
+        notes, load = _provenance(directory, meta)
+        artifacts.append(Artifact(
+            name=directory.name, title=meta["title"], command=meta["command"], commit=meta["commit"],
+            machine=meta["machine"], notes=meta.get("notes", ""), rows=checked.rows,
+            anchor=meta.get("anchor") or directory.name, tables=checked.tables, head=checked.head,
+            verified=checked.verified, provenance=tuple(notes), load=load))
+    stray = sorted(set(heads) - {p.parent.name for p in Path(results_dir).glob("*/artifact.json")})
+    refused += [f"{name}: pinned in {HEADS_FILE} but not kept (a kept artifact is never removed)"
+                for name in stray]
+    if refused:
+        raise ArtifactRefused("\n".join(refused))
     newest = {a.anchor: a.name for a in artifacts}
     artifacts = [a if newest[a.anchor] == a.name else replace(a, anchor=a.name) for a in artifacts]
     anchors = [a.anchor for a in artifacts]
@@ -140,6 +154,42 @@ def load_artifacts(results_dir: Path) -> list[Artifact]:
         raise ValueError(f"artifacts in {results_dir} share an anchor with another's directory name: "
                          f"{sorted(x for x in anchors if anchors.count(x) > 1)}")
     return artifacts
+
+
+_CORES = re.compile(r"(\d+) logical cores")
+
+
+def _cores(artifact: Artifact) -> int | None:
+    found = _CORES.search(artifact.machine)
+    return int(found.group(1)) if found else None
+
+
+def _quiet(artifact: Artifact) -> bool:
+    """No row flagged ``busy_machine``, and a load right after the run of at most the core count."""
+    cores = _cores(artifact)
+    return (bool(artifact.rows) and cores is not None and artifact.load is not None
+            and artifact.load <= cores
+            and not any(a.get("kind") == "busy_machine" for row in artifact.rows
+                        for a in row.get("anomalies", [])))
+
+
+def headline_artifact(artifacts: list[Artifact]) -> Artifact | None:
+    """The README's headline, by rule: the newest (by directory name) artifact of ``make bench``'s
+    quick suite (``dspark bench --suite quick``) measured quiet (see :func:`_quiet`) on the
+    :data:`REFERENCE_MACHINE`; None when there is none.
+
+    Example::
+
+        headline_artifact(load_artifacts(Path("benchmarks/results"))).name
+    """
+    cores, gpu = REFERENCE_MACHINE
+    chosen = [a for a in artifacts if "--suite quick" in a.command and _cores(a) == cores
+              and gpu in a.machine and _quiet(a)]
+    return max(chosen, key=lambda a: a.name) if chosen else None
+
+
+def _cpu(artifact: Artifact) -> str:
+    return artifact.machine.split(" (", 1)[0].split(",", 1)[0]
 
 
 def _ms(value: float | None) -> str:
@@ -214,23 +264,45 @@ def _verdicts(rows: tuple[dict[str, Any], ...]) -> str:
 
 def render_figures(artifacts: list[Artifact]) -> str:
     """The whole of docs/figures.md."""
+    headline = headline_artifact(artifacts)
     out = ["# Figures", "", "[Back to the README](../README.md#figures)", "",
            "<!-- Generated by `make figures` from benchmarks/results/*/artifact.json: do not edit. -->",
            "",
-           "Every table here is rendered from a kept artifact: the exported ledger rows "
-           "(`dspark bench export --json`) or the table a benchmark wrote (`--out DIR`), the "
-           "command, the commit and the machine, in "
-           "`benchmarks/results/<date>-<machine>/`. Step times are medians over every timed step of "
-           "every round; a speedup pairs each N-device round with the 1-device round of the same run "
-           "(rounds min-max in brackets). Compare ratios measured in one run, not milliseconds across "
-           "runs or machines. An anomaly named in a row is the lab's own verdict on it: "
-           "`busy_machine` means other processes took time from the ranks, so that row's times are not "
-           "trustworthy (see [bench.md](bench.md#what-the-lab-cannot-see)).", ""]
+           "Every table here is rendered from a kept artifact in "
+           "`benchmarks/results/<date>-<machine>/`: a `dspark bench` run's ledger rows with their "
+           "hashes (`ledger.jsonl`), or the table a benchmark wrote (`--out DIR`), with the exact "
+           "command, the commit and the machine. `make figures` verifies every artifact against the "
+           f"chain head pinned for it in `benchmarks/results/{HEADS_FILE}` (a tracked file: git's "
+           "history shows any head that changed) and checks every result against its own steps (a "
+           "median inside its p10-p90 and equal to its steps' median, a speedup equal to what its "
+           "rounds' steps give); it refuses, by name, an artifact that fails, and renders the results "
+           "as the lab's current rules analyse the kept rows. To re-derive every number here yourself: "
+           "`python -m dspark.bench.figures --check`; one ledger artifact: `dspark bench verify --db "
+           "benchmarks/results/NAME/ledger.jsonl --head HASH` and `dspark bench list --db ...`.", "",
+           "Step times are medians over every timed step of every round; a speedup pairs each "
+           "N-device round with the 1-device round of the same run (rounds min-max in brackets). "
+           "Compare ratios measured in one run, not milliseconds across runs or machines. An anomaly "
+           "named in a row is the lab's own verdict on it: `busy_machine` means other processes took "
+           "time from the ranks, `suspect_baseline` that the 1-device baseline is unsteady or slower "
+           "than N devices allow, so that row's times are not trustworthy (see "
+           "[bench.md](bench.md#what-the-lab-cannot-see)). What keeps an artifact from being re-made "
+           "exactly is said under it.", "",
+           "The README's headline is chosen by rule: the newest artifact of `make bench`'s quick "
+           "suite measured quiet (no row flagged `busy_machine`, a load average right after the run "
+           f"of at most its core count) on the reference machine, a {REFERENCE_MACHINE[0]}-core CPU "
+           f"VM with {REFERENCE_MACHINE[1]}"
+           + (f"; now [{headline.name}](#{headline.anchor})." if headline else "; there is none now."),
+           ""]
     for artifact in artifacts:
         out += [f'<a id="{artifact.anchor}"></a>', "", f"## {artifact.title}", "",
                 f"- artifact: [`benchmarks/results/{artifact.name}/`](../benchmarks/results/{artifact.name}/)",
                 f"- command: `{artifact.command}`",
-                f"- machine: {artifact.machine}", ""]
+                f"- commit: `{artifact.commit}`" if "`" not in artifact.commit else
+                f"- commit: {artifact.commit}",
+                f"- machine: {artifact.machine}" + (f"; load average {artifact.load:.2f} right after"
+                                                    if artifact.load is not None else ""),
+                f"- verified: {artifact.verified}, chain head `{artifact.head}`",
+                *(f"- {note}" for note in artifact.provenance), ""]
         if artifact.notes:
             out += [artifact.notes, ""]
         if artifact.rows:
@@ -251,11 +323,14 @@ def render_figures(artifacts: list[Artifact]) -> str:
 
 
 def headline_block(artifacts: list[Artifact]) -> str:
-    """The README's table: step and speedup of every artifact marked ``"headline": true``."""
+    """The README's table: step and speedup of :func:`headline_artifact`'s choice, its CPU named."""
     lines = [HEADLINE_START]
-    for artifact in (a for a in artifacts if a.headline):
-        lines += ["", f"{artifact.title} (`{artifact.command}`; "
-                      f"[artifact](benchmarks/results/{artifact.name}/)):", ""]
+    artifact = headline_artifact(artifacts)
+    if artifact is not None:
+        lines += ["", f"{artifact.title}, on {_cpu(artifact)} ({_cores(artifact)} logical cores; "
+                      f"`{artifact.command}`; [artifact](benchmarks/results/{artifact.name}/), chosen "
+                      "by [rule](docs/figures.md#figures): the newest quiet quick-suite run on the "
+                      "reference machine):", ""]
         lines += [*_table(artifact.rows, pick=(0, 1, 6, 8, 10)), "", _verdicts(artifact.rows)]
     lines += ["", HEADLINE_END]
     return "\n".join(lines)
@@ -296,8 +371,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--root", type=Path, default=Path.cwd(), help="the repository root")
     parser.add_argument("--check", action="store_true",
                         help="write nothing; exit 1 when docs/figures.md or the README's table differs")
+    parser.add_argument("--pin", metavar="NAME",
+                        help="chain an artifact kept by hand (no chain.txt, or a ledger.jsonl) and pin "
+                             f"its head in benchmarks/results/{HEADS_FILE}; then render as usual")
     args = parser.parse_args(argv)
-    artifacts = load_artifacts(args.root / "benchmarks" / "results")
+    results_dir = args.root / "benchmarks" / "results"
+    if args.pin:
+        print(f"pinned {args.pin}: head {pin_artifact(results_dir, args.pin)}")
+    try:
+        artifacts = load_artifacts(results_dir)
+    except ArtifactRefused as exc:
+        for line in str(exc).splitlines():
+            print(f"REFUSED {line}", file=sys.stderr)
+        print("nothing written: an artifact that fails its chain or its own figures is not rendered",
+              file=sys.stderr)
+        return 1
+    for artifact in artifacts:
+        print(f"verified {artifact.name}: {artifact.verified}, head {artifact.head[:16]}")
     figures_path, readme_path = args.root / "docs" / "figures.md", args.root / "README.md"
     figures = render_figures(artifacts)
     readme = replace_headline(readme_path.read_text(), headline_block(artifacts))
@@ -309,7 +399,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if stale else 0
     figures_path.write_text(figures)
     readme_path.write_text(readme)
-    print(f"wrote {figures_path} and the headline table of {readme_path} from {len(artifacts)} artifact(s)")
+    print(f"wrote {figures_path} and the headline table of {readme_path} from {len(artifacts)} "
+          f"verified artifact(s)")
     return 0
 
 

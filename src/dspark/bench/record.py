@@ -2,17 +2,20 @@
 
 Runs one benchmark command with ``--out benchmarks/results/NAME`` appended (the script writes its
 ``table.json`` there, see [Note: table artifacts]), or with ``--ledger`` a ``dspark bench`` run
-with ``--db benchmarks/results/NAME/ledger.sqlite`` appended (its rows are exported to
-``results.json``), keeps what it printed in ``output.txt`` (ending
-with ``uptime``: the machine's load right after the run), ``dspark env`` in ``machine.txt``, and
-writes ``artifact.json`` with the title, the command, ``git rev-parse HEAD`` and a one-line machine
-summary. ``make figures`` then renders it in docs/figures.md under its anchor.
+with ``--db benchmarks/results/NAME/ledger.sqlite`` appended (its rows, hashes included, are kept
+as ``ledger.jsonl``, see [Note: kept rows]), keeps what it printed in ``output.txt`` (ending with
+``uptime``: the machine's load right after the run), ``dspark env`` in ``machine.txt``, chains what
+it keeps and pins the chain's head in ``benchmarks/results/HEADS`` (see [Note: pinned heads]), and
+writes ``artifact.json`` with the title, the exact command, ``git rev-parse HEAD`` and a one-line
+machine summary. A tree with uncommitted changes (outside ``benchmarks/results/``) is recorded as not
+reproducible: what ran is not kept. ``make figures`` then renders it in docs/figures.md under its
+anchor.
 
 Example::
 
     python -m dspark.bench.record --name 2026-12-06-xeon-2vcpu-startup --anchor startup-time \\
         --title "Start-up: dspark run beside torchrun" -- .venv/bin/python benchmarks/startup_time.py
-    python -m dspark.bench.record --ledger --name 2026-12-06-xeon-2vcpu-seed --anchor seed \
+    python -m dspark.bench.record --ledger --name 2026-12-06-xeon-2vcpu-seed --anchor seed \\
         --title "The seed suite" -- .venv/bin/dspark bench --suite seed --no-progress
 """
 
@@ -25,6 +28,9 @@ import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+from dspark.bench.artifact_check import LEDGER_FILE, chain_kept_files, pin_head
+from dspark.bench.ledger import Ledger
 
 __all__ = ["machine_line", "main", "record"]
 
@@ -51,21 +57,27 @@ def _run(command: list[str]) -> str:
     return subprocess.run(command, capture_output=True, text=True, check=True).stdout
 
 
+_UNCOMMITTED = "measured with uncommitted changes, which were not kept: the code that ran is unknown"
+
+
 def record(*, results_dir: Path, name: str, title: str, command: list[str], anchor: str = "",
            notes: str = "", ledger: bool = False) -> Path:
-    """Run ``command`` with ``--out results_dir/name`` and keep the artifact there; a command that
-    fails, or writes no ``table*.json``, is a ``RuntimeError`` naming it (nothing is published).
-    An existing artifact of that name is a ``ValueError``: a kept measurement is never overwritten.
+    """Run ``command`` with ``--out results_dir/name`` and keep the artifact there, its chain's head
+    pinned in ``results_dir/HEADS``; a command that fails, or writes no ``table*.json``, is a
+    ``RuntimeError`` naming it (nothing is published). An existing artifact of that name is a
+    ``ValueError``: a kept measurement is never overwritten.
 
     ``ledger=True`` is for a ``dspark bench`` run: it gets ``--db results_dir/name/ledger.sqlite``
-    instead, and the run's rows are exported from that ledger (``dspark bench export``, which
-    verifies its hash chain first) to ``results.json``, what docs/figures.md renders; the ledger
-    file itself is not kept (``*.sqlite`` is ignored by git)."""
+    instead, and the whole ledger (one run's rows, hashes included) is kept as ``ledger.jsonl``
+    (``dspark bench export --rows``, which verifies the chain first); the SQLite file is removed."""
     out_dir = results_dir / name
     if (out_dir / "artifact.json").exists():
         raise ValueError(f"{out_dir / 'artifact.json'} exists: pick another --name (a kept artifact "
                          f"is not overwritten)")
     out_dir.mkdir(parents=True, exist_ok=True)
+    commit = _run(["git", "rev-parse", "HEAD"]).strip()
+    dirty = bool(_run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                       f":!{results_dir}"]).strip())
     db = out_dir / "ledger.sqlite"
     full = [*command, "--db", str(db)] if ledger else [*command, "--out", str(out_dir)]
     dspark = str(Path(sys.executable).with_name("dspark"))
@@ -76,29 +88,30 @@ def record(*, results_dir: Path, name: str, title: str, command: list[str], anch
         log.write(f"$ uptime\n{_run(['uptime'])}")
     if done.returncode != 0:
         raise RuntimeError(f"{shlex.join(full)} exited {done.returncode}: see {out_dir / 'output.txt'}")
-    kept: dict[str, list[str]]
+    meta: dict[str, Any] = {"title": title, "anchor": anchor or name, "commit": commit,
+                            "machine": "", "notes": notes}
     if ledger:
-        export = [dspark, "bench", "export", "--run", "latest", "--db", str(db),
-                  "--json", str(out_dir / "results.json")]
-        _run(export)
-        command_text = f"{shlex.join(full)} && {shlex.join(export)}"
-        kept = {"results": ["results.json"]}
+        export = [dspark, "bench", "export", "--db", str(db), "--rows", str(out_dir / LEDGER_FILE)]
+        with Ledger(db, create=False) as run_ledger:   # what `export` does, in this process
+            run_ledger.require_intact(run_ledger.verify())
+            run_ledger.export_rows(out_dir / LEDGER_FILE)
+        with Ledger(out_dir / LEDGER_FILE) as kept:
+            head = kept.verify().head
+        db.unlink()
+        meta.update(command=f"{shlex.join(full)} && {shlex.join(export)}", ledger=LEDGER_FILE)
     else:
         tables = sorted(p.name for p in out_dir.glob("table*.json"))
         if not tables:
             raise RuntimeError(f"{shlex.join(full)} wrote no table*.json into {out_dir}: does it "
                                f"take --out DIR?")
-        command_text = shlex.join(full)
-        kept = {"tables": tables}
+        meta.update(command=shlex.join(full), tables=tables)
+        head = chain_kept_files(out_dir, meta)
+    if dirty:
+        meta["not_reproducible"] = _UNCOMMITTED
     (out_dir / "machine.txt").write_text(_run([dspark, "env"]))
-    env = json.loads(_run([dspark, "env", "--json"]))
-    commit = _run(["git", "rev-parse", "HEAD"]).strip()
-    if _run(["git", "status", "--porcelain", "--untracked-files=no"]).strip():
-        commit += " (with uncommitted changes)"
-    meta: dict[str, Any] = {"title": title, "anchor": anchor or name, "command": command_text,
-                            "commit": commit, "machine": machine_line(env), "notes": notes,
-                            "headline": False, **kept}
+    meta["machine"] = machine_line(json.loads(_run([dspark, "env", "--json"])))
     (out_dir / "artifact.json").write_text(json.dumps(meta, indent=2) + "\n")
+    pin_head(results_dir, name, head)
     return out_dir
 
 
@@ -121,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("no command: put it after --")
     out_dir = record(results_dir=args.results_dir, name=args.name, title=args.title, command=command,
                      anchor=args.anchor, notes=args.notes, ledger=args.ledger)
-    print(f"kept {out_dir}: run `make figures`")
+    print(f"kept {out_dir}, its chain head pinned in {args.results_dir / 'HEADS'}: run `make figures`")
     return 0
 
 
