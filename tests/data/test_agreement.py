@@ -102,3 +102,25 @@ def test_a_stream_that_raises_on_one_rank_stops_the_other_at_once(pool) -> None:
 
 def test_equal_streams_serve_in_step(pool) -> None:
     assert pool.run(_stream_run, 64, False) == [8, 8]
+
+
+def _evaluation_on_rank_0_only() -> int:
+    """DDP's `if master_process: estimate_loss()` kept, over a validation dspark.DataLoader."""
+    rank = dspark.get_world().rank
+    train = dspark.DataLoader(TensorDataset(torch.arange(64)), global_batch_size=8, seed=1337)
+    val = dspark.DataLoader(TensorDataset(torch.arange(32)), global_batch_size=8, seed=1)
+    next(iter(train))
+    if rank == 0:
+        for _ in val:
+            pass
+    return len(list(train))
+
+
+def test_a_loader_iterated_on_one_rank_alone_is_named_as_such(pool) -> None:
+    with pytest.raises(AssertionError) as failed:
+        pool.run(_evaluation_on_rank_0_only)
+    for error in _errors(failed):
+        assert_line_names(error, "different passes", "rank 0: its pass", "test_agreement.py:",
+                          "rank 1: its pass", "test_agreement.py:", "one rank ran a loop",
+                          "master_process")
+        assert "seed" not in error.split("):")[0], error  # not the settings of two other loaders

@@ -114,6 +114,26 @@ def test_load_pretrained_lists_missing_and_unexpected_keys(pool, saved_dir: Path
         assert "transformer.layer.1.mlp.c_fc.weight" in unexpected
 
 
+def _two_names_onto_one(directory: str) -> dict[str, Any]:
+    engine = _engine("zero2")
+    before = engine.full_state_dict()
+    try:
+        engine.load_pretrained(directory, key_map={"transformer.h.0.ln_1.weight": "transformer.h.0.ln_2.weight"})
+        message = "no error"
+    except ValueError as exc:
+        message = str(exc)
+    unchanged = all(torch.equal(before[k], v) for k, v in engine.full_state_dict().items())
+    engine.close()
+    return {"message": message, "unchanged": unchanged}
+
+
+def test_a_key_map_that_loads_two_tensors_into_one_is_refused(pool, saved_dir: Path) -> None:
+    for result in pool.run(_two_names_onto_one, str(saved_dir)):
+        assert_line_names(result["message"], "'transformer.h.0.ln_2.weight'", "'transformer.h.0.ln_1.weight'",
+                          "'transformer.h.0.ln_2.weight'", "dropped")
+        assert result["unchanged"], result
+
+
 def _load_from_rank_0(strategy: str) -> dict[str, torch.Tensor]:
     source = hf_models.gpt2(seed=11).state_dict() if dspark.get_world().rank == 0 else None
     engine = _engine(strategy)

@@ -13,17 +13,75 @@ is handed out, whether they have one and how large its global batch is; a stream
 ranks only is a ``ValueError`` on every rank naming them, at that batch. Only a loader whose place in
 the world came from ``dspark.init()`` checks (one built with explicit ``rank=``/``world_size=`` is a
 tool's or a test's, and may be iterated by one process alone).
+
+[Note: a pass on some ranks only] A loop over a loader that runs on some ranks only (DDP's ``if
+master_process: estimate_loss()`` kept, over a validation loader) starts a pass there alone: its
+check then pairs with whatever check the other ranks make next, usually another loader's, whose
+seed and length differ, and "the loaders disagree" would hide what happened. So each pass's check
+also carries which loader it is over (its number among this process's checking loaders, in the
+order of their first passes) and how many passes this process has started over all of them. Ranks
+that differ in either ran a loop the others did not, and the ``ValueError`` says that, naming each
+rank's pass and where its loader was built (gathered then, on every rank), before the settings are
+compared. (A loader built on some ranks and never iterated gets no number and changes nothing; after
+the error, and in a new world, every rank numbers afresh.)
 """
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from collections.abc import Mapping
+from typing import NamedTuple
 
 import torch
 
 from dspark import comm
 
-__all__ = ["check_same_settings", "check_stream_in_step"]
+__all__ = ["PASSES", "PassNumbers", "PassOrigin", "check_same_settings", "check_stream_in_step"]
+
+
+class PassOrigin(NamedTuple):
+    """Which pass of this process starts, over which loader (see [Note: a pass on some ranks only])."""
+
+    loader: int
+    """The loader's number among this process's checking loaders, in the order of their first passes."""
+    passes: int
+    """Passes this process has started over all its checking loaders, this one included."""
+    site: str
+    """Where the loader was built (``file:line`` of the caller)."""
+
+    def describe(self) -> str:
+        return f"its pass {self.passes}, over its loader {self.loader} (built at {self.site})"
+
+
+class PassNumbers:
+    """This process's loaders that check with the other ranks, numbered at their first pass, and the
+    passes they started (see [Note: a pass on some ranks only]). A new world, and a difference found
+    (every rank raises it), start again from one, so that ranks that go on stay in step.
+
+    Example::
+
+        origin = PASSES.start(loader, "train.py:40")   # PassOrigin(loader=1, passes=1, ...)
+    """
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self._loaders = itertools.count(1)
+        self._passes = itertools.count(1)
+        self._numbers: weakref.WeakKeyDictionary[object, int] = weakref.WeakKeyDictionary()
+
+    def start(self, loader: object, site: str) -> PassOrigin:
+        """The origin of the pass ``loader`` (built at ``site``) starts now."""
+        number = self._numbers.get(loader)
+        if number is None:
+            number = self._numbers[loader] = next(self._loaders)
+        return PassOrigin(loader=number, passes=next(self._passes), site=site)
+
+
+PASSES = PassNumbers()
+comm.add_shutdown_hook(PASSES.reset)
 
 
 def _gather(values: list[int]) -> list[list[int]]:
@@ -36,16 +94,23 @@ def _per_rank(values: list[int]) -> str:
     return ", ".join(f"{v} on rank {r}" for r, v in enumerate(values))
 
 
-def check_same_settings(settings: Mapping[str, int]) -> None:
-    """Raise ``ValueError`` on every rank unless every rank passes the same ``settings`` (one
-    all-gather of ``len(settings)`` int64 values).
+def check_same_settings(settings: Mapping[str, int], origin: PassOrigin | None = None) -> None:
+    """Raise ``ValueError`` on every rank unless every rank passes the same ``settings`` and starts a
+    pass of the same ``origin`` (one all-gather of ``len(settings) + 2`` int64 values; see [Note: a
+    pass on some ranks only]).
 
     Example::
 
-        check_same_settings({"dataset length": len(dataset), "seed": 0, "epoch": 1})
+        check_same_settings({"dataset length": len(dataset), "seed": 0, "epoch": 1},
+                            PassOrigin(loader=1, passes=3, site="train.py:40"))
     """
     names = list(settings)
-    rows = _gather([int(settings[name]) for name in names])
+    where = [0, 0] if origin is None else [origin.loader, origin.passes]
+    rows = _gather([*where, *(int(settings[name]) for name in names)])
+    if origin is not None and len({tuple(row[:2]) for row in rows}) > 1:
+        PASSES.reset()
+        _raise_pass_on_some_ranks(origin)
+    rows = [row[2:] for row in rows]
     differ = [f"{name}: {_per_rank([row[i] for row in rows])}" for i, name in enumerate(names)
               if len({row[i] for row in rows}) > 1]
     if differ:
@@ -54,6 +119,19 @@ def check_same_settings(settings: Mapping[str, int]) -> None:
             "the ranks would train on different batches and drift apart. Give every rank the same "
             "dataset (the same files and filters) and the same loader settings, and resume every rank "
             "from the same loader state")
+
+
+def _raise_pass_on_some_ranks(origin: PassOrigin) -> None:
+    """Every rank saw the same rows: every rank gathers where its loader was built, and raises."""
+    origins = comm.all_gather_object(tuple(origin), label="data agreement: loader sites")
+    each = "; ".join(f"rank {r}: {PassOrigin(*o).describe()}" for r, o in enumerate(origins))
+    raise ValueError(
+        f"rank {comm.get_world().rank}: the ranks started different passes over their dspark.DataLoaders "
+        f"({each}): one rank ran a loop over a dspark.DataLoader that the others did not, such as an "
+        "evaluation under `if master_process:` kept from a DDP loop, or a loop on some ranks only. "
+        "Every rank must iterate every dspark.DataLoader, pass for pass: evaluate on every rank (each "
+        "on its rows; dspark.reduce_metrics or dspark.gather_for_metrics combine them), or give the "
+        "one-rank loop a loader built with rank=0, world_size=1")
 
 
 _STATES = {"ended": 0, "batch": 1, "failed": 2}

@@ -14,6 +14,8 @@ taken then resumes at the next epoch rather than at an empty remainder of this o
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -22,7 +24,7 @@ from torch.utils.data import DataLoader as TorchDataLoader
 from torch.utils.data import IterableDataset
 from torch.utils.data._utils.collate import default_collate
 
-from dspark.data.agreement import check_same_settings, check_stream_in_step
+from dspark.data.agreement import PASSES, check_same_settings, check_stream_in_step
 from dspark.data.order import (
     BatchInfo,
     check_batch_size_value,
@@ -37,6 +39,15 @@ from dspark.data.sampler import GlobalBatchSampler
 from dspark.data.stream import CollateWithInfo, RankStream
 
 __all__ = ["DataLoader"]
+
+
+
+def _built_where() -> str:
+    """The file:line that built the loader: the first caller outside DSpark."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("dspark."):
+        frame = frame.f_back  # type: ignore[assignment]
+    return "?" if frame is None else f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
 
 _STATE_KEYS = ("epoch", "batches_consumed", "seed", "global_batch_size", "shuffle", "drop_last",
                "num_samples")
@@ -137,6 +148,7 @@ class DataLoader:
         self.rank, self.world_size = _world_place(rank, world_size)
         # explicit places are a tool's or a test's, iterated by one process alone: nothing to agree with
         self._agree = rank is None and self.world_size > 1
+        self._site = _built_where() if self._agree else ""
         check_global_batch_size(global_batch_size, self.world_size, allow_uneven=allow_uneven)
         self.dataset = dataset
         self.global_batch_size = global_batch_size
@@ -230,7 +242,7 @@ class DataLoader:
         self._check_current(generation)  # a generator starts at its first next(), not at iter()
         epoch, start = self._epoch, self._consumed
         if self._agree:
-            check_same_settings(self._settings())
+            check_same_settings(self._settings(), PASSES.start(self, self._site))
         # worker seeds (random augmentations) come from here, not from torch's global generator
         self._generator.manual_seed(epoch_seed(epoch_seed(self.seed, epoch), self.rank))
         if self._sampler is not None and self._torch_loader is not None:

@@ -172,11 +172,14 @@ def match_keys(entries: Sequence[WeightEntry], shapes: Mapping[str, tuple[int, .
         if mapped is None:
             continue
         if mapped in known:
+            _check_one_source(by_model, mapped, key)
             by_model[mapped] = key
         elif aliases is not None and mapped in aliases:
             if alias_problem is not None:
                 raise ValueError(alias_problem)
-            by_model.update(dict.fromkeys(aliases[mapped], key))
+            for name in aliases[mapped]:
+                _check_one_source(by_model, name, key)
+                by_model[name] = key
         else:
             unexpected.append(mapped)
     source_key: dict[str, str] = {}
@@ -195,6 +198,18 @@ def match_keys(entries: Sequence[WeightEntry], shapes: Mapping[str, tuple[int, .
             continue
         source_key[entry.name] = key
     return Matching(source_key, missing, unexpected, mismatched)
+
+
+def _check_one_source(by_model: Mapping[str, str], name: str, key: str) -> None:
+    """Refuse a second source tensor for the model's ``name``: one of the two would load and the
+    other be dropped, reported nowhere (a key_map that maps two keys onto one)."""
+    other = by_model.get(name)
+    if other is not None and other != key:
+        raise ValueError(
+            f"two tensors of the source load into the model's {name!r}: {other!r} and {key!r} (after "
+            "key_map); one would load and the other be dropped without a word, so nothing was loaded. "
+            "Map each to its own name of the model, or skip one (a key_map function returns None for "
+            "a key to skip)")
 
 
 def _mapped(key: str, key_map: KeyMap | None) -> str | None:
