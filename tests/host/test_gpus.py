@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from dspark.host import gpus, report
+from dspark.host import environment, gpus
+from dspark.host.environment import collect_environment
 from dspark.host.gpus import (
     memory_coherence,
     parse_addressing_mode,
@@ -17,7 +18,6 @@ from dspark.host.gpus import (
     parse_smi_gpus,
     parse_topo_matrix,
 )
-from dspark.host.report import collect_environment
 
 TOPO_M = (
     "\tGPU0\tGPU1\tGPU2\tNIC0\tCPU Affinity\tNUMA Affinity\tGPU NUMA ID\n"
@@ -84,7 +84,7 @@ def test_fake_nvidia_smi_is_read_and_cpu_only_torch_is_named(tmp_path: Path,
 esac
 """)
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
-    monkeypatch.setattr(report, "cuda_devices", lambda: [])  # as a CPU-only PyTorch build sees it
+    monkeypatch.setattr(environment, "cuda_devices", lambda: [])  # as a CPU-only PyTorch build sees it
     env = collect_environment(sys_root=tmp_path, proc_root=tmp_path, hostname="n0", resolve=lambda _: [])
     assert [g["index"] for g in env["nvidia_smi_gpus"]] == [0, 1]
     assert env["nvlink"]["pairs"][0] == {"gpus": [0, 1], "links": 18}

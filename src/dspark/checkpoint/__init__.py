@@ -25,14 +25,14 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from dspark.checkpoint.background import pending_save_path, wait_for_pending_save
-from dspark.checkpoint.errors import (
+from dspark.checkpoint.info import CheckpointInfo, is_checkpoint, read_checkpoint_info
+from dspark.checkpoint.verify import VerifyReport, verify_checkpoint
+from dspark.errors import (
     CheckpointError,
     CheckpointIntegrityError,
     CheckpointNotFoundError,
     CheckpointSaveError,
 )
-from dspark.checkpoint.info import CheckpointInfo, is_checkpoint, read_checkpoint_info
-from dspark.checkpoint.verify import VerifyReport, verify_checkpoint
 
 if TYPE_CHECKING:
     from dspark.checkpoint.load import load_checkpoint

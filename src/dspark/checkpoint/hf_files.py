@@ -33,9 +33,9 @@ from types import TracebackType
 
 import torch
 
-from dspark.checkpoint.errors import CheckpointError
 from dspark.checkpoint.plain_files import HF_INDEX, read_plain_file
 from dspark.checkpoint.safetensors_file import SafetensorsEntry, read_header, read_rows
+from dspark.errors import CheckpointError
 
 __all__ = ["INDEX_FILE", "SINGLE_FILE", "SafetensorsSource", "ShardWriter", "TensorHeader",
            "parse_size", "plan_shards", "shard_file_names", "tensor_bytes"]

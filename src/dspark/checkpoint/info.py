@@ -19,13 +19,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dspark.checkpoint.errors import (
+from dspark.checkpoint.manifest import MANIFEST_FILE, SUMMARY_FIELDS, read_manifest, read_verified
+from dspark.checkpoint.plain_files import DSPARK_JSON, write_json
+from dspark.errors import (
     CheckpointError,
     CheckpointIntegrityError,
     CheckpointNotFoundError,
 )
-from dspark.checkpoint.manifest import MANIFEST_FILE, SUMMARY_FIELDS, read_manifest, read_verified
-from dspark.checkpoint.plain_files import DSPARK_JSON, write_json
 
 __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "INFO_FILE", "CheckpointInfo", "check_is_checkpoint",
            "is_checkpoint", "read_checkpoint_info", "write_info"]

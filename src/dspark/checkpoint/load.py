@@ -27,10 +27,10 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from dspark import comm
 from dspark.checkpoint import background, extra_state, layout, storage
-from dspark.checkpoint.errors import CheckpointError, first_line
 from dspark.checkpoint.info import CheckpointInfo, read_checkpoint_info
 from dspark.checkpoint.target import Checkpointable
 from dspark.checkpoint.training_state import STATE_FILE, TrainingState, read_training_state
+from dspark.errors import CheckpointError, first_line
 from dspark.tensor import DistTensor, Shard
 from dspark.tensor.shard_math import shard_range
 

@@ -43,7 +43,6 @@ from typing import Any
 import torch
 
 from dspark.checkpoint import digest
-from dspark.checkpoint.errors import CheckpointError, CheckpointIntegrityError
 from dspark.checkpoint.plain_files import (
     MANIFEST,
     Bound,
@@ -51,6 +50,7 @@ from dspark.checkpoint.plain_files import (
     read_plain_file,
     write_json,
 )
+from dspark.errors import CheckpointError, CheckpointIntegrityError
 
 __all__ = ["MANIFEST_FILE", "MAX_MANIFEST_FILES", "SUMMARY_FIELDS", "FileEntry", "Manifest", "build_manifest", "check_bytes",
            "file_chunks", "hash_files",

@@ -19,11 +19,11 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from dspark.checkpoint import extra_state, storage
-from dspark.checkpoint.errors import CheckpointError
 from dspark.checkpoint.export import model_tensors
 from dspark.checkpoint.hf_files import tensor_bytes
 from dspark.checkpoint.info import CheckpointInfo, read_checkpoint_info
 from dspark.checkpoint.training_state import read_training_state
+from dspark.errors import CheckpointError
 
 __all__ = ["CheckpointSummary", "read_extra", "summarize_checkpoint"]
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dspark.checkpoint.errors import CheckpointError
+from dspark.errors import CheckpointError
 
 __all__ = ["DCP_METADATA", "DSPARK_JSON", "HF_INDEX", "MANIFEST", "SAFETENSORS_HEADER", "TRAINING_STATE",
            "Bound", "check_plain_file", "check_values", "read_plain_file", "write_json"]

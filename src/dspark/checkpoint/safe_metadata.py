@@ -27,8 +27,8 @@ import torch
 from torch.distributed.checkpoint import filesystem as dcp_filesystem
 from torch.distributed.checkpoint import metadata as dcp_metadata
 
-from dspark.checkpoint.errors import CheckpointError, first_line
 from dspark.checkpoint.plain_files import DCP_METADATA, read_plain_file
+from dspark.errors import CheckpointError, first_line
 
 __all__ = ["load_metadata", "validate_metadata"]
 

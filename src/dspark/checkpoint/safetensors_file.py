@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from dspark.checkpoint.errors import CheckpointError
 from dspark.checkpoint.plain_files import SAFETENSORS_HEADER, check_values
+from dspark.errors import CheckpointError
 
 __all__ = ["SafetensorsEntry", "read_header", "read_rows"]
 

@@ -32,10 +32,10 @@ from dspark import comm
 from dspark._version import __version__
 from dspark.checkpoint import background, extra_state, json_values, layout, manifest, storage
 from dspark.checkpoint.atomic import claim, publish, remove_stale, staging_dir
-from dspark.checkpoint.errors import CheckpointSaveError
 from dspark.checkpoint.info import INFO_FILE, CheckpointInfo, write_info
 from dspark.checkpoint.target import Checkpointable
 from dspark.checkpoint.training_state import STATE_FILE, TrainingState, write_training_state
+from dspark.errors import CheckpointSaveError
 
 __all__ = ["save_checkpoint", "split_state"]
 

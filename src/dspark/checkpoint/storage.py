@@ -35,16 +35,16 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
-from dspark.checkpoint.errors import (
+from dspark.checkpoint.manifest import check_bytes, read_manifest
+from dspark.checkpoint.plain_files import check_plain_file
+from dspark.checkpoint.safe_metadata import load_metadata
+from dspark.checkpoint.verify import RecordCheck
+from dspark.errors import (
     CheckpointError,
     CheckpointIntegrityError,
     CheckpointSaveError,
     first_line,
 )
-from dspark.checkpoint.manifest import check_bytes, read_manifest
-from dspark.checkpoint.plain_files import check_plain_file
-from dspark.checkpoint.safe_metadata import load_metadata
-from dspark.checkpoint.verify import RecordCheck
 
 __all__ = ["METADATA_FILE", "Metadata", "check_files", "read_metadata", "read_state", "stage_on_cpu",
            "write_state"]

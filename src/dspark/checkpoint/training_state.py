@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from dspark.checkpoint import json_values
-from dspark.checkpoint.errors import CheckpointError
 from dspark.checkpoint.manifest import read_manifest, read_verified
 from dspark.checkpoint.plain_files import TRAINING_STATE, write_json
+from dspark.errors import CheckpointError
 
 __all__ = ["STATE_FILE", "TrainingState", "read_training_state", "write_training_state"]
 

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 from dspark.checkpoint import digest
-from dspark.checkpoint.errors import CheckpointError, CheckpointIntegrityError
 from dspark.checkpoint.manifest import (
     MANIFEST_FILE,
     SUMMARY_FIELDS,
@@ -27,6 +26,7 @@ from dspark.checkpoint.plain_files import (
     check_plain_file,
     read_plain_file,
 )
+from dspark.errors import CheckpointError, CheckpointIntegrityError
 
 __all__ = ["RecordCheck", "VerifyReport", "verify_checkpoint"]
 

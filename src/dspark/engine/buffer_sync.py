@@ -74,7 +74,3 @@ class BufferSync:
         if before is None:
             return True
         return before.shape != buffer.shape or before.dtype != buffer.dtype or not torch.equal(before, buffer)
-
-    def sync_all(self) -> None:
-        """Every buffer to rank 0's values now (before a checkpoint or a full state dict)."""
-        broadcast_tensors(list(self._named().values()))

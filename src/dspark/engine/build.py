@@ -138,7 +138,7 @@ def shard_parameters(model: nn.Module, slots: Sequence[ParamSlot], *, strategy: 
     """zero3 on several ranks: the scheduler that gathers each unit's parameters just in time, and
     the guard that keeps ``model.state_dict()`` from returning freed (empty) tensors (see [Note:
     state dicts under zero3]). Elsewhere a rank's shard of a parameter is the whole parameter."""
-    if strategy.shard_params and world.world_size > 1:
+    if strategy.splits_params_on(world.world_size):
         return (Zero3Scheduler(model, list(slots), policy=policy, in_backward=in_backward, window=window),
                 Zero3StateDictGuard(model, slots, rank=world.rank))
     if strategy.shard_optimizer:  # zero1/zero2 (and zero3 on one rank) keep the parameter in place
@@ -221,7 +221,7 @@ def build_parts(model: nn.Module, factory: OptimizerFactory, *, config: EngineCo
     param_groups = config.param_groups
     groups = agreed("param_groups", lambda: None if param_groups is None else
                     group_by_overrides(trainable, param_groups))
-    shard_params = strategy.shard_params and n > 1
+    shard_params = strategy.splits_params_on(n)
     # identical input batches on two ranks raise PlacementError (see engine/batch_check.py)
     batch_check = BatchCheck(every=checks.batch_check_every, step_count=step_count)
     slot_of: dict[int, ParamSlot] = {}
@@ -242,7 +242,7 @@ def build_parts(model: nn.Module, factory: OptimizerFactory, *, config: EngineCo
     optimizer = agreed("building the optimizer", lambda: build_optimizer(
         factory, slots, groups, module=model, strategy=strategy, rank=rank))
     check_same_optimizer_on_every_rank(optimizer, rank)
-    if strategy.shard_optimizer and n > 1:
+    if strategy.splits_optimizer_on(n):
         check_elementwise(optimizer, strategy=strategy.name, after_step=False)
     sharded = strategy.shard_grads
     collective = SHARDED_REDUCE.get(world.backend, "all_reduce") if sharded else "all_reduce"
@@ -254,7 +254,7 @@ def build_parts(model: nn.Module, factory: OptimizerFactory, *, config: EngineCo
 
     def after_optimizer() -> None:
         """zero1/zero2: check the sharded optimizer's state once, and all-gather the updated rows."""
-        if step_count() == 0 and strategy.shard_optimizer and n > 1:
+        if step_count() == 0 and strategy.splits_optimizer_on(n):
             agreed("checking the optimizer's state after its first step",  # one small gather, once
                    lambda: check_elementwise(optimizer, strategy=strategy.name, after_step=True))
         if strategy.shard_optimizer and not shard_params:
@@ -266,7 +266,7 @@ def build_parts(model: nn.Module, factory: OptimizerFactory, *, config: EngineCo
                     skip_nonfinite=checks.skip_nonfinite, max_nonfinite_skips=checks.max_nonfinite_skips)
     frozen_slots = [s for s in all_slots if not s.requires_grad]
     optimizer_guard = (ShardedOptimizerGuard(optimizer, rank=rank, world_size=n, strategy=strategy.name)
-                       if strategy.shard_optimizer and n > 1 else None)  # see [Note: a rank's optimizer state dict]
+                       if strategy.splits_optimizer_on(n) else None)  # see [Note: a rank's optimizer state dict]
     states = StateDicts(model, slots, frozen_slots, optimizer, strategy=strategy, precision=precision,
                         loss_scaler=loss_scaler, zero3=zero3, guard=zero3_guard, world=world,
                         optimizer_guard=optimizer_guard)

@@ -13,6 +13,7 @@ Example::
 """
 
 from dspark.host.cpu_memory import cpu_info, memory_info, numa_nodes
+from dspark.host.environment import collect_environment
 from dspark.host.gpus import (
     cuda_devices,
     memory_coherence,
@@ -35,7 +36,6 @@ from dspark.host.network import (
     network_report,
     route_to_master,
 )
-from dspark.host.report import collect_environment
 
 __all__ = [
     "SOCKET_ENV_VARS",

@@ -244,7 +244,7 @@ def row_cost(*, shape: ModelShape, probe: Probe, strategy: str, num_ranks: int, 
     backward_ms = probe.backward_ms.at(micro_batch)
     compute_ms = passes * (forward_ms + backward_ms)
     optimizer_ms = probe.optimizer_ms
-    if policy.shard_optimizer and n > 1:  # each rank steps 1/N of every parameter's rows
+    if policy.splits_optimizer_on(n):  # each rank steps 1/N of every parameter's rows
         optimizer_ms = probe.optimizer_fixed_ms + (probe.optimizer_ms - probe.optimizer_fixed_ms) / n
     exposed = 0.0
     if n > 1:

@@ -30,6 +30,21 @@ class ShardingPolicy:
     def __str__(self) -> str:
         return self.name
 
+    def splits_optimizer_on(self, num_ranks: int) -> bool:
+        """Whether optimizer state is really split on ``num_ranks`` ranks: a sharding strategy on more
+        than one (on one rank every strategy holds everything, and has no peer to check or gather).
+
+        Example::
+
+            STRATEGIES["zero1"].splits_optimizer_on(2), STRATEGIES["zero1"].splits_optimizer_on(1)   # True, False
+        """
+        return self.shard_optimizer and num_ranks > 1
+
+    def splits_params_on(self, num_ranks: int) -> bool:
+        """Whether parameters are really split on ``num_ranks`` ranks (zero3 on more than one); else
+        every rank keeps each parameter whole, in place."""
+        return self.shard_params and num_ranks > 1
+
     def placements(self, names: Sequence[str]) -> dict[str, dict[str, Placement]]:
         """How parameters ``names``, their gradients and their optimizer state are laid out across
         ranks (``engine.placements()``): ``Shard(dim=0)`` where this policy shards, ``Replicate()``
