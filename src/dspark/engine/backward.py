@@ -27,7 +27,7 @@ from dspark.engine.grad_reducer import GradReducer, LocalReducer
 from dspark.engine.hyperparams import check_same_hyperparameters, fingerprint
 from dspark.engine.loss_graph import accum_scaling, accum_scaling_message
 from dspark.engine.loss_scaler import LossScaler
-from dspark.engine.param_slot import ParamSlot
+from dspark.engine.param_slot import ParamSlot, SlotState
 from dspark.engine.sharded_grad import mark_sharded_grads
 from dspark.engine.validation import check_weight
 from dspark.engine.window import StepTag, Window
@@ -214,8 +214,10 @@ class BackwardPass:
             raise
         window.synced = True
         for slot in self.slots:
-            if slot.opt_param is None:
+            if slot.state is SlotState.WHOLE:  # the optimizer reads param.grad itself
                 continue
+            if slot.opt_param is None:
+                raise AssertionError(f"{slot.name}: state {slot.state.name} without the optimizer's tensor")
             if self.shard_grads:
                 grad = slot.shard_grad_rows()
                 slot.opt_param.grad = None if grad is None else grad

@@ -31,7 +31,7 @@ import torch
 
 from dspark import comm
 from dspark.engine.finite_check import scale_and_check
-from dspark.engine.param_slot import ParamSlot
+from dspark.engine.param_slot import ParamSlot, SlotState
 
 __all__ = ["BufferPool", "GradBucket", "make_buckets", "memory_order_flat"]
 
@@ -146,6 +146,7 @@ class GradBucket:
         """replicate/zero1: make ``slot``'s gradient live in this bucket. A gradient autograd created
         afresh (the parameter had ``grad=None``) is copied in once; later accumulations then land in
         the bucket in place."""
+        slot.assert_in(SlotState.WHOLE, SlotState.WHOLE_ROWS, doing="reducing its whole gradient in a bucket")
         if slot.grad_view is None:
             self._whole()
         grad, view = slot.param.grad, slot.grad_view

@@ -26,8 +26,7 @@ def memory_report(*, policy: ShardingPolicy, slots: Sequence[ParamSlot],
     """``engine.memory_report()``: the bytes held for the trainable parameters of ``slots``, the
     ``frozen`` ones (``(shape, dtype, tensor held)`` each), the gradients (``grads_bytes``, as held at
     the end of the last backward) and ``optimizer``'s state, next to what ``policy`` should hold."""
-    params_actual = storage_bytes([*(s.padded_shard if s.padded_shard is not None else s.param
-                                     for s in slots), *(t for _, _, t in frozen)])
+    params_actual = storage_bytes([*(s.held() for s in slots), *(t for _, _, t in frozen)])
     opt_state = optimizer_state_elements(optimizer)
 
     def expect(shapes: Iterable[tuple[torch.Size, torch.dtype]]) -> dict[str, int]:
@@ -67,6 +66,5 @@ def frozen_held(frozen_slots: Sequence[ParamSlot], module: nn.Module, *, shard_p
         memory_report(..., frozen=frozen_held([], model, shard_params=False), ...)
     """
     if shard_params:
-        return [(s.shape, s.dtype, s.padded_shard if s.padded_shard is not None else s.param)
-                for s in frozen_slots]
+        return [(s.shape, s.dtype, s.held()) for s in frozen_slots]
     return [(p.shape, p.dtype, p) for _, p in unique_params(module) if not p.requires_grad]

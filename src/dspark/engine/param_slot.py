@@ -1,5 +1,23 @@
 """One ``ParamSlot`` per unique parameter: its memory layout, where its shard lives, how big it is on this
-rank, and (under zero3) whether its full value is currently gathered.
+rank, and its state: what the strategy keeps of it on this rank right now.
+
+[Note: slot states] What a slot holds depends on the strategy, and under zero3 on the moment, so it
+is a stated value, :class:`SlotState`, checked where it matters (:meth:`ParamSlot.assert_in`):
+
+- ``WHOLE``: the parameter whole, updated whole by the optimizer (replicate; frozen parameters kept
+  as built). Its gradient's place in a bucket is ``grad_view``.
+- ``WHOLE_ROWS``: the parameter whole, in place; the optimizer updates ``opt_param``, a view of this
+  rank's rows of it (zero1, zero2; zero3 on one rank). zero1 reduces into ``grad_view``, zero2 keeps
+  its rows of the gradient in ``shard_grad``.
+- ``SHARDED``: zero3 on several ranks between uses: only this rank's rows, padded (``shard_flat``,
+  viewed as ``padded_shard``; ``opt_param`` is a view of them), the parameter itself an empty
+  tensor; ``pending`` is the gather in flight, if one is.
+- ``GATHERED``: zero3 on several ranks while a unit runs: the whole parameter installed from a
+  gather, the shard kept beside it.
+
+``WHOLE -> WHOLE_ROWS`` (:meth:`ParamSlot.view_shard_of_full`) and ``WHOLE -> SHARDED``
+(:meth:`ParamSlot.shard_and_free_full`) happen once, at construction; zero3 then moves each slot
+``SHARDED -> GATHERED`` (:meth:`ParamSlot.set_full`) and back (:meth:`ParamSlot.free_full`).
 
 [Note: row sharding] Every parameter is split along dim 0 (a 0-d parameter counts as one row) under the
 uneven split rule of :mod:`dspark.tensor.shard_math`: rank ``r`` owns rows ``[start, stop)`` of ``rows``,
@@ -16,6 +34,7 @@ channels_last tensors; a parameter laid out otherwise (a transposed view) is mad
 
 from __future__ import annotations
 
+import enum
 import logging
 import math
 from typing import Any
@@ -26,7 +45,7 @@ from torch import nn
 from dspark.tensor import DistTensor, Shard
 from dspark.tensor.shard_math import chunk_size, shard_range
 
-__all__ = ["ParamSlot", "memory_order_strides"]
+__all__ = ["SHARDED_STATES", "ParamSlot", "SlotState", "memory_order_strides"]
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +82,22 @@ def memory_order_strides(t: torch.Tensor) -> tuple[int, ...] | None:
     return tuple(t.stride())
 
 
+class SlotState(enum.Enum):
+    """What a :class:`ParamSlot` holds on this rank (see [Note: slot states])."""
+
+    WHOLE = "whole"
+    WHOLE_ROWS = "whole, the optimizer on this rank's rows"
+    SHARDED = "this rank's rows only"
+    GATHERED = "gathered whole, its rows kept"
+
+
+SHARDED_STATES = (SlotState.SHARDED, SlotState.GATHERED)
+"""The states of a slot whose parameter zero3 shards on several ranks (its rows in ``padded_shard``)."""
+
+
 class ParamSlot:
-    """Bookkeeping for one unique parameter (tied parameters share a slot and list every name)."""
+    """Bookkeeping for one unique parameter (tied parameters share a slot and list every name); its
+    ``state`` says which of its fields are live (see [Note: slot states])."""
 
     def __init__(self, names: list[str], param: nn.Parameter, *, rank: int, num_ranks: int) -> None:
         strides = memory_order_strides(param)
@@ -86,13 +119,13 @@ class ParamSlot:
         self.chunk = chunk_size(self.rows, num_ranks)
         self.start, self.stop = shard_range(self.rows, num_ranks, rank)
         self.local_rows = self.stop - self.start
-        self.shard_flat: torch.Tensor | None = None  # zero3: this rank's chunk rows, padded, flat
-        self.padded_shard: torch.Tensor | None = None  # zero3: shard_flat viewed as (chunk, *rest)
-        self.opt_param: nn.Parameter | None = None  # what the optimizer updates (sharded strategies)
+        self.state = SlotState.WHOLE
+        self.shard_flat: torch.Tensor | None = None  # SHARDED_STATES: this rank's chunk rows, padded, flat
+        self.padded_shard: torch.Tensor | None = None  # SHARDED_STATES: shard_flat viewed as (chunk, *rest)
+        self.opt_param: nn.Parameter | None = None  # WHOLE_ROWS, SHARDED_STATES: what the optimizer updates
         self.shard_grad: torch.Tensor | None = None  # zero2/3: this rank's reduced gradient, flat, padded
         self.grad_view: torch.Tensor | None = None  # replicate/zero1: the gradient's place in its bucket
-        self.gathered = True
-        self.pending: Any = None  # zero3: the in-flight gather that will fill this parameter
+        self.pending: Any = None  # SHARDED: the in-flight gather that will fill this parameter
         self.arrivals = 0  # gradient accumulations seen in this backward
         self.expected_arrivals = 1  # accumulations per backward, learned on the first step
         self.used = False  # a gradient arrived in this accumulation window
@@ -100,6 +133,32 @@ class ParamSlot:
     @property
     def name(self) -> str:
         return self.names[0]
+
+    @property
+    def gathered(self) -> bool:
+        """The whole parameter is in place (every state but ``SHARDED``)."""
+        return self.state is not SlotState.SHARDED
+
+    def assert_in(self, *states: SlotState, doing: str) -> None:
+        """Raise ``AssertionError`` naming the slot, its state and ``doing`` unless it is in one of
+        ``states`` (an engine bug, never a user's: see [Note: slot states]).
+
+        Example::
+
+            slot.assert_in(SlotState.SHARDED, doing="installing a gathered parameter")
+        """
+        if self.state not in states:
+            raise AssertionError(f"{self.name}: {doing} in state {self.state.name} ({self.state.value}); "
+                                 f"expected {' or '.join(s.name for s in states)}")
+
+    def held(self) -> torch.Tensor:
+        """The tensor whose storage holds this parameter's values on this rank: its padded rows under
+        zero3 on several ranks, else the parameter."""
+        if self.state in SHARDED_STATES:
+            if self.padded_shard is None:
+                raise AssertionError(f"{self.name}: state {self.state.name} without a shard")
+            return self.padded_shard
+        return self.param
 
     @property
     def shard_numel(self) -> int:
@@ -143,31 +202,33 @@ class ParamSlot:
     # -- sharded layouts -------------------------------------------------------------------------
     def view_shard_of_full(self) -> nn.Parameter:
         """zero1/zero2: the optimizer's parameter is this rank's rows of the full parameter, as a view
-        (no extra memory: the optimizer updates the model's storage in place)."""
+        (no extra memory: the optimizer updates the model's storage in place). ``WHOLE -> WHOLE_ROWS``."""
+        self.assert_in(SlotState.WHOLE, doing="viewing this rank's rows for the optimizer")
         rows = self.rows_view(self.param.detach())
         self.opt_param = nn.Parameter(rows[self.start:self.stop], requires_grad=self.requires_grad)
+        self.state = SlotState.WHOLE_ROWS
         return self.opt_param
 
-    def keep_shard_of(self, full: torch.Tensor) -> None:
-        """zero3: keep this rank's rows of ``full`` (the whole parameter's value) in a padded shard."""
+    def shard_and_free_full(self) -> nn.Parameter | None:
+        """zero3: keep this rank's rows in a padded shard, and free the full parameter.
+        ``WHOLE -> SHARDED``."""
+        self.assert_in(SlotState.WHOLE, doing="sharding the parameter")
+        full = self.param.detach()
         flat = torch.zeros(self.shard_numel, dtype=self.dtype, device=full.device)
         self.shard_flat = flat
         self.padded_shard = self.view_rows(flat, self.chunk)
         self.padded_shard[: self.local_rows].copy_(self.rows_view(full)[self.start:self.stop])
         if self.requires_grad:
             self.opt_param = nn.Parameter(self.padded_shard[: self.local_rows], requires_grad=True)
-
-    def shard_and_free_full(self) -> nn.Parameter | None:
-        """zero3: keep this rank's rows in a padded shard, and free the full parameter."""
-        self.keep_shard_of(self.param.detach())
+        self.state = SlotState.GATHERED  # the full value is still in place: free it as zero3 does
         self.free_full()
         return self.opt_param
 
     def local_shard(self) -> torch.Tensor:
         """This rank's rows of the parameter's current value (sharded strategies)."""
-        if self.padded_shard is not None:
-            return self.padded_shard[: self.local_rows]
-        if self.opt_param is not None:
+        if self.state in SHARDED_STATES:
+            return self.held()[: self.local_rows]
+        if self.state is SlotState.WHOLE_ROWS and self.opt_param is not None:
             return self.opt_param.detach()
         return self.rows_view(self.param.detach())[self.start:self.stop]
 
@@ -184,15 +245,18 @@ class ParamSlot:
 
     # -- zero3: gather / free --------------------------------------------------------------------
     def free_full(self) -> None:
+        """zero3: drop the whole parameter, keeping this rank's rows. ``GATHERED -> SHARDED``."""
+        self.assert_in(SlotState.GATHERED, doing="freeing the gathered parameter")
         self.param.data = _empty_like(self.param)
-        self.gathered = False
+        self.state = SlotState.SHARDED
 
     def set_full(self, padded_full: torch.Tensor) -> None:
         """Install the gathered parameter: ``padded_full`` is 1-D, ``chunk * N`` rows in memory order
-        (the padding at the end), dense."""
+        (the padding at the end), dense. ``SHARDED -> GATHERED``."""
+        self.assert_in(SlotState.SHARDED, doing="installing a gathered parameter")
         if padded_full.dim() != 1 or (padded_full.numel() > 1 and padded_full.stride(0) != 1):
             raise AssertionError(f"{self.name}: set_full needs a dense 1-D tensor, got shape "
                                  f"{tuple(padded_full.shape)} strides {padded_full.stride()}")
         self.param.data = self.view_full(padded_full)
-        self.gathered = True
+        self.state = SlotState.GATHERED
         self.pending = None

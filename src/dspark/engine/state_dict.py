@@ -45,7 +45,7 @@ from dspark.engine.adapters import (
 )
 from dspark.engine.loss_scaler import LossScaler
 from dspark.engine.optimizer_guard import ShardedOptimizerGuard
-from dspark.engine.param_slot import ParamSlot
+from dspark.engine.param_slot import SHARDED_STATES, ParamSlot
 from dspark.engine.pretrained import Names, save_gathered, save_pretrained
 from dspark.engine.weights import SavedTensor, WeightEntry, saved_as_is, weight_entries
 from dspark.engine.zero3_guard import Zero3StateDictGuard
@@ -232,8 +232,8 @@ class StateDicts:
         slots = [*self.slots, *self.frozen_slots]
         slot_names = {name for slot in slots for name in slot.names}
         for slot in slots:
-            if slot.padded_shard is not None:  # zero3 on several ranks: rows only
-                model[slot.name] = _dcp(slot.padded_shard[: slot.local_rows], rows_shape(slot.shape), sharded=True)
+            if slot.state in SHARDED_STATES:  # zero3 on several ranks: rows only
+                model[slot.name] = _dcp(slot.held()[: slot.local_rows], rows_shape(slot.shape), sharded=True)
             else:
                 model[slot.name] = slot.rows_view(slot.param.detach())
         params = dict(self.module.named_parameters())
@@ -363,13 +363,14 @@ class StateDicts:
 
 def _install_param(slot: ParamSlot, value: torch.Tensor, name: str) -> None:
     global_rows = rows_shape(slot.shape)
-    if slot.padded_shard is not None:
+    if slot.state in SHARDED_STATES:
         if tuple(value.shape) == global_rows and slot.local_rows != slot.rows:
             value = value[slot.start:slot.stop]  # a whole tensor: keep this rank's rows
         if tuple(value.shape) != rows_shape(slot.opt_shape) and value.numel() != slot.local_numel:
             raise ValueError(f"{name!r}: {tuple(value.shape)} in the state dict, this rank holds rows "
                              f"{slot.start}:{slot.stop} of {global_rows}")
-        slot.padded_shard[: slot.local_rows].copy_(value.reshape(slot.padded_shard[: slot.local_rows].shape))
+        local = slot.held()[: slot.local_rows]
+        local.copy_(value.reshape(local.shape))
         return
     if value.numel() != slot.numel:
         raise ValueError(f"{name!r} has shape {tuple(value.shape)} in the state dict but {global_rows} "

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from dspark.engine.param_slot import ParamSlot
+from dspark.engine.param_slot import SHARDED_STATES, ParamSlot
 
 __all__ = ["KeyMap", "Matching", "SavedTensor", "WeightEntry", "match_keys", "prefix_hint", "saved_as_is",
            "weight_entries"]
@@ -51,7 +51,7 @@ class WeightEntry:
     @property
     def rows(self) -> tuple[int, int] | None:
         """``(start, stop)`` of the rows this rank keeps, or None when it keeps the whole tensor."""
-        if self.slot is not None and self.slot.padded_shard is not None:
+        if self.slot is not None and self.slot.state in SHARDED_STATES:
             return self.slot.start, self.slot.stop
         return None
 
@@ -59,8 +59,8 @@ class WeightEntry:
         """Copy ``value`` (this rank's rows, or the whole tensor) into the model, cast to its dtype."""
         with torch.no_grad():
             slot = self.slot
-            if slot is not None and slot.padded_shard is not None:
-                local = slot.padded_shard[: slot.local_rows]
+            if slot is not None and slot.state in SHARDED_STATES:
+                local = slot.held()[: slot.local_rows]
                 local.copy_(value.reshape(local.shape))
                 return
             target = slot.param if slot is not None else self.tensor
@@ -120,7 +120,7 @@ def weight_entries(slots: Sequence[ParamSlot], module_state: Mapping[str, torch.
             continue
         done.add(id(slot))
         names = (name, *[n for n in slot.names if n != name and n in module_state])
-        whole = slot.param if slot.padded_shard is None else None
+        whole = None if slot.state in SHARDED_STATES else slot.param
         entries.append(WeightEntry(names, tuple(slot.shape), slot.dtype, slot, whole))
     return entries
 

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 
 from dspark import comm
-from dspark.engine.param_slot import ParamSlot
+from dspark.engine.param_slot import ParamSlot, SlotState
 from dspark.errors import CollectiveError
 from dspark.policy.units import TAG_BYTES
 
@@ -95,6 +95,7 @@ def tags_of(headers: torch.Tensor) -> torch.Tensor:
 
 
 def _shard(slot: ParamSlot) -> torch.Tensor:
+    slot.assert_in(SlotState.SHARDED, doing="starting a gather")
     if slot.shard_flat is None:
         raise AssertionError(f"{slot.name}: gather without a shard")
     return slot.shard_flat
