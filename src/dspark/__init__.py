@@ -15,8 +15,8 @@ Example::
 [Note: a lazy package] ``import dspark`` imports nothing heavy: each public name below is imported
 from its module on first use (PEP 562's module ``__getattr__``). The ``dspark`` command is in
 this package, so everything its package imports, every ``dspark run`` pays before the job starts:
-PyTorch alone took 1.5-3 s, paid again by PyTorch's launcher and by each worker, and a Ctrl-C in
-that time came out as a traceback. Add a public name to ``_PUBLIC`` (and to the ``TYPE_CHECKING``
+PyTorch alone takes seconds (docs/figures.md#startup-time), paid again by PyTorch's launcher and by
+each worker, and a Ctrl-C in that time came out as a traceback. Add a public name to ``_PUBLIC`` (and to the ``TYPE_CHECKING``
 imports, for type checkers), never as an import at the top: tests/test_import_cost.py fails on that.
 """
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 import shutil
 import subprocess
 import sys
@@ -208,126 +207,6 @@ def test_the_headline_is_the_newest_quiet_quick_suite_on_the_reference_machine(t
     assert "benchmarks/results/2026-01-01-a/" in block and "on Some CPU (2 logical cores" in block
     _quick_artifact(tmp_path, "2026-01-05-b")
     assert "benchmarks/results/2026-01-05-b/" in headline_block(load_artifacts(tmp_path))
-
-
-# --- no measured figure typed into the other docs -------------------------------------------------
-
-# A number with a unit of time, size, bandwidth or speedup ("12.5 ms", "1.4 GB/s", "1.88x"), and in a
-# Markdown table whose header names such a unit, any decimal number in its rows.
-_MEASURED = re.compile(r"(?<![\w.])\d[\d,]*(?:\.\d+)?(?:\s?(?:ms|s|us|KB|MB|MiB|GB|GiB|GB/s|MB/s)\b|x\b)")
-_UNIT_HEADER = re.compile(r"\b(?:ms|s|seconds|us|KB|MB|MiB|GB|GiB|GB/s|speedup)\b")
-_DECIMAL = re.compile(r"(?<![\w.])\d+\.\d+")
-
-# Figures in the docs that are not measurements, each with why: (file, text on the line or "## a
-# section heading" for its whole section, reason). An entry that matches nothing fails the test.
-ALLOWED: tuple[tuple[str, str, str], ...] = (
-    ("bench.md", "`1.88x (1.80-1.95)`", "how a speedup cell is formatted"),
-    ("bench.md", "x a 1/2 share", "the wording of the engine's audit line"),
-    ("bench.md", "(25 MiB)", "DSpark's default bucket size, a config value"),
-    ("bench.md", "1.5x a 1/N share", "an anomaly rule's threshold"),
-    ("bench.md", "+ 1 ms", "an anomaly rule's threshold"),
-    ("checkpoints.md", "## Bounds on what is read", "the bounds are config values, the sizes per entry "
-                                                   "what a save writes (counted, not timed), 200 MB the "
-                                                   "crafted file's size"),
-    ("cli.md", "300 s by default", "dspark.init's default timeout, a config value"),
-    ("engine-internals.md", "from 1 MiB of parameters", "the zero3 unit rule's threshold"),
-    ("engine-internals.md", "at most 16 MiB of parameters", "the prefetch rule's threshold"),
-    ("engine-internals.md", "32 MiB stay in the heap", "glibc's mmap threshold, a config value"),
-    ("engine-internals.md", "tensors above 32 MiB", "glibc's mmap threshold, a config value"),
-    ("engine-internals.md", "region (16 MiB per rank", "the shared-memory region's default size"),
-    ("engine-internals.md", "(2 x 16 MiB on 2", "the shared-memory region's default size"),
-    ("launch.md", "**300 s by", "dspark.init's default timeout, a config value"),
-    ("launch.md", "timed out after 20 s in", "an example message of dspark.init(timeout=20)"),
-    ("launch.md", "(a 3 s timeout", "the timeout a test sets"),
-    ("observe.md", "within 10% + 1 ms", "a test's tolerance"),
-    ("observe.md", "sleeps 150 ms", "a delay a test injects"),
-    ("observe.md", "## Step breakdown", "an example output, said to be no figures to quote, and its "
-                                        "reading, with a sleep injected on purpose"),
-    ("observe.md", "## Replication audit", "the wording of the engine's audit lines"),
-    ("observe.md", "## Finding a scaling bug", "an example session on a loaded machine, said to be no "
-                                               "figures to quote, and its reading"),
-    ("plan.md", "--memory-budget 24GB", "a command-line argument"),
-    ("plan.md", "at most 16 MiB, the engine's", "the prefetch rule's threshold"),
-    ("plan.md", "### Interconnect profiles", "datasheet rates and the profiles' constants"),
-    ("plan.md", "(plus 2 MB)", "the off_plan rule's tolerance"),
-    ("plan.md", "1 device at 245 ms", "the synthetic results of tests/bench/factory.py"),
-    ("plan.md", "replicated at 280 ms", "the synthetic results of tests/bench/factory.py"),
-    ("plan.md", "2 devices replicate:", "off_plan's lines for the synthetic results"),
-    ("plan.md", "an 80 GB H100", "a GPU's memory, from its datasheet"),
-    ("pretrained.md", 'max_shard_size="5GB"', "an argument's value"),
-    ("pretrained.md", "default `5GB`", "an argument's default"),
-    ("pretrained.md", "1354 MiB in fp32", "the model's size: parameters x 4 bytes"),
-    ("pretrained.md", "474.70 MiB (497,759,232 bytes)", "the model's size: parameters x 4 bytes"),
-)
-
-
-def _doc_texts() -> dict[str, str]:
-    texts = {p.name: p.read_text() for p in sorted((ROOT / "docs").glob("*.md")) if p.name != "figures.md"}
-    readme = (ROOT / "README.md").read_text()
-    start, end = readme.index(HEADLINE_START), readme.index(HEADLINE_END)
-    texts["README.md"] = readme[:start] + "\n" * readme[start:end].count("\n") + readme[end:]  # generated
-    return texts
-
-
-def typed_figures(text: str) -> list[tuple[int, str, str]]:
-    """``(line number, figure, the line's section heading)`` of every measured-looking figure."""
-    found: list[tuple[int, str, str]] = []
-    headings: dict[int, str] = {}
-    unit_table = in_fence = False
-    lines = text.splitlines()
-    for number, line in enumerate(lines, 1):
-        in_fence ^= line.lstrip().startswith("```")
-        if line.startswith("#") and not in_fence:
-            level = len(line) - len(line.lstrip("#"))
-            headings = {k: v for k, v in headings.items() if k < level} | {level: line}
-        if line.startswith("|") and not line.startswith("|---"):
-            if number < 2 or not lines[number - 2].startswith("|"):   # a header row
-                unit_table = bool(_UNIT_HEADER.search(line))
-            elif unit_table:
-                found += [(number, f, " / ".join(headings.values())) for f in _DECIMAL.findall(line)]
-                continue
-        found += [(number, f, " / ".join(headings.values())) for f in _MEASURED.findall(line)]
-    return found
-
-
-def _allowed(name: str, line: str, section: str) -> tuple[str, str, str] | None:
-    for entry in ALLOWED:
-        if entry[0] == name and (any(h.startswith(entry[1]) for h in section.split(" / "))
-                                 if entry[1].startswith("#") else entry[1] in line):
-            return entry
-    return None
-
-
-def test_no_measured_figure_is_typed_outside_figures_md():
-    typed, used = [], set()
-    for name, text in _doc_texts().items():
-        lines = text.splitlines()
-        for number, figure, section in typed_figures(text):
-            entry = _allowed(name, lines[number - 1], section)
-            if entry is None:
-                typed.append(f"docs/{name}:{number}: {figure!r} in {lines[number - 1].strip()[:100]!r}")
-            else:
-                used.add(entry)
-    assert typed == [], ("measured figures typed by hand (keep them in an artifact, link to "
-                         "figures.md#ANCHOR, or add an explained entry to ALLOWED):\n" + "\n".join(typed))
-    assert [e[:2] for e in ALLOWED if e not in used] == [], "ALLOWED entries that match nothing"
-
-
-def test_a_typed_figure_is_caught():
-    text = "# T\n\nA load took 4.83 s and 1.2 GB, 1.96x faster.\n\n| run | step |\n|---|---|\n| 1 | 354.3 ms |\n"
-    assert [f for _, f, _ in typed_figures(text)] == ["4.83 s", "1.2 GB", "1.96x", "354.3 ms"]
-    table = "| median of 5, seconds | exit |\n|---|---|\n| `dspark run` | 19.39 |\n"
-    assert [f for _, f, _ in typed_figures(table)] == ["19.39"]
-    assert typed_figures("3x224x224 images, 8 x 32 micro-batches, 2 sockets, step 12\n") == []
-
-
-def test_every_link_to_figures_md_lands_on_an_anchor():
-    figures = (ROOT / "docs" / "figures.md").read_text()
-    anchors = set(re.findall(r'<a id="([^"]+)"></a>', figures))
-    links = [(name, anchor) for name, text in _doc_texts().items()
-             for anchor in re.findall(r"figures\.md#([\w.-]+)", text)]
-    assert links, "no doc links to a figures.md section"
-    assert [link for link in links if link[1] not in anchors] == []
 
 
 def test_a_table_artifact_is_rendered_and_its_numbers_are_known(tmp_path):

@@ -21,11 +21,11 @@ counts only the shards a rank keeps between steps.
 A step on N > 1 ranks also has transients a 1-device step has not: reducing the gradients takes
 scratch up to one copy of them (a bucket's receive buffer, a reduce-scatter's all-to-all), which
 overlaps what is left of the activations when backward ends. At one or two samples per rank that
-overlap can be the peak: ``dspark bench --workloads gpt2-cpu --devices 1,2 --global-batch G
---steps 2 --rounds 1`` (fp32, ``replicate``, 2026-12-02) held 12.2 MB per rank at G=2 against a
-4.4 MB share of 8.7 MB, and 39.4 MB at G=8 against a 39.8 MB share. So the rule allows the larger
-of the tolerance on the share and the share plus one copy of the gradients: as strict as before
-once activations outweigh the gradients, and quiet at a sample per rank.
+overlap can be the peak (``dspark bench --workloads gpt2-cpu --devices 1,2 --global-batch G
+--steps 2 --rounds 1`` at G=2 and G=8 shows it: at G=2 each rank holds well above half the
+1-device activations, at G=8 no more than its half). So the rule allows the larger of the
+tolerance on the share and the share plus one copy of the gradients: as strict as before once
+activations outweigh the gradients, and quiet at a sample per rank.
 """
 
 from __future__ import annotations
@@ -58,9 +58,10 @@ __all__ = [
 ]
 
 MODEL_STATE_TOLERANCE = 0.05
-"""Model state may exceed the strategy's formula by 5% (uneven shards are padded)."""
+"""The fraction by which model state may exceed the strategy's formula (uneven shards are padded)."""
 ACTIVATION_TOLERANCE = 1.5
-"""Activations may reach 1.5x a 1/N share (per-rank fixed buffers do not shrink with the batch)."""
+"""How many times a 1/N share activations may reach (per-rank fixed buffers do not shrink with the
+batch)."""
 MEMORY_SLACK_BYTES = 1_000_000
 """Absolute slack on both memory rules, so tiny CPU presets are not flagged for allocator noise."""
 
@@ -85,7 +86,7 @@ def activation_bytes_per_rank(result: BenchResult) -> int:
 
     Example::
 
-        activation_bytes_per_rank(result)   # peak 80 MB - model state 30 MB = 50_000_000
+        activation_bytes_per_rank(result)   # peak_bytes_per_rank - model_state_bytes_per_rank
     """
     return max(0, result.peak_bytes_per_rank - result.model_state_bytes_per_rank)
 
@@ -256,7 +257,7 @@ _PART_NAMES = {"params": "the parameters", "grads": "the gradients",
 
 
 def _excess_parts(result: BenchResult) -> str:
-    """Which model-state parts exceed the formula, e.g. "the gradients (59.5 MB held, 29.7 MB
+    """Which model-state parts exceed the formula, e.g. "the gradients (<held> held, <needed>
     needed) held whole where the strategy shards them"."""
     over = [f"{_PART_NAMES.get(part, part)} ({format_mb(held)} held, {format_mb(need)} needed)"
             for part, (held, need) in result.model_state_parts.items()
@@ -276,13 +277,13 @@ def _with_gathered(result: BenchResult) -> str:
 def memory_above_expected(result: BenchResult,
                           baseline: BenchResult | None) -> list[dict[str, Any]]:
     """A rank holds more than its strategy needs: (a) model state, found by walking the module and
-    the optimizer, above the ZeRO formula, or (b) activations above 1.5x a 1/N share of the
+    the optimizer, above the ZeRO formula, or (b) activations above :data:`ACTIVATION_TOLERANCE` times a 1/N share of the
     1-device run's although the batch reached the ranks split.
 
     Example::
 
         memory_above_expected(zero2_run, one_device)
-        # "rank holds 51.2 MB of model state, the zero2 strategy needs 25.6 MB: ..."
+        # "rank holds <held> of model state, the zero2 strategy needs <needed>: ..."
     """
     found = []
     expected_state = result.model_state_bytes_expected_per_rank

@@ -7,9 +7,9 @@ rank; ``compute_ms`` (forward + backward + optimizer without the waits, see [Not
 in :mod:`dspark.engine.step_observer`) can. A rank is a *straggler* when its median ``compute_ms``
 exceeds the median of the other ranks' medians by more than the noise band plus
 :data:`STRAGGLER_SLACK_MS`. The band is the widest of the machine's run-to-run range (the lab's one
-noise rule, :meth:`dspark.bench.noise.NoiseModel.machine_range`: 15% until the host's history says
-otherwise) and each rank's own spread, ``(p90 - p10) / median`` of its ``compute_ms``: a rank whose
-steps wander by 40% is not evidence of a 20% straggler. The rule reads measured times only, like
+noise rule, :meth:`dspark.bench.noise.NoiseModel.machine_range`: a default until the host's history
+says otherwise) and each rank's own spread, ``(p90 - p10) / median`` of its ``compute_ms``: a rank
+whose steps wander widely is no evidence of a straggler by less than that. The rule reads measured times only, like
 every rule in :mod:`dspark.bench.anomalies`.
 """
 
@@ -80,7 +80,7 @@ def compute_band(result: BenchResult, noise: NoiseModel | None = None) -> tuple[
 
     Example::
 
-        compute_band(result)   # (0.15, "the 15% default run-to-run range (...)") with no history
+        compute_band(result)   # (DEFAULT_RUN_TO_RUN, "the ... default run-to-run range (...)") with no history
     """
     noise = noise or NoiseModel()
     spreads = [((high - low) / phases["compute_ms"], f"rank {rank}'s own p10-p90 spread of compute")
@@ -103,7 +103,7 @@ def straggler(result: BenchResult, noise: NoiseModel | None = None) -> list[dict
     Example::
 
         straggler(result)
-        # "rank 1 on host box computes 131 ms per step, 4.37x the other ranks' 30.0 ms ..."
+        # "rank 1 on host box computes <its median> per step, <ratio> the other ranks' <theirs> ..."
     """
     ranks = result.phase_ms_by_rank
     compute = [phases.get("compute_ms", 0.0) for phases in ranks]

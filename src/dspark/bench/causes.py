@@ -2,7 +2,8 @@
 
 [Note: causes ranked by evidence]
 ``negative_scaling`` used to name the first cause on a fixed list that had any evidence at all, so
-4 ms of communication was blamed for an 800 ms step on a machine busy with other work, and a rank
+a few milliseconds of communication were blamed for a step hundreds of times longer on a machine
+busy with other work, and a rank
 slowed on purpose was missed. Now every cause is sized against the same thing, the time lost per
 step: the N-device step minus a perfect split of the 1-device step (``step_ms - baseline / N``).
 
@@ -143,7 +144,7 @@ def negative_scaling(result: BenchResult, baseline: BenchResult | None) -> list[
     Example::
 
         negative_scaling(two_devices, one_device)
-        # "2 devices are 1.14x slower than 1 (...); likely cause: replicated batch: ..."
+        # "2 devices are <ratio> slower than 1 (...); likely cause: replicated batch: ..."
     """
     if result.num_devices <= 1 or baseline is None or result.speedup is None or result.speedup <= 0:
         return []

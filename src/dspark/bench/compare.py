@@ -32,7 +32,7 @@ class ComparisonRow:
     noise_band: float | None
     """The relative change that counted as noise for this row (None unless in both)."""
     noise_band_source: str | None = None
-    """Where that band came from (the 15% default, the host's history, a result's own spread)."""
+    """Where that band came from (the default, the host's history, a result's own spread)."""
 
     @property
     def a_step_ms(self) -> float | None:

@@ -1,19 +1,19 @@
 """Which precision a CPU benchmark should run in: the presets' mixed precision only where this CPU
 computes it faster than fp32.
 
-The CPU presets default to bf16 autocast, chosen on a machine whose cores multiply bf16 matrices 4x
-faster than fp32 (AMX / native bf16 dot products). Other x86 cores convert bf16 in software and
-run it 1.7x *slower* than fp32; fp16 on CPU is slower still on most. A scaling check in mixed
+The CPU presets default to bf16 autocast, chosen for cores that multiply bf16 matrices faster
+than fp32 (AMX / native bf16 dot products). Other x86 cores convert bf16 in software and run it
+*slower* than fp32; fp16 on CPU is slower still on most. A scaling check in mixed
 precision there measures a slower program than the machine can run, for twice the minutes. The
 ``quick`` and ``peers`` suites therefore time a 512 x 512 matrix product in fp32 and bf16 on one
-thread (the best of 8, about 0.1 s, once per suite) and keep the preset's precision only when it is faster than
+thread (the best of 8, once per suite) and keep the preset's precision only when it is faster than
 fp32; ``--precision`` always wins, and the ``seed`` suite keeps the presets' (the article's table
 is about mixed precision).
 
 Example::
 
-    choose_cpu_precision("bf16", {"fp32": 1.9, "bf16": 3.1})
-    # PrecisionChoice(precision='fp32', reason='bf16 matmul 3.10 ms vs fp32 1.90 ms on one core')
+    choose_cpu_precision("bf16", {"fp32": 1.9, "bf16": 3.1})   # the two matmul times, ms
+    # PrecisionChoice(precision='fp32', reason='bf16 matmul ... vs fp32 ... on one core')
 """
 
 from __future__ import annotations

@@ -329,7 +329,7 @@ def headline_block(artifacts: list[Artifact]) -> str:
     if artifact is not None:
         lines += ["", f"{artifact.title}, on {_cpu(artifact)} ({_cores(artifact)} logical cores; "
                       f"`{artifact.command}`; [artifact](benchmarks/results/{artifact.name}/), chosen "
-                      "by [rule](docs/figures.md#figures): the newest quiet quick-suite run on the "
+                      "by [rule](docs/figures.md): the newest quiet quick-suite run on the "
                       "reference machine):", ""]
         lines += [*_table(artifact.rows, pick=(0, 1, 6, 8, 10)), "", _verdicts(artifact.rows)]
     lines += ["", HEADLINE_END]

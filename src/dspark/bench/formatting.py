@@ -1,7 +1,8 @@
 """How the bench lab writes numbers for people: milliseconds, megabytes, ratios, result rows.
 
 One place, so that an anomaly message, the terminal table and the HTML report print the same
-figure the same way (``280 ms`` in a message and ``280.0`` in a table would look like two runs).
+figure the same way (a figure with a unit in a message and another rounding in a table would look
+like two runs).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def format_mb(num_bytes: float) -> str:
 
 
 def format_ratio(ratio: float) -> str:
-    """A speedup or slowdown factor (``1.14x``)."""
+    """A speedup or slowdown factor: two decimals and an ``x``."""
     return f"{ratio:.2f}x"
 
 

@@ -6,8 +6,9 @@ band. The band is the widest of:
 
 * the machine's run-to-run range: how far same-code reruns on this host moved, over all its
   configurations (the median of their relative ranges, once at least three configurations were
-  rerun; until then at least :data:`DEFAULT_RUN_TO_RUN`, the range measured on the project's shared
-  2-core box, where same-code reruns of one configuration moved by 14%);
+  rerun; until then at least :data:`DEFAULT_RUN_TO_RUN`, a round figure of the order same-code reruns
+  of one configuration move by on the project's shared 2-core box: compare the quick suite's two
+  runs of one commit, docs/figures.md#2026-12-05-xeon-2vcpu-quick and its rerun beside it);
 * this configuration's own history: the widest relative range of its same-code reruns on this
   host;
 * the range each of the two results shows itself: the p10-p90 spread of its steps, and the range
@@ -101,8 +102,8 @@ class NoiseModel:
         Example::
 
             NoiseModel().machine_range_source("box")
-            # (0.15, "the 15% default run-to-run range (box has 0 configurations rerun on one
-            #  commit; its history replaces the default from 3)")
+            # (DEFAULT_RUN_TO_RUN, "the ... default run-to-run range (box has 0 configurations
+            #  rerun on one commit; its history replaces the default from 3)")
         """
         skip = set(leave_out)
         kept = [[ms for run_id, ms in members if run_id not in skip]
@@ -138,11 +139,11 @@ class NoiseModel:
 
     def band_source(self, a: BenchResult, b: BenchResult) -> tuple[float, str]:
         """:meth:`band` and, in words, which of [Note: noise rule]'s ranges set it, so that every
-        message can say whether its band is the 15% default or came from history.
+        message can say whether its band is the default or came from history.
 
         Example::
 
-            NoiseModel().band_source(old, new)[1]   # "the 15% default run-to-run range (...)"
+            NoiseModel().band_source(old, new)[1]   # "the ... default run-to-run range (...)"
         """
         pair = (a.run_id, b.run_id)
         candidates = [self.machine_range_source(host, leave_out=pair)
@@ -159,7 +160,7 @@ class NoiseModel:
 
         Example::
 
-            NoiseModel().verdict(old, new)   # "slower" when new took 290 ms vs 245 ms, both steady
+            NoiseModel().verdict(old, new)   # "slower" when new is beyond the band above old
         """
         if a.step_ms <= 0 or b.step_ms <= 0:
             return "within noise"  # no timing to compare; the caller reports the raw numbers

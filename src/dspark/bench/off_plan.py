@@ -32,9 +32,11 @@ __all__ = ["OFF_PLAN_PEAK_TOLERANCE", "OFF_PLAN_STEP_TOLERANCE", "off_plan", "pl
            "predicted_fields"]
 
 OFF_PLAN_PEAK_TOLERANCE = 0.25
-"""A peak up to 25% above the plan is within its error (see [Note: a result's plan])."""
+"""How far above the plan a peak may be, as a fraction, within its error (see [Note: a result's
+plan])."""
 OFF_PLAN_STEP_TOLERANCE = 0.50
-"""A step up to 50% above the plan is within its error and a shared machine's noise."""
+"""How far above the plan a step may be, as a fraction, within its error and a shared machine's
+noise."""
 OFF_PLAN_SLACK_BYTES = 2_000_000
 """Absolute slack on the peak: allocator rounding on the tiny CPU presets."""
 
@@ -120,7 +122,7 @@ def _worst_part(parts: list[tuple[str, float, float]]) -> tuple[str, float] | No
 
 def off_plan(result: BenchResult, baseline: BenchResult | None) -> list[dict[str, Any]]:
     """``off_plan`` when the measured peak or step exceeds the plan's by more than its tolerance,
-    naming the part that differs most ("activations 2.0x the plan").
+    naming the part that differs most ("activations <ratio> the plan").
 
     Example::
 

@@ -40,7 +40,7 @@ def machine_line(env: dict[str, Any]) -> str:
 
     Example::
 
-        machine_line(env)   # "Intel(R) Xeon(R) Processor (x86_64), 2 cores, 23.6 GiB, no GPU, ..."
+        machine_line(env)   # "<CPU model> (x86_64), 2 logical cores, <memory> GiB, no GPU, ..."
     """
     cpu, versions = env.get("cpu", {}), env.get("versions", {})
     gpus = env.get("cuda_devices") or []

@@ -143,7 +143,7 @@ def _verdict_line(label: str, result: BenchResult | None) -> Text:
 def render_seed_table(results: Sequence[BenchResult], console: Console | None = None, *,
                       messages: bool = True) -> None:
     """The seed article's table: per workload, step ms on 1 device, on N with the batch
-    replicated (the bug, with its below-1x "speedup") and sharded (the fix), and the fixed speedup
+    replicated (the bug, with its "speedup" below one) and sharded (the fix), and the fixed speedup
     (the median of the rounds' ratios, with their min-max); then each N-device run's anomaly
     verdict, with the messages unless ``messages=False`` (printed already, with the results table).
 
@@ -179,7 +179,7 @@ def render_seed_table(results: Sequence[BenchResult], console: Console | None = 
         varying = [w for i, w in enumerate(words[groups.index(group)]) if i not in shared]
         name = group[0] + (f" ({', '.join(varying)})" if varying else "")
         cells = [format_number(r.step_ms) if r else "-" for r in (one, bug, fixed)]
-        if bug is not None and bug.speedup is not None:  # the bug's "speedup": below 1x
+        if bug is not None and bug.speedup is not None:  # the bug's "speedup": below one
             cells[1] += f" ({format_ratio(bug.speedup)})"
         ratio = format_speedup(fixed) if fixed else "-"
         table.add_row(name, *([str(num_devices)] if show_devices else []), *cells, ratio)

@@ -149,7 +149,7 @@ def run_in_workers(config: BenchConfig, *, round_index: int = 0, probe: bool = T
                 *(("--profile",) if profile else ()),
                 *(("--trace", str(trace_dir)) if trace_dir is not None else ()))
         # One device: the worker alone, in a real one-rank process group, without torchrun's agent
-        # (its start-up is ~1.4 s of every baseline launch and measures nothing).
+        # (its start-up is a part of every baseline launch and measures nothing).
         spec = LaunchSpec(target=_WORKER_MODULE, module=True, nproc=config.num_devices, args=args,
                           agent=config.num_devices > 1)
         done = launch(spec, capture=True)

@@ -44,13 +44,12 @@ _CPU_WORKLOADS = ("resnet50-cpu", "gpt2-cpu")
 _GPU_WORKLOADS = ("resnet50", "gpt2-124m")
 _DEFAULT_STRATEGY = "replicate"
 # (warm-up, measured) steps per launch; a run launches each configuration in 3 rounds (see
-# dspark.bench.runner), so a result has 3x the timed steps. On CPU only a launch's first step is slow
-# (first-touch pages, optimizer state, the engine's bucket order): 1.2x the others on both presets,
-# the second already within the spread of the rest, so one warm-up step is enough. The first round
-# runs 2 untimed probe steps instead. CPU steps take ~0.5-1 s and a launch costs ~3-5 s of
-# start-up (interpreter, torch, the launcher), so `quick` (12 launches, 12 timed steps per
-# configuration) stays under 2 minutes on a 2-core machine (1 + 5 steps took 114-119 s here; one
-# timed step less saves ~9 s).
+# dspark.bench.runner), so a result has three times the timed steps. On CPU only a launch's first
+# step is slow (first-touch pages, optimizer state, the engine's bucket order), the second already
+# within the spread of the rest, so one warm-up step is enough. The first round runs 2 untimed probe
+# steps instead. A CPU step takes under a second and a launch's start-up (interpreter, torch, the
+# launcher) several, so `quick` (12 launches, 12 timed steps per configuration) stays within a couple
+# of minutes on a 2-core machine.
 _CPU_STEPS = (1, 4)
 # The seed table compares runs a few percent apart (a replicated batch on CPU costs each rank the
 # whole compute plus the all-reduce): two steps more per launch narrow the medians.
@@ -80,7 +79,7 @@ class Machine:
     @classmethod
     def detect(cls, *, time_matmuls: bool = True) -> Machine:
         """This machine; on CPU with ``time_matmuls``, also its fp32 and bf16 matmul timings (the
-        CPU presets' precision; about 0.1 s).
+        CPU presets' precision).
 
         Example::
 

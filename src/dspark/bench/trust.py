@@ -17,7 +17,7 @@ __all__ = ["BASELINE_ROUND_SPREAD", "CORE_FOREIGN_ALLOWANCE", "SUPERLINEAR_MARGI
            "suspect_baseline"]
 
 CORE_FOREIGN_ALLOWANCE = 0.10
-"""A rank's core may spend 10% of the timed window on other processes (or stolen by the
+"""The share of the timed window a rank's core may spend on other processes (or stolen by the
 hypervisor) before its times are called untrustworthy (see [Note: load over the timed window] in
 :mod:`dspark.bench.cpu_load`)."""
 
@@ -85,7 +85,7 @@ def suspect_baseline(result: BenchResult, baseline: BenchResult | None) -> list[
 
     Example::
 
-        suspect_baseline(two_devices, one_device)   # "2 devices are 2.31x faster than 1 in round 1, ..."
+        suspect_baseline(two_devices, one_device)   # "2 devices are more than ... faster than 1 (round 1: ..."
     """
     if result.num_devices == 1 and result.key == result.baseline_key:
         spread = _unsteady(result)

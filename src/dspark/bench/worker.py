@@ -104,7 +104,7 @@ def _synchronize(device: torch.device) -> None:
 
 
 def bus_bytes_per_s(device: torch.device, num_ranks: int) -> float:
-    """Collective bandwidth measured now: wire bytes per second of a ~16 MB all-reduce, the
+    """Collective bandwidth measured now: wire bytes per second of an all-reduce of ``_BUS_PROBE_BYTES``, the
     slowest rank's; ``0.0`` with one rank. Every rank must call it.
 
     Example::

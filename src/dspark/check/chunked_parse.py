@@ -1,7 +1,8 @@
 """A module parsed a run of top-level statements at a time, for ``dspark check``.
 
-[Note: chunked parse] CPython's syntax tree of a file takes about 140 times the file's size (a 5 MB
-file: about 700 MB), so ``dspark check`` never holds a large file's whole tree: it cuts the source
+[Note: chunked parse] CPython's syntax tree of a file takes some hundred times the file's size
+(``benchmarks/check_scaling.py``: docs/figures.md#check-scaling), so ``dspark check`` never holds a
+large file's whole tree: it cuts the source
 at top-level statements into runs of about ``RUN_CHARS`` characters and parses each run alone,
 after as many blank lines as come before it, so that every line and column is the whole file's.
 A cut goes before a line that starts at column 0 with neither a blank, a comment, nor ``else`` /
@@ -21,7 +22,7 @@ reaching_values.py).
 [Note: no cyclic collection while checking] Python's cyclic garbage collector runs every few
 hundred allocations and, every so often, scans every live object; a run's tree is hundreds of
 thousands of new objects, and the names carried over keep growing with the file, so the scans were
-almost half the time of a 5 MB file. The checker builds no reference cycles (a tree points down
+almost half the time of a large file. The checker builds no reference cycles (a tree points down
 only; what it drops, reference counting frees), so :func:`collector_paused` pauses the collector
 while a file is checked, and resumes it as it was.
 """
@@ -40,11 +41,11 @@ __all__ = ["KEPT_CHARS", "RUN_CHARS", "Run", "collector_paused", "parse_run", "p
            "statements_by_depth", "tree_kept"]
 
 RUN_CHARS = 100_000
-"""About how many characters of source each run holds: ~14 MB of syntax tree, and few enough runs
-that cutting costs nothing next to parsing."""
+"""About how many characters of source each run holds: a run's syntax tree stays small, and there
+are few enough runs that cutting costs nothing next to parsing."""
 KEPT_CHARS = 4 * RUN_CHARS
 """A file's runs within this many characters from its start keep their tree from the checker's
-first walk to its second (~56 MB at the most); the runs after them are parsed again."""
+first walk to its second (four runs' trees at the most); the runs after them are parsed again."""
 _BLOCK_ITEMS = (ast.stmt, ast.excepthandler, ast.match_case)   # what a block of statements holds
 _CUT = re.compile(r"^(?!(?:else|elif|except|finally)\b)[^\s#]", re.MULTILINE)
 

@@ -16,7 +16,7 @@ from a checkpoint in [Note: loading runs no code] (:mod:`dspark.checkpoint.safe_
 load refuses a file its save did not write in [Note: checkpoint integrity]
 (:mod:`dspark.checkpoint.manifest`).
 
-PyTorch's DCP (``torch.distributed.checkpoint``, with DTensor behind it) takes 1-2 s to import, so
+PyTorch's DCP (``torch.distributed.checkpoint``, with DTensor behind it) takes seconds to import, so
 the functions that need it are imported on first use: ``import dspark`` does not pay for it in a
 process that never saves or loads.
 """

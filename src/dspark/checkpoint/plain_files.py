@@ -49,8 +49,8 @@ class Bound:
 DSPARK_JSON = Bound("a checkpoint's dspark.json", 2**20, 10_000)
 """A few kilobytes: the checkpoint's description and its parameters' names."""
 TRAINING_STATE = Bound("a checkpoint's training_state.json", 128 * 2**20, 10_000_000)
-"""About 300 bytes and 20 values per parameter tensor (its optimizer's non-tensor state), 15 KB per
-rank (its random states), and the ``extra`` entries."""
+"""About 300 bytes and 20 values per parameter tensor (its optimizer's non-tensor state), some
+kilobytes per rank (its random states), and the ``extra`` entries."""
 MANIFEST = Bound("a checkpoint's manifest.json", 160 * 2**20, 5_000_000)
 """About 135 bytes and 4 values per chunk (one per record DCP wrote): a million chunks."""
 DCP_METADATA = Bound("a checkpoint's DCP .metadata", 2**30)
@@ -58,7 +58,7 @@ DCP_METADATA = Bound("a checkpoint's DCP .metadata", 2**30)
 HF_INDEX = Bound("a safetensors index (model.safetensors.index.json)", 64 * 2**20, 2_000_000)
 """One name and one file name per tensor."""
 SAFETENSORS_HEADER = Bound("a safetensors file's header", 64 * 2**20, 4_000_000)
-"""About 120 bytes and 6 values per tensor (the safetensors library itself stops at 100 MB)."""
+"""About 120 bytes and 6 values per tensor (the safetensors library has a bound of its own, lower)."""
 
 
 def check_plain_file(path: Path) -> os.stat_result:

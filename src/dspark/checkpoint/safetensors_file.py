@@ -122,7 +122,7 @@ def read_rows(file: Path, entry: SafetensorsEntry, start: int | None = None,
     view, got = memoryview(buffer), 0
     fd = os.open(file, os.O_RDONLY)
     try:
-        while got < nbytes:  # one call reads at most about 2 GB
+        while got < nbytes:  # one call reads at most 0x7ffff000 bytes (Linux's read limit)
             done = os.preadv(fd, [view[got:]], offset + got)
             if done == 0:
                 raise CheckpointError(f"{str(file)!r} ended after {got} of the {nbytes} bytes at "

@@ -333,12 +333,9 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: str = "
 # [Note: reduce-scatter on gloo] gloo builds its reduce-scatter from point-to-point messages and
 # is slower than an all-reduce of the whole input, which itself moves twice the bytes a
 # reduce-scatter needs. An all-to-all moves exactly those bytes (rank r receives chunk r of every
-# rank, (N - 1) / N of the input), and this rank then sums its N chunks. On 2 gloo ranks over
-# loopback, one core each (``dspark run --nproc 2 benchmarks/reduce_scatter.py``, 2026-12-01,
-# 2-vCPU Intel Xeon VM with AMX; all-reduce of the bucket / gloo's reduce-scatter / all-to-all and
-# sum): 0.5 MB bucket 0.34 / 0.53 / 0.40 ms; 3 MB 3.67 / 4.47 / 2.01 ms; 12 MB 11.82 / 15.61 /
-# 7.68 ms; 25 MB (the default bucket) 20.67 / 28.56 / 14.02 ms. Below about 1 MB the extra buffer
-# and the sum cost about what the bytes save.
+# rank, (N - 1) / N of the input), and this rank then sums its N chunks. The three on 2 gloo
+# ranks over loopback, bucket by bucket: ``dspark run --nproc 2 benchmarks/reduce_scatter.py``,
+# kept at docs/figures.md#reduce-scatter.
 def _reduce_scatter_by_all_to_all(group: Group, input: torch.Tensor) -> bool:
     return input.device.type == "cpu" and dist.get_backend(group.pg) == "gloo"
 

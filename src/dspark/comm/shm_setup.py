@@ -47,7 +47,7 @@ def shm_wanted(world_size: int, local_world_size: int, backend: str, device_type
 
 
 def region_bytes() -> int:
-    """Each rank's data region in bytes, from ``DSPARK_SHM_MB`` (16 MiB by default)."""
+    """Each rank's data region in bytes, from ``DSPARK_SHM_MB`` (``DEFAULT_REGION_MB`` by default)."""
     raw = os.environ.get(SHM_MB_ENV, "")
     try:
         mb = float(raw) if raw.strip() else float(DEFAULT_REGION_MB)

@@ -3,8 +3,8 @@
 gloo moves every byte between two processes of one host through TCP over loopback: a copy into the
 kernel, a copy out, the protocol's work, on a thread that shares the core with the compute. Here
 each rank writes its input once into its own region of one shared mapping and reads the other
-ranks' regions where they are: a 2-rank all-reduce of 21 MB, one pinned core each, 8.7 ms (8.6 ms
-of CPU) against gloo's 20.2 ms (14.6 ms), `dspark run --nproc 2 benchmarks/shm_collectives.py`.
+ranks' regions where they are, in a fraction of gloo's time for the same bytes (`dspark run
+--nproc 2 benchmarks/shm_collectives.py`: docs/figures.md#shm-collectives).
 See [Note: the shared-memory transport].
 
 Only :mod:`dspark.comm.shm_setup` builds a transport, for the default group of a gloo job whose

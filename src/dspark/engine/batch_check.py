@@ -35,7 +35,8 @@ __all__ = ["DEFAULT_BATCH_CHECK_EVERY", "BatchCheck", "InputLeaf", "replication_
 DEFAULT_BATCH_CHECK_EVERY = 1000
 """Steps between two checks. The first step catches a wrong setup (it is wrong from the start); the
 later checks catch a loader rebuilt wrongly mid-run (after an evaluation, on resume) at the cost of
-one all-gather of 48 bytes and one host sync every 1000 steps: well under 0.1% of step time."""
+one all-gather of 48 bytes and one host sync every 1000 steps (what that costs a step:
+docs/figures.md#batch-check-cost)."""
 
 
 @dataclass(frozen=True, slots=True)

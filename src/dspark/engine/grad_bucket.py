@@ -12,9 +12,10 @@ only its shard of each gradient: the bucket owns a flat *shard* buffer (``1/N`` 
 gradients), likewise from its launch to the optimizer step, and the whole gradients are copied into a pooled send buffer when the bucket launches and freed at once; pooled
 buffers are reused by later buckets once their collective has landed, so sending costs about two
 buckets of memory, not a copy of the model's gradients, and the pool is emptied when the reduction
-ends: a bucket as large as GPT-2's 154 MB embedding gradient would otherwise stay allocated through
-the next step's activation peak. (On CPU the engine's malloc setting keeps buffers up to 32 MiB in
-the heap, so allocating them again each step costs no page faults: see :mod:`dspark.cpu_malloc`.)
+ends: a bucket as large as GPT-2's embedding gradient would otherwise stay allocated through
+the next step's activation peak. (On CPU the engine's malloc setting keeps buffers up to glibc's
+largest mmap threshold in the heap, so allocating them again each step costs no page faults: see
+:mod:`dspark.cpu_malloc`.)
 
 [Note: send layout] A sharded bucket sends an ``(N, seg)`` buffer: row ``r`` holds chunk ``r`` (padded)
 of every parameter in turn, so a reduce-scatter hands rank ``r`` exactly its rows (on gloo,

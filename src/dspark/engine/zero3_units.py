@@ -19,20 +19,20 @@ and regathers them when the gradient reaches its outputs, which is after the los
 language model's activation peak is that loss backward (the logits, their log-softmax and its
 gradient: three tensors of batch x tokens x vocabulary), so a root kept whole from forward into
 backward, or a last unit prefetched at the end of forward, sat on top of the peak: GPT-2 124M's
-tied 147 MB embedding and a 27 MB block gather with its send buffer. The price is one gather that
+tied embedding, the largest tensor it has, and a block gather with its send buffer. The price is one
+gather that
 nothing overlaps, the root's, at the start of backward.
 
 [Note: prefetch depth] A unit's gather is started while the unit before it runs, so a rank waits
 at a unit only when its peer is more than one unit behind. Small units run for a few milliseconds:
 a peer late by one unit's compute (a CPU rank's core taken for a moment, a slower kernel) then
 stalls the other rank at every gather. So the unit after next is started too when it holds at most
-:data:`SECOND_PREFETCH_MAX_BYTES` of parameters (whole). resnet50-cpu's zero3 step, as a ratio to
-``replicate``'s in the same processes (``dspark run --nproc 2 benchmarks/side_by_side.py --workload
-resnet50-cpu --pairs zero3:replicate --steps 30``, one unit ahead and two alternated, 3 runs each,
-a 2-core AMD EPYC VM): 1.111, 1.116, 1.147 with one, 1.075, 1.081, 1.098 with two; gpt2-cpu (5
-units of 100 ms of compute each) unchanged, 1.024 / 1.030 and 1.051 / 1.052. Larger units keep one
-unit ahead, as FSDP does: their compute hides more, and a second one gathered would add to the
-memory peak (GPT-2 124M's 28 MB blocks stay at one).
+:data:`SECOND_PREFETCH_MAX_BYTES` of parameters (whole): resnet50-cpu's small units gain from it,
+gpt2-cpu's (5 units, each far more compute) do not (``dspark run --nproc 2 benchmarks/side_by_side.py
+--workload resnet50-cpu --pairs zero3:replicate --steps 30`` measures zero3's step against
+replicate's in the same processes, with one unit ahead or two). Larger units keep one unit ahead, as
+FSDP does: their compute hides more, and a second one gathered would add to the memory peak
+(GPT-2 124M's blocks stay at one).
 
 A forward that runs *during* backward is a recomputation (activation checkpointing): it gathers what it
 needs and frees nothing, the gradients that follow free the parameters. Every gather is an all-gather

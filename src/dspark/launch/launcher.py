@@ -90,7 +90,7 @@ class LaunchSpec:
     """``False`` runs a one-process, single-node job as a plain child process with the environment
     torchrun would give its only worker (``RANK=0``, ``WORLD_SIZE=1``, ``LOCAL_RANK=0``,
     ``LOCAL_WORLD_SIZE=1``, a loopback ``MASTER_ADDR``/``MASTER_PORT``), without torchrun's agent
-    process: about 1.4 s less start-up, which the benchmark's 1-device launches use. The worker
+    process: less start-up, which the benchmark's 1-device launches use. The worker
     joins a real one-rank process group either way."""
     log_dir: str | None = None
     """A folder for one log file per rank, ``rank-<RANK>.log``, holding that rank's stdout and

@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         record(run)(args)
         # Every worker exited 0. A stop signal from here on (dspark run's, once the workers are
-        # gone and this process is still tearing down: 2 s and more on a busy node) finds
+        # gone and this process is still tearing down, which takes seconds on a busy node) finds
         # torchrun's handler gone and would kill this process with 143 after a clean stop.
         for stop in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(stop, signal.SIG_IGN)

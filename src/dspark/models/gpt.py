@@ -1,7 +1,7 @@
 """GPT-2 style decoder-only transformer (nanoGPT layout), parametrised so a CPU preset reuses it.
 
 Token + learned position embeddings, ``num_layers`` pre-LayerNorm blocks (causal self-attention
-through ``F.scaled_dot_product_attention``, then a GELU MLP of 4x width), a final LayerNorm and an
+through ``F.scaled_dot_product_attention``, then a GELU MLP four times as wide), a final LayerNorm and an
 ``lm_head`` whose weight *is* the token embedding (tied: one tensor, counted once). Linear and
 LayerNorm layers carry biases, as in the released GPT-2.
 

@@ -11,27 +11,20 @@ gpt2-cpu        GPT-2 layout, 4 layers x 256; 128 tokens, 2048   3,716,608     3
 
 The real sizes carry the seed article's config (global batch 256, fp16 mixed precision). GPT-2
 124M runs a rank's share of it in micro-batches of at most 32 sequences (``max_micro_batch``):
-one pass over 32 x 1024 tokens peaks at 30.4 GiB in fp16 on an NVIDIA H200 (the allocator's peak,
-2026-12-04), so 256 at once would need about 240 GiB; the optimizer still steps once per global
-batch of 256. The
-presets are sized so that one training step (forward, backward, AdamW) takes under a second on
-one CPU core while the model stays small next to that compute: the gradient all-reduce over
-loopback gloo is a few percent of a step, so 2 cores can approach the ideal 2x.
+one pass over 32 x 1024 tokens holds tens of GiB in fp16 on one H200 (its peak per rank:
+docs/figures.md#2026-12-04-h200), so 256 at once would not fit; the optimizer still steps once per
+global batch of 256. The presets are sized so that one training step (forward, backward, AdamW)
+takes under a second on one CPU core while the model stays small next to that compute: the
+gradient all-reduce over loopback gloo is a small part of a step, so 2 cores can approach the ideal
+speedup of two (the quick suite's figures: docs/figures.md#quick-suite).
 
-[Note: CPU precision] Measured on the project's 2-core AMD EPYC box (Zen 5, native bf16 dot
-products; torch 2.13 CPU, one thread, ``OMP_NUM_THREADS=1``, machine otherwise idle), one step at
-the default global batch, median of 6 after 2 warm-up steps::
-
-    OMP_NUM_THREADS=1 .venv/bin/python -m dspark.models.step_time resnet50-cpu gpt2-cpu --steps 6
-
-    resnet50-cpu  (batch 128)  fp32  598 ms   bf16 autocast  399 ms   (bf16 1.5x faster)
-    gpt2-cpu      (batch 32)   fp32 1047 ms   bf16 autocast  454 ms   (bf16 2.3x faster)
-
-So bf16 is both presets' default. fp16 never is on a CPU: it has no fast kernels there (one
-512x512 matmul: fp32 2.8 ms, bf16 0.67 ms, fp16 103 ms). With the batch split over 2 cores (one rank per core, one blocking
-all-reduce of all gradients after backward, no overlap) the same steps took 197 ms (1.93x) and
-267 ms (1.84x; its 15 MB all-reduce took 15 ms). Numbers move by 10-50 % when other processes
-share the two cores: measure on an idle machine.
+[Note: CPU precision] Both presets default to bf16 autocast, for CPUs that multiply bf16 natively
+(AMX, AVX512-BF16 dot products), where it is the faster precision; fp16 never is on a CPU: it has
+no fast kernels there. ``OMP_NUM_THREADS=1 .venv/bin/python -m dspark.models.step_time
+resnet50-cpu gpt2-cpu --steps 6`` times one step of each in fp32 and bf16 on this machine, and the
+lab's CPU suites time a matrix product in both before they run and fall back to fp32 where bf16 is
+the slower (:mod:`dspark.bench.cpu_precision`). Step times move a great deal when other processes
+share the cores: measure on an idle machine.
 """
 
 from __future__ import annotations

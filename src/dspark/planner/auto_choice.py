@@ -77,7 +77,7 @@ class AutoChoice:
     """Rows per forward auto planned on each rank (None: not chosen)."""
 
 TIE_SHARE = 0.02
-"""Steps within 2% of the fastest count as equal; the less sharded strategy wins the tie."""
+"""Steps within this share of the fastest count as equal; the less sharded strategy wins the tie."""
 TIE_MS = 1.0
 """Steps within a millisecond of the fastest count as equal too: the link probe fits each
 collective's latency from a few timings of two sizes, and on a loaded machine those fits move by

@@ -163,8 +163,8 @@ _PROFILES = (
                  source="NVIDIA DGX Spark: ConnectX-7 SmartNIC, 200 Gb/s between two boxes"),
     _IB_NDR,
     Interconnect(name="loopback-gloo", bytes_per_s=1e9, latency_s=50e-6, overlaps_compute=False,
-                 source="measured in DSpark: gpt2-cpu's 15 MB all-reduce over loopback gloo took "
-                        "15 ms on 2 CPU ranks (dspark.models.registry, [Note: CPU precision])"),
+                 source="a round figure for gloo between CPU ranks of one machine, of the order "
+                        "docs/figures.md#shm-collectives measures; --probe measures the real link"),
 )
 
 INTERCONNECTS: MappingProxyType[str, Interconnect] = MappingProxyType({p.name: p for p in _PROFILES})

@@ -13,7 +13,7 @@ local batch sizes, so that each cost is a line ``fixed + per_sample * batch``:
 * when, in backward, each parameter's gradient is complete (a fraction of the backward time):
   where each gradient bucket becomes ready, for the overlap of its reduction with backward;
 * each top-level unit's share of the forward time, for zero3's gathers ahead of use;
-* the device's copy bandwidth over a buffer the size of the gradients (at most 64 MiB): the engine
+* the device's copy bandwidth over a buffer the size of the gradients (at most ``_COPY_MAX_BYTES``): the engine
   packs send buffers and lands gathered rows with such copies (see [Note: what each strategy sends]).
 
 A model built on the meta device is materialised on this device first (``reset_parameters()``, as

@@ -6,9 +6,10 @@ default every module held in an ``nn.ModuleList`` / ``nn.Sequential`` (a model's
 one nested inside another such unit only when it holds at least :data:`MIN_NESTED_UNIT_BYTES` of
 parameters. Every gather is a collective, whose latency a few kilobytes do not pay for: a ResNet's
 blocks hold ``nn.Sequential`` shortcuts (a 1x1 convolution and a BatchNorm of 32 parameters), and
-its early stages are Sequentials of 20 KB blocks; split down to every such child, resnet50-cpu had
-31 units, 22 under 100 KB, and its zero3 step took 597 ms on 2 cores against 526 ms with these
-units (10) and 546 ms with only its 4 stages (``benchmarks/zero3_units.py``, 3 rounds).
+its early stages are Sequentials of blocks of a few kilobytes; split down to every such child,
+resnet50-cpu had three times as many units, most of them tiny, and its zero3 step was slower than
+with these units, and than with only its 4 stages (``dspark run --nproc 2
+benchmarks/zero3_units.py`` measures the three).
 ``Engine(zero3_units=...)`` replaces the default with module classes or a predicate, taken as given.
 A parameter belongs to the units it sits under, minus nested units; so the root unit holds what no
 block claims (embeddings, heads) for the whole forward, which keeps functional uses such as a tied
