@@ -63,12 +63,20 @@ def test_a_safetensors_file_equals_full_state_dict_and_keeps_0d_shapes(saved: An
     _assert_same(got, full)
 
 
-def test_a_tied_weight_is_written_once(saved: Any, tmp_path: Path) -> None:
+def test_a_tied_weight_once_in_safetensors_and_under_every_name_in_a_pt(saved: Any, tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
     path, full = saved["tied"]
-    [file] = export_checkpoint(path, tmp_path / "t.pt")
-    got = torch.load(file, weights_only=True)
-    assert "embed.weight" in got and "head.weight" not in got
-    _assert_same(got, full)
+    once = load_file(export_checkpoint(path, tmp_path / "t.safetensors")[0])
+    assert "embed.weight" in once and "head.weight" not in once  # as HuggingFace stores it
+    _assert_same(once, full)
+    for got in (torch.load(export_checkpoint(path, tmp_path / "t.pt")[0], weights_only=True),
+                load_file(export_checkpoint(path, tmp_path / "all.safetensors", all_names=True)[0])):
+        assert set(got) == set(full)  # every name of model.state_dict(), the tied one too
+        _assert_same(got, full)
+        model = tm.make("tied")
+        model.load_state_dict(got)  # strict
+        assert torch.equal(model.head.weight, full["head.weight"])
 
 
 def test_a_directory_is_sharded_with_an_index(saved: Any, tmp_path: Path) -> None:

@@ -30,17 +30,17 @@ class Block(nn.Module):
 
 
 class NanoGPT(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, n_layer: int = LAYERS) -> None:
         super().__init__()
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(VOCAB, WIDTH), wpe=nn.Embedding(SEQ, WIDTH),
-            h=nn.ModuleList([Block() for _ in range(LAYERS)]), ln_f=nn.LayerNorm(WIDTH)))
+            h=nn.ModuleList([Block() for _ in range(n_layer)]), ln_f=nn.LayerNorm(WIDTH)))
         self.lm_head = nn.Linear(WIDTH, VOCAB, bias=False)
         self.transformer.wte.weight = self.lm_head.weight
         self.apply(self._init_weights)
         for pn, p in self.named_parameters():
             if pn.endswith("c_proj.weight") or pn.endswith("mlp_proj.weight"):
-                torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * LAYERS))
+                torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
 
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, nn.Linear):

@@ -8,9 +8,12 @@ file-system reader with DSpark's safety checks, :func:`dspark.checkpoint.storage
 a whole tensor as the destination: DCP assembles it from every rank's chunks), cast if asked, and
 written: at any time the process holds one output shard (at least the largest tensor). Names lose
 the ``model/`` prefix; a 0-d parameter, saved as shape ``(1,)`` to be split along dim 0, gets its
-shape ``()`` back from ``dspark.json``'s ``scalar_params``. A tied parameter is saved once, under
-its first name, as HuggingFace stores it. A single ``.safetensors`` file or a ``.pt`` file is one
-shard: the whole model in memory.
+shape ``()`` back from ``dspark.json``'s ``scalar_params``. A tied parameter is written once, under
+its first name, as HuggingFace stores it, in safetensors (``all_names=True``: under each of its
+names, a copy each); a ``.pt`` holds every name of the model's ``state_dict()``, the tied ones
+sharing one tensor, so that a plain ``model.load_state_dict(torch.load(...))`` takes it strictly. A
+directory gets the model's ``config.json`` when the checkpoint kept one, so ``from_pretrained``
+loads it. A single ``.safetensors`` file or a ``.pt`` file is one shard: the whole model in memory.
 
 Example::
 
@@ -21,64 +24,34 @@ Example::
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from dspark.checkpoint import layout, storage
 from dspark.checkpoint.hf_files import ShardWriter, parse_size, plan_shards, tensor_bytes
-from dspark.checkpoint.info import CheckpointInfo, read_checkpoint_info
+from dspark.checkpoint.info import read_checkpoint_info
+from dspark.checkpoint.manifest import read_manifest, read_verified
+from dspark.checkpoint.offline import ModelTensor, model_tensors, read_extra
 
-__all__ = ["DTYPES", "ModelTensor", "export_checkpoint", "model_tensors"]
+__all__ = ["DTYPES", "export_checkpoint"]
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
           "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
 """Names ``--dtype`` accepts."""
 
-_PREFIX = layout.model_key("")
-
-
-@dataclass(frozen=True, slots=True)
-class ModelTensor:
-    """One tensor of a checkpoint's model, from its metadata."""
-
-    name: str
-    """As in the model's ``state_dict()`` (no ``model/`` prefix)."""
-    saved_shape: tuple[int, ...]
-    """Its shape in DCP's files (a 0-d parameter as ``(1,)``)."""
-    shape: tuple[int, ...]
-    """Its shape in the model."""
-    dtype: torch.dtype
-
-
-def model_tensors(directory: Path, info: CheckpointInfo) -> list[ModelTensor]:
-    """Every ``model/`` tensor of the checkpoint in ``directory``, in the order it was saved.
-
-    Example::
-
-        [t.name for t in model_tensors(Path("ckpt"), read_checkpoint_info("ckpt"))]   # ['w', 'b']
-    """
-    metadata = storage.read_metadata(directory)
-    scalars = set(info.scalar_params)
-    out = []
-    for key, meta in metadata.state_dict_metadata.items():
-        if not key.startswith(_PREFIX) or not isinstance(meta, TensorStorageMetadata):
-            continue
-        name = key[len(_PREFIX):]
-        saved = tuple(meta.size)
-        shape = () if name in scalars and saved == (1,) else saved
-        out.append(ModelTensor(name, saved, shape, meta.properties.dtype))
-    return out
-
-
 def export_checkpoint(path: str | os.PathLike[str], out: str | os.PathLike[str], *,
                       dtype: torch.dtype | None = None, max_shard_size: int | str = "5GB",
-                      verify: bool = True) -> list[Path]:
+                      verify: bool = True, all_names: bool | None = None, extra: Sequence[str] = ()) -> list[Path]:
     """Write the model of the DSpark checkpoint at ``path`` to ``out``: a ``.safetensors`` file, a
     ``.pt`` file (``torch.save`` of the state dict), or else a directory in HuggingFace's layout
-    (see [Note: HuggingFace layout]). ``dtype`` casts floating-point tensors. No process group is
+    (see [Note: HuggingFace layout]) with the model's ``config.json`` when the checkpoint kept one.
+    ``dtype`` casts floating-point tensors. ``all_names``: a tied parameter under every name the
+    model's ``state_dict()`` has (the default for ``.pt``) or once (the default for safetensors).
+    ``extra``: a ``.pt`` becomes ``{"model": state_dict, key: read_extra(path, key) for each key}``,
+    the layout nanoGPT's ``sample.py`` reads (``extra=["model_args"]``). No process group is
     needed. Returns the files written. Raises ``FileExistsError`` when ``out`` is a file or a
     non-empty directory. ``verify=False`` reads a checkpoint without a manifest (see
     :func:`~dspark.checkpoint.read_checkpoint_info`).
@@ -86,6 +59,7 @@ def export_checkpoint(path: str | os.PathLike[str], out: str | os.PathLike[str],
     Example::
 
         export_checkpoint("ckpt/step-1000", "gpt2-finetuned/", dtype=torch.bfloat16)
+        export_checkpoint("ckpt/latest", "ckpt.pt", extra=["model_args"])   # nanoGPT's sample.py
     """
     directory = Path(path)
     info = read_checkpoint_info(directory, verify=verify)
@@ -96,32 +70,65 @@ def export_checkpoint(path: str | os.PathLike[str], out: str | os.PathLike[str],
         raise ValueError(f"dtype={dtype} is not a floating-point dtype (valid: {sorted(DTYPES)})")
     target = Path(out)
     kind = target.suffix if target.suffix in (".safetensors", ".pt") else "directory"
+    if extra and kind != ".pt":
+        raise ValueError(f"extra={list(extra)!r} goes beside the weights in a .pt file only; {str(target)!r} "
+                         "is not one (give a path ending in .pt)")
+    extras = _read_extras(directory, extra, verify=verify)  # a missing key fails before anything is written
     _check_free(target, kind)
 
     def out_dtype(t: ModelTensor) -> torch.dtype:
         return dtype if dtype is not None and t.dtype.is_floating_point else t.dtype
 
     by_name = {t.name: t for t in tensors}
-    sizes = [(t.name, tensor_bytes(t.shape, out_dtype(t))) for t in tensors]
+    every_name = kind == ".pt" if all_names is None else bool(all_names)
+    source_of = {n: n for n in by_name}
+    if every_name:
+        source_of = {out_name: t.name for t in tensors for out_name in (t.name, *info.aliases.get(t.name, []))}
+    sizes = [(n, tensor_bytes(by_name[source].shape, out_dtype(by_name[source]))) for n, source in source_of.items()]
     one_file = kind != "directory"
-    plan = [[t.name for t in tensors]] if one_file else plan_shards(sizes, max_shard_bytes=parse_size(max_shard_size))
+    plan = [list(source_of)] if one_file else plan_shards(sizes, max_shard_bytes=parse_size(max_shard_size))
 
     def read(names: list[str]) -> dict[str, torch.Tensor]:
+        sources = list(dict.fromkeys(source_of[n] for n in names))
         state = {layout.model_key(n): torch.empty(by_name[n].saved_shape, dtype=by_name[n].dtype)
-                 for n in names}
+                 for n in sources}
         storage.read_state(state, directory, metadata, distributed=False)
-        return {n: state[layout.model_key(n)].reshape(by_name[n].shape).to(out_dtype(by_name[n]))
+        values = {n: state[layout.model_key(n)].reshape(by_name[n].shape).to(out_dtype(by_name[n]))
+                  for n in sources}
+        # safetensors stores no shared tensors: a tied name gets a copy; a .pt keeps them shared
+        return {n: values[source_of[n]] if kind == ".pt" or n == source_of[n] else values[source_of[n]].clone()
                 for n in names}
 
     if kind == ".pt":
         target.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(read(plan[0]), target)
+        weights = read(plan[0])
+        torch.save({"model": weights, **extras} if extra else weights, target)
         return [target]
     writer = ShardWriter(target, plan, single_file=target if kind == ".safetensors" else None)
     for names in plan:
         for name, value in read(names).items():
             writer.add(name, value)
-    return writer.finish()
+    written = writer.finish()
+    if kind == "directory" and (config := _config_json(directory, verify=verify)) is not None:
+        (target / layout.CONFIG_FILE).write_bytes(config)
+        written.append(target / layout.CONFIG_FILE)
+    return written
+
+
+def _read_extras(directory: Path, keys: Sequence[str], *, verify: bool) -> dict[str, Any]:
+    if "model" in keys:
+        raise ValueError("extra=['model']: 'model' holds the weights in the .pt; give the names of "
+                         "engine.save(extra={...}) entries")
+    return {key: read_extra(directory, key, verify=verify) for key in keys}
+
+
+def _config_json(directory: Path, *, verify: bool) -> bytes | None:
+    """The checkpoint's ``config.json``, checked against its manifest, or None when it kept none."""
+    manifest = read_manifest(directory)
+    listed = manifest is not None and layout.CONFIG_FILE in manifest.files
+    if not listed and (verify or not (directory / layout.CONFIG_FILE).is_file()):
+        return None
+    return read_verified(directory, layout.CONFIG_FILE, manifest)
 
 
 def _check_free(target: Path, kind: str) -> None:

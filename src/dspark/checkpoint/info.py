@@ -61,6 +61,9 @@ class CheckpointInfo:
     """Trainable parameter name -> global shape as saved (0-d parameters as [1])."""
     scalar_params: list[str] = field(default_factory=list)
     """Parameters that are 0-d in the model (saved as shape [1], the only way to split them by rows)."""
+    aliases: dict[str, list[str]] = field(default_factory=dict)
+    """A tied parameter's saved name -> its other names in ``model.state_dict()`` (nanoGPT's
+    ``lm_head.weight`` beside ``transformer.wte.weight``); empty in checkpoints written before."""
     dspark_version: str = ""
     torch_version: str = ""
     created_utc: str = ""
@@ -95,6 +98,10 @@ class CheckpointInfo:
             raise CheckpointError(f"params={self.params!r:.120} must map names to lists of sizes")
         if not isinstance(self.scalar_params, list) or not all(isinstance(n, str) for n in self.scalar_params):
             raise CheckpointError(f"scalar_params={self.scalar_params!r:.120} must be a list of names")
+        if not isinstance(self.aliases, dict) or not all(
+                isinstance(k, str) and isinstance(v, list) and all(isinstance(n, str) for n in v)
+                for k, v in self.aliases.items()):
+            raise CheckpointError(f"aliases={self.aliases!r:.120} must map names to lists of names")
 
 
 def is_checkpoint(path: str | os.PathLike[str]) -> bool:

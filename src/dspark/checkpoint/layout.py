@@ -20,8 +20,10 @@ state dict] in :mod:`dspark.engine.state_dict`):
 
 Every other value is JSON, beside DCP's files: ``training_state.json`` (step count, fp16 loss
 scaler, param groups' hyper-parameters and members, non-tensor optimizer state, extra states, each
-rank's Python and NumPy random state), ``dspark.json`` (what wrote the checkpoint) and
-``manifest.json`` (every file's size and digests, checked by every load). A tied parameter is saved once, under its first name. Because every sharded tensor
+rank's Python and NumPy random state), ``dspark.json`` (what wrote the checkpoint, a tied
+parameter's other names among it), ``config.json`` when the model carried a HuggingFace config
+(its ``to_json_string()``, what ``from_pretrained`` reads) and ``manifest.json`` (every file's size
+and digests, checked by every load). A tied parameter is saved once, under its first name. Because every sharded tensor
 is saved with its global shape, DCP can load it at any world size and into any strategy.
 """
 
@@ -29,7 +31,11 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 
+CONFIG_FILE = "config.json"
+"""The model's HuggingFace config, kept beside the weights (an export copies it)."""
+
 __all__ = [
+    "CONFIG_FILE",
     "first_mismatch",
     "model_key",
     "optim_key",

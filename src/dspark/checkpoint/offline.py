@@ -18,14 +18,48 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from dspark.checkpoint import extra_state, storage
-from dspark.checkpoint.export import model_tensors
+from dspark.checkpoint import extra_state, layout, storage
 from dspark.checkpoint.hf_files import tensor_bytes
 from dspark.checkpoint.info import CheckpointInfo, read_checkpoint_info
 from dspark.checkpoint.training_state import read_training_state
 from dspark.errors import CheckpointError
 
-__all__ = ["CheckpointSummary", "read_extra", "summarize_checkpoint"]
+__all__ = ["CheckpointSummary", "ModelTensor", "model_tensors", "read_extra", "summarize_checkpoint"]
+
+_PREFIX = layout.model_key("")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelTensor:
+    """One tensor of a checkpoint's model, from its metadata."""
+
+    name: str
+    """As in the model's ``state_dict()`` (no ``model/`` prefix)."""
+    saved_shape: tuple[int, ...]
+    """Its shape in DCP's files (a 0-d parameter as ``(1,)``)."""
+    shape: tuple[int, ...]
+    """Its shape in the model."""
+    dtype: torch.dtype
+
+
+def model_tensors(directory: Path, info: CheckpointInfo) -> list[ModelTensor]:
+    """Every ``model/`` tensor of the checkpoint in ``directory``, in the order it was saved.
+
+    Example::
+
+        [t.name for t in model_tensors(Path("ckpt"), read_checkpoint_info("ckpt"))]   # ['w', 'b']
+    """
+    metadata = storage.read_metadata(directory)
+    scalars = set(info.scalar_params)
+    out = []
+    for key, meta in metadata.state_dict_metadata.items():
+        if not key.startswith(_PREFIX) or not isinstance(meta, TensorStorageMetadata):
+            continue
+        name = key[len(_PREFIX):]
+        saved = tuple(meta.size)
+        shape = () if name in scalars and saved == (1,) else saved
+        out.append(ModelTensor(name, saved, shape, meta.properties.dtype))
+    return out
 
 
 def read_extra(path: str | os.PathLike[str], key: str, *, verify: bool = True) -> Any:

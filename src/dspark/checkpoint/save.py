@@ -53,10 +53,12 @@ class _Job:
     staging: Path
     token: str
     distributed: bool
+    config_json: str | None = None
+    """Rank 0: the model's HuggingFace config as ``config.json`` holds it, if it has one."""
 
 
 def save_checkpoint(target: Checkpointable, path: str | os.PathLike[str], *, async_save: bool = False,
-                    extra: Mapping[str, Any] | None = None) -> Path:
+                    extra: Mapping[str, Any] | None = None, model_config: Any = None) -> Path:
     """Save ``target``'s (an engine's) model, optimizer and training state as a sharded checkpoint
     directory at ``path``, replacing the checkpoint there only once the new one is complete, with
     every rank's random state and the ``extra`` objects' states (see [Note: extra state] in
@@ -65,7 +67,9 @@ def save_checkpoint(target: Checkpointable, path: str | os.PathLike[str], *, asy
 
     ``async_save=True`` returns once the state is copied into CPU memory; the copy is written and
     published in the background (wait with :func:`~dspark.checkpoint.wait_for_pending_save`; the
-    next save, a load and ``dspark.shutdown()`` wait by themselves). Returns the checkpoint's path.
+    next save, a load and ``dspark.shutdown()`` wait by themselves). ``model_config``: the model's
+    HuggingFace config, kept as ``config.json`` (see [Note: checkpoint layout]). Returns the
+    checkpoint's path.
 
     Example::
 
@@ -90,19 +94,22 @@ def save_checkpoint(target: Checkpointable, path: str | os.PathLike[str], *, asy
         failure = exc
     _raise_if_any_failed(world.rank, failure, final, staging, comm.default_group())
     target.sync_buffers()  # one copy of each buffer is saved: make it what every rank holds
+    config_json: str | None = None
     try:
         state, training, my_values, info = split_state(target.sharded_state_dict(), rank=world.rank,
                                                        extra=extra)
         state[manifest.save_id_key(world.rank)] = manifest.id_tensor(token)   # in this rank's file
         info = dataclasses.replace(info, save_id=token)
         training = dataclasses.replace(training, save_id=token)
+        config_json = model_config.to_json_string() if model_config is not None and world.rank == 0 else None
         if async_save:
             state = storage.stage_on_cpu(state)
     except Exception as exc:  # agreed on below, so that no rank enters DCP's collectives alone
         failure = exc
     _raise_if_any_failed(world.rank, failure, final, staging, comm.default_group())
     job = _Job(state=state, training=_with_everyones_values(training, my_values), info=info,
-               final=final, staging=staging, token=token, distributed=world.is_distributed)
+               final=final, staging=staging, token=token, distributed=world.is_distributed,
+               config_json=config_json)
     if not async_save:
         return _write_and_publish(job, comm.default_group())
     group = background.side_group()
@@ -201,6 +208,8 @@ def _write_and_publish(job: _Job, group: comm.Group) -> Path:
         if rank == 0:
             write_training_state(job.staging, job.training)
             write_info(job.staging, job.info)
+            if job.config_json is not None:
+                (job.staging / layout.CONFIG_FILE).write_text(job.config_json, encoding="utf-8")
             _write_manifest(job, {name: entry for theirs in everyones for name, entry in theirs.items()})
     except Exception as exc:
         failure = exc
@@ -239,8 +248,9 @@ def _hash_my_shards(staging: Path, rank: int, world_size: int) -> dict[str, mani
 
 def _write_manifest(job: _Job, shards: dict[str, manifest.FileEntry]) -> None:
     """Rank 0, last before publication: the JSON files and ``.metadata`` hashed beside the shards."""
-    small = manifest.hash_files(job.staging, {name: [] for name in (storage.METADATA_FILE, INFO_FILE,
-                                                                     STATE_FILE)}, {})
+    names = (storage.METADATA_FILE, INFO_FILE, STATE_FILE,
+             *([layout.CONFIG_FILE] if job.config_json is not None else []))
+    small = manifest.hash_files(job.staging, {name: [] for name in names}, {})
     summary = dataclasses.asdict(job.info)
     manifest.write_manifest(job.staging, manifest.build_manifest(
         job.staging, save_id=job.token, summary=summary, files={**shards, **small}))
@@ -297,6 +307,7 @@ def split_state(state: Mapping[str, Any], *, rank: int, extra: Mapping[str, Any]
         num_params=sum(math.prod(shape) for shape in params.values()),
         params={name: list(shape) for name, shape in params.items()},
         scalar_params=[str(name) for name in meta.get("scalar_params", [])],
+        aliases={str(name): [str(n) for n in others] for name, others in meta.get("aliases", {}).items()},
         dspark_version=__version__, torch_version=torch.__version__,
         created_utc=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
     return tensors, training, values, info

@@ -16,6 +16,7 @@ Example::
     dspark ckpt info ckpt/latest
     dspark ckpt verify ckpt/latest
     dspark ckpt export ckpt/latest gpt2-out/ --dtype bf16
+    dspark ckpt export ckpt/latest ckpt.pt --extra model_args     # what nanoGPT's sample.py loads
 """
 
 from __future__ import annotations
@@ -51,14 +52,22 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     export = commands.add_parser(
         "export", help="write the model's weights (safetensors directory or file, or .pt)",
         description="OUT ending in .safetensors: one file; ending in .pt: torch.save of the state "
-                    "dict; otherwise a HuggingFace-style directory (model.safetensors, or shards + "
-                    "model.safetensors.index.json). Names as in model.state_dict(); a tied "
-                    "parameter once.")
+                    "dict (every name of model.state_dict(), tied ones sharing a tensor: "
+                    "load_state_dict takes it strictly); otherwise a HuggingFace-style directory "
+                    "(model.safetensors, or shards + model.safetensors.index.json, and the model's "
+                    "config.json when the checkpoint kept one: from_pretrained loads it). Names as in "
+                    "model.state_dict(); in safetensors a tied parameter once unless --all-names.")
     export.add_argument("checkpoint", metavar="CKPT", help="checkpoint directory (written by engine.save)")
     export.add_argument("out", metavar="OUT", help="output file or directory")
     export.add_argument("--dtype", default=None, help="cast floating-point tensors: fp32, bf16 or fp16")
     export.add_argument("--max-shard-size", default="5GB",
                         help="largest shard of a directory export (default 5GB, as HuggingFace)")
+    export.add_argument("--all-names", action="store_true",
+                        help="safetensors: write a tied parameter under each of its names (a copy each), "
+                             "so that model.load_state_dict(load_file(OUT)) takes it strictly")
+    export.add_argument("--extra", action="append", default=[], metavar="NAME",
+                        help="a .pt holds {'model': state_dict, NAME: the engine.save(extra=...) entry}, "
+                             "as nanoGPT's sample.py reads it (--extra model_args); repeatable")
     _add_no_verify(export)
     export.set_defaults(func=run_export)
 
@@ -120,7 +129,8 @@ def run_export(args: argparse.Namespace) -> int:
             raise ValueError(f"--dtype {args.dtype!r} is not one of {sorted(DTYPES)}")
         dtype = DTYPES[args.dtype]
     files = export_checkpoint(args.checkpoint, args.out, dtype=dtype, max_shard_size=args.max_shard_size,
-                              verify=not args.no_verify)
+                              verify=not args.no_verify, all_names=True if args.all_names else None,
+                              extra=args.extra)
     for path in files:
         print(path)
     return 0

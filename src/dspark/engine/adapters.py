@@ -40,7 +40,7 @@ from torch import nn
 
 from dspark.engine.weights import SavedTensor, WeightEntry
 
-__all__ = ["AdapterLayout", "adapter_layout", "adapter_tensor_names", "base_load_problem",
+__all__ = ["AdapterLayout", "adapter_layout", "adapter_tensor_names", "base_load_problem", "holds_peft",
            "merged_tensors", "save_adapter"]
 
 _INITS_WITHOUT_BASE = (True, False, "gaussian")
@@ -86,7 +86,13 @@ class AdapterLayout:
         return out
 
 
-def _holds_peft(module: nn.Module) -> bool:
+def holds_peft(module: nn.Module) -> bool:
+    """Whether ``module`` holds any of peft's modules (its state-dict names are then peft's).
+
+    Example::
+
+        holds_peft(get_peft_model(model, LoraConfig(target_modules=["q_proj"])))   # True
+    """
     return any(type(m).__module__.startswith("peft.") for m in module.modules())
 
 
@@ -100,7 +106,7 @@ def adapter_layout(module: nn.Module, names: Iterable[str]) -> AdapterLayout | N
         adapter_layout(peft_model, peft_model.state_dict())    # AdapterLayout(base_name={...}, ...)
         adapter_layout(plain_model, plain_model.state_dict())  # None
     """
-    if not _holds_peft(module):
+    if not holds_peft(module):
         return None
     from peft import PeftModel
     from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer

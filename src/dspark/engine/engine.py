@@ -387,11 +387,11 @@ class Engine:
              extra: Mapping[str, Any] | None = None) -> Path:
         """Save a sharded checkpoint directory at ``path`` (:mod:`dspark.checkpoint`): each rank's
         shards of parameters and optimizer state, the step count, hyper-parameters, fp16 loss scale,
-        every rank's random state, and each ``extra`` object's ``state_dict()`` (an LR scheduler, a
-        ``dspark.DataLoader``). A checkpoint already at ``path`` is replaced once the new one is
-        complete. ``async_save=True`` returns once the state is in CPU memory and writes it in the
-        background (the next save, ``load`` and ``dspark.shutdown()`` wait for it). Collective,
-        between steps.
+        every rank's random state, each ``extra`` object's ``state_dict()`` (an LR scheduler, a
+        ``dspark.DataLoader``), and the model's HuggingFace config (``config.json``) if it has one. A
+        checkpoint already at ``path`` is replaced once the new one is complete. ``async_save=True``
+        returns once the state is in CPU memory and writes it in the background (the next save,
+        ``load`` and ``dspark.shutdown()`` wait for it). Collective, between steps.
 
         Example::
 
@@ -402,7 +402,7 @@ class Engine:
         # imported here: DCP is heavy to import and most runs never checkpoint
         from dspark.checkpoint import save_checkpoint
 
-        return save_checkpoint(self, path, async_save=async_save, extra=extra)
+        return save_checkpoint(self, path, async_save=async_save, extra=extra, model_config=self._parts.states.hf_config())
 
     def load(self, path: str | os.PathLike[str], *, extra: Mapping[str, Any] | None = None,
              optimizer: bool = True, verify: bool = True) -> CheckpointInfo:

@@ -40,6 +40,7 @@ from dspark.engine.adapters import (
     adapter_layout,
     adapter_tensor_names,
     base_load_problem,
+    holds_peft,
     merged_tensors,
     save_adapter,
 )
@@ -213,6 +214,14 @@ class StateDicts:
 
     def _names_only(self) -> contextlib.AbstractContextManager[None]:
         return self.guard.allowed() if self.guard is not None else contextlib.nullcontext()
+
+    def hf_config(self) -> Any:
+        """The model's HuggingFace config, which checkpoints keep as ``config.json``; None without one,
+        and for a peft model, whose state-dict names are not its config's model's."""
+        config = getattr(self.module, "config", None)
+        if not callable(getattr(config, "to_json_string", None)) or holds_peft(self.module):
+            return None
+        return config
 
     def load_targets(self) -> tuple[list[WeightEntry], Names | None]:
         """What weights load into: the entries, and a peft model's other names for them (see [Note:
