@@ -35,6 +35,7 @@ from dspark.checkpoint.hf_files import ShardWriter, parse_size, plan_shards, ten
 from dspark.checkpoint.info import read_checkpoint_info
 from dspark.checkpoint.manifest import read_manifest, read_verified
 from dspark.checkpoint.offline import ModelTensor, model_tensors, read_extra
+from dspark.checkpoint.plain_files import MODEL_CONFIG
 
 __all__ = ["DTYPES", "export_checkpoint"]
 
@@ -128,7 +129,7 @@ def _config_json(directory: Path, *, verify: bool) -> bytes | None:
     listed = manifest is not None and layout.CONFIG_FILE in manifest.files
     if not listed and (verify or not (directory / layout.CONFIG_FILE).is_file()):
         return None
-    return read_verified(directory, layout.CONFIG_FILE, manifest)
+    return read_verified(directory, layout.CONFIG_FILE, manifest, MODEL_CONFIG)
 
 
 def _check_free(target: Path, kind: str) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 
 from dspark.errors import CheckpointError
 
-__all__ = ["DCP_METADATA", "DSPARK_JSON", "HF_INDEX", "MANIFEST", "SAFETENSORS_HEADER", "TRAINING_STATE",
+__all__ = ["DCP_METADATA", "DSPARK_JSON", "HF_INDEX", "MANIFEST", "MODEL_CONFIG", "SAFETENSORS_HEADER", "TRAINING_STATE",
            "Bound", "check_plain_file", "check_values", "read_plain_file", "write_json"]
 
 
@@ -51,6 +51,8 @@ DSPARK_JSON = Bound("a checkpoint's dspark.json", 2**20, 10_000)
 TRAINING_STATE = Bound("a checkpoint's training_state.json", 128 * 2**20, 10_000_000)
 """About 300 bytes and 20 values per parameter tensor (its optimizer's non-tensor state), some
 kilobytes per rank (its random states), and the ``extra`` entries."""
+MODEL_CONFIG = Bound("a checkpoint's config.json (the model's HuggingFace config)", 16 * 2**20, 1_000_000)
+"""A few kilobytes: the model's HuggingFace configuration, as ``from_pretrained`` reads it."""
 MANIFEST = Bound("a checkpoint's manifest.json", 160 * 2**20, 5_000_000)
 """About 135 bytes and 4 values per chunk (one per record DCP wrote): a million chunks."""
 DCP_METADATA = Bound("a checkpoint's DCP .metadata", 2**30)
