@@ -1,6 +1,7 @@
 """DSP008 (issue 30): a loss divided by the accumulation count before engine.backward is flagged, in
 nanoGPT's shape and its variants, and a correct loop is not. The 2-rank test runs the very script the
-checker reads, and shows what the division costs: a gradient K times too small."""
+checker reads: the engine refuses the divided loss at run time too, and with that check switched off
+the division costs a gradient K times too small."""
 
 from __future__ import annotations
 
@@ -59,6 +60,20 @@ def test_the_nanogpt_line_is_flagged_where_the_fix_goes() -> None:
     ("import dspark\ne = dspark.Engine(m, grad_accum_steps=4)\ne.backward(loss / 4)\n", [3]),
     ("class Trainer:\n    def step(self, loss):\n        loss = loss / self.grad_accum_steps\n"
      "        self.engine.backward(loss)\n", [3]),
+    # in place, a power, a product with the reciprocal (issue 37)
+    ("loss = model(x)\nloss.div_(gradient_accumulation_steps)\nengine.backward(loss)\n", [2]),
+    ("loss = model(x)\nloss.mul_(1.0 / gradient_accumulation_steps)\nengine.backward(loss)\n", [2]),
+    ("engine.backward(loss * gradient_accumulation_steps ** -1)\n", [1]),
+    ("loss *= 1 / grad_accum\nengine.backward(loss)\n", [1]),
+    ("engine.backward(torch.mul(loss, 1 / grad_accum_steps))\n", [1]),
+    ("def train(engine):\n    for x in xs:\n        loss = f(x)\n        loss.div_(grad_accum_steps)\n"
+     "        engine.backward(loss)\n", [4]),
+    # a helper that divides, also through a default argument; reported where it is called
+    ("def scaled(l):\n    return l / gradient_accumulation_steps\nengine.backward(scaled(loss))\n", [3]),
+    ("def scaled(l):\n    return l / gradient_accumulation_steps\nloss = scaled(loss)\nengine.backward(loss)\n", [3]),
+    ("def scaled(l, k=gradient_accumulation_steps):\n    return l / k\nengine.backward(scaled(loss))\n", [3]),
+    ("import dspark\nK = 4\ne = dspark.Engine(m, grad_accum_steps=K)\ndef scaled(l, n=K):\n    out = l / n\n"
+     "    return out\ne.backward(scaled(loss))\n", [7]),
 ])
 def test_variants_are_flagged(source: str, lines: list[int]) -> None:
     assert _dsp008(source) == lines
@@ -73,9 +88,19 @@ def test_variants_are_flagged(source: str, lines: list[int]) -> None:
     "scaler.scale(loss / gradient_accumulation_steps).backward()\n",  # DDP's loop, not an engine
     "loss = loss / grad_accum_steps  # dspark: ignore[DSP008]\nengine.backward(loss)\n",
     "def f(loss):\n    return loss / grad_accum_steps\nengine.backward(loss)\n",  # another scope
+    "def scaled(l):\n    return l * 2\nengine.backward(scaled(loss))\n",   # a helper that scales by 2
+    "engine.backward(loss * 2 ** -1)\n",
+    "loss.mul_(2.0)\nengine.backward(loss)\n",
 ])
+
 def test_correct_loops_are_not_flagged(source: str) -> None:
     assert _dsp008(source) == []
+
+
+def test_a_helpers_finding_says_what_the_helper_does() -> None:
+    source = "def scaled(l, k=gradient_accumulation_steps):\n    return l / k\nengine.backward(scaled(loss))\n"
+    (finding,) = check_source(source, "train.py")
+    assert "scaled() at line 1 returns its argument divided by k" in finding.message, finding.message
 
 
 SCRIPT = """\
@@ -92,7 +117,7 @@ def main() -> float:
     dspark.init()
     torch.manual_seed(0)
     engine = dspark.Engine(torch.nn.Linear(8, 1), optimizer=functools.partial(torch.optim.SGD, lr=0.1),
-                           grad_accum_steps=K, clip_grad_norm=1e9)
+                           grad_accum_steps=K, clip_grad_norm=1e9, allow_accum_scaled_loss={allow})
     loader = dspark.DataLoader(torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randn(64, 1)),
                                global_batch_size=8, seed=0)
     for step, (x, y) in enumerate(loader):
@@ -110,18 +135,26 @@ if __name__ == "__main__":
 """
 
 
-def _run_script(path: str) -> float:
-    return float(runpy.run_path(path)["main"]())
+def _run_script(path: str) -> float | str:
+    try:
+        return float(runpy.run_path(path)["main"]())
+    except ValueError as exc:
+        return str(exc)
 
 
 def test_a_two_rank_run_that_divides_by_k_is_flagged(pool, tmp_path: Path,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
     divided = tmp_path / "divided.py"
-    divided.write_text(SCRIPT.format(ignore=""))
+    divided.write_text(SCRIPT.format(ignore="", allow=False))
+    allowed = tmp_path / "allowed.py"
+    allowed.write_text(SCRIPT.format(ignore="", allow=True))
     fixed = tmp_path / "fixed.py"
-    fixed.write_text(SCRIPT.format(ignore="").replace("        loss = loss / K\n", ""))
-    # the run: no error anywhere, and the gradient is K times too small
-    small, right = pool.run(_run_script, str(divided)), pool.run(_run_script, str(fixed))
+    fixed.write_text(SCRIPT.format(ignore="", allow=False).replace("        loss = loss / K\n", ""))
+    # the run: the engine refuses the divided loss on every rank
+    for message in pool.run(_run_script, str(divided)):
+        assert "divided by grad_accum_steps=4" in str(message), message
+    # with that check off, no error anywhere, and the gradient is K times too small
+    small, right = pool.run(_run_script, str(allowed)), pool.run(_run_script, str(fixed))
     assert small[0] == small[1] and right[0] == right[1]
     assert right[0] == pytest.approx(4 * small[0], rel=1e-5)
     # the checker, on the same file: an error at the division, exit status 1

@@ -11,10 +11,15 @@ What counts as the accumulation count: a name or attribute whose last part conta
 (``gradient_accumulation_steps``, ``args.grad_accum_steps``, ``accum_iter``), the value passed as
 ``Engine(grad_accum_steps=...)`` (a name, an attribute, or an int literal above 1), and any name
 assigned from an expression that uses one of those (``k = cfg.accum // world_size``). A division
-by it (``/``, ``/=``, ``.div(k)``, ``torch.div(x, k)``, ``x * (1 / k)``) that reaches the argument
-of ``<engine>.backward(...)`` is reported at the division: directly in the call, or through the
-names assigned in the same scope before the call (each name's latest assignment counts; an
-assignment that uses a divided name is divided too). An engine is a name assigned from
+by it (``/``, ``/=``, ``.div(k)``, ``torch.div(x, k)``, in place ``loss.div_(k)``) or a product
+with its reciprocal (``x * (1 / k)``, ``x * k ** -1``, ``x *= 1 / k``, ``loss.mul_(1.0 / k)``) that
+reaches the argument of ``<engine>.backward(...)`` is reported at the division: directly in the
+call, or through the names assigned (or changed in place) in the same scope before the call (each
+name's latest assignment counts; an assignment that uses a divided name is divided too). A call of
+a helper function of the module that returns such a division (``def scaled(l): return l / k``,
+also through a parameter whose default is the count, ``def scaled(l, k=accum): ...``) divides as
+well; helpers of at most ``HELPER_LINES`` lines are read (the checker keeps their trees from its
+first walk to its second, and a helper is short). An engine is a name assigned from
 ``dspark.Engine(...)`` or any name or attribute whose last part contains ``engine``. Linear in the
 file's size: the counts are collected in a few passes over the module's assignments, then each
 scope's statements are walked once, in order.
@@ -34,7 +39,10 @@ __all__ = ["AccumulationCheck", "CountSources", "accumulation_findings"]
 _ACCUM = re.compile(r"accum", re.IGNORECASE)
 _ENGINE = re.compile(r"engine", re.IGNORECASE)
 _DIV_METHODS = ("div", "div_", "divide", "true_divide")
+_MUL_METHODS = ("mul", "mul_", "multiply")
+_IN_PLACE = ("div_", "mul_", "true_divide_")
 _PROPAGATION_PASSES = 3  # k = accum; j = k; i = j: chains longer than this are not followed
+HELPER_LINES = 20
 _FIX = ("the engine already averages the window's grad_accum_steps micro-batches (see the porting "
         "guide, docs/porting.md): drop the division and pass the micro-batch's mean loss, "
         "engine.backward(loss)")
@@ -69,6 +77,7 @@ class CountSources:
     def __init__(self) -> None:
         self._engine_kwargs: list[tuple[ast.expr, ast.expr]] = []   # (func, grad_accum_steps=...)
         self._engine_keys: set[str] = set()                # e = pkg.Engine(...): "e"
+        self._helpers: list[ast.FunctionDef | ast.AsyncFunctionDef] = []   # short functions that may divide
         self._called_names: dict[str, set[str]] = {}       # e = Name(...): Name -> {"e"}
         # (depth, target keys, any read named *accum*, the keys read, the int literals read)
         self._assigns: list[tuple[int, tuple[str, ...], bool, tuple[str, ...], tuple[int, ...]]] = []
@@ -91,6 +100,8 @@ class CountSources:
                         self._engine_keys.update(targets)
             elif isinstance(node, (ast.AnnAssign, ast.AugAssign)) and node.value is not None:
                 self._note_assign(depth, [node.target], node.value)
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _may_divide(node):
+                self._helpers.append(node)
 
     def _note_assign(self, depth: int, targets: list[ast.expr], value: ast.expr) -> None:
         keys = tuple(k for t in targets for k in _target_keys(t))
@@ -121,6 +132,11 @@ class CountSources:
                     counts.keys.update(keys)
             if len(counts.keys) == before:
                 break
+        for helper in self._helpers:   # after the counts: a helper divides by one of them
+            where = _returned_division(helper, counts, origin)
+            if where is not None:
+                counts.helpers[helper.name] = (f"{helper.name}() at line {helper.lineno} returns its argument "
+                                               f"divided by {_shown(where)}")
         return counts
 
 
@@ -131,6 +147,15 @@ class _Counts:
         self.keys: set[str] = set()
         self.literals: set[int] = set()
         self.engines: set[str] = set()
+        self.helpers: dict[str, str] = {}
+        """A helper function that divides its argument by a count -> what it does, for the message."""
+
+    def with_keys(self, keys: set[str]) -> _Counts:
+        """These counts, plus ``keys`` (a helper's parameters whose default is a count)."""
+        inner = _Counts()
+        inner.keys, inner.literals, inner.engines, inner.helpers = (self.keys | keys, self.literals, self.engines,
+                                                                    self.helpers)
+        return inner
 
     def note_engine_value(self, value: ast.expr) -> None:
         if isinstance(value, ast.Constant) and isinstance(value.value, int) and value.value > 1:
@@ -160,25 +185,83 @@ def _target_keys(target: ast.expr) -> Iterator[str]:
         yield key
 
 
+def _is_number(node: ast.expr) -> bool:
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        node = node.operand
+    return isinstance(node, ast.Constant) and isinstance(node.value, int | float) and not isinstance(node.value, bool)
+
+
+def _reciprocal(node: ast.expr, counts: _Counts) -> ast.expr | None:
+    """The count in ``1 / k`` or ``k ** -1`` (a factor that divides by it), or None."""
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div) and _is_number(node.left) and counts.uses(node.right):
+        return node.right
+    if (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Pow) and counts.uses(node.left)
+            and isinstance(node.right, ast.UnaryOp) and isinstance(node.right.op, ast.USub) and _is_number(node.right)):
+        return node.left
+    return None
+
+
+def _helper_called(call: ast.Call, counts: _Counts) -> bool:
+    return bool(counts.helpers) and _leaf(call.func) in counts.helpers
+
+
 def _division(node: ast.expr, counts: _Counts, origin: Origin) -> ast.expr | None:
-    """The first division by a count inside ``node`` (the divisor's node), or None."""
+    """The first division by a count inside ``node`` (the divisor's node; a helper's call), or None."""
     for sub in walk(node):
         if isinstance(sub, ast.BinOp) and isinstance(sub.op, (ast.Div, ast.FloorDiv)) and counts.uses(sub.right):
-            if isinstance(sub.left, ast.Constant) and not isinstance(sub.left.value, bool):
+            if _is_number(sub.left):
                 continue  # 1 / k alone is a factor, not a divided loss: its product is caught as x * (1 / k)
             return sub.right
         if isinstance(sub, ast.BinOp) and isinstance(sub.op, ast.Mult):
             for factor in (sub.left, sub.right):
-                if (isinstance(factor, ast.BinOp) and isinstance(factor.op, ast.Div)
-                        and isinstance(factor.left, ast.Constant) and counts.uses(factor.right)):
-                    return factor.right
+                if (count := _reciprocal(factor, counts)) is not None:
+                    return count
         if isinstance(sub, ast.Call):
             name = (origin(sub.func) or "").split(".")[-1]
             if name in _DIV_METHODS:
                 divisor = sub.args[-1] if sub.args else None
                 if divisor is not None and counts.uses(divisor):
                     return divisor
+            elif name in _MUL_METHODS:
+                for factor in sub.args:
+                    if (count := _reciprocal(factor, counts)) is not None:
+                        return count
+            elif _helper_called(sub, counts):
+                return sub
     return None
+
+
+def _shown(where: ast.AST) -> str:
+    divisor = where.value if isinstance(where, ast.AugAssign) else where
+    return ast.unparse(divisor) if isinstance(divisor, ast.expr) else "the accumulation count"
+
+
+def _may_divide(node: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    """A short function that returns a value and divides or multiplies somewhere: a possible helper."""
+    if (node.end_lineno or node.lineno) - node.lineno > HELPER_LINES:
+        return False
+    returns = scales = False
+    for sub in walk(node):
+        returns = returns or (isinstance(sub, ast.Return) and sub.value is not None)
+        if isinstance(sub, (ast.BinOp, ast.AugAssign)):
+            scales = scales or isinstance(sub.op, (ast.Div, ast.FloorDiv, ast.Mult))
+        elif isinstance(sub, ast.Call):
+            scales = scales or _leaf(sub.func) in (*_DIV_METHODS, *_MUL_METHODS)
+    return returns and scales
+
+
+def _returned_division(helper: ast.FunctionDef | ast.AsyncFunctionDef, counts: _Counts,
+                       origin: Origin) -> ast.AST | None:
+    """Where ``helper`` divides what it returns by a count (its own parameters defaulting to a count
+    count too), or None."""
+    args = helper.args
+    positional = [*args.posonlyargs, *args.args]
+    defaults = [*zip(positional[len(positional) - len(args.defaults):], args.defaults, strict=True),
+                *((a, d) for a, d in zip(args.kwonlyargs, args.kw_defaults, strict=True) if d is not None)]
+    inner = counts.with_keys({a.arg for a, d in defaults if counts.uses(d)})
+    scope = _Scope(inner, origin)
+    scope.walk(helper.body)
+    return scope.returned
 
 
 class _Scope:
@@ -191,6 +274,7 @@ class _Scope:
         self.divided: dict[str, ast.AST] = {}   # name -> where it was divided
         self.findings: list[tuple[ast.AST, str]] = []
         self.reported: set[ast.AST] = set()   # the nodes, not their ids: a dropped run's ids are reused
+        self.returned: ast.AST | None = None   # where a returned value was divided
 
     def walk(self, body: list[ast.stmt]) -> None:
         for stmt in body:
@@ -224,8 +308,18 @@ class _Scope:
         elif isinstance(stmt, ast.AugAssign) and (name := _key(stmt.target)) is not None:
             if isinstance(stmt.op, (ast.Div, ast.FloorDiv)) and self.counts.uses(stmt.value):
                 self.divided[name] = stmt
+            elif isinstance(stmt.op, ast.Mult) and _reciprocal(stmt.value, self.counts) is not None:
+                self.divided[name] = stmt
             elif (carried := self._carried(stmt.value)) is not None:
                 self.divided[name] = carried
+        elif (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call)
+              and isinstance(stmt.value.func, ast.Attribute) and stmt.value.func.attr in _IN_PLACE
+              and (name := _key(stmt.value.func.value)) is not None):   # loss.div_(k): changed in place
+            where = _division(stmt.value, self.counts, self.origin)
+            if where is not None:
+                self.divided[name] = where
+        elif isinstance(stmt, ast.Return) and stmt.value is not None and self.returned is None:
+            self.returned = self._carried(stmt.value)
         for field in ("body", "orelse", "finalbody"):
             self.walk(getattr(stmt, field, []) or [])
         for handler in getattr(stmt, "handlers", []) or []:
@@ -242,8 +336,10 @@ class _Scope:
         if where is None or where in self.reported:
             return
         self.reported.add(where)
-        divisor = where.value if isinstance(where, ast.AugAssign) else where
-        shown = ast.unparse(divisor) if isinstance(divisor, ast.expr) else "the accumulation count"
+        if isinstance(where, ast.Call) and _helper_called(where, self.counts):
+            shown = f"{ast.unparse(where.func)}(): {self.counts.helpers[_leaf(where.func) or '']}"
+        else:
+            shown = _shown(where)
         self.findings.append((where, f"the loss passed to {ast.unparse(func)}() at line {call.lineno} "
                                      f"is divided by the gradient accumulation count ({shown}): "
                                      f"gradients come out that many times too small; {_FIX}"))

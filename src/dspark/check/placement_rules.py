@@ -35,8 +35,9 @@ DSP007 (warning) in a file that uses DSpark, a ``torch.utils.data.DataLoader`` b
     evaluation), or over an iterable dataset that splits itself by rank, is silenced with
     ``# dspark: ignore[DSP007]``.
 DSP008 (error) a loss divided by the gradient accumulation count (``loss = loss /
-    gradient_accumulation_steps``, ``loss /= k``, ``engine.backward(loss / k)``) before
-    ``engine.backward``: the engine already averages the window's micro-batches, so the gradients
+    gradient_accumulation_steps``, ``loss /= k``, ``engine.backward(loss / k)``, ``loss.div_(k)``,
+    ``loss.mul_(1.0 / k)``, ``loss * k ** -1``, a helper function that returns its argument divided)
+    before ``engine.backward``: the engine already averages the window's micro-batches, so the gradients
     come out K times too small, silently. Fix: drop the division, ``engine.backward(loss)``. The
     rule and what counts as the count: :mod:`dspark.check.accumulation_rule`.
 
