@@ -53,6 +53,15 @@ def machine_line(env: dict[str, Any]) -> str:
             f"{versions.get('python', '?')} (machine.txt: `dspark env`)")
 
 
+def _shown(path: Path) -> str:
+    """``path`` relative to the current directory when it is under it (``.venv/bin/dspark``), as a
+    command in ``artifact.json`` should read on any clone."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
 def _run(command: list[str]) -> str:
     return subprocess.run(command, capture_output=True, text=True, check=True).stdout
 
@@ -80,7 +89,7 @@ def record(*, results_dir: Path, name: str, title: str, command: list[str], anch
                        f":!{results_dir}"]).strip())
     db = out_dir / "ledger.sqlite"
     full = [*command, "--db", str(db)] if ledger else [*command, "--out", str(out_dir)]
-    dspark = str(Path(sys.executable).with_name("dspark"))
+    dspark = _shown(Path(sys.executable).with_name("dspark"))
     with open(out_dir / "output.txt", "w") as log:
         log.write(f"$ {shlex.join(full)}\n")
         log.flush()
