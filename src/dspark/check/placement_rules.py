@@ -40,6 +40,17 @@ DSP008 (error) a loss divided by the gradient accumulation count (``loss = loss 
     before ``engine.backward``: the engine already averages the window's micro-batches, so the gradients
     come out K times too small, silently. Fix: drop the division, ``engine.backward(loss)``. The
     rule and what counts as the count: :mod:`dspark.check.accumulation_rule`.
+DSP009 (error) ``torch.nn.utils.clip_grad_norm_(model.parameters(), c)`` over the engine's module
+    under ``strategy="zero2"`` or ``"zero3"``: each rank holds only its rows of each gradient, inside
+    the engine, so the clip would clip nothing (the engine raises ``ShardedGradError`` at run time).
+    Fix: ``Engine(clip_grad_norm=c)`` or ``engine.clip_grad_norm_(c)``.
+DSP010 (error) ``optimizer.state_dict()`` (or ``load_state_dict``) of the engine's optimizer under
+    ``strategy="zero1"``, ``"zero2"`` or ``"zero3"``: it holds only this rank's rows, so a saved state
+    would be part of the state (the engine raises ``ShardedOptimizerStateError``). Fix:
+    ``engine.save(path)`` / ``engine.load(path)``.
+DSP011 (warning) either of those lines where the file's strategy cannot be read (a variable,
+    ``"auto"``): right under ``replicate`` (the clip under ``zero1`` too), wrong under the others.
+    How the rules read the module, the optimizer and the strategy: :mod:`dspark.check.habit_rules`.
 
 A ``# dspark: ignore[DSPnnn]`` comment (or a bare ``# dspark: ignore``) on the finding's line
 silences it; not ``# noqa``, which other linters own and would report as an unknown code.
@@ -63,6 +74,7 @@ from dspark.check.chunked_parse import (
     statements_by_depth,
     tree_kept,
 )
+from dspark.check.habit_rules import HabitSources
 from dspark.check.reaching_values import ModuleFlow, Values, reaching_values
 from dspark.check.source_files import python_files
 from dspark.check.tree_walk import child_nodes
@@ -79,6 +91,9 @@ CODES: dict[str, tuple[str, str]] = {
     "DSP006": ("warning", "batch replicated"),
     "DSP007": ("warning", "DataLoader without a sampler"),
     "DSP008": ("error", "loss divided by the accumulation count"),
+    "DSP009": ("error", "clip of the module's parameters clips nothing"),
+    "DSP010": ("error", "state dict of a sharded optimizer"),
+    "DSP011": ("warning", "clip or optimizer state dict right under some strategies only"),
 }
 """Each code's severity and short title (the module docstring has the fix)."""
 
@@ -408,13 +423,14 @@ def check_source(source: str, path: str = "<string>") -> list[Finding]:
 def _findings(source: str, path: str) -> list[Finding]:
     text = parser_text(source)
     imports: list[tuple[int, str, str]] = []
-    sources = CountSources()
+    sources, habits = CountSources(), HabitSources()
     first: list[tuple[Run, ast.Module | None]] = []
     try:   # the first walk: what the whole module imports and counts (see [Note: chunked parse])
         for run, tree in runs(text, path):
             first.append((run, tree_kept(run, tree)))
             imports += _imports(tree)
             sources.add(tree, text[run.start:run.end])
+            habits.add(tree)
         trees: Iterator[ast.Module] = second_walk(text, path, first)
     except SyntaxError:
         try:
@@ -422,18 +438,25 @@ def _findings(source: str, path: str) -> list[Finding]:
         except SyntaxError as exc:
             return [Finding(path=path, line=exc.lineno or 1, col=exc.offset or 1, code="DSP000",
                             message=f"cannot parse: {exc.msg}")]
-        imports, sources = _imports(whole), CountSources()   # never seen: the runs disagree with
-        sources.add(whole)                                   # the file, then checked as one run
+        imports, sources, habits = _imports(whole), CountSources(), HabitSources()   # never seen: the runs
+        sources.add(whole)                                   # disagree with the file, then checked as one run
+        habits.add(whole)
         trees = iter([whole])
     imports.sort(key=lambda entry: entry[0])
     checker = _Checker(path, {local: origin for _depth, local, origin in imports})
     flow = ModuleFlow(read=checker.read_by_rules)
-    accumulation = AccumulationCheck(sources.counts(lambda func: _origin(func, checker.imports)),
-                                     lambda func: _origin(func, checker.imports))
+    def origin(func: ast.expr) -> str | None:
+        return _origin(func, checker.imports)
+
+    counts = sources.counts(origin)
+    accumulation = AccumulationCheck(counts, origin)
+    habit_check = habits.facts(origin, counts.is_engine)
     for tree in trees:   # the second walk: each run's findings, then the run is dropped
         checker.visit_run(tree, flow.run(tree.body))
         for node, message in accumulation.run(tree):
             checker.report(node, "DSP008", message)
+        for node, code, message in habit_check.run(tree):
+            checker.report(node, code, message)
     lines = source.splitlines()
     kept = [f for f in checker.findings if not _silenced(f, lines)]
     return sorted(kept, key=lambda f: (f.line, f.col, f.code))
