@@ -129,3 +129,31 @@ def test_init_twice_returns_the_world_or_refuses_another_backend(single_process)
     assert dspark.init() is single_process
     with pytest.raises(ValueError, match="already initialised with backend 'none'"):
         dspark.init(backend="gloo")
+
+
+def _partition_and_counters() -> dict[str, Any]:
+    world = dspark.get_world()
+    comm.reset_stats()
+    alone = comm.partition_groups([(0,), (1,)], name="shard")  # each rank its own group
+    both = comm.partition_groups([(0, 1)], name="replica")
+    again = comm.partition_groups([(0,), (1,)], name="shard")  # made once, reused
+    t = torch.full((4,), float(world.rank + 1))
+    comm.all_reduce(t, group=alone)
+    comm.all_reduce(t, group=both)
+    comm.all_reduce(torch.ones(2))
+    return {"same": again is alone, "sizes": (alone.size, both.size), "ranks": (alone.rank, both.rank),
+            "sum": t.tolist(), **{name: {k: (v.calls, v.wire_bytes) for k, v in comm.stats(group=name).items()}
+                                  for name in ("shard", "replica", "world")},
+            "all": {k: v.calls for k, v in comm.stats().items()}}
+
+
+def test_partition_groups_count_their_bytes_apart(pool) -> None:
+    r0, r1 = pool.run(_partition_and_counters)
+    assert r0["same"] and r0["sizes"] == (1, 2) and r0["ranks"] == (0, 0) and r1["ranks"] == (0, 1)
+    assert r0["sum"] == r1["sum"] == [3.0] * 4  # alone: unchanged; both: 1 + 2
+    assert r0["shard"] == {"all_reduce": (1, 0)}  # one rank: nothing sent
+    assert r0["replica"] == {"all_reduce": (1, 16)}
+    assert r0["world"] == {"all_reduce": (1, 8)} and r0["all"] == {"all_reduce": 3}
+    with pytest.raises(AssertionError) as info:  # the pool reports each rank's ValueError
+        pool.run(comm.partition_groups, [(0,)], name="shard")
+    assert_names(str(info.value), "ValueError: partition_groups: [(0,)]", "world_size(2)")

@@ -109,8 +109,13 @@ def main() -> None:
             result = eval_lengths.evaluate(model, strategy, 3, 4)
             result["rows"] = comm.all_gather_object(result["rows"])  # every rank's
             out["eval"][(model, strategy)] = result
-    if world.rank == 0:
-        torch.save(out, sys.argv[1])
+    save_and_leave(out, sys.argv[1])
+
+
+def save_and_leave(out: dict, path: str) -> None:
+    """Rank 0 saves ``out`` to ``path``; every rank leaves once it is written."""
+    if dspark.get_world().rank == 0:
+        torch.save(out, path)
     comm.barrier()
     dspark.shutdown()
 

@@ -34,6 +34,7 @@ BAD: dict[str, tuple[Any, type[Exception]]] = {
     "zero3_units": ("Block", TypeError),
     "broadcast_buffers": (1, TypeError),
     "sync_batchnorm": ("yes", TypeError),
+    "shard_group_size": (0, ValueError),
     "skip_nonfinite": ("yes", TypeError),
     "max_nonfinite_skips": (0, ValueError),
     "batch_check_every": (1.5, ValueError),

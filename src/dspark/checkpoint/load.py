@@ -31,8 +31,7 @@ from dspark.checkpoint.info import CheckpointInfo, read_checkpoint_info
 from dspark.checkpoint.target import Checkpointable
 from dspark.checkpoint.training_state import STATE_FILE, TrainingState, read_training_state
 from dspark.errors import CheckpointError, first_line
-from dspark.tensor import DistTensor, Shard
-from dspark.tensor.shard_math import shard_range
+from dspark.tensor import Shard
 
 __all__ = ["load_checkpoint"]
 
@@ -248,13 +247,6 @@ def _check_extra(extra: Mapping[str, Any] | None, training: TrainingState, direc
                             "or must be a dict (updated in place)")
 
 
-def _fresh_like(value: Any) -> Any:
-    """An empty tensor laid out like ``value`` (a DTensor's local rows, or a whole tensor)."""
-    if callable(getattr(value, "to_local", None)):
-        return DistTensor(torch.empty_like(value.to_local()), Shard(0), _global_shape(value)).to_dtensor()
-    return torch.empty_like(value)
-
-
 def _destination(target: Checkpointable, template: Mapping[str, Any], entries: dict[str, Any],
                  names: dict[str, str], training: TrainingState,
                  extra: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -262,13 +254,12 @@ def _destination(target: Checkpointable, template: Mapping[str, Any], entries: d
     world = target.world
     state: dict[str, Any] = {}
     for name, value in template["model"].items():
-        state[layout.model_key(names[name])] = _fresh_like(value)
+        state[layout.model_key(names[name])] = storage.empty_like(value)
     placements = target.placements()["optimizer_state"]
     for name, global_rows in template["engine"].get("params", {}).items():
         global_rows = tuple(global_rows)
-        sharded = isinstance(placements.get(name), Shard) and world.world_size > 1
-        start, stop = shard_range(global_rows[0], world.world_size, world.rank) if sharded else (0, global_rows[0])
-        if stop <= start:
+        sharded = isinstance(placements.get(name), Shard)
+        if sharded and target.empty_shard(global_rows, torch.uint8) is None:
             continue  # this rank holds no rows of it: its optimizer skips it
         prefix = layout.optim_prefix(names[name])
         for entry, meta in entries.items():
@@ -276,8 +267,8 @@ def _destination(target: Checkpointable, template: Mapping[str, Any], entries: d
                 continue
             dtype = meta.properties.dtype
             if tuple(meta.size) == global_rows:  # per element: split like the parameter
-                local = torch.empty((stop - start, *global_rows[1:]), dtype=dtype)
-                state[entry] = (DistTensor(local, Shard(0), global_rows).to_dtensor() if sharded else local)
+                state[entry] = (target.empty_shard(global_rows, dtype) if sharded else
+                                torch.empty(global_rows, dtype=dtype))
             else:  # a scalar such as step: every rank reads it whole (on CPU, as optimizers keep it)
                 state[entry] = torch.empty(tuple(meta.size), dtype=dtype)
     for key, meta in entries.items():

@@ -92,6 +92,20 @@ def stage_on_cpu(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {key: _copy_to_cpu(value) for key, value in state.items()}
 
 
+def empty_like(value: Any) -> Any:
+    """An empty tensor laid out like ``value``: a DTensor's local rows on its own mesh and placements
+    (1-D, or hybrid sharding's 2-D mesh), or a whole tensor.
+
+    Example::
+
+        fresh = empty_like(engine.sharded_state_dict()["model"]["fc.weight"])   # what DCP fills
+    """
+    if not isinstance(value, DTensor):
+        return torch.empty_like(value)
+    return DTensor.from_local(torch.empty_like(value.to_local()), value.device_mesh, value.placements,
+                              run_check=False, shape=value.shape, stride=value.stride())
+
+
 def _copy_to_cpu(value: torch.Tensor) -> torch.Tensor:
     # DCP's own stager deep-copies a CPU DTensor's whole storage (a zero1/2 shard is a view of the
     # full parameter) and fails on an empty shard; this copies the local rows and nothing else.

@@ -7,8 +7,10 @@ through this protocol, which :class:`dspark.Engine` implements (see [Note: shard
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
+
+import torch
 
 from dspark.comm import World
 from dspark.tensor import Placement
@@ -28,6 +30,11 @@ class Checkpointable(Protocol):
 
     def load_sharded_state_dict(self, state: Mapping[str, Any]) -> None:
         """Install a structure like :meth:`sharded_state_dict`'s."""
+        ...
+
+    def empty_shard(self, global_rows: Sequence[int], dtype: torch.dtype) -> Any:
+        """An empty tensor for this rank's rows of a sharded tensor of ``global_rows``, laid out as
+        ``sharded_state_dict`` lays sharded optimizer state; None when this rank holds no rows."""
         ...
 
     def placements(self) -> dict[str, dict[str, Placement]]:

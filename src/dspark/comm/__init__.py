@@ -20,6 +20,7 @@ from dspark.comm.collectives import (
 from dspark.comm.observer import CommObserver, current_observer, set_observer
 from dspark.comm.shm_setup import transport
 from dspark.comm.stats import CollectiveStats, reset_stats, stats
+from dspark.comm.subgroups import mesh_2d, partition_groups
 from dspark.comm.world import (
     BACKENDS,
     World,
@@ -55,7 +56,9 @@ __all__ = [
     "get_world",
     "init",
     "is_initialized",
+    "mesh_2d",
     "new_group",
+    "partition_groups",
     "reduce_scatter_tensor",
     "reset_stats",
     "set_observer",

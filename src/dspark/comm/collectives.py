@@ -63,6 +63,8 @@ class Group:
     device: torch.device | None = None
     """Where this group's tensors live; None: the world's device. A gloo side group of an NCCL job
     (e.g. for a checkpoint written in the background) runs on the CPU."""
+    name: str = "world"
+    """What the byte counters file this group's collectives under (:func:`dspark.comm.stats`)."""
 
 
 _subgroups: list[Group] = []
@@ -74,14 +76,15 @@ def default_group() -> Group:
 
 
 def new_group(ranks: Sequence[int] | None = None, *, timeout: float | None = None,
-              backend: str | None = None) -> Group:
+              backend: str | None = None, name: str = "world") -> Group:
     """A new group over ``ranks`` (all ranks by default) with its own timeout in seconds and, with
-    ``backend="gloo"``, its own backend (its tensors then live on the CPU). Every rank of the world
-    must call it, in the same order."""
+    ``backend="gloo"``, its own backend (its tensors then live on the CPU); ``name`` files its
+    collectives' bytes (:func:`dspark.comm.stats`). Every rank of the world must call it, in the
+    same order; a rank outside ``ranks`` gets a group with ``rank == -1`` that it must not use."""
     world = get_world()
     timeout_s = world.timeout_s if timeout is None else float(timeout)
     if not world.is_distributed:
-        return Group(pg=None, rank=0, size=1, timeout_s=timeout_s)
+        return Group(pg=None, rank=0, size=1, timeout_s=timeout_s, name=name)
     if backend not in (None, "gloo", world.backend):
         raise ValueError(f"new_group(backend={backend!r}): a group runs on the world's backend "
                          f"{world.backend!r} or on 'gloo'")
@@ -89,8 +92,9 @@ def new_group(ranks: Sequence[int] | None = None, *, timeout: float | None = Non
     pg = dist.new_group(members, timeout=_dt.timedelta(seconds=timeout_s), backend=backend)
     rank = members.index(world.rank) if world.rank in members else -1
     device = torch.device("cpu") if backend == "gloo" else None
-    group = Group(pg=pg, rank=rank, size=len(members), timeout_s=timeout_s, device=device)
-    _subgroups.append(group)
+    group = Group(pg=pg, rank=rank, size=len(members), timeout_s=timeout_s, device=device, name=name)
+    if rank >= 0:  # a non-member holds no process group to destroy
+        _subgroups.append(group)
     return group
 
 
@@ -186,7 +190,7 @@ class Handle:
 def _run(kind: str, group: Group, nbytes: int, launch: Callable[[], Any], async_op: bool,
          after: Callable[[], object] | None = None, label: str | None = None) -> Handle:
     _refuse_if_failed(kind, group, nbytes, label)
-    _stats.record(kind, nbytes, group.size)
+    _stats.record(kind, nbytes, group.size, group.name)
     observer = current_observer()
     try:
         work = launch() if observer is None else observer.launch(kind, label, launch)

@@ -1,6 +1,9 @@
-"""Conversion to and from PyTorch's own ``DTensor`` on a 1-D mesh over the whole world."""
+"""Conversion to and from PyTorch's own ``DTensor`` on a 1-D mesh over the whole world (or, for
+hybrid sharding, a 2-D mesh of replica and shard groups)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -21,10 +24,15 @@ def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def to_torch_dtensor(local: torch.Tensor, shard_dim: int | None,
-                     global_shape: tuple[int, ...]) -> DTensor:
-    """A DTensor over this rank's ``local`` piece; ``shard_dim=None`` means replicated."""
+                     global_shape: tuple[int, ...], mesh: Any = None) -> DTensor:
+    """A DTensor over this rank's ``local`` piece; ``shard_dim=None`` means replicated. ``mesh``:
+    the whole world's 1-D mesh by default; a 2-D ``(replica, shard)`` mesh
+    (:func:`dspark.comm.mesh_2d`) replicates the piece across its first dim and splits the tensor
+    over its second (hybrid sharding)."""
     placement = _TorchReplicate() if shard_dim is None else _TorchShard(shard_dim)
-    return DTensor.from_local(local, device_mesh(), [placement], run_check=False,
+    mesh = device_mesh() if mesh is None else mesh
+    placements = [placement] if mesh.ndim == 1 else [_TorchReplicate(), placement]
+    return DTensor.from_local(local, mesh, placements, run_check=False,
                               shape=torch.Size(global_shape), stride=_contiguous_stride(global_shape))
 
 

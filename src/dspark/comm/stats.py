@@ -9,6 +9,10 @@ ring algorithm puts on the wire from this rank, the figure a cost model needs:
 * all_gather: (N - 1) * shard size
 * broadcast: size (counted on every rank)
 Nothing is counted as sent when the world has one rank.
+
+Each count is kept in total and per group name (``"world"`` for the default group, ``"shard"`` and
+``"replica"`` for hybrid sharding's groups: :func:`dspark.comm.partition_groups`), so that what each
+level of a two-level fabric carries can be read apart: ``stats(group="replica")``.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ class CollectiveStats:
 
 _lock = threading.Lock()
 _stats: dict[str, CollectiveStats] = {}
+_by_group: dict[str, dict[str, CollectiveStats]] = {}
 
 
 def wire_bytes(kind: str, payload_bytes: int, num_ranks: int) -> int:
@@ -43,21 +48,32 @@ def wire_bytes(kind: str, payload_bytes: int, num_ranks: int) -> int:
     return payload_bytes
 
 
-def record(kind: str, payload_bytes: int, num_ranks: int) -> None:
+def record(kind: str, payload_bytes: int, num_ranks: int, group: str = "world") -> None:
+    """Count one ``kind`` collective of ``payload_bytes`` over ``num_ranks`` ranks of ``group``."""
     sent = payload_bytes if num_ranks > 1 else 0
+    wire = wire_bytes(kind, sent, num_ranks)
     with _lock:
-        entry = _stats.setdefault(kind, CollectiveStats())
-        entry.calls += 1
-        entry.bytes += sent
-        entry.wire_bytes += wire_bytes(kind, sent, num_ranks)
+        for table in (_stats, _by_group.setdefault(group, {})):
+            entry = table.setdefault(kind, CollectiveStats())
+            entry.calls += 1
+            entry.bytes += sent
+            entry.wire_bytes += wire
 
 
-def stats() -> dict[str, CollectiveStats]:
-    """A snapshot of the counters since the last :func:`reset_stats`, by collective kind."""
+def stats(group: str | None = None) -> dict[str, CollectiveStats]:
+    """A snapshot of the counters since the last :func:`reset_stats`, by collective kind: over every
+    group, or only ``group``'s (``"world"``, ``"shard"``, ``"replica"``...).
+
+    Example::
+
+        comm.stats(group="replica")["all_reduce"].wire_bytes   # what crossed the nodes
+    """
     with _lock:
-        return {k: CollectiveStats(v.calls, v.bytes, v.wire_bytes) for k, v in _stats.items()}
+        table = _stats if group is None else _by_group.get(group, {})
+        return {k: CollectiveStats(v.calls, v.bytes, v.wire_bytes) for k, v in table.items()}
 
 
 def reset_stats() -> None:
     with _lock:
         _stats.clear()
+        _by_group.clear()

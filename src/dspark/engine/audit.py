@@ -73,8 +73,13 @@ def _names(slots: Sequence[ParamSlot], most: int = 3) -> str:
 def audit_rows(*, module: nn.Module, slots: Iterable[ParamSlot], strategy: ShardingPolicy,
                params_sharded: bool, buckets: Sequence[Any], optimizer: torch.optim.Optimizer,
                batch: ForwardInputs | None, rank: int, num_ranks: int,
-               device: torch.device) -> list[dict[str, Any]]:
-    """The audit's rows on this rank (see [Note: replication audit]); a collective."""
+               device: torch.device, shard_rank: int | None = None,
+               shard_group_size: int | None = None) -> list[dict[str, Any]]:
+    """The audit's rows on this rank (see [Note: replication audit]); a collective. A sharded tensor's
+    share is the shard group's (``shard_rank`` of ``shard_group_size``; by default the world's), the
+    batch's the world's."""
+    group_rank = rank if shard_rank is None else shard_rank
+    group_size = num_ranks if shard_group_size is None else shard_group_size
     seen: set[int] = set()
     all_slots = list(slots)
     slot_of = {id(s.param): s for s in all_slots}
@@ -87,14 +92,14 @@ def audit_rows(*, module: nn.Module, slots: Iterable[ParamSlot], strategy: Shard
         if params_sharded and slot is not None:
             held = storage_bytes([slot.shard_flat, p.detach()], seen)  # a gathered one holds both
             rows.append(_row(name, "param", _SHARD, held,
-                             _share_bytes(slot.shape, itemsize, True, num_ranks)))
+                             _share_bytes(slot.shape, itemsize, True, group_size)))
         else:
             rows.append(_row(name, "param", _REPLICATE, storage_bytes([p.detach()], seen),
                              p.numel() * itemsize))
 
     for bucket in buckets:
         buffer = bucket.shard_buffer if bucket.sharded else bucket.grad_buffer
-        expected = sum(_share_bytes(s.shape, s.param.element_size(), bucket.sharded, num_ranks)
+        expected = sum(_share_bytes(s.shape, s.param.element_size(), bucket.sharded, group_size)
                        for s in bucket.slots)
         rows.append(_row(f"gradient bucket {bucket.index} ({_names(bucket.slots)})", "grad",
                          _SHARD if bucket.sharded else _REPLICATE, storage_bytes([buffer], seen), expected))
@@ -104,7 +109,7 @@ def audit_rows(*, module: nn.Module, slots: Iterable[ParamSlot], strategy: Shard
         if held:
             sharded = strategy.shard_grads
             rows.append(_row(f"gradient of {slot.name}", "grad", _SHARD if sharded else _REPLICATE, held,
-                             _share_bytes(slot.shape, slot.param.element_size(), sharded, num_ranks)))
+                             _share_bytes(slot.shape, slot.param.element_size(), sharded, group_size)))
 
     per_element = optimizer_state_elements(optimizer)
     for slot in trainable:
@@ -114,7 +119,7 @@ def audit_rows(*, module: nn.Module, slots: Iterable[ParamSlot], strategy: Shard
         if not held:
             continue  # no state yet (before the first step), or no rows on this rank
         meta = torch.empty(slot.shape, dtype=slot.dtype, device="meta")
-        expected = expected_state_bytes([meta], strategy, rank=rank, num_ranks=num_ranks,
+        expected = expected_state_bytes([meta], strategy, rank=group_rank, num_ranks=group_size,
                                         optimizer_state=per_element)["optimizer"]
         rows.append(_row(slot.name, "optimizer", _SHARD if strategy.shard_optimizer else _REPLICATE,
                          held, expected))

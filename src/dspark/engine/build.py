@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dspark import comm
 from dspark.comm import World
 from dspark.engine.auto_strategy import check_planned_rows
 from dspark.engine.backward import BackwardPass
@@ -27,6 +28,7 @@ from dspark.engine.loss_scaler import LossScaler
 from dspark.engine.optimizer_guard import ShardedOptimizerGuard, check_elementwise
 from dspark.engine.param_groups import group_by_overrides
 from dspark.engine.param_slot import ParamSlot
+from dspark.engine.rank_groups import RankGroups, form_rank_groups
 from dspark.engine.state_dict import StateDicts
 from dspark.engine.step_observer import StepObserver
 from dspark.engine.trace import TraceSession
@@ -55,17 +57,18 @@ OptimizerFactory = Callable[..., torch.optim.Optimizer]
 
 
 def place_model(model: nn.Module, named: Sequence[tuple[list[str], nn.Parameter]], slot_of: dict[int, ParamSlot],
-                *, world: World, shard_params: bool) -> None:
+                *, world: World, shard: comm.Group, shard_params: bool) -> None:
     """Give ``model`` real storage on this rank's device, equal to rank 0's, and a slot in ``slot_of``
     (by ``id``) for each parameter the engine manages: the trainable ones, and under zero3 (which keeps
-    only this rank's rows of each parameter) the frozen ones too. ``named``: :func:`unique_params`."""
-    rank, n, device = world.rank, world.world_size, world.device
+    only this rank's rows of each parameter) the frozen ones too. ``named``: :func:`unique_params`;
+    ``shard``: the group whose ranks split each parameter's rows (the world, or a hybrid shard group)."""
+    n, device = world.world_size, world.device
     names_of = {id(p): names for names, p in named}
 
     def keep(p: nn.Parameter) -> None:
         if not (shard_params or p.requires_grad):
             return
-        slot = ParamSlot(names_of[id(p)], p, rank=rank, num_ranks=n)
+        slot = ParamSlot(names_of[id(p)], p, rank=shard.rank, num_ranks=shard.size)
         slot_of[id(p)] = slot
         if shard_params:
             slot.shard_and_free_full()
@@ -133,13 +136,15 @@ def build_optimizer(factory: OptimizerFactory, slots: Sequence[ParamSlot],
 
 
 def shard_parameters(model: nn.Module, slots: Sequence[ParamSlot], *, strategy: ShardingPolicy, world: World,
-                     policy: UnitPolicy, in_backward: Callable[[], bool], window: Callable[[], int]
-                     ) -> tuple[Zero3Scheduler | None, Zero3StateDictGuard | None]:
-    """zero3 on several ranks: the scheduler that gathers each unit's parameters just in time, and
-    the guard that keeps ``model.state_dict()`` from returning freed (empty) tensors (see [Note:
-    state dicts under zero3]). Elsewhere a rank's shard of a parameter is the whole parameter."""
-    if strategy.splits_params_on(world.world_size):
-        return (Zero3Scheduler(model, list(slots), policy=policy, in_backward=in_backward, window=window),
+                     shard: comm.Group, policy: UnitPolicy, in_backward: Callable[[], bool],
+                     window: Callable[[], int]) -> tuple[Zero3Scheduler | None, Zero3StateDictGuard | None]:
+    """zero3 on a ``shard`` group of several ranks: the scheduler that gathers each unit's parameters
+    just in time over that group, and the guard that keeps ``model.state_dict()`` from returning
+    freed (empty) tensors (see [Note: state dicts under zero3]). Elsewhere a rank's shard of a
+    parameter is the whole parameter."""
+    if strategy.splits_params_on(shard.size):
+        return (Zero3Scheduler(model, list(slots), policy=policy, in_backward=in_backward, window=window,
+                               group=shard),
                 Zero3StateDictGuard(model, slots, rank=world.rank))
     if strategy.shard_optimizer:  # zero1/zero2 (and zero3 on one rank) keep the parameter in place
         for slot in slots:
@@ -162,6 +167,8 @@ class EngineParts:
 
     slots: list[ParamSlot]
     """The trainable parameters, one slot each (tied parameters share one)."""
+    rank_groups: RankGroups
+    """The shard group (and, hybrid, the replica group) the step's collectives run over."""
     frozen_slots: list[ParamSlot]
     shard_params: bool
     batch_check: BatchCheck
@@ -221,12 +228,15 @@ def build_parts(model: nn.Module, factory: OptimizerFactory, *, config: EngineCo
     param_groups = config.param_groups
     groups = agreed("param_groups", lambda: None if param_groups is None else
                     group_by_overrides(trainable, param_groups))
-    shard_params = strategy.splits_params_on(n)
+    rank_groups = form_rank_groups(world, strategy, shard_group_size=(
+        comm_config.shard_group_size if strategy.hybrid else None))  # see [Note: hybrid sharding]
+    shard = rank_groups.shard
+    shard_params = strategy.splits_params_on(shard.size)
     # identical input batches on two ranks raise PlacementError (see engine/batch_check.py)
     batch_check = BatchCheck(every=checks.batch_check_every, step_count=step_count)
     slot_of: dict[int, ParamSlot] = {}
     agreed("placing the model on its device",
-           lambda: place_model(model, named, slot_of, world=world, shard_params=shard_params))
+           lambda: place_model(model, named, slot_of, world=world, shard=shard, shard_params=shard_params))
     all_slots = [slot_of[id(p)] for _, p in named if id(p) in slot_of]
     slots = [s for s in all_slots if s.requires_grad]
     check_no_sync_batchnorm_on_cpu(model, world.device)
@@ -237,12 +247,12 @@ def build_parts(model: nn.Module, factory: OptimizerFactory, *, config: EngineCo
         buffer_sync = BufferSync(model, skip=skip)
 
     zero3, zero3_guard = shard_parameters(
-        model, all_slots, strategy=strategy, world=world, policy=comm_config.zero3_units,
+        model, all_slots, strategy=strategy, world=world, shard=shard, policy=comm_config.zero3_units,
         in_backward=lambda: window.in_backward, window=lambda: window.index)
     optimizer = agreed("building the optimizer", lambda: build_optimizer(
         factory, slots, groups, module=model, strategy=strategy, rank=rank))
     check_same_optimizer_on_every_rank(optimizer, rank)
-    if strategy.splits_optimizer_on(n):
+    if strategy.splits_optimizer_on(shard.size):
         check_elementwise(optimizer, strategy=strategy.name, after_step=False)
     sharded = strategy.shard_grads
     collective = SHARDED_REDUCE.get(world.backend, "all_reduce") if sharded else "all_reduce"
@@ -250,26 +260,27 @@ def build_parts(model: nn.Module, factory: OptimizerFactory, *, config: EngineCo
     reducer = LocalReducer(slots, sharded=sharded, check_finite=check_finite) if n == 1 else GradReducer(
         slots, sharded=sharded, collective=collective, bucket_mb=comm_config.bucket_mb,
         wire_dtype=comm_config.reduce_dtype, rank=rank, num_ranks=n, device=world.device,
-        check_finite=check_finite)
+        check_finite=check_finite, shard=shard, replica=rank_groups.replica)
 
     def after_optimizer() -> None:
         """zero1/zero2: check the sharded optimizer's state once, and all-gather the updated rows."""
-        if step_count() == 0 and strategy.splits_optimizer_on(n):
+        if step_count() == 0 and strategy.splits_optimizer_on(shard.size):
             agreed("checking the optimizer's state after its first step",  # one small gather, once
                    lambda: check_elementwise(optimizer, strategy=strategy.name, after_step=True))
-        if strategy.shard_optimizer and not shard_params:
+        if strategy.splits_optimizer_on(shard.size) and not shard_params:
             reducer.gather_updated_rows()
 
     update = Update(optimizer, slots, shard_grads=strategy.shard_grads, loss_scaler=loss_scaler,
-                    clip_grad_norm=config.clip_grad_norm, device=world.device, rank=rank, num_ranks=n,
+                    clip_grad_norm=config.clip_grad_norm, device=world.device, rank=rank, num_ranks=shard.size,
+                    group=shard,
                     defer_host_reads=defer_host_reads, after_optimizer=after_optimizer,
                     skip_nonfinite=checks.skip_nonfinite, max_nonfinite_skips=checks.max_nonfinite_skips)
     frozen_slots = [s for s in all_slots if not s.requires_grad]
-    optimizer_guard = (ShardedOptimizerGuard(optimizer, rank=rank, world_size=n, strategy=strategy.name)
-                       if strategy.splits_optimizer_on(n) else None)  # see [Note: a rank's optimizer state dict]
+    optimizer_guard = (ShardedOptimizerGuard(optimizer, rank=rank, world_size=shard.size, strategy=strategy.name)
+                       if strategy.splits_optimizer_on(shard.size) else None)  # see [Note: a rank's optimizer state dict]
     states = StateDicts(model, slots, frozen_slots, optimizer, strategy=strategy, precision=precision,
                         loss_scaler=loss_scaler, zero3=zero3, guard=zero3_guard, world=world,
-                        optimizer_guard=optimizer_guard)
+                        rank_groups=rank_groups, optimizer_guard=optimizer_guard)
     backward_pass = BackwardPass(
         slots=slots, frozen_params=[(names[0], p) for names, p in named if not p.requires_grad],
         window=window, reducer=reducer, zero3=zero3, loss_scaler=loss_scaler,
@@ -293,7 +304,8 @@ def build_parts(model: nn.Module, factory: OptimizerFactory, *, config: EngineCo
     trace = None if trace_dir is None else TraceSession(
         trace_dir, rank=rank, warmup=warmup, active=active, device=world.device)
     return EngineParts(
-        slots=slots, frozen_slots=frozen_slots, shard_params=shard_params, batch_check=batch_check,
+        slots=slots, rank_groups=rank_groups, frozen_slots=frozen_slots, shard_params=shard_params,
+        batch_check=batch_check,
         batchnorms=batchnorms, zero3=zero3, zero3_guard=zero3_guard, optimizer=optimizer, reducer=reducer,
         update=update, states=states, backward_pass=backward_pass, hooks=hooks, inputs=inputs,
         observer=StepObserver(world.device, rank=rank, trace=trace, step_count=step_count))

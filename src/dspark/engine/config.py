@@ -31,7 +31,7 @@ from torch import nn
 from dspark.engine.batch_check import DEFAULT_BATCH_CHECK_EVERY
 from dspark.engine.loss_scaler import LossScaler
 from dspark.engine.param_groups import ParamGroupsFn
-from dspark.policy.strategies import PRECISIONS, STRATEGIES
+from dspark.policy.strategies import PRECISIONS, all_strategies
 from dspark.policy.units import UnitPolicy
 
 __all__ = ["GROUPS", "ChecksConfig", "CommunicationConfig", "EngineConfig", "ObservationConfig", "loss_scaler_for",
@@ -159,6 +159,9 @@ class CommunicationConfig:
     """Rank 0's buffers before each training forward, as DDP does."""
     sync_batchnorm: bool = option(False, _bool)
     """BatchNorm with statistics over the global batch, on any backend."""
+    shard_group_size: int | None = option(None, _int_at_least(1, "ranks per shard group", none="for a node's ranks"))
+    """Hybrid strategies: the ranks that shard between them (a divisor of the world size; each group
+    of consecutive ranks holds one replica); None: one node's ranks (``LOCAL_WORLD_SIZE``)."""
 
     def __post_init__(self) -> None:
         _check_fields(self)
@@ -221,9 +224,11 @@ class EngineConfig:
         EngineConfig.from_dict(tomllib.load(f)["engine"])   # {"strategy": ..., "checks": {...}}
     """
 
-    strategy: str = option("replicate", _one_of(*STRATEGIES, "auto"))
-    """What each rank shards: ``"replicate"``, ``"zero1"``, ``"zero2"``, ``"zero3"``; or ``"auto"``,
-    the planner's pick of the fastest that fits ``memory_budget`` (``engine.plan``)."""
+    strategy: str = option("replicate", _one_of(*all_strategies(), "auto"))
+    """What each rank shards: ``"replicate"``, ``"zero1"``, ``"zero2"``, ``"zero3"``; the same stage
+    inside a node's ranks, replicated across nodes: ``"hybrid-zero1"``, ``"hybrid-zero2"``,
+    ``"hybrid-zero3"``; or ``"auto"``, the planner's pick of the fastest that fits ``memory_budget``
+    (``engine.plan``)."""
     precision: str = option("fp32", _one_of(*PRECISIONS))
     """Autocast dtype of ``engine(x)``: ``"fp32"``, ``"bf16"`` or ``"fp16"`` (with dynamic loss
     scaling); parameters and optimizer state stay fp32."""
@@ -261,6 +266,11 @@ class EngineConfig:
         if self.loss_scaler is not None and self.precision != "fp16":
             raise ValueError(f"loss_scaler={self.loss_scaler!r} with precision={self.precision!r}: only fp16 "
                              "scales its loss; pass precision='fp16', or leave loss_scaler out")
+        group_size = self.communication.shard_group_size
+        if group_size is not None and self.strategy != "auto" and not all_strategies()[self.strategy].hybrid:
+            raise ValueError(f"shard_group_size={group_size!r} sizes a hybrid strategy's shard groups; "
+                             f"strategy={self.strategy!r} shards over the whole world: pass strategy="
+                             f"'hybrid-zero3' (or -zero1, -zero2) with it, or leave it out")
         if self.memory_budget is not None and self.strategy != "auto":
             raise ValueError(f"memory_budget={self.memory_budget!r} is what strategy='auto' plans with; with "
                              f"strategy={self.strategy!r} leave it out, or pass strategy='auto'")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -276,9 +276,10 @@ class Engine:
     def sharded_parameters(self) -> dict[str, DistTensor]:
         """This rank's rows of every trainable parameter as a ``Shard(0)`` :class:`DistTensor` (the
         tensors the optimizer updates); raises under ``replicate``, which shards nothing."""
-        if not self.strategy.shard_optimizer:
-            raise ValueError(f"strategy={self.strategy.name!r} shards nothing; sharded_parameters() "
-                             "needs zero1, zero2 or zero3")
+        if not self.strategy.shard_optimizer or self._parts.rank_groups.replica is not None:
+            raise ValueError(f"strategy={self.strategy.name!r} shards nothing over the world; "
+                             "sharded_parameters() needs zero1, zero2 or zero3 (a hybrid strategy's "
+                             "rows: engine.sharded_state_dict(), DTensors on its 2-D mesh)")
         return {s.name: s.dist_shard() for s in self.slots}
 
     def full_state_dict(self, *, rank0_only: bool = False, cpu: bool = False) -> dict[str, torch.Tensor]:
@@ -368,6 +369,12 @@ class Engine:
         self._check_in_step("sharded_state_dict")
         return self._parts.states.sharded(step_count=self.step_count)
 
+    def empty_shard(self, global_rows: Sequence[int], dtype: torch.dtype) -> Any:
+        """An empty tensor for this rank's rows of a tensor sharded as the optimizer state is (a
+        DTensor, as :meth:`sharded_state_dict` gives it); None when this rank holds no rows. A
+        checkpoint load reads optimizer state into these."""
+        return self._parts.states.empty_shard(global_rows, dtype)
+
     def load_sharded_state_dict(self, state: Mapping[str, Any]) -> None:
         """Install a structure like :meth:`sharded_state_dict`'s (each tensor this rank's rows or the
         whole tensor), whatever world size and strategy wrote it.
@@ -439,7 +446,9 @@ class Engine:
         return memory_report(policy=self.strategy, slots=self.slots, frozen=frozen, optimizer=self.optimizer,
                              grads_bytes=self._window.grads_bytes_held,
                              comm_buffer_bytes=self._parts.reducer.comm_buffer_bytes(),
-                             rank=self.world.rank, num_ranks=self.world.world_size)
+                             rank=self.world.rank, num_ranks=self.world.world_size,
+                             shard_rank=self._parts.rank_groups.shard_rank,
+                             shard_group_size=self._parts.rank_groups.shard_size)
 
     def step_stats(self) -> dict[str, float]:
         """Where this rank's last step went, in milliseconds: ``step_ms``, ``forward_ms``,
@@ -468,7 +477,9 @@ class Engine:
         return audit_rows(module=self.module, slots=(*self.slots, *parts.frozen_slots), strategy=self.strategy,
                           params_sharded=parts.shard_params, buckets=parts.reducer.buckets,
                           optimizer=self.optimizer, batch=parts.inputs.last, rank=self.world.rank,
-                          num_ranks=self.world.world_size, device=self.world.device)
+                          num_ranks=self.world.world_size, device=self.world.device,
+                          shard_rank=parts.rank_groups.shard_rank,
+                          shard_group_size=parts.rank_groups.shard_size)
 
     def close(self) -> None:
         """Remove the engine's hooks (the module keeps working as a plain module unless zero3) and stop

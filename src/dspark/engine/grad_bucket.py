@@ -21,6 +21,16 @@ largest mmap threshold in the heap, so allocating them again each step costs no 
 of every parameter in turn, so a reduce-scatter hands rank ``r`` exactly its rows (on gloo,
 ``comm.reduce_scatter_tensor`` runs it as an all-to-all and a local sum). A backend without a
 reduce-scatter (MPI) all-reduces the same buffer in place and each rank copies out its row.
+
+[Note: two-level reduction] Under hybrid sharding ``N`` is the shard group's size and the sharded
+collectives run in the shard group (see [Note: hybrid sharding] in :mod:`dspark.policy.rank_groups`);
+each rank's reduced shard is then all-reduced across its replica group, the ranks holding the same
+rows in the other groups, so that it sums every rank's gradients. That second collective starts
+once the first has landed (:meth:`GradBucket.reduce_across`): for every bucket at the end of
+backward, before any waits for the second, or earlier where a pooled buffer is reused. Every rank
+makes these calls in the same order (same buckets, same code path), which keeps each group's
+collectives in one order on all its ranks. Whole gradients (zero1) are all-reduced over the world in
+one collective, as under zero1.
 """
 
 from __future__ import annotations
@@ -79,7 +89,8 @@ class GradBucket:
     """The gradients of ``slots`` (one dtype), reduced by one collective per backward."""
 
     def __init__(self, index: int, slots: Sequence[ParamSlot], *, sharded: bool, collective: str,
-                 wire_dtype: torch.dtype | None, rank: int, num_ranks: int, device: torch.device) -> None:
+                 wire_dtype: torch.dtype | None, rank: int, num_ranks: int, device: torch.device,
+                 group: comm.Group | None = None, replica: comm.Group | None = None) -> None:
         dtypes = {s.dtype for s in slots}
         if len(dtypes) != 1:
             raise AssertionError(f"bucket {index} mixes dtypes {sorted(map(str, dtypes))}")
@@ -95,7 +106,13 @@ class GradBucket:
         self.collective = collective
         self.rank = rank
         self.num_ranks = num_ranks
+        """The ranks sharing each parameter's rows (the shard group's), ``rank`` this one's place."""
         self.device = device
+        self.group = group
+        """The shard group's collectives (None: the world's)."""
+        self.replica = replica
+        """Hybrid: the group each reduced shard is all-reduced across (see [Note: two-level reduction])."""
+        self._across = False  # the collective in flight is the all-reduce across the replica group
         self.pending = len(self.slots)
         """Slots whose gradient for this backward is not complete yet."""
         self.launched = False
@@ -199,10 +216,26 @@ class GradBucket:
             out = (self._shards() if self.wire_dtype == self.dtype else
                    out_pool.take(self, self.wire_dtype, self.seg, self.device))
             self._wire = out
-            self._handle = comm.reduce_scatter_tensor(out, send, async_op=True, label=self.label)
+            self._handle = comm.reduce_scatter_tensor(out, send, async_op=True, group=self.group,
+                                                      label=self.label)
         else:
             self._wire = send
-            self._handle = comm.all_reduce(send, async_op=True, label=self.label)
+            self._handle = comm.all_reduce(send, async_op=True, group=self.group, label=self.label)
+
+    def reduce_across(self) -> None:
+        """Hybrid, sharded: once this bucket's shard is reduced inside its shard group, start its
+        all-reduce across the replica group (see [Note: two-level reduction]); else nothing."""
+        if self.replica is None or not self.sharded or self._collected or self._gathering or self._across:
+            return
+        if self._handle is None or self._wire is None:
+            raise AssertionError(f"bucket {self.index} reduced across before it was launched")
+        self._handle.wait()
+        wire = self._wire
+        part = wire if self.collective == "reduce_scatter" else wire.view(self.num_ranks, self.seg)[self.rank]
+        self._wire = part
+        self._across = True
+        self._handle = comm.all_reduce(part, async_op=True, group=self.replica,
+                                       label=f"dspark.bucket{self.index}.all_reduce_across")
 
     # -- after the optimizer step (zero1, zero2) ----------------------------------------------------
     def launch_gather(self, send_pool: BufferPool, out_pool: BufferPool) -> None:
@@ -218,7 +251,7 @@ class GradBucket:
         self._wire = out
         self._gathering = True
         self._collected = False
-        self._handle = comm.all_gather_into_tensor(out, send, async_op=True,
+        self._handle = comm.all_gather_into_tensor(out, send, async_op=True, group=self.group,
                                                    label=f"dspark.bucket{self.index}.all_gather")
 
     def _land_gather(self, out: torch.Tensor) -> None:
@@ -235,6 +268,7 @@ class GradBucket:
         or, for the gather of updated rows, into the full parameters."""
         if self._collected:
             return
+        self.reduce_across()
         if self._handle is None or self._wire is None:
             raise AssertionError(f"bucket {self.index} collected before it was launched")
         self._handle.wait()
@@ -244,7 +278,7 @@ class GradBucket:
             self._gathering = False
         elif self.sharded:
             shards = self._shards()
-            if self.collective == "all_reduce":
+            if self.collective == "all_reduce" and not self._across:
                 shards.copy_(wire.view(self.num_ranks, self.seg)[self.rank])
             elif wire is not shards:
                 shards.copy_(wire)
@@ -302,6 +336,7 @@ class GradBucket:
         """Back to the state before a backward (also after a failed one: nothing stays in flight here)."""
         self.launched = False
         self._gathering = False
+        self._across = False
         self.pending = len(self.slots)
         self._handle = None
         self._wire = None
@@ -341,8 +376,8 @@ def _fill_chunks(dst: torch.Tensor, flat: torch.Tensor) -> None:
 
 
 def make_buckets(order: Sequence[ParamSlot], *, bucket_mb: float, sharded: bool, collective: str,
-                 wire_dtype: torch.dtype | None, rank: int, num_ranks: int,
-                 device: torch.device) -> list[GradBucket]:
+                 wire_dtype: torch.dtype | None, rank: int, num_ranks: int, device: torch.device,
+                 group: comm.Group | None = None, replica: comm.Group | None = None) -> list[GradBucket]:
     """Group ``order`` (the order backward produces gradients) into single-dtype buckets of about
     ``bucket_mb`` megabytes (at least one parameter each; MB = 2**20 bytes), listed in the order they
     are expected to become ready (by their first slot)."""
@@ -365,4 +400,5 @@ def make_buckets(order: Sequence[ParamSlot], *, bucket_mb: float, sharded: bool,
             groups.append((first_index[id(current)], current))
     groups.sort(key=lambda item: item[0])
     return [GradBucket(i, g, sharded=sharded, collective=collective, wire_dtype=wire_dtype, rank=rank,
-                       num_ranks=num_ranks, device=device) for i, (_, g) in enumerate(groups)]
+                       num_ranks=num_ranks, device=device, group=group, replica=replica)
+            for i, (_, g) in enumerate(groups)]

@@ -32,6 +32,7 @@ are compared by the caller ([Note: hyper-parameters in step] in :mod:`dspark.eng
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -53,7 +54,8 @@ class GradReducer:
 
     def __init__(self, slots: Sequence[ParamSlot], *, sharded: bool, collective: str, bucket_mb: float,
                  wire_dtype: torch.dtype | None, rank: int, num_ranks: int, device: torch.device,
-                 check_finite: bool = True) -> None:
+                 check_finite: bool = True, shard: comm.Group | None = None,
+                 replica: comm.Group | None = None) -> None:
         self.slots = list(slots)
         self.check_finite = check_finite
         self.found_inf: torch.Tensor | None = None
@@ -67,6 +69,10 @@ class GradReducer:
         self.rank = rank
         self.num_ranks = num_ranks
         self.device = device
+        self.shard = shard
+        """The group that splits each gradient's rows (None: the world); see [Note: two-level
+        reduction] in :mod:`dspark.engine.grad_bucket` for ``replica``."""
+        self.replica = replica
         self.observing = True
         self.sync = False
         self.nonfinite_loss = False
@@ -89,9 +95,16 @@ class GradReducer:
         self._late_bucket = None
         self.buckets = make_buckets(order, bucket_mb=self.bucket_mb, sharded=self.sharded,
                                     collective=self.collective, wire_dtype=self.wire_dtype,
-                                    rank=self.rank, num_ranks=self.num_ranks, device=self.device)
+                                    **self._bucket_ranks())
         self._bucket_of = {id(s): b for b in self.buckets for s in b.slots}
         self._flag_order = [s for b in self.buckets for s in b.slots]
+
+    def _bucket_ranks(self) -> dict[str, Any]:
+        """A bucket's ranks: its shard group's (the world's for a flat strategy)."""
+        shard = self.shard
+        return {"rank": self.rank if shard is None else shard.rank,
+                "num_ranks": self.num_ranks if shard is None else shard.size,
+                "device": self.device, "group": shard, "replica": self.replica}
 
     @property
     def low_precision_wire(self) -> bool:
@@ -156,6 +169,8 @@ class GradReducer:
         self._synced_once = True
         if self.observing and self.sharded:
             self._launch_late()
+        for bucket in (*self.buckets, *([self._late_bucket] if self._late_bucket else [])):
+            bucket.reduce_across()  # hybrid: see [Note: two-level reduction]
         n = self.num_ranks
         # [weight sum, weighted ranks, batch size + 1 per rank, position per rank, hyper-parameter
         # fingerprint per rank, used flags]
@@ -240,8 +255,7 @@ class GradReducer:
                                "buckets were sent on the first step; use use_reentrant=False activation "
                                "checkpointing")
         self._late_bucket = GradBucket(len(self.buckets), late, sharded=True, collective=self.collective,
-                                       wire_dtype=self.wire_dtype, rank=self.rank,
-                                       num_ranks=self.num_ranks, device=self.device)
+                                       wire_dtype=self.wire_dtype, **self._bucket_ranks())
         self._late_bucket.launch(self._send_pool, self._out_pool, self._pre_scale())
 
     def after_step(self) -> None:

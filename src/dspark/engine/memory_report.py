@@ -22,16 +22,21 @@ __all__ = ["frozen_held", "memory_report"]
 def memory_report(*, policy: ShardingPolicy, slots: Sequence[ParamSlot],
                   frozen: Sequence[tuple[torch.Size, torch.dtype, torch.Tensor]],
                   optimizer: torch.optim.Optimizer, grads_bytes: int, comm_buffer_bytes: int, rank: int,
-                  num_ranks: int) -> dict[str, int | str]:
+                  num_ranks: int, shard_rank: int | None = None,
+                  shard_group_size: int | None = None) -> dict[str, int | str]:
     """``engine.memory_report()``: the bytes held for the trainable parameters of ``slots``, the
     ``frozen`` ones (``(shape, dtype, tensor held)`` each), the gradients (``grads_bytes``, as held at
-    the end of the last backward) and ``optimizer``'s state, next to what ``policy`` should hold."""
+    the end of the last backward) and ``optimizer``'s state, next to what ``policy`` should hold: a
+    sharded part's share is the shard group's (``shard_rank`` of ``shard_group_size`` ranks; by
+    default the world's, ``rank`` of ``num_ranks``), see [Note: hybrid sharding]."""
+    rank = rank if shard_rank is None else shard_rank
+    group_size = num_ranks if shard_group_size is None else shard_group_size
     params_actual = storage_bytes([*(s.held() for s in slots), *(t for _, _, t in frozen)])
     opt_state = optimizer_state_elements(optimizer)
 
     def expect(shapes: Iterable[tuple[torch.Size, torch.dtype]]) -> dict[str, int]:
         return expected_state_bytes((torch.empty(shape, dtype=dtype, device="meta") for shape, dtype in shapes),
-                                    policy, rank=rank, num_ranks=num_ranks, optimizer_state=opt_state)
+                                    policy, rank=rank, num_ranks=group_size, optimizer_state=opt_state)
 
     expected = expect((s.shape, s.dtype) for s in slots)
     exp_params = expected["params"] + expect((shape, dtype) for shape, dtype, _ in frozen)["params"]
@@ -41,6 +46,7 @@ def memory_report(*, policy: ShardingPolicy, slots: Sequence[ParamSlot],
     report: dict[str, int | str] = {
         "strategy": policy.name,
         "num_ranks": num_ranks,
+        "shard_group_size": group_size,
         "num_params": sum(s.numel for s in slots) + sum(math.prod(shape) for shape, _, _ in frozen),
         "num_trainable_params": sum(s.numel for s in slots),
         "params_bytes": params_actual,

@@ -15,7 +15,10 @@ PyTorch's distributed checkpoint (DCP) consumes it, with live tensors (no copies
                    "scalar_params": [parameters that are 0-d in the model]}}
 
 What a rank holds only rows of is a ``Shard(0)`` DTensor over the global shape (zero3 parameters,
-the optimizer state of zero1/2/3); what every rank holds whole is a plain tensor. A tied parameter
+the optimizer state of zero1/2/3); what every rank holds whole is a plain tensor. Under hybrid
+sharding the DTensor lives on the 2-D ``(replica, shard)`` mesh with placements ``[Replicate(),
+Shard(0)]``: the rows are split over the shard group and repeated across groups, so DCP writes each
+row once (one copy of a shard, from one rank) and reads it back at any layout. A tied parameter
 appears once, under its first name. ``engine.load_sharded_state_dict(sd)`` takes the same structure
 back (tensors holding this rank's rows, or whole tensors), whatever world size and strategy wrote it,
 so ``dcp.save(engine.sharded_state_dict(), ...)`` and ``dcp.load`` into it work directly; DSpark's own
@@ -34,7 +37,6 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from dspark import comm
 from dspark.comm import World
 from dspark.engine.adapters import (
     adapter_layout,
@@ -48,11 +50,13 @@ from dspark.engine.loss_scaler import LossScaler
 from dspark.engine.optimizer_guard import ShardedOptimizerGuard
 from dspark.engine.param_slot import SHARDED_STATES, ParamSlot
 from dspark.engine.pretrained import Names, save_gathered, save_pretrained
+from dspark.engine.rank_groups import RankGroups
 from dspark.engine.weights import SavedTensor, WeightEntry, saved_as_is, weight_entries
 from dspark.engine.zero3_guard import Zero3StateDictGuard
 from dspark.engine.zero3_units import Zero3Scheduler
 from dspark.policy.strategies import PrecisionPolicy, ShardingPolicy
 from dspark.tensor import DistTensor, Shard
+from dspark.tensor.shard_math import shard_range
 
 __all__ = ["IncompatibleKeys", "StateDicts", "is_per_element", "rows_shape"]
 
@@ -92,13 +96,6 @@ def is_per_element(state_key: str, value_shape: Sequence[int], param_shape: Sequ
     return len(param_shape) > 0 or state_key != "step"
 
 
-def _dcp(local: torch.Tensor, global_shape: Sequence[int], *, sharded: bool) -> Any:
-    """``local`` as DCP sees it: this rank's rows as a Shard(0) DTensor, or the whole tensor."""
-    if not sharded or comm.get_world().world_size == 1:
-        return local
-    return DistTensor(local, Shard(0), tuple(global_shape)).to_dtensor()
-
-
 def _local(value: Any) -> torch.Tensor:
     to_local = getattr(value, "to_local", None)
     return to_local() if callable(to_local) else value  # type: ignore[no-any-return]
@@ -120,7 +117,7 @@ class StateDicts:
     def __init__(self, module: nn.Module, slots: Sequence[ParamSlot], frozen_slots: Sequence[ParamSlot],
                  optimizer: torch.optim.Optimizer, *, strategy: ShardingPolicy, precision: PrecisionPolicy,
                  loss_scaler: LossScaler | None, zero3: Zero3Scheduler | None,
-                 guard: Zero3StateDictGuard | None, world: World,
+                 guard: Zero3StateDictGuard | None, world: World, rank_groups: RankGroups | None = None,
                  optimizer_guard: ShardedOptimizerGuard | None = None) -> None:
         self.module = module
         self.slots = list(slots)
@@ -134,6 +131,8 @@ class StateDicts:
         self.guard = guard
         self.optimizer_guard = optimizer_guard
         self.world = world
+        self.rank_groups = rank_groups
+        """Where a sharded tensor's rows are split (None: over the world)."""
         self.rank = world.rank
 
     def weight_entries(self) -> list[WeightEntry]:
@@ -235,6 +234,20 @@ class StateDicts:
                          "alias_problem": base_load_problem(self.module)}
 
     # -- sharded ---------------------------------------------------------------------------------
+    def _dcp(self, local: torch.Tensor, global_shape: Sequence[int], *, sharded: bool) -> Any:
+        """``local`` as DCP sees it: this rank's rows as a Shard(0) DTensor (on the hybrid mesh where
+        there is one), or the whole tensor."""
+        groups = self.rank_groups
+        split_over = self.world.world_size if groups is None else groups.shard_size
+        if not sharded or split_over == 1:
+            return local
+        mesh = None if groups is None else groups.mesh()
+        if mesh is None:
+            return DistTensor(local, Shard(0), tuple(global_shape)).to_dtensor()
+        from dspark.comm.dtensor_interop import to_torch_dtensor  # DTensor is heavy to import
+
+        return to_torch_dtensor(local, 0, tuple(global_shape), mesh=mesh)
+
     def sharded(self, *, step_count: int) -> dict[str, Any]:
         """See [Note: sharded state dict]."""
         model: dict[str, Any] = {}
@@ -242,7 +255,7 @@ class StateDicts:
         slot_names = {name for slot in slots for name in slot.names}
         for slot in slots:
             if slot.state in SHARDED_STATES:  # zero3 on several ranks: rows only
-                model[slot.name] = _dcp(slot.held()[: slot.local_rows], rows_shape(slot.shape), sharded=True)
+                model[slot.name] = self._dcp(slot.held()[: slot.local_rows], rows_shape(slot.shape), sharded=True)
             else:
                 model[slot.name] = slot.rows_view(slot.param.detach())
         params = dict(self.module.named_parameters())
@@ -269,7 +282,7 @@ class StateDicts:
             for key, value in values.items():
                 if isinstance(value, torch.Tensor) and is_per_element(str(key), value.shape, param.shape):
                     local = value.detach().reshape(slot.opt_shape if sharded else rows_shape(slot.shape))
-                    entry[str(key)] = _dcp(local, rows_shape(slot.shape), sharded=sharded)
+                    entry[str(key)] = self._dcp(local, rows_shape(slot.shape), sharded=sharded)
                 else:
                     entry[str(key)] = value.detach() if isinstance(value, torch.Tensor) else value
             state[owner] = entry
@@ -294,6 +307,17 @@ class StateDicts:
                 "scalar_params": [name for name in model if name in params_shape and not params_shape[name]],
             },
         }
+
+    def empty_shard(self, global_rows: Sequence[int], dtype: torch.dtype) -> Any:
+        """See :meth:`Engine.empty_shard`."""
+        groups = self.rank_groups
+        rank, size = (self.world.rank, self.world.world_size) if groups is None else (
+            groups.shard_rank, groups.shard_size)
+        start, stop = shard_range(global_rows[0], size, rank)
+        if stop <= start:
+            return None
+        local = torch.empty((stop - start, *global_rows[1:]), dtype=dtype)  # read on the CPU, as optimizers load it
+        return self._dcp(local, global_rows, sharded=True)
 
     def load_sharded(self, state: Mapping[str, Any]) -> int | None:
         """Install ``state`` (the structure of [Note: sharded state dict]; parts may be missing): each

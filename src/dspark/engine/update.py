@@ -61,7 +61,8 @@ class Update:
     def __init__(self, optimizer: torch.optim.Optimizer, slots: Sequence[ParamSlot], *, shard_grads: bool,
                  loss_scaler: LossScaler | None, clip_grad_norm: float | None, device: torch.device,
                  rank: int, num_ranks: int, defer_host_reads: bool, after_optimizer: Callable[[], None],
-                 skip_nonfinite: bool = True, max_nonfinite_skips: int | None = None) -> None:
+                 skip_nonfinite: bool = True, max_nonfinite_skips: int | None = None,
+                 group: comm.Group | None = None) -> None:
         self.optimizer = optimizer
         self.slots = list(slots)
         self.shard_grads = shard_grads
@@ -70,6 +71,9 @@ class Update:
         self.device = device
         self.rank = rank
         self.num_ranks = num_ranks
+        """The ranks that split the gradients' rows between them (zero2/zero3): ``group``'s (None: the
+        world's; a hybrid shard group's, whose shards the replica groups hold again)."""
+        self.group = group
         self.defer_host_reads = defer_host_reads
         self.after_optimizer = after_optimizer
         self.skip_nonfinite = skip_nonfinite
@@ -94,7 +98,7 @@ class Update:
         if local:  # one fused norm per tensor, as clip_grad_norm_ does; no float64 copies of gradients
             total += torch.stack(torch._foreach_norm(local)).double().pow(2).sum()
         if self.shard_grads and self.num_ranks > 1:
-            comm.all_reduce(total, label="dspark.grad_norm.all_reduce")
+            comm.all_reduce(total, group=self.group, label="dspark.grad_norm.all_reduce")
         return total
 
     def global_grad_norm(self) -> float:
@@ -155,7 +159,7 @@ class Update:
         """``found_inf`` as every rank's: shards (zero2, zero3) differ, so their flags are or-ed
         across ranks in one all-reduce of one element (whole gradients are equal everywhere)."""
         if found_inf is not None and self.shard_grads and self.num_ranks > 1:
-            comm.all_reduce(found_inf, op="max", label="dspark.nonfinite_grads.all_reduce")
+            comm.all_reduce(found_inf, op="max", group=self.group, label="dspark.nonfinite_grads.all_reduce")
         return found_inf
 
     def _optimizer_step(self, found_inf: torch.Tensor | None) -> None:

@@ -37,7 +37,7 @@ class Gather:
     rank's tag in ``tags``, which ``check`` reads once the gather landed."""
 
     def __init__(self, slots: list[ParamSlot], label: str, installed: dict[int, ParamSlot],
-                 tag: int, check: Callable[[Gather, torch.Tensor], None]) -> None:
+                 tag: int, check: Callable[[Gather, torch.Tensor], None], group: comm.Group | None = None) -> None:
         self.slots = slots
         self.installed = installed
         self.tag = tag
@@ -49,7 +49,7 @@ class Gather:
         self.fulls: list[torch.Tensor] | None = [t.new_empty(n * t.numel()) for t in shards]
         self.tags = header.new_empty((n, header.numel()))
         self.handle: comm.Handle | None = comm.all_gather_parts(
-            [*shards, header], [*self.fulls, self.tags], async_op=True, label=label)
+            [*shards, header], [*self.fulls, self.tags], async_op=True, group=group, label=label)
         for slot in slots:
             slot.pending = self
 
@@ -120,8 +120,9 @@ class GatherTags:
     """
 
     def __init__(self, slots: list[ParamSlot], *, in_backward: Callable[[], bool],
-                 window: Callable[[], int]) -> None:
+                 window: Callable[[], int], ranks: Callable[[int], int] = lambda r: r) -> None:
         self._slots = slots
+        self._ranks = ranks  # a gather's rank -> the world's (hybrid: gathers run in a shard group)
         self._position = {id(s): i for i, s in enumerate(slots)}
         self._in_backward = in_backward
         self._window = window  # see [Note: ranks in step] in dspark.engine.window
@@ -164,7 +165,7 @@ class GatherTags:
         windows = (mine >> 56) != (tags[other] >> 56)
         raise CollectiveError(
             f"rank {me}: under zero3 the ranks gathered different parameters in one all-gather: this "
-            f"rank gathered {self._describe(mine, windows)}, rank {other} "
+            f"rank gathered {self._describe(mine, windows)}, rank {self._ranks(other)} "
             f"{self._describe(tags[other], windows)}. Each "
             "zero3 forward and backward gathers parameters together with every rank, so every rank "
             "must run the same units in the same order. In training, a unit that runs on some ranks "

@@ -48,6 +48,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dspark import comm
 from dspark.engine.compile_boundary import outside_compile
 from dspark.engine.param_slot import ParamSlot
 from dspark.engine.zero3_gather import PURPOSES, Gather, GatherTags
@@ -87,6 +88,15 @@ def _refuse_freed_call(name: str, slots: list[ParamSlot], unit: Zero3Unit) -> Ca
     return hook
 
 
+def _world_rank(group: comm.Group | None) -> Callable[[int], int]:
+    """A gather's rank -> the world's: a shard group holds consecutive ranks (see [Note: hybrid
+    sharding] in :mod:`dspark.policy.rank_groups`)."""
+    if group is None:
+        return lambda r: r
+    first = comm.get_world().rank - group.rank
+    return lambda r: first + r
+
+
 class _AfterUnitBackward(torch.autograd.Function):
     """Identity on a unit's inputs whose backward runs once the unit's backward is done."""
 
@@ -106,11 +116,13 @@ class Zero3Scheduler:
     the parameters the engine's own calls need whole (:meth:`gather_slots`)."""
 
     def __init__(self, root: nn.Module, slots: list[ParamSlot], *, policy: UnitPolicy = None,
-                 in_backward: Callable[[], bool], window: Callable[[], int] = lambda: 0) -> None:
+                 in_backward: Callable[[], bool], window: Callable[[], int] = lambda: 0,
+                 group: comm.Group | None = None) -> None:
         # the engine has sharded the parameters by now: their whole sizes come from their slots
         self.units = plan_units(root, slots, policy)
         self._in_backward = in_backward
-        self.tags = GatherTags(slots, in_backward=in_backward, window=window)
+        self._group = group  # the ranks sharing each parameter's rows (None: the world)
+        self.tags = GatherTags(slots, in_backward=in_backward, window=window, ranks=_world_rank(group))
         """What each gather's tag says, and their check (see [Note: gather tags])."""
         self.saved = SavedParams(self._gather)
         """Saved views of gathered parameters kept by reference (see [Note: saved parameters])."""
@@ -152,7 +164,7 @@ class Zero3Scheduler:
                 continue
             by_dtype.setdefault(s.dtype, []).append(s)
         for group in by_dtype.values():
-            Gather(group, label, self.saved.installed, self.tags.tag(group), self.tags.check)
+            Gather(group, label, self.saved.installed, self.tags.tag(group), self.tags.check, self._group)
 
     def _gather(self, slots: Iterable[ParamSlot], label: str = "dspark.gather") -> None:
         slots = list(slots)

@@ -11,17 +11,21 @@ Example::
 """
 
 from dspark.policy.optimizer_kernel import kernel_name, prefer_fused_kernel
+from dspark.policy.rank_groups import GroupLayout, group_layout
 from dspark.policy.state_bytes import expected_state_bytes, optimizer_state_elements
 from dspark.policy.strategies import (
+    HYBRID_STRATEGIES,
     PRECISIONS,
     STRATEGIES,
     PrecisionPolicy,
     ShardingPolicy,
+    all_strategies,
     precision_policy,
     sharding_policy,
 )
 from dspark.policy.units import UnitPolicy, unit_modules
 
-__all__ = ["PRECISIONS", "STRATEGIES", "PrecisionPolicy", "ShardingPolicy", "UnitPolicy",
-           "expected_state_bytes", "kernel_name", "optimizer_state_elements", "precision_policy",
-           "prefer_fused_kernel", "sharding_policy", "unit_modules"]
+__all__ = ["HYBRID_STRATEGIES", "PRECISIONS", "STRATEGIES", "GroupLayout", "PrecisionPolicy", "ShardingPolicy",
+           "UnitPolicy", "all_strategies", "expected_state_bytes", "group_layout", "kernel_name",
+           "optimizer_state_elements", "precision_policy", "prefer_fused_kernel", "sharding_policy",
+           "unit_modules"]

@@ -1,6 +1,9 @@
 """Strategy and precision as frozen policy values: what the one engine shards, and in which dtypes it
 computes. [Note: ZeRO as policy] The engine has a single code path; each stage only flips what is
-sharded: optimizer state (zero1), + gradients (zero2), + parameters (zero3)."""
+sharded: optimizer state (zero1), + gradients (zero2), + parameters (zero3). A hybrid strategy
+(``hybrid-zero1/2/3``) is the same stage with one more value, ``hybrid``: what the stage shards is
+split over a shard group (a node's ranks) instead of the world, and the groups replicate it (see
+[Note: hybrid sharding] in :mod:`dspark.policy.rank_groups`)."""
 
 from __future__ import annotations
 
@@ -13,8 +16,8 @@ import torch
 
 from dspark.tensor import Placement, Replicate, Shard
 
-__all__ = ["PRECISIONS", "STRATEGIES", "PrecisionPolicy", "ShardingPolicy", "precision_policy",
-           "sharding_policy"]
+__all__ = ["HYBRID_STRATEGIES", "PRECISIONS", "STRATEGIES", "PrecisionPolicy", "ShardingPolicy",
+           "all_strategies", "precision_policy", "sharding_policy"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -26,12 +29,16 @@ class ShardingPolicy:
     """Gradients are reduce-scattered; each rank keeps its shard only."""
     shard_params: bool
     """Parameters live as shards, gathered just in time for forward/backward and freed after."""
+    hybrid: bool = False
+    """What the stage shards is split over a shard group (a node's ranks, or ``shard_group_size``),
+    not the world; the shard groups hold replicas of each other, and each gradient shard is also
+    all-reduced across them (the replica group)."""
 
     def __str__(self) -> str:
         return self.name
 
     def splits_optimizer_on(self, num_ranks: int) -> bool:
-        """Whether optimizer state is really split on ``num_ranks`` ranks: a sharding strategy on more
+        """Whether optimizer state is really split on ``num_ranks`` ranks (hybrid: its shard group's): a sharding strategy on more
         than one (on one rank every strategy holds everything, and has no peer to check or gather).
 
         Example::
@@ -44,6 +51,11 @@ class ShardingPolicy:
         """Whether parameters are really split on ``num_ranks`` ranks (zero3 on more than one); else
         every rank keeps each parameter whole, in place."""
         return self.shard_params and num_ranks > 1
+
+    @property
+    def stage(self) -> str:
+        """The ZeRO stage inside a shard group: ``"zero3"`` for ``hybrid-zero3`` and for ``zero3``."""
+        return self.name.removeprefix("hybrid-")
 
     def placements(self, names: Sequence[str]) -> dict[str, dict[str, Placement]]:
         """How parameters ``names``, their gradients and their optimizer state are laid out across
@@ -62,6 +74,24 @@ STRATEGIES: dict[str, ShardingPolicy] = {
     "zero2": ShardingPolicy(name="zero2", shard_optimizer=True, shard_grads=True, shard_params=False),
     "zero3": ShardingPolicy(name="zero3", shard_optimizer=True, shard_grads=True, shard_params=True),
 }
+"""The ZeRO stages over the whole world (the strategies every engine test covers)."""
+
+HYBRID_STRATEGIES: dict[str, ShardingPolicy] = {
+    f"hybrid-{name}": ShardingPolicy(name=f"hybrid-{name}", shard_optimizer=True, shard_grads=p.shard_grads,
+                                     shard_params=p.shard_params, hybrid=True)
+    for name, p in STRATEGIES.items() if p.shard_optimizer
+}
+"""zero1/2/3 inside a shard group, replicated across groups (``engine.strategy.stage`` names the stage)."""
+
+
+def all_strategies() -> dict[str, ShardingPolicy]:
+    """Every strategy by name: :data:`STRATEGIES`, then :data:`HYBRID_STRATEGIES`.
+
+    Example::
+
+        list(all_strategies())[-1]   # "hybrid-zero3"
+    """
+    return {**STRATEGIES, **HYBRID_STRATEGIES}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -98,10 +128,11 @@ PRECISIONS: dict[str, PrecisionPolicy] = {
 def sharding_policy(strategy: str | ShardingPolicy) -> ShardingPolicy:
     if isinstance(strategy, ShardingPolicy):
         return strategy
+    known = all_strategies()
     try:
-        return STRATEGIES[strategy]
+        return known[strategy]
     except (KeyError, TypeError):
-        raise ValueError(f"strategy={strategy!r} is not one of {', '.join(map(repr, STRATEGIES))}") from None
+        raise ValueError(f"strategy={strategy!r} is not one of {', '.join(map(repr, known))}") from None
 
 
 def precision_policy(precision: str | PrecisionPolicy) -> PrecisionPolicy:
