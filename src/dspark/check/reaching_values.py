@@ -35,7 +35,9 @@ that no rule reports on, so the memory carried over stays small.
 from __future__ import annotations
 
 import ast
+import sys
 from collections.abc import Callable, Iterable
+from typing import cast
 
 from dspark.check.tree_walk import child_nodes, walk
 
@@ -47,6 +49,11 @@ Values = dict[str, list[Binding]]
 
 _SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)
 _EXITS = (ast.Raise, ast.Return, ast.Continue, ast.Break)
+# try/except* (ast.TryStar) exists from Python 3.11; on 3.10 no source can hold one
+if sys.version_info >= (3, 11):
+    _TRIES: tuple[type[ast.stmt], ...] = (ast.Try, ast.TryStar)
+else:
+    _TRIES = (ast.Try,)
 
 
 class _Names:
@@ -198,8 +205,8 @@ class _Flow:
                 if item.optional_vars is not None:
                     _bind(state, item.optional_vars, None, stmt.lineno)
             return self.block(stmt.body, state)
-        elif isinstance(stmt, (ast.Try, ast.TryStar)):
-            return self.try_(stmt, state)
+        elif isinstance(stmt, _TRIES):
+            return self.try_(cast(ast.Try, stmt), state)  # try/except* has try/except's fields
         elif isinstance(stmt, ast.Match):
             return _join(state, [state, *(self.block(case.body, state.fork()) for case in stmt.cases)])
         elif isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
@@ -228,7 +235,7 @@ class _Flow:
             _join(state, [state, once, self.block(stmt.body, second.fork())])
         return _join(state, [state, self.block(stmt.orelse, state.fork())]) or state
 
-    def try_(self, stmt: ast.Try | ast.TryStar, state: _Names) -> _Names | None:
+    def try_(self, stmt: ast.Try, state: _Names) -> _Names | None:
         after_body = self.block(stmt.body, state.fork())
         handlers = []
         for handler in stmt.handlers:   # an exception may come before or after the body's bindings
