@@ -20,7 +20,7 @@ from tests.import_graph import (
     layering_violations,
     modules_of,
 )
-from tests.messages import assert_line_names
+from tests.messages import assert_line_names, assert_names
 
 SRC = Path(dspark.__file__).resolve().parent.parent
 
@@ -123,9 +123,9 @@ def test_the_rules_on_a_synthetic_graph() -> None:
     assert up.startswith("dspark/tensor/x.py:1: "), up
     assert_line_names(up, "dspark.engine.y", "upward")
     (apart,) = layering_violations([edge("dspark.bench.x", "dspark.host.y")], LAYERS)
-    assert "host (apart" in apart and "may not be imported by bench" in apart
+    assert_names(apart, "host (apart", "bench")
     (unknown,) = layering_violations([edge("dspark.attic.x", "dspark.comm.y")], LAYERS)
-    assert "'attic' is not in the table" in unknown
+    assert_names(unknown, "'attic'")
     both_ways = [edge("dspark.engine.x", "dspark.planner.y"), edge("dspark.planner.z", "dspark.engine.w")]
     (layer_circle,) = layering_violations(both_ways, LAYERS)
     assert_line_names(layer_circle, "circle", "engine, planner")

@@ -48,8 +48,7 @@ def test_a_slow_rank_is_named_with_its_host_and_numbers() -> None:
     assert_line_names(found["message"], "130 ms per step", "waits excluded", "4.28x", "30.5 ms",
                       "noise band of 15%", "15% default")
     assert_line_names(found["message"], "others wait", "100 ms per step", "its own", "1.00 ms")
-    assert "its core ran other processes" not in found["message"]
-    assert "straggler" in kinds(annotate([result])[0])
+    assert "busy_machine" not in kinds(annotate([result])[0]) and "straggler" in kinds(annotate([result])[0])
 
 
 def test_healthy_ranks_within_the_noise_band_are_not_flagged() -> None:
@@ -71,8 +70,7 @@ def test_a_straggler_on_a_busy_core_blames_the_machine() -> None:
     result = profiled_result([[30.0, 30.0, 30.0], [60.0, 60.0, 60.0]], rank_loads=loads)
     assert result.core_foreign_share_by_rank == [0.01, 0.45]
     [found] = straggler(result)
-    assert "its core ran other processes (or was stolen) for up to 45% of a timed window" \
-        in found["message"]
+    assert_line_names(found["message"], "its core", "45%", "timed window")
     assert kinds(annotate([result])[0])[-2:] == ["straggler", "busy_machine"]
 
 

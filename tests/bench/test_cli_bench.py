@@ -142,8 +142,8 @@ def test_each_configuration_has_a_trace_per_rank_naming_the_phases(
             assert {"dspark.forward", "dspark.backward", "dspark.optimizer"} <= names
             if row["num_devices"] > 1:
                 assert {"dspark.bucket0.all_reduce", "dspark.comm.wait"} <= names
-    assert f"traces of gpt2-cpu, 2 devices, replicate, bf16, batch 4 shard: {seed_run['traces']}" \
-        in " ".join(seed_run["stdout"].split())
+    assert_line_names(" ".join(seed_run["stdout"].split()), "traces of gpt2-cpu", "2 devices", "replicate",
+                      "bf16", "batch 4 shard", str(seed_run["traces"]))
 
 
 def test_the_replicated_run_is_explained_by_the_engines_audit(seed_run: dict[str, Any]) -> None:

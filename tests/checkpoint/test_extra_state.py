@@ -16,6 +16,7 @@ import torch
 import dspark
 from dspark.checkpoint import CheckpointError
 from tests.engine import loop_models as lm
+from tests.messages import assert_names
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=2e-2, weight_decay=0.1)
 TOTAL_STEPS = 6
@@ -95,10 +96,12 @@ def test_an_extra_the_checkpoint_lacks_is_an_error_before_anything_changes(singl
     engine, scheduler = _engine("replicate")
     _steps(engine, scheduler, 0, 1)
     engine.save(tmp_path / "ckpt", extra={"scheduler": scheduler})
-    with pytest.raises(CheckpointError, match=r"no extra state named \['loader'\].*\['scheduler'\]"):
+    with pytest.raises(CheckpointError) as caught:
         engine.load(tmp_path / "ckpt", extra={"loader": {}})
-    with pytest.raises(TypeError, match=r"extra\['bad'\] is a object"):
+    assert_names(str(caught.value), "['loader']", "['scheduler']")
+    with pytest.raises(TypeError) as caught:
         engine.save(tmp_path / "ckpt2", extra={"bad": object()})
+    assert_names(str(caught.value), "extra['bad']", "object")
 
 
 def test_every_stock_scheduler_with_state_round_trips(single_process, tmp_path: Path) -> None:

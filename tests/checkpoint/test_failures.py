@@ -47,9 +47,9 @@ def test_a_save_replaces_the_old_checkpoint(single_process, copy: Path) -> None:
 
 def test_a_save_refuses_to_replace_what_is_not_a_checkpoint(single_process, tmp_path: Path) -> None:
     (tmp_path / "notes.txt").write_text("mine")
-    with pytest.raises(ValueError, match="is not a DSpark checkpoint") as info:
+    with pytest.raises(ValueError) as info:
         make_engine("mlp", "replicate").save(tmp_path)
-    assert str(tmp_path) in str(info.value)
+    assert_names(str(info.value), f"path={str(tmp_path)!r}")
     assert (tmp_path / "notes.txt").read_text() == "mine"
 
 
@@ -86,8 +86,9 @@ def test_another_optimizer_is_refused_before_anything_changes(single_process, co
 
     engine = dspark.Engine(tm.make("mlp"), optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
     groups = [dict(g) for g in engine.optimizer.param_groups]
-    with pytest.raises(CheckpointError, match=r"state of optimizer AdamW, this engine's optimizer is SGD") as info:
+    with pytest.raises(CheckpointError) as info:
         engine.load(copy)
+    assert_names(str(info.value), "AdamW", "SGD")
     assert str(copy) in str(info.value)
     assert [dict(g) for g in engine.optimizer.param_groups] == groups and engine.step_count == 0
     train(engine, "mlp", range(1))  # and it still trains
@@ -95,13 +96,15 @@ def test_another_optimizer_is_refused_before_anything_changes(single_process, co
 
 def test_no_checkpoint_at_the_path(single_process, tmp_path: Path) -> None:
     engine = make_engine("mlp", "replicate")
-    with pytest.raises(CheckpointNotFoundError, match="the path does not exist") as info:
+    with pytest.raises(CheckpointNotFoundError) as info:
         engine.load(tmp_path / "missing")
+    assert_names(str(info.value), "missing")
     assert isinstance(info.value, FileNotFoundError) and isinstance(info.value, ValueError)
     with pytest.raises(CheckpointNotFoundError, match=r"has no dspark\.json"):
         engine.load(tmp_path)
-    with pytest.raises(TypeError, match=r"path=3 must be a str or os\.PathLike"):
+    with pytest.raises(TypeError) as caught:
         engine.load(3)  # type: ignore[arg-type]
+    assert_names(str(caught.value), "path=3", "os.PathLike")
 
 
 @pytest.mark.parametrize("damage,message", [

@@ -22,7 +22,8 @@ def test_first_mismatch_names_the_first_differing_parameter_in_model_order() -> 
     assert missing is not None and missing.startswith("parameter 'z' (1,) "), missing
     assert_names(missing, "not in the checkpoint")
     extra = layout.first_mismatch([("a", (2, 3)), ("b", (4,))], saved)
-    assert extra is not None and "holds parameter 'c' (5,) that the model does not have" in extra
+    assert extra is not None
+    assert_names(extra, "'c'", "(5,)")
 
 
 def test_tied_aliases_in_a_checkpoint_are_not_extra() -> None:

@@ -27,6 +27,7 @@ import dspark
 from dspark.checkpoint import CheckpointError, storage
 from tests.checkpoint.forge import reseal
 from tests.checkpoint.ranks import load_error_keeping_state
+from tests.messages import assert_names
 
 
 class _Payload:
@@ -107,7 +108,7 @@ def test_a_pickled_entry_in_the_index_is_refused(pool, copy: Path, tmp_path: Pat
     reseal(copy)
     for kind, message, unchanged in pool.run(load_error_keeping_state, str(copy), "mlp", "zero3"):
         assert kind == "CheckpointError" and unchanged
-        assert ".metadata" in message and "'optim_groups' is a pickled object (BYTE_IO)" in message
+        assert_names(message, ".metadata", "'optim_groups'", "BYTE_IO")
 
 
 def test_a_checkpoint_holds_tensors_and_json_only(two_rank_checkpoint: Path) -> None:
@@ -125,8 +126,9 @@ def test_an_index_pointing_outside_the_checkpoint_is_refused(single_process, cop
     next(iter(metadata.storage_data.values())).relative_path = "../../etc/passwd"
     (copy / ".metadata").write_bytes(pickle.dumps(metadata))
     reseal(copy)
-    with pytest.raises(CheckpointError, match=r"points to '\.\./\.\./etc/passwd', outside the checkpoint"):
+    with pytest.raises(CheckpointError) as caught:
         storage.read_metadata(copy)
+    assert_names(str(caught.value), "'../../etc/passwd'")
 
 
 def _sharded_model_entry(metadata: Any) -> str:
@@ -195,7 +197,7 @@ def test_one_ranks_damaged_random_state_fails_every_rank_before_anything_changes
     reseal(copy)
     for kind, message, unchanged in pool.run(load_error_keeping_state, str(copy), "mlp", "zero3"):
         assert kind == "CheckpointError" and unchanged, (kind, message)
-        assert "rank(s) [1]" in message or "rank 1's saved Python/NumPy random state" in message, message
+        assert "rank(s) [1]" in message or ("rank 1's" in message and "Python/NumPy" in message), message
 
 
 def _load_with_another_loader(path: str) -> tuple[str, bool, dict[str, Any]]:

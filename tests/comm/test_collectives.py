@@ -78,7 +78,7 @@ def test_timeout_fires_once_at_the_stated_time_and_names_the_collective(pool) ->
     got, skipped = pool.run(_skip_collective_on_rank_1)
     assert skipped == {}
     message = got["message"]
-    assert message.startswith("rank 0: all_reduce of 32 bytes (dspark.test.all_reduce) "), message
+    assert_line_names(message, "rank 0:", "all_reduce", "32 bytes", "(dspark.test.all_reduce)")
     assert_line_names(message, "timed out", "2 s", "rank(s) 1 never joined")
     assert 2.0 <= got["after_s"] < 3.5, got
     assert len(got["later"]) == 2 and got["later_s"] < 0.5, got
@@ -97,8 +97,9 @@ def test_world_size_one_stand_in_is_noop(single_process) -> None:
     parts = [torch.empty(1), torch.empty(2)]
     comm.all_gather_parts([t[:1], t[1:]], parts)
     assert [p.tolist() for p in parts] == [[0.0], [1.0, 2.0]]
-    with pytest.raises(ValueError, match=r"output 1.*3 x torch\.float32.*1 ranks x 2"):
+    with pytest.raises(ValueError) as caught:
         comm.all_gather_parts([t[:1], t[1:]], [torch.empty(1), torch.empty(3)])
+    assert_names(str(caught.value), "output 1", "3 x torch.float32", "1 ranks x 2")
     assert comm.all_gather_object("x") == ["x"]
     assert comm.stats()["all_reduce"].bytes == 0
     comm.barrier()
@@ -127,8 +128,9 @@ def test_calls_before_init_say_how_to_fix() -> None:
 
 def test_init_twice_returns_the_world_or_refuses_another_backend(single_process) -> None:
     assert dspark.init() is single_process
-    with pytest.raises(ValueError, match="already initialised with backend 'none'"):
+    with pytest.raises(ValueError) as caught:
         dspark.init(backend="gloo")
+    assert_names(str(caught.value), "backend='gloo'", "'none'")
 
 
 def _partition_and_counters() -> dict[str, Any]:

@@ -19,7 +19,7 @@ from dspark import comm
 from dspark.comm import shm_setup
 from dspark.comm import shm_transport as shm
 from dspark.errors import CollectiveError, CollectiveTimeoutError
-from tests.messages import assert_line_names
+from tests.messages import assert_line_names, assert_names
 
 pytestmark = pytest.mark.skipif(not shm_setup.shm_wanted(2, 2, "gloo", "cpu"),
                                 reason="needs /dev/shm on x86-64")
@@ -185,7 +185,7 @@ def test_a_rank_that_never_joins_times_out_with_its_number() -> None:
         return "no error"
 
     got = _on_both(_pair(timeout_s=0.5), program)
-    assert got[0].startswith("rank 0: all_reduce of 16 bytes (collective #1) "), got[0]
+    assert_line_names(got[0], "rank 0:", "all_reduce", "16 bytes", "(collective #1)")
     assert_line_names(got[0], "timed out", "0.5 s", "shared memory", "rank(s) 1", "never joined")
 
 
@@ -203,8 +203,9 @@ def test_the_settings_are_checked() -> None:
         with pytest.raises(ValueError, match="at least 1 MiB"):
             shm_setup.region_bytes()
         mp.setenv(shm.SHM_MB_ENV, "lots")
-        with pytest.raises(ValueError, match="is not a number of MiB"):
+        with pytest.raises(ValueError) as caught:
             shm_setup.region_bytes()
+        assert_names(str(caught.value), "'lots'", "MiB")
 
 
 # -- through the pool: the default group of a real gloo job -----------------------------------------
@@ -261,9 +262,10 @@ def test_a_rank_that_exited_stops_the_wait_at_once() -> None:
     ranks[0].watch([os.getpid(), gone.pid])
     gone.wait()
     started = time.monotonic()
-    with pytest.raises(CollectiveError, match=r"rank 0: all_reduce of 16 bytes \(collective #1\)"
-                                              r".*rank\(s\) 1 exited"):
+    with pytest.raises(CollectiveError) as caught:
         ranks[0].all_reduce(torch.ones(4), "sum").wait()
+    assert_line_names(str(caught.value), "rank 0:", "all_reduce", "16 bytes", "(collective #1)", "rank(s) 1",
+                      "exited")
     assert time.monotonic() - started < 5
     for t in ranks:
         t.close()
@@ -303,8 +305,9 @@ def test_dspark_shm_0_puts_the_job_on_gloo_and_a_bad_value_is_refused(tmp_path) 
 def test_a_small_dev_shm_is_left_to_the_data_loaders(monkeypatch) -> None:
     """A container's 64 MB /dev/shm: the mapping would take more than a quarter, so gloo it is."""
     monkeypatch.setattr(shm_setup, "shm_free_bytes", lambda: 64 * 2**20)
-    with pytest.warns(RuntimeWarning, match=r"/dev/shm has 64 MiB free.*quarter.*gloo"):
+    with pytest.warns(RuntimeWarning) as warned:
         assert shm_setup.create_mapping(shm.mapping_bytes(2, 16 * 2**20)) is None
+    assert_line_names(str(warned[0].message), "/dev/shm", "64 MiB free", "gloo")
     monkeypatch.setattr(shm_setup, "shm_free_bytes", lambda: 1 << 40)
     path = shm_setup.create_mapping(shm.mapping_bytes(2, 1 << 20))
     assert path is not None and os.path.getsize(path) == shm.mapping_bytes(2, 1 << 20)

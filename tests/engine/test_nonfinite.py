@@ -14,7 +14,7 @@ import torch
 import dspark
 from tests.engine import tiny_models as tm
 from tests.engine.harness import with_deferred_host_reads
-from tests.messages import assert_line_names
+from tests.messages import assert_line_names, assert_names
 
 SGD = functools.partial(torch.optim.SGD, lr=0.1)
 
@@ -76,8 +76,9 @@ def test_a_finite_step_resets_the_count_in_a_row(pool) -> None:
 
 def test_the_limit_is_checked(single_process) -> None:
     for bad in (0, -1, 2.5, True):
-        with pytest.raises(ValueError, match=rf"max_nonfinite_skips={bad!r} must be an int >= 1"):
+        with pytest.raises(ValueError) as caught:
             dspark.Engine(tm.make("mlp"), optimizer=SGD, max_nonfinite_skips=bad)
+        assert_names(str(caught.value), f"max_nonfinite_skips={bad!r}", ">= 1", "None")
     with pytest.raises(TypeError, match="skip_nonfinite='yes'"):
         dspark.Engine(tm.make("mlp"), optimizer=SGD, skip_nonfinite="yes")  # type: ignore[arg-type]
 

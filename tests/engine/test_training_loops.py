@@ -15,7 +15,7 @@ from torch import nn
 import dspark
 from dspark.engine.engine import engine_parts
 from tests.engine import loop_models as lm
-from tests.messages import assert_line_names
+from tests.messages import assert_line_names, assert_names
 
 OPTIMIZERS = {
     "sgd": functools.partial(torch.optim.SGD, lr=0.2, weight_decay=0.1),
@@ -325,17 +325,18 @@ def test_a_mismatched_pretrained_state_dict_names_the_keys(single_process) -> No
     with pytest.raises(ValueError, match=r"missing \['norm.bias'\].*unexpected \['extra.weight'\]"):
         engine.load_full_state_dict(bad)
     ddp_saved = {f"module.{k}": v for k, v in lm.build().state_dict().items()}
-    with pytest.raises(ValueError, match=r"starts with 'module\.' .*strip it, "
-                       r"\{k\.removeprefix\('module\.'\): v for k, v in sd\.items\(\)\}"):
+    with pytest.raises(ValueError) as caught:
         engine.load_full_state_dict(ddp_saved)
+    assert_names(str(caught.value), "'module.'", "{k.removeprefix('module.'): v for k, v in sd.items()}")
     bare = {k.removeprefix("module."): v for k, v in ddp_saved.items()}
     engine.load_full_state_dict(bare)  # the fix the message gives works
     wrapped = dspark.Engine(torch.nn.Sequential(lm.build()), optimizer=OPTIMIZERS["sgd"])  # names "0.*"
-    with pytest.raises(ValueError, match=r"name of the model starts with '0\.'.*add it"):
+    with pytest.raises(ValueError) as caught:
         wrapped.load_full_state_dict(bare)
-    with pytest.raises(ValueError, match=r"none of the state dict's \d+ keys is a name of the model.*"
-                       r"nothing would load.*strip it"):
+    assert_names(str(caught.value), "'0.'")
+    with pytest.raises(ValueError) as caught:
         engine.load_full_state_dict(ddp_saved, strict=False)  # strict=False would load nothing
+    assert_names(str(caught.value), f"{len(ddp_saved)} keys", "'module.'")
     partial = {k: v for k, v in lm.build().state_dict().items() if k != "norm.bias"}
     partial["extra.weight"] = torch.zeros(1)
     assert engine.load_full_state_dict(partial, strict=False) == (["norm.bias"], ["extra.weight"])
@@ -343,12 +344,14 @@ def test_a_mismatched_pretrained_state_dict_names_the_keys(single_process) -> No
     bad["norm.weight"] = torch.zeros(3)
     before = {k: v.clone() for k, v in engine.full_state_dict().items()}
     bad = {k: (v + 1 if k != "norm.weight" else v) for k, v in bad.items()}  # a wrong tensor last
-    with pytest.raises(ValueError, match=r"'norm.weight' has shape \(3,\).*nothing was loaded"):
+    with pytest.raises(ValueError) as caught:
         engine.load_full_state_dict(bad)
+    assert_names(str(caught.value), "'norm.weight'", "(3,)")
     after = engine.full_state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before), "a refused load changed parameters"
-    with pytest.raises(TypeError, match=r"'norm.bias' is a list in the state dict, not a tensor"):
+    with pytest.raises(TypeError) as caught:
         engine.load_full_state_dict({**lm.build().state_dict(), "norm.bias": [0.0]})
+    assert_names(str(caught.value), "'norm.bias'", "list")
 
 
 def _train_with_all_reduce(strategy: str) -> dict[str, Any]:

@@ -38,4 +38,4 @@ def test_nccl_ib_hca_selects_ports_and_names_missing_hcas(tmp_path: Path, spec: 
         assert got["problems"] == []
     else:
         assert any(problem in p for p in got["problems"]), got["problems"]
-        assert any("NCCL will not use InfiniBand" in p for p in got["problems"])
+        assert any("NCCL_IB_HCA=" in p and "InfiniBand" in p for p in got["problems"]), got["problems"]

@@ -16,6 +16,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import dspark
+from tests.messages import assert_names
 
 
 def _log_run(directory: Path) -> None:
@@ -89,15 +90,18 @@ def test_wandb_and_mlflow_get_the_values(single_process, tmp_path: Path,
 
 
 def test_wrong_input_is_named(single_process, tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match=r"unknown tracker backend 'tb'.*tensorboard"):
+    with pytest.raises(ValueError) as caught:
         dspark.Tracker(tmp_path, backends=("tb",))
+    assert_names(str(caught.value), "'tb'", "tensorboard")
     with pytest.raises(TypeError, match=r"backends='csv': pass a tuple"):
         dspark.Tracker(tmp_path, backends="csv")
     with dspark.Tracker(tmp_path, backends=()) as tracker:
-        with pytest.raises(TypeError, match=r"'pred' is a tensor of shape \(2,\)"):
+        with pytest.raises(TypeError) as caught:
             tracker.log({"pred": torch.zeros(2)}, step=0)
-        with pytest.raises(ValueError, match="step=-1 must be an int >= 0"):
+        assert_names(str(caught.value), "'pred'", "(2,)")
+        with pytest.raises(ValueError) as caught:
             tracker.log({"loss": 1.0}, step=-1)
+        assert_names(str(caught.value), "step=-1", ">= 0")
     with pytest.raises(RuntimeError, match="closed"):
         tracker.log({"loss": 1.0}, step=0)
 
@@ -105,8 +109,9 @@ def test_wrong_input_is_named(single_process, tmp_path: Path) -> None:
 def test_a_backend_whose_package_is_missing_names_the_install(single_process, tmp_path: Path,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "wandb", None)  # importlib then finds no wandb
-    with pytest.raises(ModuleNotFoundError, match="needs the 'wandb' package: pip install wandb"):
+    with pytest.raises(ModuleNotFoundError) as caught:
         dspark.Tracker(tmp_path, backends=("wandb",))
+    assert_names(str(caught.value), "'wandb'", "pip install wandb")
     assert not (tmp_path / "scalars.csv").exists()  # refused before anything is written
 
 
