@@ -8,7 +8,8 @@ Example::
     # ['DSP001']
 """
 
-from dspark.check.placement_rules import CODES, Finding, check_paths, check_source
+from dspark.check.driver import check_paths
+from dspark.check.placement_rules import CODES, Finding, check_source
 from dspark.check.source_files import python_files
 
 __all__ = ["CODES", "Finding", "check_paths", "check_source", "python_files"]

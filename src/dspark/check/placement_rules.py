@@ -3,8 +3,10 @@
 The seed's bug was one argument, ``shard_dim=None``, that silently replicated a batch. These rules
 find that argument, and its cousins, before anything runs. Each finding has a code:
 
-DSP000 (error) the file cannot be read or parsed. Fix: make it valid Python (the other rules
-    cannot run on it).
+DSP000 (error) the file cannot be read, parsed or analysed (the message says why: not UTF-8, a
+    syntax error, code nested deeper than the checker follows). Fix: make it valid Python (the other
+    rules cannot run on it); the other files are checked all the same
+    (:mod:`dspark.check.driver`).
 DSP001 (error) ``shard_dim=None`` (or ``Shard(None)``) in a DSpark call. DSpark raises
     ``PlacementError`` at run time; torch-style code would replicate silently. Fix: ``shard_dim=0``
     (or the dim to split), or ``shard_dim=dspark.REPLICATE`` when every rank needs the whole tensor.
@@ -60,9 +62,8 @@ from __future__ import annotations
 
 import ast
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 from dspark.check.accumulation_rule import AccumulationCheck, CountSources
 from dspark.check.chunked_parse import (
@@ -76,10 +77,9 @@ from dspark.check.chunked_parse import (
 )
 from dspark.check.habit_rules import HabitSources
 from dspark.check.reaching_values import ModuleFlow, Values, reaching_values
-from dspark.check.source_files import python_files
 from dspark.check.tree_walk import child_nodes
 
-__all__ = ["CODES", "Finding", "check_paths", "check_source"]
+__all__ = ["CODES", "Finding", "check_source"]
 
 CODES: dict[str, tuple[str, str]] = {
     "DSP000": ("error", "cannot parse"),
@@ -460,23 +460,3 @@ def _findings(source: str, path: str) -> list[Finding]:
     lines = source.splitlines()
     kept = [f for f in checker.findings if not _silenced(f, lines)]
     return sorted(kept, key=lambda f: (f.line, f.col, f.code))
-
-
-def check_paths(paths: Sequence[str | Path]) -> tuple[list[Finding], int]:
-    """The findings in every file under ``paths``, and how many files were checked.
-
-    Example::
-
-        findings, num_files = check_paths(["examples/"])
-    """
-    files = python_files(paths)
-    findings: list[Finding] = []
-    for file in files:
-        try:
-            source = file.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            findings.append(Finding(path=str(file), line=1, col=1, code="DSP000",
-                                    message=f"cannot read: {exc}"))
-            continue
-        findings += check_source(source, str(file))
-    return findings, len(files)

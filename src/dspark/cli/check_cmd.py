@@ -11,7 +11,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dspark.check.placement_rules import CODES, check_paths
+from dspark.check.driver import check_paths
+from dspark.check.placement_rules import CODES
 
 __all__ = ["add_parser", "run"]
 
