@@ -14,6 +14,7 @@ import pytest
 from dspark.bench import provenance, runner
 from dspark.bench.ledger import Ledger
 from dspark.bench.provenance import source_commit
+from dspark.cli import whole_file
 from dspark.cli.main import main
 from tests.bench.factory import FakeWorkers, make_measurement
 from tests.messages import assert_line_names, assert_names
@@ -212,14 +213,12 @@ def test_a_write_failing_after_the_run_is_one_line_and_keeps_the_results(
     """A full disk at the end of a run: the table and the ledger stay, one line says how to write
     the file again, and the exit code says something failed. Also for export, outside a run."""
     db = str(tmp_path / "ledger.sqlite")
-    real_write = Path.write_text
 
-    def full_disk(self: Path, *args: object, **kwargs: object) -> int:
-        if self.suffix == ".json":
-            raise OSError(errno.ENOSPC, "No space left on device", str(self))
-        return real_write(self, *args, **kwargs)  # type: ignore[arg-type]
+    def full_disk(path: Path, *args: object, **kwargs: object) -> object:
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
-    monkeypatch.setattr(Path, "write_text", full_disk)
+    # the --json files go through dspark.cli.whole_file, which opens a hidden sibling first
+    monkeypatch.setattr(whole_file, "open", full_disk, raising=False)
     assert main(["bench", "--workloads", "gpt2-cpu", "--devices", "1", "--rounds", "1",
                  "--no-progress", "--db", db, "--json", str(tmp_path / "run.json")]) == 1
     captured = capsys.readouterr()

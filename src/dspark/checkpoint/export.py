@@ -24,6 +24,8 @@ Example::
 from __future__ import annotations
 
 import os
+import shutil
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -36,6 +38,7 @@ from dspark.checkpoint.info import read_checkpoint_info
 from dspark.checkpoint.manifest import read_manifest, read_verified
 from dspark.checkpoint.offline import ModelTensor, model_tensors, read_extra
 from dspark.checkpoint.plain_files import MODEL_CONFIG
+from dspark.errors import CheckpointError
 
 __all__ = ["DTYPES", "export_checkpoint"]
 
@@ -100,20 +103,77 @@ def export_checkpoint(path: str | os.PathLike[str], out: str | os.PathLike[str],
         return {n: values[source_of[n]] if kind == ".pt" or n == source_of[n] else values[source_of[n]].clone()
                 for n in names}
 
-    if kind == ".pt":
+    config = _config_json(directory, verify=verify) if kind == "directory" else None
+    try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        weights = read(plan[0])
-        torch.save({"model": weights, **extras} if extra else weights, target)
-        return [target]
-    writer = ShardWriter(target, plan, single_file=target if kind == ".safetensors" else None)
-    for names in plan:
-        for name, value in read(names).items():
-            writer.add(name, value)
-    written = writer.finish()
-    if kind == "directory" and (config := _config_json(directory, verify=verify)) is not None:
-        (target / layout.CONFIG_FILE).write_bytes(config)
-        written.append(target / layout.CONFIG_FILE)
-    return written
+    except (FileExistsError, NotADirectoryError):
+        raise NotADirectoryError(f"cannot write {str(target)!r}: {str(target.parent)!r} is not a "
+                                 "directory (a file is in the way)") from None
+    staging = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:12]}"
+    try:  # see [Note: an export is whole or absent]
+        if kind == ".pt":
+            weights = read(plan[0])
+            torch.save({"model": weights, **extras} if extra else weights, staging)
+            written = [staging]
+        else:
+            writer = ShardWriter(staging, plan, single_file=staging if kind == ".safetensors" else None)
+            for names in plan:
+                for name, value in read(names).items():
+                    writer.add(name, value)
+            written = writer.finish()
+            if config is not None:
+                (staging / layout.CONFIG_FILE).write_bytes(config)
+                written.append(staging / layout.CONFIG_FILE)
+        if kind == "directory" and target.is_dir():
+            target.rmdir()   # checked empty above: the staged directory takes its place
+        os.replace(staging, target)
+    except BaseException as exc:
+        _remove(staging)
+        if isinstance(exc, Exception) and not isinstance(exc, (CheckpointError, ValueError, TypeError)):
+            raise OSError(f"cannot write {str(target)!r}: {_io_reason(exc)}{_limits(target.parent)}; "
+                          "nothing was left there") from exc
+        raise
+    return [target] if kind != "directory" else [target / path.name for path in written]
+
+
+# [Note: an export is whole or absent] The files are written into a hidden sibling of the output
+# (``.<name>.tmp-<token>``, the same file system) and renamed into place once all are written. A
+# failure meanwhile (a full disk, a file size limit, an I/O error; the safetensors library and
+# torch.save report them as their own exceptions) removes what was written and is an OSError naming
+# the output and the system's reason: the command prints one line, and no empty or partial output
+# is left where a later step would take it for the model.
+
+
+def _io_reason(exc: BaseException) -> str:
+    """The system's reason behind a writer's failure (an OSError in its chain), else its message."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.strerror:
+            return seen.strerror
+        seen = seen.__cause__ or seen.__context__
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+
+
+def _limits(directory: Path) -> str:
+    """What may have stopped a write there: the file size limit (``ulimit -f``) and the free space."""
+    import resource
+
+    notes = []
+    soft, _hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if soft != resource.RLIM_INFINITY:
+        notes.append(f"this process may write files of at most {soft} bytes (ulimit -f)")
+    try:
+        notes.append(f"{shutil.disk_usage(directory).free} bytes free on its disk")
+    except OSError:
+        pass
+    return f" ({'; '.join(notes)})" if notes else ""
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def _read_extras(directory: Path, keys: Sequence[str], *, verify: bool) -> dict[str, Any]:

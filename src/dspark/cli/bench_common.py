@@ -15,6 +15,8 @@ from typing import Any
 
 from rich.console import Console
 
+from dspark.cli.whole_file import write_whole
+
 __all__ = ["EXIT_FAILED", "check_outputs", "console", "db_path", "describe", "write_json"]
 
 EXIT_FAILED = 1
@@ -56,7 +58,7 @@ def check_outputs(args: argparse.Namespace) -> None:
 def write_json(path: Path, rows: object) -> None:
     """Write ``rows`` as JSON to ``path``, creating its folder as ``--report`` and ``--trace`` do."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(rows, indent=2))
+    write_whole(path, json.dumps(rows, indent=2))
 
 
 def describe(config: Any) -> str:

@@ -16,10 +16,14 @@ import argparse
 import importlib
 import importlib.util
 import json
+import os
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
+
+from dspark.cli.whole_file import write_whole
 
 __all__ = ["add_parser", "parse_bytes", "run"]
 
@@ -132,18 +136,50 @@ def _from_factory(spec: str) -> tuple[Any, Any, Any]:
         factory = _load_factory(module_name, attr)
     except (ImportError, AttributeError) as exc:
         raise ValueError(f"--model {spec!r}: {exc}") from None
-    made = factory()
+    except Exception as exc:  # the user's module failed as it ran: one line, where (-vv: the traceback)
+        raise ValueError(f"--model {spec!r}: importing it raised {_where_raised(exc)}") from exc
+    try:
+        made = factory()
+    except Exception as exc:
+        raise ValueError(f"--model {spec!r}: calling {attr}() raised {_where_raised(exc)}") from exc
     if not (isinstance(made, tuple) and len(made) in (2, 3)):
         raise ValueError(f"--model {spec!r} returned {type(made).__name__}; it must return "
                          "(model, sample_batch) or (model, sample_batch, loss_fn)")
     return made[0], made[1], made[2] if len(made) == 3 else None
 
 
+def _where_raised(exc: BaseException) -> str:
+    """``NameError: name 't' is not defined (models.py, line 2)``: the error and its innermost frame."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" ({Path(frames[-1].filename).name}, line {frames[-1].lineno})" if frames else ""
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}{where}"
+
+
+_MAX_PROBE_BYTES = 64 * 2**20
+"""A probe file (``dspark plan --json``'s) is kilobytes; a bigger one is not one."""
+
+
+def _read_probe(path: str) -> Any:
+    from dspark.planner import Probe
+
+    try:
+        size_bytes = os.stat(path).st_size
+        if size_bytes > _MAX_PROBE_BYTES:
+            raise ValueError(f"it has {size_bytes} bytes, more than the {_MAX_PROBE_BYTES} a probe may have")
+        data = json.loads(Path(path).read_bytes())
+        return Probe.from_dict(data.get("probe", data) if isinstance(data, dict) else data)
+    except OSError as exc:
+        raise ValueError(f"--probe {path!r} cannot be read: {exc.strerror or exc}") from None
+    except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
+        raise ValueError(f"--probe {path!r} is not a probe written by `dspark plan --json` "
+                         f"({type(exc).__name__}: {str(exc)[:200]})") from None
+
+
 def run(args: argparse.Namespace) -> int:
     """Plan, print the table, write the JSON and the plot when asked."""
     import dspark
-    from dspark.planner import Probe
 
+    probe = _read_probe(args.probe) if args.probe else None  # before anything is built: fail fast
     max_micro_batch = None
     if args.workload:
         from dspark.models import get_workload
@@ -159,10 +195,6 @@ def run(args: argparse.Namespace) -> int:
     else:
         model, sample, loss_fn = _from_factory(args.model)
         global_batch, precision = args.global_batch, args.precision or "fp32"
-    probe = None
-    if args.probe:
-        data = json.loads(Path(args.probe).read_text())
-        probe = Probe.from_dict(data.get("probe", data))
     strategies = "all" if args.strategies == "all" else [s.strip() for s in args.strategies.split(",")]
     if probe is None:  # progress on stderr: the table alone goes to stdout
         sys.stderr.write(f"dspark plan: probing {args.workload or args.model} on one device "
@@ -177,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
         sys.stderr.write(f"dspark plan: probed in {time.perf_counter() - started:.1f} s\n")
     sys.stdout.write(f"{plan}\n")
     if args.json:
-        Path(args.json).write_text(plan.to_json() + "\n")
+        write_whole(Path(args.json), plan.to_json() + "\n")
     if args.plot:
         from dspark.planner.plot import save_speedup_plot
 
