@@ -32,7 +32,7 @@ import re
 from collections.abc import Callable, Iterator
 
 from dspark.check.chunked_parse import statements_by_depth
-from dspark.check.tree_walk import child_nodes, walk
+from dspark.check.tree_walk import child_nodes, dotted_key, walk
 
 __all__ = ["AccumulationCheck", "CountSources", "accumulation_findings"]
 
@@ -55,16 +55,6 @@ def _leaf(node: ast.expr) -> str | None:
         return node.id
     if isinstance(node, ast.Attribute):
         return node.attr
-    return None
-
-
-def _key(node: ast.expr) -> str | None:
-    """``a.b.c`` for a name or attribute chain (``self.cfg.accum``), else None."""
-    if isinstance(node, ast.Name):
-        return node.id
-    if isinstance(node, ast.Attribute):
-        base = _key(node.value)
-        return None if base is None else f"{base}.{node.attr}"
     return None
 
 
@@ -93,10 +83,10 @@ class CountSources:
             if isinstance(node, ast.Assign):
                 self._note_assign(depth, node.targets, node.value)
                 if isinstance(node.value, ast.Call):
-                    func, targets = node.value.func, [k for t in node.targets if (k := _key(t)) is not None]
+                    func, targets = node.value.func, [k for t in node.targets if (k := dotted_key(t)) is not None]
                     if isinstance(func, ast.Name):   # what it names depends on the imports
                         self._called_names.setdefault(func.id, set()).update(targets)
-                    elif isinstance(func, ast.Attribute) and func.attr.endswith("Engine") and _key(func):
+                    elif isinstance(func, ast.Attribute) and func.attr.endswith("Engine") and dotted_key(func):
                         self._engine_keys.update(targets)
             elif isinstance(node, (ast.AnnAssign, ast.AugAssign)) and node.value is not None:
                 self._note_assign(depth, [node.target], node.value)
@@ -107,7 +97,7 @@ class CountSources:
         keys = tuple(k for t in targets for k in _target_keys(t))
         reads = [sub for sub in walk(value) if isinstance(sub, (ast.Name, ast.Attribute, ast.Constant))]
         accum = any((leaf := _leaf(sub)) is not None and _ACCUM.search(leaf) is not None for sub in reads)
-        read_keys = tuple(k for sub in reads if (k := _key(sub)) is not None)
+        read_keys = tuple(k for sub in reads if (k := dotted_key(sub)) is not None)
         ints = tuple(sub.value for sub in reads if isinstance(sub, ast.Constant) and type(sub.value) is int)
         if keys and (accum or read_keys or ints):   # else it can never make a count
             self._assigns.append((depth, keys, accum, read_keys, ints))
@@ -160,11 +150,11 @@ class _Counts:
     def note_engine_value(self, value: ast.expr) -> None:
         if isinstance(value, ast.Constant) and isinstance(value.value, int) and value.value > 1:
             self.literals.add(value.value)
-        elif (key := _key(value)) is not None:
+        elif (key := dotted_key(value)) is not None:
             self.keys.add(key)
 
     def is_count(self, node: ast.expr) -> bool:
-        key, leaf = _key(node), _leaf(node)
+        key, leaf = dotted_key(node), _leaf(node)
         return (key in self.keys or (leaf is not None and _ACCUM.search(leaf) is not None)
                 or (isinstance(node, ast.Constant) and type(node.value) is int and node.value in self.literals))
 
@@ -173,7 +163,7 @@ class _Counts:
         return any(isinstance(sub, ast.expr) and self.is_count(sub) for sub in walk(node))
 
     def is_engine(self, node: ast.expr) -> bool:
-        key, leaf = _key(node), _leaf(node)
+        key, leaf = dotted_key(node), _leaf(node)
         return key in self.engines or (leaf is not None and _ENGINE.search(leaf) is not None)
 
 
@@ -181,7 +171,7 @@ def _target_keys(target: ast.expr) -> Iterator[str]:
     if isinstance(target, (ast.Tuple, ast.List)):
         for elt in target.elts:
             yield from _target_keys(elt)
-    elif (key := _key(target)) is not None:
+    elif (key := dotted_key(target)) is not None:
         yield key
 
 
@@ -288,7 +278,7 @@ class _Scope:
         if divisor is not None or not self.divided:
             return divisor
         for sub in walk(value):
-            if isinstance(sub, (ast.Name, ast.Attribute)) and (key := _key(sub)) in self.divided:
+            if isinstance(sub, (ast.Name, ast.Attribute)) and (key := dotted_key(sub)) in self.divided:
                 return self.divided[key]
         return None
 
@@ -305,7 +295,7 @@ class _Scope:
                     self.divided[key] = where
                 else:
                     self.divided.pop(key, None)  # a new value: what it held before is gone
-        elif isinstance(stmt, ast.AugAssign) and (name := _key(stmt.target)) is not None:
+        elif isinstance(stmt, ast.AugAssign) and (name := dotted_key(stmt.target)) is not None:
             if isinstance(stmt.op, (ast.Div, ast.FloorDiv)) and self.counts.uses(stmt.value):
                 self.divided[name] = stmt
             elif isinstance(stmt.op, ast.Mult) and _reciprocal(stmt.value, self.counts) is not None:
@@ -314,7 +304,7 @@ class _Scope:
                 self.divided[name] = carried
         elif (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call)
               and isinstance(stmt.value.func, ast.Attribute) and stmt.value.func.attr in _IN_PLACE
-              and (name := _key(stmt.value.func.value)) is not None):   # loss.div_(k): changed in place
+              and (name := dotted_key(stmt.value.func.value)) is not None):   # loss.div_(k): changed in place
             where = _division(stmt.value, self.counts, self.origin)
             if where is not None:
                 self.divided[name] = where

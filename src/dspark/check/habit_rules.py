@@ -27,7 +27,7 @@ import ast
 from collections.abc import Callable, Collection
 
 from dspark.check.chunked_parse import statements_by_depth
-from dspark.check.tree_walk import walk
+from dspark.check.tree_walk import dotted_key, walk
 
 __all__ = ["HabitCheck", "HabitSources"]
 
@@ -36,15 +36,6 @@ IsEngine = Callable[[ast.expr], bool]
 _CLIPS = ("clip_grad_norm_", "clip_grad_value_")
 _NO_GRADIENT = ("zero2", "zero3")   # the module's parameters hold no gradient
 _SHARDED_STATE = ("zero1", "zero2", "zero3")   # the optimizer holds this rank's rows
-
-
-def _key(node: ast.expr) -> str | None:
-    if isinstance(node, ast.Name):
-        return node.id
-    if isinstance(node, ast.Attribute):
-        base = _key(node.value)
-        return None if base is None else f"{base}.{node.attr}"
-    return None
 
 
 class HabitSources:
@@ -63,18 +54,18 @@ class HabitSources:
         for depth, node in statements_by_depth(tree):
             if not isinstance(node, ast.Assign):
                 continue
-            targets = tuple(k for t in node.targets if (k := _key(t)) is not None)
+            targets = tuple(k for t in node.targets if (k := dotted_key(t)) is not None)
             value = node.value
             if depth == 1:
                 for target in targets:
                     text = value.value if isinstance(value, ast.Constant) and isinstance(value.value, str) else None
                     self._strings.setdefault(target, set()).add(text)
-            if isinstance(value, ast.Call) and (_key(value.func) or "").split(".")[-1] == "Engine":
+            if isinstance(value, ast.Call) and (dotted_key(value.func) or "").split(".")[-1] == "Engine":
                 strategy = next((kw.value for kw in value.keywords if kw.arg == "strategy"), None)
-                model = _key(value.args[0]) if value.args else None
+                model = dotted_key(value.args[0]) if value.args else None
                 self._engines.append((value.func, strategy, model, targets))
             elif isinstance(value, ast.Attribute) and value.attr in ("module", "optimizer"):
-                base = _key(value.value)
+                base = dotted_key(value.value)
                 if base is not None:
                     self._attributes.append((targets, base, value.attr))
 
@@ -90,7 +81,7 @@ class HabitSources:
             if base in engine_keys or is_engine(ast.Name(id=base.split(".")[-1])):
                 (modules if attr == "module" else optimizers).update(targets)
         return HabitCheck(strategies if engines else set(), modules=modules, optimizers=optimizers,
-                          origin=origin, is_engine=lambda node: _key(node) in engine_keys or is_engine(node))
+                          origin=origin, is_engine=lambda node: dotted_key(node) in engine_keys or is_engine(node))
 
     def _strategy(self, node: ast.expr | None) -> str | None:
         """The strategy ``node`` names, or None when it cannot be read."""
@@ -137,16 +128,19 @@ class HabitCheck:
         return findings
 
     def _is_module(self, node: ast.expr) -> bool:
-        return (_key(node) in self.modules
+        return (dotted_key(node) in self.modules
                 or (isinstance(node, ast.Attribute) and node.attr == "module" and self.is_engine(node.value)))
 
-    def _verdict(self, wrong_under: tuple[str, ...]) -> tuple[str, str] | None:
-        """(the strategy that makes it wrong, or "" when unknown), None when every strategy read is right."""
-        wrong = sorted(s for s in self.strategies if s in wrong_under)
-        if wrong:
-            return wrong[0], ""
+    def _verdict(self, line: str, wrong_under: tuple[str, ...], *, code: str, wrong: str, fix: str
+                 ) -> tuple[str, str] | None:
+        """``code`` with ``line`` wrong under a strategy the file sets (``wrong``: why, after the
+        strategy), DSP011 when a strategy cannot be read, None when every strategy read is right."""
+        found = sorted(s for s in self.strategies if s in wrong_under)
+        if found:
+            return code, f"{line} under strategy={found[0]!r}: {wrong}; {fix}"
         if None in self.strategies:
-            return "", ""
+            return "DSP011", (f"{line} with a strategy this file does not fix: wrong under "
+                              f"{', '.join(map(repr, wrong_under))} ({wrong}); {fix}")
         return None
 
     def _clip(self, call: ast.Call) -> tuple[str, str] | None:
@@ -154,33 +148,21 @@ class HabitCheck:
         if not (isinstance(params, ast.Call) and isinstance(params.func, ast.Attribute)
                 and params.func.attr == "parameters" and self._is_module(params.func.value)):
             return None
-        verdict = self._verdict(_NO_GRADIENT)
-        if verdict is None:
-            return None
-        line = f"{ast.unparse(call.func)}({ast.unparse(params)}, ...)"
-        fix = ("clip with dspark.Engine(..., clip_grad_norm=c) or norm = engine.clip_grad_norm_(c) "
-               "between the last engine.backward() and engine.step() (the global norm over every rank's rows)")
-        if verdict[0]:
-            return "DSP009", (f"{line} under strategy={verdict[0]!r}: each rank holds only its rows of each "
-                              "gradient, inside the engine, so the module's parameters hold none and this "
-                              f"clips nothing (at run time it raises ShardedGradError); {fix}")
-        return "DSP011", (f"{line} with a strategy this file does not fix: right under 'replicate' and "
-                          f"'zero1', clips nothing under 'zero2' and 'zero3' (it raises there); {fix}")
+        return self._verdict(
+            f"{ast.unparse(call.func)}({ast.unparse(params)}, ...)", _NO_GRADIENT, code="DSP009",
+            wrong="each rank holds only its rows of each gradient, inside the engine, so the module's "
+                  "parameters hold none and this clips nothing (at run time it raises ShardedGradError)",
+            fix="clip with dspark.Engine(..., clip_grad_norm=c) or norm = engine.clip_grad_norm_(c) between "
+                "the last engine.backward() and engine.step() (the global norm over every rank's rows)")
 
     def _state_dict(self, call: ast.Call, func: ast.Attribute) -> tuple[str, str] | None:
         owner = func.value
-        if not (_key(owner) in self.optimizers
+        if not (dotted_key(owner) in self.optimizers
                 or (isinstance(owner, ast.Attribute) and owner.attr == "optimizer" and self.is_engine(owner.value))):
             return None
-        verdict = self._verdict(_SHARDED_STATE)
-        if verdict is None:
-            return None
-        line = f"{ast.unparse(call.func)}()"
-        fix = ("save with engine.save(path, extra={...}) on every rank and resume with engine.load(path), "
-               "the whole state at any world size")
-        if verdict[0]:
-            return "DSP010", (f"{line} of an optimizer sharded by strategy={verdict[0]!r}: it holds only this "
-                              "rank's rows, so the state dict would be part of the state (at run time it "
-                              f"raises ShardedOptimizerStateError); {fix}")
-        return "DSP011", (f"{line} with a strategy this file does not fix: right under 'replicate', part of "
-                          f"the state under 'zero1', 'zero2' and 'zero3' (it raises there); {fix}")
+        return self._verdict(
+            f"{ast.unparse(call.func)}()", _SHARDED_STATE, code="DSP010",
+            wrong="the optimizer holds only this rank's rows, so its state dict is part of the state (at run "
+                  "time it raises ShardedOptimizerStateError)",
+            fix="save with engine.save(path, extra={...}) on every rank and resume with engine.load(path), "
+                "the whole state at any world size")

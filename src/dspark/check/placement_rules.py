@@ -77,7 +77,7 @@ from dspark.check.chunked_parse import (
 )
 from dspark.check.habit_rules import HabitSources
 from dspark.check.reaching_values import ModuleFlow, Values, reaching_values
-from dspark.check.tree_walk import child_nodes
+from dspark.check.tree_walk import child_nodes, dotted_key
 
 __all__ = ["CODES", "Finding", "check_source"]
 
@@ -121,15 +121,6 @@ class Finding:
         return f"{self.path}:{self.line}:{self.col}: {self.code} {self.message}"
 
 
-def _dotted(node: ast.expr) -> str | None:
-    if isinstance(node, ast.Name):
-        return node.id
-    if isinstance(node, ast.Attribute):
-        base = _dotted(node.value)
-        return None if base is None else f"{base}.{node.attr}"
-    return None
-
-
 def _imports(tree: ast.Module) -> list[tuple[int, str, str]]:
     """(depth, local name, the dotted origin it was imported as: ``dt`` -> ``torch.distributed.tensor``)
     for each import, in ``ast.walk``'s order; the runs' lists, sorted by depth, make the module's
@@ -150,7 +141,7 @@ def _imports(tree: ast.Module) -> list[tuple[int, str, str]]:
 
 
 def _origin(func: ast.expr, imports: dict[str, str]) -> str | None:
-    dotted = _dotted(func)
+    dotted = dotted_key(func)
     if dotted is None:
         return None
     head, _, rest = dotted.partition(".")
@@ -195,7 +186,7 @@ def _words(node: ast.expr) -> list[str]:
         return [w for elt in node.elts for w in _words(elt)]
     if isinstance(node, ast.Subscript):
         return _words(node.value)
-    dotted = _dotted(node)
+    dotted = dotted_key(node)
     if dotted is None:
         return []
     leaf = dotted.split(".")[-1]

@@ -15,7 +15,7 @@ import ast
 from collections import deque
 from collections.abc import Iterator
 
-__all__ = ["child_nodes", "walk"]
+__all__ = ["child_nodes", "dotted_key", "walk"]
 
 # fields that hold a token (ctx, op, ops) or never a node (names, numbers, flags)
 _NOT_NODES = frozenset({"ctx", "op", "ops", "id", "attr", "arg", "name", "asname", "module", "level",
@@ -45,3 +45,19 @@ def walk(node: ast.AST) -> Iterator[ast.AST]:
         node = todo.popleft()
         todo.extend(child_nodes(node))
         yield node
+
+
+def dotted_key(node: ast.expr) -> str | None:
+    """``a.b.c`` for a name or attribute chain (``self.cfg.accum``), else None: how the rules name
+    what an expression refers to.
+
+    Example::
+
+        dotted_key(ast.parse("self.cfg.accum", mode="eval").body)   # 'self.cfg.accum'
+    """
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        base = dotted_key(node.value)
+        return None if base is None else f"{base}.{node.attr}"
+    return None
