@@ -4,7 +4,7 @@ the engine step and phase, the collective's label, its bytes and the rank that n
 A failed backward (replicate) lets its launched buckets land before their buffers are reused, and a
 failed zero3 forward finishes its launched gathers: each of those waits used to sit out the whole
 timeout again, so the error came after twice the stated time (see [Note: a timed-out group stays
-failed])."""
+failed] in dspark.comm.failures)."""
 
 from __future__ import annotations
 
@@ -64,16 +64,15 @@ def _launch(tmp_path: Path, strategy: str) -> tuple[subprocess.Popen[str], Path]
 @pytest.mark.slow
 @pytest.mark.serial
 def test_the_timeout_fires_once_at_the_stated_time_and_names_the_step(tmp_path: Path) -> None:
-    # Both jobs at once: while one rank sleeps and the other waits, neither uses a core.
-    jobs = {strategy: _launch(tmp_path, strategy) for strategy in ("replicate", "zero3")}
-    for strategy, (job, out) in jobs.items():
-        output, _ = job.communicate(timeout=120)
-        assert job.returncode != 0 and out.exists(), output
-        got = json.loads(out.read_text())
-        # the stated time, once (twice the timeout before the fix), within a second or two
-        assert TIMEOUT_S <= got["after_s"] < TIMEOUT_S + 1.5, (strategy, got)
-        assert got["missing"] == [1], got
-        label, phase = (("dspark.bucket0.all_reduce", "backward") if strategy == "replicate"
-                        else ("dspark.gather.", "forward"))
-        assert_names(got["message"], "rank 0: ", "engine step 1", phase, label, "bytes",
-                     f"after {TIMEOUT_S:g} s", "rank(s) 1 never joined")
+    # replicate, the reported case: the failed backward's cleanup waits on its launched bucket. A
+    # zero3 forward's cleanup of its launched gathers relies on the same refusal of a timed-out
+    # group, which tests/comm/test_collectives.py checks on the pool without a launch of its own.
+    job, out = _launch(tmp_path, "replicate")
+    output, _ = job.communicate(timeout=120)
+    assert job.returncode != 0 and out.exists(), output
+    got = json.loads(out.read_text())
+    # the stated time, once (twice the timeout before the fix), within a second or two
+    assert TIMEOUT_S <= got["after_s"] < TIMEOUT_S + 1.5, got
+    assert got["missing"] == [1], got
+    assert_names(got["message"], "rank 0: ", "engine step 1", "backward", "dspark.bucket0.all_reduce",
+                 "bytes", f"after {TIMEOUT_S:g} s", "rank(s) 1 never joined")
