@@ -117,3 +117,20 @@ def test_the_engine_refuses_an_unknown_choice(single_process: object, monkeypatc
     monkeypatch.setenv("DSPARK_CPU_MALLOC", "off")
     with pytest.raises(ValueError, match="DSPARK_CPU_MALLOC='off'"):
         dspark.Engine(torch.nn.Linear(2, 2), optimizer=functools.partial(torch.optim.SGD, lr=0.1))
+
+
+@pytest.mark.parametrize(("state", "trims"), [(None, False), (cpu_malloc.CpuMalloc("default", "x"), False),
+                                              (cpu_malloc.CpuMalloc("tuned"), True)])
+def test_release_freed_trims_only_where_dspark_set_the_thresholds(monkeypatch: pytest.MonkeyPatch,
+                                                                  state: object, trims: bool) -> None:
+    calls: list[int] = []
+
+    class Libc:
+        def malloc_trim(self, pad: int) -> int:
+            calls.append(pad)
+            return 1
+
+    monkeypatch.setattr(cpu_malloc, "_state", state)
+    monkeypatch.setattr(cpu_malloc.ctypes, "CDLL", lambda path: Libc())
+    cpu_malloc.release_freed()
+    assert calls == ([0] if trims else [])

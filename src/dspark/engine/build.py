@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dspark import comm
+from dspark import comm, cpu_malloc
 from dspark.comm import World
 from dspark.engine.auto_strategy import check_planned_rows
 from dspark.engine.backward import BackwardPass
@@ -79,6 +79,8 @@ def place_model(model: nn.Module, named: Sequence[tuple[list[str], nn.Parameter]
                 # rank 0's values, whatever each rank's seed
                 broadcast_tensors([p.data], label="dspark.construction.broadcast")
             keep(p)
+            if shard_params and device.type == "cpu":
+                cpu_malloc.release_freed()  # the whole parameter is gone: see [Note: one-off phases]
 
         materialize(model, device, on_final)
         if n > 1:
