@@ -149,9 +149,9 @@ def release_freed() -> None:
     [Note: one-off phases] The thresholds keep what a training step frees for the next step, which
     asks for it again. A one-off phase frees what nothing asks for again: building a zero3 model
     makes each parameter whole, keeps its rows and frees the rest, parameter after parameter, and
-    with no trimming the freed pieces stayed resident between the shards (GPT-2 medium on 2 CPU
-    ranks: 90 to 350 MiB per rank above its shards, varying from run to run). The engine calls this
-    after each parameter of such a build, so a rank's peak is its shards plus one parameter.
+    with no trimming the freed pieces stayed resident between the shards, a varying amount from run
+    to run. The engine calls this after each parameter of such a build, so a rank's peak is its
+    shards plus one parameter (docs/figures.md#process-peak-rss).
 
     Example::
 

@@ -360,13 +360,13 @@ class _Scratch:
     ``meta_init()`` block ends.
 
     [Note: one scratch buffer] A fresh scratch tensor per random operation was freed at once, but
-    glibc kept the freed memory: after a large one is unmapped it raises its mmap threshold (up to
-    32 MiB), so every smaller scratch came from the heap, where frees of mixed sizes left holes the
-    next request could not reuse. GPT-2 medium (1354 MiB of parameters) built under ``meta_init()``
-    held 1.9 GB more than before it and peaked at 2.1 GB more: a copy and a half of the model, for
-    a model with no memory. One buffer keeps the peak at the largest parameter. A random operation
-    draws the same numbers on a view of it with the parameter's shape and strides as on a tensor of
-    its own: the kernels see the same sizes, strides and alignment (the view starts at the buffer's
+    glibc kept the freed memory: after a large one is unmapped it raises its mmap threshold, so every
+    smaller scratch came from the heap, where frees of mixed sizes left holes the next request could
+    not reuse. A model built under ``meta_init()`` then held more than its own size and peaked at
+    about one and a half copies of it, for a model with no memory (docs/figures.md#process-peak-rss
+    measures the process as it is now). One buffer keeps the peak at the largest parameter. A random
+    operation draws the same numbers on a view of it with the parameter's shape and strides as on a
+    tensor of its own: the kernels see the same sizes, strides and alignment (the view starts at the buffer's
     start)."""
 
     def __init__(self) -> None:
