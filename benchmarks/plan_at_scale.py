@@ -1,6 +1,8 @@
 """What ``dspark plan`` predicts at scale, from one H200's measured step (kept artifacts): ResNet-50
-and GPT-2 124M at the seed's global batch 256 in fp16 with AdamW, on 2 DGX Spark boxes (200 Gb/s
-RoCE) and on 8 to 512 H100/H200-class GPUs (NVLink in a node of 8, InfiniBand NDR across).
+and GPT-2 124M at the seed's global batch 256 in fp16 with AdamW, on 2 and 16 DGX Spark boxes (one
+GPU each, 200 Gb/s RoCE), on 8 to 256 H100/H200-class GPUs (NVLink in a node of 8, InfiniBand NDR
+across) and on 16 boxes of 8 such GPUs joined by 200 Gb/s RoCE; every strategy, hybrid sharding's
+included (shard groups of one node: a box's GPUs, or one GPU per DGX Spark).
 
     .venv/bin/python benchmarks/plan_at_scale.py            # the plans, printed
     .venv/bin/python -m dspark.bench.record --name DATE-plan-at-scale --anchor plan-at-scale \
@@ -27,6 +29,8 @@ from typing import Any
 
 from dspark.models import get_workload
 from dspark.planner import Plan, PlanRow, Probe, get_interconnect, model_shape, row_cost
+from dspark.planner.table import hybrid_group
+from dspark.policy import HYBRID_STRATEGIES, STRATEGIES
 
 ARTIFACTS = Path(__file__).parent / "results" / "2026-12-04-h200" / "final"
 H200_BYTES = 143771 * 2**20
@@ -55,7 +59,9 @@ def _numel(shape: tuple[int, ...]) -> int:
     return out
 
 
-def plan_at(workload: str, counts: list[int], interconnect: str, budget: int) -> Plan:
+def plan_at(workload: str, counts: list[int], interconnect: str, budget: int, group: int | None) -> Plan:
+    """Every strategy on each count; hybrid rows in shard groups of ``group`` ranks (None: one node of
+    the interconnect), where that makes several groups."""
     probe, max_micro = _probe(workload)
     shape = model_shape(get_workload(workload).build_model(device="meta"))
     link = get_interconnect(interconnect)
@@ -63,26 +69,32 @@ def plan_at(workload: str, counts: list[int], interconnect: str, budget: int) ->
     for n in counts:
         local = 256 // n
         micro = min(local, max_micro)
-        for strategy in ("replicate", "zero1", "zero2", "zero3"):
+        size = hybrid_group(link, n, group, required=False) if group is None else (group if group < n else None)
+        for strategy in (*STRATEGIES, *(HYBRID_STRATEGIES if size is not None else ())):
+            shard_group = size if strategy in HYBRID_STRATEGIES else None
             cost = row_cost(shape=shape, probe=probe, strategy=strategy, num_ranks=n, micro_batch=micro,
-                            passes=local // micro, bucket_mb=25.0, link=link)
+                            passes=local // micro, bucket_mb=25.0, link=link, shard_group_size=shard_group)
             fields = {k: getattr(cost, k) for k in cost.__dataclass_fields__}
             peak = sum(v for k, v in fields.items() if k.endswith("_bytes"))
             rows.append(PlanRow(strategy=strategy, devices=n, micro_batch=micro, passes=local // micro,
-                                budget_bytes=budget, fits=peak <= budget, **fields))
+                                budget_bytes=budget, fits=peak <= budget, shard_group_size=shard_group, **fields))
     return Plan(rows=tuple(rows), global_batch=256, precision="fp16", interconnect=interconnect,
                 memory_budget_bytes=budget, probe=probe)
 
 
-LINKS = (("roce-200g", "2 DGX Spark boxes (roce-200g), H200 compute", [1, 2]),
-         ("nvlink", "8 to 512 GPUs (nvlink: NVLink inside 8, InfiniBand NDR across)",
-          [1, 8, 16, 64, 128, 256]))
+LINKS = (("roce-200g", "2 and 16 DGX Spark boxes (roce-200g), H200 compute; a box is one GPU: hybrid's "
+                       "shard group is one rank", [1, 2, 16], 1),
+         ("nvlink", "8 to 256 GPUs (nvlink: NVLink inside 8, InfiniBand NDR across)",
+          [1, 8, 16, 64, 128, 256], None),
+         ("nvlink+roce-200g", "16 boxes of 8 GPUs (NVLink inside a box, 200 Gb/s RoCE between boxes)",
+          [1, 8, 128], None))
 
 
 def table_rows(workload: str, interconnect: str, plan: Plan) -> list[list[Any]]:
     """One published row per plan row: what docs/figures.md shows of the prediction."""
     base = {r.strategy: r.step_ms for r in plan.rows if r.devices == 1}
-    return [[workload, interconnect, r.devices, r.strategy, f"{r.micro_batch} x {r.passes}",
+    base.update({name: base[policy.stage] for name, policy in HYBRID_STRATEGIES.items()})  # vs its stage
+    return [[workload, interconnect, r.devices, r.label, f"{r.micro_batch} x {r.passes}",
              round(r.peak_bytes / 1e9, 2), r.compute_ms, r.comm_exposed_ms, r.optimizer_ms,
              r.step_ms, f"{base[r.strategy] / r.step_ms:.2f}x"] for r in plan.rows]
 
@@ -95,8 +107,8 @@ def main() -> None:
     rows: list[list[Any]] = []
     for workload in ("resnet50", "gpt2-124m"):
         print(f"## {workload}, global batch 256, fp16, AdamW\n")
-        for interconnect, heading, counts in LINKS:
-            plan = plan_at(workload, counts, interconnect, budget)
+        for interconnect, heading, counts, group in LINKS:
+            plan = plan_at(workload, counts, interconnect, budget, group)
             print(f"### {heading}\n\n```\n{plan}\n```\n")
             rows += table_rows(workload, interconnect, plan)
     if args.out is not None:

@@ -32,6 +32,11 @@ def test_plan_prints_writes_json_and_plot_and_replans_from_the_probe(tmp_path: P
     replanned = json.loads(again.read_text())
     assert replanned["probe"] == data["probe"] and replanned["interconnect"] == "nvlink"
     assert {r["devices"] for r in replanned["rows"]} == {1, 2, 8}
+    capsys.readouterr()
+    assert main(["plan", "--model", "tests.planner.factories:small_mlp", "--devices", "16", "--probe", str(out),
+                 "--interconnect", "nvlink+roce-200g", "--strategies", "hybrid-zero3",
+                 "--shard-group-size", "4", "--global-batch", "16"]) == 0
+    assert "hybrid-zero3 (4x4)" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("argv, word", [
@@ -39,6 +44,7 @@ def test_plan_prints_writes_json_and_plot_and_replans_from_the_probe(tmp_path: P
     (["--model", "nomodule"], "module:factory"),
     (["--workload", "gpt2-cpu", "--devices", "0"], "--devices"),
     (["--workload", "gpt2-cpu", "--memory-budget", "lots"], "lots"),
+    (["--workload", "gpt2-cpu", "--interconnect", "pcie+roce-200g"], "no node size"),
 ])
 def test_bad_input_is_one_line_and_exit_code_2(argv: list[str], word: str, capsys) -> None:
     assert main(["plan", *argv]) == 2

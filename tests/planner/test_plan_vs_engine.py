@@ -22,10 +22,10 @@ engine adds its own buckets and scratch; a wrong strategy formula or a replicate
 activations) falls outside it."""
 
 
-def _engine_step(strategy: str) -> dict[str, int]:
+def _engine_step(strategy: str, **options: object) -> dict[str, int]:
     world = dspark.get_world()
     engine = dspark.Engine(_mlp(), optimizer=functools.partial(torch.optim.AdamW, lr=1e-3),
-                           strategy=strategy)
+                           strategy=strategy, **options)
     x, y = dspark.distribute_batch(_batch(GLOBAL_BATCH), shard_dim=0)
 
     def step() -> None:
@@ -52,3 +52,19 @@ def test_predicted_state_is_memory_report_and_peak_within_band(pool, mlp_plan: P
         rank0["params_bytes"], rank0["grads_bytes"], rank0["optimizer_bytes"]), rank0
     ratio = row.peak_bytes / rank0["peak"]
     assert PEAK_BAND[0] <= ratio <= PEAK_BAND[1], (strategy, row.peak_bytes, rank0["peak"], row)
+
+
+def _hybrid_engine_step(strategy: str) -> dict[str, int]:
+    """Each rank its own shard group: what a rank holds is every row (1/1 of its group's)."""
+    return _engine_step(strategy, shard_group_size=1)
+
+
+@pytest.mark.parametrize("strategy", ["hybrid-zero2", "hybrid-zero3"])
+def test_a_hybrid_rows_state_is_memory_report_in_groups_of_one(pool, strategy: str) -> None:
+    table = dspark.plan(_mlp(), _batch(GLOBAL_BATCH), F.cross_entropy, devices=[2], strategies=[strategy],
+                        shard_group_size=1)
+    (row,) = table.rows
+    rank0 = pool.run(_hybrid_engine_step, strategy)[0]
+    assert (row.params_bytes, row.grads_bytes, row.optimizer_bytes) == (
+        rank0["params_bytes"], rank0["grads_bytes"], rank0["optimizer_bytes"]), rank0
+    assert PEAK_BAND[0] <= row.peak_bytes / rank0["peak"] <= PEAK_BAND[1], (row.peak_bytes, rank0["peak"])

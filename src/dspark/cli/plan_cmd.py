@@ -68,6 +68,16 @@ def _devices(text: str) -> list[int]:
     return counts
 
 
+def _interconnect(text: str) -> str:
+    from dspark.planner import get_interconnect
+
+    try:
+        get_interconnect(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Register ``dspark plan``."""
     from dspark.models import WORKLOADS
@@ -93,8 +103,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
                         help="default: the workload's, else fp32")
     parser.add_argument("--memory-budget", type=_budget, default=None, metavar="BYTES",
                         help="per rank, e.g. 24GB (default: the device's memory less 10%%)")
-    parser.add_argument("--interconnect", choices=sorted(INTERCONNECTS), default=None,
-                        help="link profile (default: loopback-gloo on a CPU, nvlink on a GPU)")
+    parser.add_argument("--interconnect", type=_interconnect, default=None, metavar="NAME",
+                        help=f"link profile: {', '.join(sorted(INTERCONNECTS))}, or INSIDE+ACROSS for a "
+                             "two-level fabric (nvlink+roce-200g); default: loopback-gloo on a CPU, nvlink "
+                             "on a GPU")
+    parser.add_argument("--shard-group-size", type=int, default=None, metavar="S",
+                        help="hybrid rows: ranks per shard group (default: the interconnect's node)")
     parser.add_argument("--strategies", default="all", help="comma-separated, or all (default)")
     parser.add_argument("--probe", metavar="PATH", default=None,
                         help="reuse the probe kept in an earlier --json instead of measuring")
@@ -204,7 +218,8 @@ def run(args: argparse.Namespace) -> int:
     plan = dspark.plan(model, sample, loss_fn, devices=args.devices, strategies=strategies,
                        precision=precision, global_batch=global_batch,
                        memory_budget=args.memory_budget, interconnect=args.interconnect,
-                       max_micro_batch=max_micro_batch, probe=probe, trace=args.trace)
+                       max_micro_batch=max_micro_batch, probe=probe, trace=args.trace,
+                       shard_group_size=args.shard_group_size)
     if probe is None:
         sys.stderr.write(f"dspark plan: probed in {time.perf_counter() - started:.1f} s\n")
     sys.stdout.write(f"{plan}\n")

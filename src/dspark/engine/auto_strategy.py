@@ -47,7 +47,8 @@ def strategy_and_plan(config: EngineConfig, *, model: nn.Module, optimizer: Call
                                         bucket_mb=float(config.communication.bucket_mb),
                                         memory_budget=config.memory_budget, world=world,
                                         sample_batch=sample_batch, loss_fn=loss_fn,
-                                        grad_accum_steps=config.grad_accum_steps))
+                                        grad_accum_steps=config.grad_accum_steps,
+                                        shard_group_size=config.communication.shard_group_size))
     for name, value in (("sample_batch", sample_batch), ("loss_fn", loss_fn)):
         if value is not None:
             raise ValueError(f"{name}=<{type(value).__name__}> is what strategy='auto' plans with; with "

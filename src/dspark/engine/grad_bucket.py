@@ -26,10 +26,11 @@ reduce-scatter (MPI) all-reduces the same buffer in place and each rank copies o
 collectives run in the shard group (see [Note: hybrid sharding] in :mod:`dspark.policy.rank_groups`);
 each rank's reduced shard is then all-reduced across its replica group, the ranks holding the same
 rows in the other groups, so that it sums every rank's gradients. That second collective starts
-once the first has landed (:meth:`GradBucket.reduce_across`): for every bucket at the end of
-backward, before any waits for the second, or earlier where a pooled buffer is reused. Every rank
-makes these calls in the same order (same buckets, same code path), which keeps each group's
-collectives in one order on all its ranks. Whole gradients (zero1) are all-reduced over the world in
+once the first has landed (:meth:`GradBucket.reduce_across`): a bucket's when the next bucket is
+launched during backward (so that it runs beside the rest of backward), the remaining ones at the end
+of backward, before any wait for them, or earlier where a pooled buffer is reused. Every rank makes
+these calls in the same order (same buckets, same code path), which keeps each group's collectives
+in one order on all its ranks. Whole gradients (zero1) are all-reduced over the world in
 one collective, as under zero1.
 """
 

@@ -149,6 +149,8 @@ class GradReducer:
     def _launch_ready(self) -> None:
         while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
             self.buckets[self._next].launch(self._send_pool, self._out_pool, self._pre_scale())
+            if self._next > 0:  # hybrid: see [Note: two-level reduction]
+                self.buckets[self._next - 1].reduce_across()
             self._next += 1
 
     def _pre_scale(self) -> float:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -34,7 +34,8 @@ from dspark.planner.interconnect import Interconnect
 from dspark.planner.link_probe import measure_link
 from dspark.planner.probe import Probe, batch_size, optimizer_state_of
 from dspark.planner.table import Plan, PlanRow, default_memory_budget, model_shape, plan
-from dspark.policy.strategies import STRATEGIES
+from dspark.policy.rank_groups import group_layout
+from dspark.policy.strategies import HYBRID_STRATEGIES, STRATEGIES, all_strategies
 
 __all__ = ["TIE_MS", "TIE_SHARE", "AutoChoice", "AutoRequest", "announce", "auto_choice", "auto_plan", "choose"]
 
@@ -61,6 +62,8 @@ class AutoRequest:
     grad_accum_steps: int | None = None
     """The loop's own accumulation when the user set it (the micro-batch is then fixed); None: auto
     may choose it with the micro-batch."""
+    shard_group_size: int | None = None
+    """The shard group a hybrid strategy would run in; None: a node's ranks (``LOCAL_WORLD_SIZE``)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -86,9 +89,10 @@ fractions of a millisecond, enough to reorder strategies whose whole difference 
 
 def auto_plan(model: nn.Module, *, optimizer: object, precision: str, bucket_mb: float,
               num_ranks: int, bus_bytes_per_s: float, backend: str, memory_budget: int,
-              link: Interconnect | None = None) -> Plan:
+              link: Interconnect | None = None, shard_group_size: int | None = None) -> Plan:
     """Every strategy's row on ``num_ranks`` ranks as auto sees it (see [Note: what auto knows]),
-    over ``link`` (:func:`dspark.planner.link_probe.measure_link`'s) or else one all-reduce bandwidth.
+    over ``link`` (:func:`dspark.planner.link_probe.measure_link`'s) or else one all-reduce bandwidth;
+    with ``shard_group_size`` (several nodes: :func:`hybrid_layout`), the hybrid strategies' rows too.
 
     Example::
 
@@ -107,12 +111,14 @@ def auto_plan(model: nn.Module, *, optimizer: object, precision: str, bucket_mb:
                             latency_s=50e-6 if gloo else 5e-6, overlaps_compute=not gloo,
                             source="a short all-reduce on this world")
     rows = []
-    for strategy in STRATEGIES:
+    hybrid = list(HYBRID_STRATEGIES) if shard_group_size is not None else []
+    for strategy in [*STRATEGIES, *hybrid]:
+        group = shard_group_size if strategy in HYBRID_STRATEGIES else None
         cost = row_cost(shape=shape, probe=probe, strategy=strategy, num_ranks=num_ranks,
-                        micro_batch=1, passes=1, bucket_mb=bucket_mb, link=link)
+                        micro_batch=1, passes=1, bucket_mb=bucket_mb, link=link, shard_group_size=group)
         peak = (cost.params_bytes + cost.grads_bytes + cost.optimizer_bytes + cost.comm_buffer_bytes)
         fields = {k: getattr(cost, k) for k in cost.__dataclass_fields__}
-        rows.append(PlanRow(strategy=strategy, devices=num_ranks, micro_batch=0, passes=1,
+        rows.append(PlanRow(strategy=strategy, devices=num_ranks, micro_batch=0, passes=1, shard_group_size=group,
                             budget_bytes=memory_budget, fits=peak <= memory_budget, **fields))
     return Plan(rows=tuple(rows), global_batch=0, precision=precision,
                 interconnect=f"measured {link.bytes_per_s / 1e9:.2f} GB/s", memory_budget_bytes=memory_budget,
@@ -134,7 +140,7 @@ def choose(plan: Plan, micro_batch: int | None = None) -> PlanRow:
                          "grad_accum_steps out so that auto may choose a smaller micro-batch, or raise "
                          "memory_budget")
     fastest = min(fitting, key=lambda r: r.step_ms)
-    order = list(STRATEGIES)
+    order = list(all_strategies())
     limit = max(fastest.step_ms * (1 + TIE_SHARE), fastest.step_ms + TIE_MS) + 1e-9
     ties = [r for r in fitting if r.step_ms <= limit]
     return min(ties, key=lambda r: order.index(r.strategy))
@@ -160,6 +166,11 @@ def auto_choice(request: AutoRequest) -> AutoChoice:
     """
     world = request.world
     link = measure_link(world, repeats=3) if world.world_size > 1 else None
+    group_size = hybrid_layout(world, request.shard_group_size)
+    if link is not None and group_size is not None:  # two levels: the nodes' own links, and the world's
+        inside = measure_link(world, repeats=3, group=comm.partition_groups(
+            group_layout(world.world_size, shard_group_size=group_size).shard_groups(), name="shard"))
+        link = replace(inside, name=f"{inside.name}+{link.name}", ranks_per_node=group_size, inter_node=link)
     bandwidth = link.bytes_per_s if link is not None else 0.0
     budget = request.memory_budget
     if budget is None:
@@ -172,16 +183,32 @@ def auto_choice(request: AutoRequest) -> AutoChoice:
     if world.world_size > 1:
         budget, with_batch = comm.broadcast_object((budget, with_batch) if world.rank == 0 else None)
     if with_batch:
-        return _resolve_with_batch(request, budget, link)
+        return _resolve_with_batch(request, budget, link, group_size)
     table = auto_plan(request.model, optimizer=request.optimizer, precision=request.precision,
                       bucket_mb=request.bucket_mb, num_ranks=world.world_size,
-                      bus_bytes_per_s=bandwidth, backend=world.backend, memory_budget=budget, link=link)
+                      bus_bytes_per_s=bandwidth, backend=world.backend, memory_budget=budget, link=link,
+                      shard_group_size=group_size)
     chosen = choose(table).strategy
     if world.rank == 0:
         announce(f"strategy='auto' chose {chosen} on {world.world_size} rank(s) (engine.plan); activations "
                  "and compute not measured at construction (no batch yet: pass sample_batch= to the "
                  f"engine to plan them and the micro-batch)\n{table}")
     return AutoChoice(strategy=chosen, plan=table)
+
+
+def hybrid_layout(world: World, shard_group_size: int | None) -> int | None:
+    """The shard group size auto plans hybrid rows with on ``world``: ``shard_group_size``, or one
+    node's ranks (``LOCAL_WORLD_SIZE``); None where that makes no several groups of several ranks
+    (one node), or does not divide the world (the engine would refuse it).
+
+    Example::
+
+        hybrid_layout(world, None)   # 8 on 2 nodes of 8 ranks, None on one node
+    """
+    size = world.local_world_size if shard_group_size is None else shard_group_size
+    if not 1 < size < world.world_size or world.world_size % size:
+        return None
+    return size
 
 
 def announce(message: str) -> None:
@@ -199,7 +226,8 @@ def announce(message: str) -> None:
         sys.stderr.flush()
 
 
-def _resolve_with_batch(request: AutoRequest, budget: int, link: Interconnect | None) -> AutoChoice:
+def _resolve_with_batch(request: AutoRequest, budget: int, link: Interconnect | None,
+                        group_size: int | None) -> AutoChoice:
     """[Note: auto with a batch] Given one step's batch, auto plans as :func:`dspark.plan` does on
     this world: activations and compute measured by a probe on rank 0's device (the others wait:
     ranks sharing a machine would slow the probe), every strategy at the largest micro-batch that
@@ -222,7 +250,7 @@ def _resolve_with_batch(request: AutoRequest, budget: int, link: Interconnect | 
                 result = plan(request.model, request.sample_batch, request.loss_fn, optimizer=request.optimizer,
                               devices=[world.world_size], precision=request.precision,
                               global_batch=rows * world.world_size, memory_budget=budget, interconnect=link,
-                              bucket_mb=request.bucket_mb, device=world.device,
+                              bucket_mb=request.bucket_mb, device=world.device, shard_group_size=group_size,
                               max_micro_batch=None if fixed is None else rows // fixed)
         except Exception as exc:  # every rank raises it, not only rank 0
             result = exc

@@ -46,6 +46,14 @@ gradient bytes, ``U`` a zero3 unit's padded parameter bytes:
 * every strategy: one all-reduce of a small vector per step (the loss weights, the window's
   position, which parameters had gradients).
 
+* hybrid-zero1/2/3 (``S`` ranks per shard group, ``R = N / S`` groups; see [Note: hybrid sharding]):
+  the stage's collectives over the shard group's ``S`` ranks on the link inside a node (zero3's
+  gathers of ``U`` padded to ``S`` chunks, the bucket's reduce-scatter, the row gather), and for
+  zero2/zero3 one all-reduce per bucket of each rank's shard (the bucket's bytes over ``S``) among
+  ``R`` ranks on the link across nodes, each starting once its bucket's reduce-scatter landed, on a
+  channel of its own; hybrid-zero1 all-reduces whole gradients over all ``N`` ranks. A rank holds
+  the shard group's share of what the stage shards ([Note: predicted memory] with ``S`` for ``N``).
+
 Each collective costs [Note: collective time] with its own measured terms where the link has them
 (:mod:`dspark.planner.link_probe`): its latency term makes the count of collectives matter, not only
 their bytes.
@@ -62,7 +70,7 @@ import torch
 from dspark.planner.interconnect import Interconnect, all_gather_s, all_reduce_s, reduce_scatter_s
 from dspark.planner.probe import Probe
 from dspark.policy.state_bytes import expected_state_bytes
-from dspark.policy.strategies import STRATEGIES, ShardingPolicy
+from dspark.policy.strategies import ShardingPolicy, all_strategies
 from dspark.policy.units import SECOND_PREFETCH_MAX_BYTES, TAG_BYTES  # see [Note: gather tags]
 from dspark.tensor.shard_math import chunk_size
 
@@ -112,8 +120,9 @@ def _whole_bytes(spec: ParamSpec) -> int:
 
 
 def state_bytes(shape: ModelShape, strategy: str, num_ranks: int) -> dict[str, int]:
-    """Rank 0's ``{"params", "grads", "optimizer"}`` bytes (rank 0 owns the most rows)."""
-    policy = STRATEGIES[strategy]
+    """Rank 0's ``{"params", "grads", "optimizer"}`` bytes (rank 0 owns the most rows); ``num_ranks``:
+    the ranks that split the rows (a hybrid strategy's shard group)."""
+    policy = all_strategies()[strategy]
 
     def expect(specs: Sequence[ParamSpec]) -> dict[str, int]:
         metas = (torch.empty(s, dtype=d, device="meta") for s, d in specs)
@@ -161,13 +170,15 @@ def _gathered_bytes(shape: ModelShape, num_ranks: int) -> int:
     return root + best
 
 
-def _serial_exposed(items: Sequence[tuple[float, float]], window_ms: float) -> float:
-    """Items ``(ready_ms, duration_ms)`` on one channel in ready order: how far the last one ends
-    past ``window_ms``."""
-    end = 0.0
-    for ready_ms, duration_ms in sorted(items):
+def _serial_exposed(items: Sequence[tuple[float, float, float]], window_ms: float) -> float:
+    """Items ``(ready_ms, duration_ms, then_ms)`` on one channel in ready order, each followed by
+    ``then_ms`` on a second channel once it is done (hybrid's all-reduce across nodes): how far the
+    last one ends past ``window_ms``."""
+    end = then_end = 0.0
+    for ready_ms, duration_ms, then_ms in sorted(items):
         end = max(end, ready_ms) + duration_ms
-    return max(0.0, end - window_ms)
+        then_end = max(then_end, end) + then_ms
+    return max(0.0, end - window_ms, then_end - window_ms)
 
 
 def _gather_stalls(unit_ms: Sequence[float], gather_ms: Sequence[float]) -> float:
@@ -184,71 +195,87 @@ def _copy_ms(probe: Probe, nbytes: float) -> float:
 
 def _exposed_comm_ms(shape: ModelShape, probe: Probe, policy: ShardingPolicy, n: int,
                      grouped: Sequence[tuple[float, int]], passes: int, forward_ms: float,
-                     backward_ms: float, link: Interconnect) -> float:
-    """The step's communication that compute does not hide, on ``n > 1`` ranks (see
-    [Note: predicted step] and [Note: what each strategy sends])."""
+                     backward_ms: float, link: Interconnect, split: int) -> float:
+    """The step's communication that compute does not hide, on ``n > 1`` ranks whose rows are split
+    over ``split`` (``n``, or a hybrid shard group's size; see [Note: predicted step] and
+    [Note: what each strategy sends])."""
     hidden = link.link_for(n).overlaps_compute
-    reduce = reduce_scatter_s if policy.shard_grads else all_reduce_s
-    # gradient buckets, in backward: (ready ms, wire ms); zero2/zero3 first copy the whole
-    # gradients into the send buffer (compute-side work: never hidden)
-    items = [(ready * backward_ms, 1e3 * reduce(nbytes, n, link)) for ready, nbytes in grouped]
+    across = link.link_for(n)  # a replica group's ring crosses the nodes
+
+    def reduce_ms(nbytes: int) -> tuple[float, float]:
+        if not policy.shard_grads:  # whole gradients: one all-reduce over every rank
+            return 1e3 * all_reduce_s(nbytes, n, link), 0.0
+        return (1e3 * reduce_scatter_s(nbytes, split, link),
+                1e3 * all_reduce_s(nbytes // split, n // split, across))
+
+    # gradient buckets, in backward: (ready ms, wire ms, then across ms); zero2/zero3 first copy the
+    # whole gradients into the send buffer (compute-side work: never hidden)
+    items = [(ready * backward_ms, *reduce_ms(nbytes)) for ready, nbytes in grouped]
     local_ms = sum(_copy_ms(probe, nbytes) for _, nbytes in grouped) if policy.shard_grads else 0.0
     extras_bytes = 8 * (2 + 2 * n + len(shape.trainable))
     after_ms = 1e3 * all_reduce_s(extras_bytes, n, link)  # the step's one small vector
-    if policy.shard_optimizer and not policy.shard_params:  # the updated rows, after the step
-        after_ms += sum(1e3 * all_gather_s(nbytes, n, link) + _copy_ms(probe, nbytes) for _, nbytes in grouped)
-    if not policy.shard_params:
-        wire = _serial_exposed(items, backward_ms) if hidden else sum(d for _, d in items)
+    if policy.splits_optimizer_on(split) and not policy.shard_params:  # the updated rows, after the step
+        after_ms += sum(1e3 * all_gather_s(nbytes, split, link) + _copy_ms(probe, nbytes)
+                        for _, nbytes in grouped)
+    if not policy.splits_params_on(split):
+        wire = _serial_exposed(items, backward_ms) if hidden else sum(d + t for _, d, t in items)
         return wire + local_ms + after_ms
-    unit_bytes = [sum(_padded_bytes(shape.trainable[i], n) for i in u) + TAG_BYTES for u in shape.units]
-    gathers = [1e3 * all_gather_s(b, n, link) for b in unit_bytes]
+    unit_bytes = [sum(_padded_bytes(shape.trainable[i], split) for i in u) + TAG_BYTES for u in shape.units]
+    gathers = [1e3 * all_gather_s(b, split, link) for b in unit_bytes]
     if not hidden:
-        return sum(d for _, d in items) + passes * 2 * sum(gathers) + local_ms + after_ms
+        return sum(d + t for _, d, t in items) + passes * 2 * sum(gathers) + local_ms + after_ms
     shares = list(probe.unit_forward_share) or [1.0]
     fwd_units = [s * forward_ms for s in shares]
     bwd_units = [s * backward_ms for s in shares]
     # forward: root first, then the blocks in order; backward: root, then blocks reversed
     stalls = passes * (_gather_stalls(fwd_units, gathers)
                        + _gather_stalls([bwd_units[0], *bwd_units[:0:-1]], [gathers[0], *gathers[:0:-1]]))
-    return max(stalls, _serial_exposed(items + [(0.0, g) for g in gathers], backward_ms)) + local_ms + after_ms
+    return max(stalls, _serial_exposed(items + [(0.0, g, 0.0) for g in gathers], backward_ms)) + local_ms + after_ms
 
 
 def row_cost(*, shape: ModelShape, probe: Probe, strategy: str, num_ranks: int, micro_batch: int,
-             passes: int, bucket_mb: float, link: Interconnect) -> RowCost:
+             passes: int, bucket_mb: float, link: Interconnect, shard_group_size: int | None = None) -> RowCost:
     """One rank's predicted memory and step for ``strategy`` on ``num_ranks`` ranks running
     ``passes`` micro-batches of ``micro_batch`` samples per step (see [Note: predicted memory] and
-    [Note: predicted step]).
+    [Note: predicted step]); a hybrid strategy in shard groups of ``shard_group_size`` ranks (None:
+    one group of all).
 
     Example::
 
         row_cost(shape=shape, probe=probe, strategy="zero2", num_ranks=2, micro_batch=16, passes=1,
                  bucket_mb=25.0, link=get_interconnect("loopback-gloo"))
+        row_cost(..., strategy="hybrid-zero3", num_ranks=64, shard_group_size=8, link=get_interconnect("nvlink"))
     """
-    policy = STRATEGIES[strategy]
+    policy = all_strategies()[strategy]
     n = num_ranks
-    state = state_bytes(shape, strategy, n)
+    split = shard_group_size if policy.hybrid and shard_group_size is not None else n
+    if n % split:
+        raise ValueError(f"shard_group_size={split} does not divide the world: world_size({n}) % "
+                         f"shard_group_size({split}) != 0")
+    state = state_bytes(shape, strategy, split)
     activations = probe.activation_bytes(micro_batch)
     grouped = buckets(shape, probe.grad_ready, bucket_mb)
     largest = sorted((b for _, b in grouped), reverse=True)
     buffers = 0
-    if n > 1 and policy.shard_grads:
+    if n > 1 and policy.shard_grads:  # the send buffers, whatever the group (hybrid: of one rank too)
         whole_grads = sum(_whole_bytes(spec) for spec in shape.trainable)
         buffers += max(0, min(sum(largest[:2]), whole_grads) - (whole_grads - state["grads"]))
-    if n > 1 and policy.shard_params:
-        buffers += _gathered_bytes(shape, n)
-    if n > 1 and policy.shard_optimizer and not policy.shard_params:
-        row_gather = sum(b + b // n for b in largest[:2])
+    if policy.splits_params_on(split):
+        buffers += _gathered_bytes(shape, split)
+    if policy.splits_optimizer_on(split) and not policy.shard_params:
+        row_gather = sum(b + b // split for b in largest[:2])
         buffers = max(buffers, row_gather - activations - probe.runtime_bytes())
 
     forward_ms = probe.forward_ms.at(micro_batch)
     backward_ms = probe.backward_ms.at(micro_batch)
     compute_ms = passes * (forward_ms + backward_ms)
     optimizer_ms = probe.optimizer_ms
-    if policy.splits_optimizer_on(n):  # each rank steps 1/N of every parameter's rows
-        optimizer_ms = probe.optimizer_fixed_ms + (probe.optimizer_ms - probe.optimizer_fixed_ms) / n
+    if policy.splits_optimizer_on(split):  # each rank steps 1/N of every parameter's rows
+        optimizer_ms = probe.optimizer_fixed_ms + (probe.optimizer_ms - probe.optimizer_fixed_ms) / split
     exposed = 0.0
     if n > 1:
-        exposed = _exposed_comm_ms(shape, probe, policy, n, grouped, passes, forward_ms, backward_ms, link)
+        exposed = _exposed_comm_ms(shape, probe, policy, n, grouped, passes, forward_ms, backward_ms, link,
+                                   split)
     return RowCost(params_bytes=state["params"], grads_bytes=state["grads"],
                    optimizer_bytes=state["optimizer"], activation_bytes=activations,
                    comm_buffer_bytes=buffers, runtime_bytes=probe.runtime_bytes(),

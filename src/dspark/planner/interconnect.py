@@ -20,7 +20,7 @@ and their sources are listed in docs/plan.md.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 
 __all__ = ["COLLECTIVES", "INTERCONNECTS", "Interconnect", "LinkCost", "all_gather_s", "all_reduce_s", "get_interconnect",
@@ -172,13 +172,25 @@ INTERCONNECTS: MappingProxyType[str, Interconnect] = MappingProxyType({p.name: p
 
 
 def get_interconnect(name: str) -> Interconnect:
-    """The profile called ``name``; an unknown name raises ``ValueError`` listing the valid ones.
+    """The profile called ``name``; ``"INSIDE+ACROSS"`` is a two-level fabric of two profiles: the
+    first's link inside a node of its ``ranks_per_node``, the second's between nodes. An unknown name
+    raises ``ValueError`` listing the valid ones.
 
     Example::
 
         get_interconnect("roce-200g").bytes_per_s   # 25e9
+        get_interconnect("nvlink+roce-200g").link_for(16).name   # "roce-200g": 8-GPU boxes on RoCE
     """
+    if "+" in name:
+        inside, across = (get_interconnect(part) for part in name.split("+", 1))
+        if inside.ranks_per_node is None:
+            raise ValueError(f"interconnect={name!r}: {inside.name!r} has no node size (ranks_per_node), so it "
+                             f"cannot be the link inside a node; use one that has: "
+                             f"{', '.join(p.name for p in _PROFILES if p.ranks_per_node)}")
+        return replace(inside, name=name, inter_node=across,
+                       source=f"{inside.source}; between nodes: {across.source}")
     try:
         return INTERCONNECTS[name]
     except KeyError:
-        raise ValueError(f"interconnect={name!r} is not one of {', '.join(INTERCONNECTS)}") from None
+        raise ValueError(f"interconnect={name!r} is not one of {', '.join(INTERCONNECTS)}, or two of them "
+                         "as INSIDE+ACROSS (e.g. nvlink+roce-200g)") from None

@@ -68,36 +68,39 @@ def _time_call(call: Callable[[], object], repeats: int, device: torch.device) -
     return statistics.median(max(ts) for ts in zip(*everyone, strict=True))
 
 
-def _calls(collective: str, nbytes: int, n: int, device: torch.device) -> Callable[[], object]:
+def _calls(collective: str, nbytes: int, n: int, device: torch.device,
+           group: comm.Group | None = None) -> Callable[[], object]:
     numel = max(n, nbytes // 4 // n * n)  # fp32, a multiple of N
     whole = torch.ones(numel, dtype=torch.float32, device=device)
     if collective == "all_reduce":
-        return lambda: comm.all_reduce(whole, label="dspark.link_probe.all_reduce")
+        return lambda: comm.all_reduce(whole, group=group, label="dspark.link_probe.all_reduce")
     if collective == "reduce_scatter":
         out = torch.empty(numel // n, dtype=torch.float32, device=device)
-        return lambda: comm.reduce_scatter_tensor(out, whole, label="dspark.link_probe.reduce_scatter")
+        return lambda: comm.reduce_scatter_tensor(out, whole, group=group, label="dspark.link_probe.reduce_scatter")
     shard = whole[: numel // n].clone()
     return lambda: comm.all_gather_parts([shard], [torch.empty(numel, dtype=torch.float32, device=device)],
-                                         label="dspark.link_probe.all_gather")
+                                         group=group, label="dspark.link_probe.all_gather")
 
 
 def measure_link(world: comm.World, *, sizes: tuple[int, int] = SIZES, repeats: int = 5,
-                 overlaps_compute: bool | None = None) -> Interconnect:
+                 overlaps_compute: bool | None = None, group: comm.Group | None = None) -> Interconnect:
     """This world's link, each collective measured apart (see [Note: the link probe]); call it on
     every rank. ``overlaps_compute`` defaults to False on gloo (the computing core moves the bytes).
-    On one rank there is nothing to measure: ``ValueError``.
+    ``group``: measure inside this rank's group of a partition instead (every group at once, e.g.
+    one node's ranks: :func:`dspark.comm.partition_groups`); rank 0's group answers. On one rank
+    there is nothing to measure: ``ValueError``.
 
     Example::
 
         link = measure_link(dspark.get_world())
         dspark.plan(model, batch, loss_fn, devices=[2], interconnect=link)
     """
-    n = world.world_size
+    n = world.world_size if group is None else group.size
     if n < 2:
         raise ValueError(f"measure_link needs >= 2 ranks; this world has world_size={n}")
     costs = []
     for collective in COLLECTIVES:
-        points = tuple((nbytes, _time_call(_calls(collective, nbytes, n, world.device), repeats, world.device))
+        points = tuple((nbytes, _time_call(_calls(collective, nbytes, n, world.device, group), repeats, world.device))
                        for nbytes in sizes)
         costs.append((collective, fit_link_cost(collective, n, points)))  # type: ignore[arg-type]
     costs = comm.broadcast_object(costs, label="dspark.link_probe.result")

@@ -26,10 +26,11 @@ from dspark.planner.cost import ModelShape, RowCost, row_cost, state_bytes
 from dspark.planner.fake_trace import fake_activation_bytes, fake_probe
 from dspark.planner.interconnect import Interconnect, get_interconnect
 from dspark.planner.probe import LossFn, Probe, batch_size, measure_probe, optimizer_state_of
-from dspark.policy.strategies import STRATEGIES, precision_policy
+from dspark.policy.strategies import HYBRID_STRATEGIES, STRATEGIES, all_strategies, precision_policy
 from dspark.policy.units import unit_modules
 
-__all__ = ["Plan", "PlanRow", "default_memory_budget", "format_plan", "loop_advice", "model_shape", "plan"]
+__all__ = ["Plan", "PlanRow", "default_memory_budget", "format_plan", "hybrid_group", "loop_advice", "model_shape",
+           "plan"]
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,15 @@ class PlanRow(RowCost):
     """The memory one rank may use here (the plan's ``memory_budget``, or the default)."""
     fits: bool
     """Whether ``peak_bytes`` is within ``budget_bytes``."""
+    shard_group_size: int | None = None
+    """A hybrid row's ranks per shard group (``devices / shard_group_size`` groups); None otherwise."""
+
+    @property
+    def label(self) -> str:
+        """The strategy as the table shows it: a hybrid row with its groups, ``hybrid-zero3 (8x8)``."""
+        if self.shard_group_size is None:
+            return self.strategy
+        return f"{self.strategy} ({self.devices // self.shard_group_size}x{self.shard_group_size})"
 
     @property
     def model_state_bytes(self) -> int:
@@ -105,7 +115,7 @@ class Plan:
                              f"{smallest.strategy}'s {_mb(smallest.peak_bytes)} per rank at micro-batch "
                              f"{smallest.micro_batch}, over the budget of {_mb(smallest.budget_bytes)}; "
                              "add devices or raise memory_budget")
-        return min(fitting, key=lambda r: (r.step_ms, list(STRATEGIES).index(r.strategy)))
+        return min(fitting, key=lambda r: (r.step_ms, list(all_strategies()).index(r.strategy)))
 
     def row(self, strategy: str, devices: int) -> PlanRow:
         """The row for ``strategy`` on ``devices`` ranks."""
@@ -151,7 +161,7 @@ def format_plan(plan: Plan) -> str:
     table = [list(_COLUMNS)]
     for r in plan.rows:
         ref = base.get(r.strategy, one)
-        table.append([r.strategy, str(r.devices), str(r.micro_batch),
+        table.append([r.label, str(r.devices), str(r.micro_batch),
                       *(f"{b / 1e6:.1f}" for b in (r.params_bytes, r.grads_bytes, r.optimizer_bytes,
                                                     r.activation_bytes, r.comm_buffer_bytes,
                                                     r.runtime_bytes, r.peak_bytes)),
@@ -164,6 +174,9 @@ def format_plan(plan: Plan) -> str:
                                for i, (c, w) in enumerate(zip(row, widths, strict=True))))
     lines.append("memory columns in MB per rank (params, grads, optimizer state, activations, "
                  "communication buffers, runtime); times in ms per step")
+    if any(r.shard_group_size is not None for r in plan.rows):
+        lines.append("hybrid-zeroN (R x S): the stage inside shard groups of S ranks, R groups replicating "
+                     "it; a rank holds 1/S of what the stage shards")
     split = sorted({(r.passes, r.micro_batch) for r in plan.rows if r.passes > 1 and r.fits})
     for passes, micro in split:
         lines.append(f"micro {micro} x {passes}: " + loop_advice(passes, micro))
@@ -237,7 +250,7 @@ def plan(model: nn.Module, sample_batch: Any, loss_fn: LossFn | None = None, *,
          memory_budget: int | None = None, interconnect: str | Interconnect | None = None,
          bucket_mb: float = 25.0, max_micro_batch: int | None = None,
          device: torch.device | str | None = None, probe: Probe | None = None,
-         trace: str = "auto") -> Plan:
+         trace: str = "auto", shard_group_size: int | None = None) -> Plan:
     """Predict every strategy's peak memory and step per rank on each device count, from one short
     probe of ``model`` on one device (see :mod:`dspark.planner.probe` and :mod:`dspark.planner.cost`).
 
@@ -252,6 +265,9 @@ def plan(model: nn.Module, sample_batch: Any, loss_fn: LossFn | None = None, *,
 a forward on fake tensors for the activations and measures no time (see [Note: the fake trace]),
 ``"auto"`` (default) measures unless the one-device model state and the traced activations at the
 probe's larger batch would not fit on the device (a model larger than this machine is planned).
+    Hybrid rows (``hybrid-zero1/2/3``) split the ranks into shard groups of ``shard_group_size``, by
+    default one node of ``interconnect`` (its ``ranks_per_node``); ``strategies="all"`` adds them
+    where that makes several groups of several ranks (see :func:`hybrid_group`).
 
     Example::
 
@@ -261,11 +277,12 @@ probe's larger batch would not fit on the device (a model larger than this machi
     counts = sorted(set(devices))
     if not counts or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in counts):
         raise ValueError(f"devices={list(devices)!r} must be ints >= 1")
-    names = list(STRATEGIES) if strategies == "all" else [strategies] if isinstance(strategies, str) \
+    every = strategies == "all"
+    names = [*STRATEGIES, *HYBRID_STRATEGIES] if every else [strategies] if isinstance(strategies, str) \
         else list(strategies)
-    unknown = [s for s in names if s not in STRATEGIES]
+    unknown = [s for s in names if s not in all_strategies()]
     if unknown or not names:
-        raise ValueError(f"strategies={strategies!r}: each must be one of {', '.join(STRATEGIES)} "
+        raise ValueError(f"strategies={strategies!r}: each must be one of {', '.join(all_strategies())} "
                          "(or 'all')")
     precision_policy(precision)  # validates
     if memory_budget is not None and memory_budget <= 0:
@@ -297,8 +314,13 @@ probe's larger batch would not fit on the device (a model larger than this machi
         if budget is None:
             budget = default_memory_budget(where, local_ranks=1 if where.type == "cuda" else n)
         for strategy in names:
+            group = None
+            if strategy in HYBRID_STRATEGIES:
+                group = hybrid_group(link, n, shard_group_size, required=not every)
+                if group is None:
+                    continue  # "all": no split into several groups of several ranks here
             rows.append(_fit_row(shape, probe, strategy, n, total // n, budget, bucket_mb, link,
-                                 max_micro_batch))
+                                 max_micro_batch, group))
     return Plan(rows=tuple(rows), global_batch=total, precision=precision, interconnect=link.name,
                 memory_budget_bytes=memory_budget, probe=probe)
 
@@ -345,17 +367,47 @@ def _check_probe_fits(model: nn.Module, device: torch.device) -> None:
                          "Probe.from_one_step from a measured step, or pass trace='fake' for its memory")
 
 
+def hybrid_group(link: Interconnect, num_ranks: int, shard_group_size: int | None, *,
+                 required: bool = True) -> int | None:
+    """The shard group size a hybrid row on ``num_ranks`` ranks is planned with: ``shard_group_size``,
+    else one node of ``link`` (its ``ranks_per_node``; ``nvlink``: 8). With ``required`` (a hybrid
+    strategy asked for by name) a size that does not fit is a ``ValueError``; without (``"all"``),
+    None where the ranks would not make several groups of several ranks.
+
+    Example::
+
+        hybrid_group(get_interconnect("nvlink"), 64, None)   # 8: eight nodes of 8
+        hybrid_group(get_interconnect("nvlink"), 8, None, required=False)   # None: one node
+    """
+    size = shard_group_size if shard_group_size is not None else link.ranks_per_node
+    if size is None:
+        if required:
+            raise ValueError(f"interconnect {link.name!r} has no node size: pass shard_group_size= for a "
+                             "hybrid strategy (the ranks of one node)")
+        return None
+    size = min(size, num_ranks)
+    if num_ranks % size:
+        if required:
+            raise ValueError(f"shard_group_size={size} does not divide the world: world_size({num_ranks}) % "
+                             f"shard_group_size({size}) != 0")
+        return None
+    if not required and not 1 < size < num_ranks:
+        return None
+    return size
+
+
 def _fit_row(shape: ModelShape, probe: Probe, strategy: str, n: int, local: int, budget: int,
-             bucket_mb: float, link: Interconnect, max_micro_batch: int | None) -> PlanRow:
+             bucket_mb: float, link: Interconnect, max_micro_batch: int | None,
+             shard_group_size: int | None = None) -> PlanRow:
     """The row at the largest micro-batch that fits ``budget`` (the smallest when none does)."""
     row = None
     for micro in _micro_batches(local, max_micro_batch):
         cost = row_cost(shape=shape, probe=probe, strategy=strategy, num_ranks=n, micro_batch=micro,
-                        passes=local // micro, bucket_mb=bucket_mb, link=link)
+                        passes=local // micro, bucket_mb=bucket_mb, link=link, shard_group_size=shard_group_size)
         parts = asdict(cost)
         peak = sum(v for k, v in parts.items() if k.endswith("_bytes"))
         row = PlanRow(strategy=strategy, devices=n, micro_batch=micro, passes=local // micro,
-                      budget_bytes=budget, fits=peak <= budget, **parts)
+                      budget_bytes=budget, fits=peak <= budget, shard_group_size=shard_group_size, **parts)
         if row.fits:
             return row
     if row is None:
