@@ -134,7 +134,7 @@ def load_artifacts(results_dir: Path) -> list[Artifact]:
             refused.append(str(exc))
             continue
         except (ValueError, KeyError) as exc:
-            refused.append(f"{directory.name}: {meta_path.name}: {type(exc).__name__}: {exc}")
+            refused.append(f"{directory.name}: {type(exc).__name__}: {exc}")
             continue
         notes, load = _provenance(directory, meta)
         artifacts.append(Artifact(

@@ -60,9 +60,12 @@ def _parse(line: str, where: str) -> Any:
 
 
 def _dict_of(value: Any, keys: tuple[str, ...], where: str) -> dict[str, Any]:
-    if not isinstance(value, dict) or sorted(value) != sorted(keys):
-        got = sorted(value) if isinstance(value, dict) else type(value).__name__
-        raise ValueError(f"{where}: expected an object with keys {list(keys)}, got {got}")
+    if not isinstance(value, dict):
+        raise ValueError(f"{where}: expected an object, got a {type(value).__name__}")
+    missing, unknown = [k for k in keys if k not in value], sorted(set(value) - set(keys))
+    if missing or unknown:
+        raise ValueError(f"{where}: the row lacks key(s) {missing} and has unknown key(s) {unknown}: "
+                         "the file was altered (every row keeps its prev_hash and row_hash)")
     return value
 
 
