@@ -1,9 +1,8 @@
-"""The GPT of nanoGPT's ``model.py``, condensed, and its data: shared by ``nanogpt_ddp_original.py``
-(PyTorch DDP) and ``nanogpt_port.py`` (DSpark), so that their diff shows only what a port changes.
+"""A small GPT in the shape of nanoGPT's (pre-norm blocks, tied embedding and head, GPT-2's
+initialisation) and its data, for ``nanogpt_port.py``.
 
-``forward(idx, targets)`` returns ``(logits, loss)`` and ``configure_optimizers`` builds AdamW with
-weight decay on the 2-D parameters only, as nanoGPT's do. The text is a few modules of this Python's
-own standard library, as bytes (vocabulary 256): it exists wherever Python does.
+``forward(idx, targets)`` returns ``(logits, loss)``, as nanoGPT's does. The text is a few modules of
+this Python's own standard library, as bytes (vocabulary 256): it exists wherever Python does.
 """
 
 from __future__ import annotations
@@ -97,13 +96,6 @@ class GPT(nn.Module):
         if targets is None:
             return logits, None
         return logits, F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
-
-    def configure_optimizers(self, weight_decay: float, learning_rate: float,
-                             betas: tuple[float, float], device_type: str) -> torch.optim.AdamW:
-        decay = [p for p in self.parameters() if p.dim() >= 2]
-        no_decay = [p for p in self.parameters() if p.dim() < 2]
-        groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas)
 
 
 class Windows(torch.utils.data.Dataset):
