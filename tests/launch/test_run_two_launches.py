@@ -79,11 +79,14 @@ def _check_world(out_dir: Path, *, master_addr: str, ifnames: tuple[str, str]) -
         assert seen["all_reduce"] == [3.0] * 4  # 1 + 2, summed across the two launches
     assert ranks[0]["state"] == ranks[1]["state"]  # the gathered model is the same on both nodes
     reference = _reference_state()
-    assert ranks[0]["state"].keys() == reference.keys()
-    for name, want in reference.items():
-        got = torch.tensor(ranks[0]["state"][name])
-        assert not torch.equal(want, worker.make_model().state_dict()[name])  # it did train
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=name)
+    for state in (ranks[0]["state"], ranks[0]["hybrid"]["state"]):
+        assert state.keys() == reference.keys()
+        for name, want in reference.items():
+            got = torch.tensor(state[name])
+            assert not torch.equal(want, worker.make_model().state_dict()[name])  # it did train
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=name)
+    for seen in ranks:  # hybrid's groups from the node layout: a shard group per launch of one rank
+        assert seen["hybrid"]["shard_group_size"] == 1 and seen["hybrid"]["replica_all_reduce_calls"] > 0
 
 
 def _loopback_name() -> str:

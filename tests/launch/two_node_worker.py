@@ -2,7 +2,8 @@
 
 Runs real collectives across the two launches: an all-reduce of each rank's ``rank + 1``, then
 two ZeRO-2 training steps (reduce-scatter of gradients, all-gather of parameters) on its half of
-a fixed global batch. Writes what it saw to ``OUT_DIR/rank<R>.json`` for the test to compare.
+a fixed global batch, and the same two steps under hybrid-zero2, whose shard groups come from the
+node layout (one rank per launch: the gradients cross between the launches in the replica group). Writes what it saw to ``OUT_DIR/rank<R>.json`` for the test to compare.
 The model and batches are built here from seeds, and by the test for its plain-PyTorch
 reference, with :func:`make_model` and :func:`global_batch`.
 """
@@ -53,7 +54,19 @@ def main(out_dir: Path) -> int:
         engine.backward(F.cross_entropy(engine(x), y))
         engine.step()
     state = {name: tensor.tolist() for name, tensor in engine.full_state_dict().items()}
-    result = {"rank": world.rank, "world_size": world.world_size, "backend": world.backend,
+    engine.close()
+    # hybrid-zero2 with its groups from the node layout: one rank per launch, so each rank is its own
+    # shard group and the gradients cross between the two launches in the replica group
+    engine = dspark.Engine(make_model(), optimizer=optimizer(), strategy="hybrid-zero2", bucket_mb=1e-4)
+    comm.reset_stats()
+    for step in range(STEPS):
+        x, y = dspark.distribute_batch(global_batch(step), shard_dim=0)
+        engine.backward(F.cross_entropy(engine(x), y))
+        engine.step()
+    hybrid = {"state": {name: tensor.tolist() for name, tensor in engine.full_state_dict().items()},
+              "shard_group_size": engine.memory_report()["shard_group_size"],
+              "replica_all_reduce_calls": comm.stats(group="replica")["all_reduce"].calls}
+    result = {"rank": world.rank, "world_size": world.world_size, "backend": world.backend, "hybrid": hybrid,
               "node_rank": int(os.environ["GROUP_RANK"]), "master_addr": os.environ["MASTER_ADDR"],
               "gloo_socket_ifname": os.environ.get("GLOO_SOCKET_IFNAME"),
               "all_reduce": summed.tolist(), "state": state}
