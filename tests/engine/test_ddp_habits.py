@@ -68,13 +68,13 @@ def test_allow_accum_scaled_loss_lets_a_scaled_loss_through(pool) -> None:
         assert result["messages"] == {"div_": "no error"} and result["applied"]
 
 
-def _one_rank_changes(strategy: str, group: int, key: str, value: object) -> dict[str, object]:
+def _one_rank_changes(strategy: str, group: int, key: str, value: object, **options: object) -> dict[str, object]:
     """At step 1, rank 1 alone changes one hyper-parameter of one param group; both ranks change
     ``lr`` alike first (a schedule), which is no difference."""
     world = dspark.get_world()
     adamw = functools.partial(torch.optim.AdamW, lr=0.01, weight_decay=0.1)
     engine = dspark.Engine(tm.make("mlp"), optimizer=adamw, strategy=strategy,
-                           param_groups=lambda name, p: {"weight_decay": 0.0} if p.ndim < 2 else {})
+                           param_groups=lambda name, p: {"weight_decay": 0.0} if p.ndim < 2 else {}, **options)
     engine.backward(_loss(engine, 0))
     engine.step()
     for g in engine.optimizer.param_groups:

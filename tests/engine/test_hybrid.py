@@ -10,6 +10,7 @@ import pytest
 import dspark
 from dspark import comm
 from dspark.engine.engine import engine_parts
+from tests.engine.cases import get_case
 from tests.engine.harness import assert_close, train_engine, train_reference
 from tests.messages import assert_names
 
@@ -90,3 +91,38 @@ def _parts_groups(strategy: str, group_size: int) -> tuple[int, int, int | None]
 def test_groups_follow_the_layout(pool) -> None:
     assert pool.run(_parts_groups, "hybrid-zero2", 1) == [(0, 1, 2), (0, 1, 2)]
     assert pool.run(_parts_groups, "hybrid-zero2", 2) == [(0, 2, None), (1, 2, None)]
+
+
+def test_the_replicated_batch_check_and_the_drift_check_hold_across_shard_groups(pool) -> None:
+    """Each rank its own shard group: the ranks that must see different batches and equal
+    hyper-parameters are in different groups, and both checks still compare every rank."""
+    from tests.engine.test_batch_check import _train as train_on
+    from tests.engine.test_ddp_habits import _one_rank_changes
+
+    for rank, result in enumerate(pool.run(train_on, "REPLICATE", strategy="hybrid-zero2", shard_group_size=1)):
+        assert result["steps"] == 0 and result["error"].startswith(f"rank {rank}: "), result
+        assert_names(result["error"], "ranks 0 and 1", "identical input")
+    for result in pool.run(train_on, "split", strategy="hybrid-zero2", shard_group_size=1):
+        assert result["error"] is None and result["steps"] == 4
+    for rank, result in enumerate(pool.run(_one_rank_changes, "hybrid-zero3", 0, "lr", 1.0, shard_group_size=1)):
+        assert_names(str(result["message"]), f"rank {rank}: ", "param group 0 'lr'", "1.0 on rank 1")
+        assert result["unchanged"] and result["step_count"] == 1, result
+
+
+def _audit(strategy: str, group_size: int) -> list[dict]:
+    from dspark.engine.audit import above_share
+    from tests.engine.harness import build_engine, train_steps
+
+    engine = build_engine("mlp", strategy, shard_group_size=group_size)
+    train_steps(engine, "mlp", range(1))
+    x, y = dspark.distribute_batch(get_case("mlp").batch(1), shard_dim=0)
+    engine.backward(get_case("mlp").loss(engine, (x, y)))  # gradients held, as the audit reads them
+    over = above_share(engine.audit())
+    engine.step()
+    engine.close()
+    return over
+
+
+@pytest.mark.parametrize("strategy", ["hybrid-zero2", "hybrid-zero3"])
+def test_the_audit_expects_the_shard_groups_share(pool, strategy: str) -> None:
+    assert pool.run(_audit, strategy, 1) == [[], []]  # a group of one holds every row, as it should
