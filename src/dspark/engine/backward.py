@@ -28,7 +28,7 @@ from dspark.engine.hyperparams import check_same_hyperparameters, fingerprint
 from dspark.engine.loss_graph import accum_scaling, accum_scaling_message
 from dspark.engine.loss_scaler import LossScaler
 from dspark.engine.param_slot import ParamSlot, SlotState
-from dspark.engine.sharded_grad import mark_sharded_grads
+from dspark.engine.sharded_grad import ShardedGradMarks
 from dspark.engine.validation import check_weight
 from dspark.engine.window import StepTag, Window
 from dspark.engine.zero3_units import Zero3Scheduler
@@ -74,6 +74,7 @@ class BackwardPass:
         self.allow_accum_scaled_loss = allow_accum_scaled_loss
         self.optimizer = optimizer
         self.strategy = strategy
+        self._marks = ShardedGradMarks(self.slots, strategy=strategy, rank=world.rank) if shard_grads else None
         """Its hyper-parameters are compared across ranks at each reduction (see [Note:
         hyper-parameters in step]); None: not compared."""
 
@@ -225,8 +226,8 @@ class BackwardPass:
                 full = slot.param.grad
                 slot.opt_param.grad = None if full is None else slot.rows_view(full)[slot.start:slot.stop]
         window.grads_bytes_held = storage_bytes(self._grad_tensors())
-        if self.shard_grads:  # see [Note: a clip of the module's parameters]
-            mark_sharded_grads(self.slots, strategy=self.strategy, rank=self.world.rank)
+        if self._marks is not None:  # see [Note: a clip of the module's parameters]
+            self._marks.install()
 
     def _grad_tensors(self) -> Iterator[torch.Tensor | None]:
         for slot in self.slots:

@@ -34,7 +34,7 @@ import torch
 from dspark.engine.param_slot import ParamSlot
 from dspark.errors import ShardedGradError
 
-__all__ = ["ShardedGrad", "mark_sharded_grads"]
+__all__ = ["ShardedGrad", "ShardedGradMarks"]
 
 
 class ShardedGrad(torch.Tensor):
@@ -98,8 +98,29 @@ def _refusal(op: str, args: Any) -> ShardedGradError:
         "module's parameters hold the whole reduced gradient and PyTorch's clip works on them")
 
 
-def mark_sharded_grads(slots: Sequence[ParamSlot], *, strategy: str, rank: int) -> None:
-    """Give each trainable parameter of ``slots`` a :class:`ShardedGrad` as its ``.grad``, once the
-    window is reduced under zero2/zero3."""
-    for slot in slots:
-        slot.param.grad = ShardedGrad(slot.param, name=slot.name, strategy=strategy, rank=rank)
+class ShardedGradMarks:
+    """The :class:`ShardedGrad` of each parameter of ``slots``, made once and set as its ``.grad``
+    each time the window is reduced under zero2/zero3 (made again only when the parameter's shape
+    changed, as zero3's does between freed and gathered).
+
+    Example::
+
+        marks = ShardedGradMarks(slots, strategy="zero2", rank=0)
+        marks.install()        # after the reduction; step() sets .grad back to None
+    """
+
+    def __init__(self, slots: Sequence[ParamSlot], *, strategy: str, rank: int) -> None:
+        self.slots = list(slots)
+        self.strategy = strategy
+        self.rank = rank
+        self._made: dict[int, tuple[torch.Size, ShardedGrad]] = {}
+
+    def install(self) -> None:
+        for slot in self.slots:
+            param = slot.param
+            shape = param.shape
+            made = self._made.get(id(slot))
+            if made is None or made[0] != shape:  # the stand-in's own .shape would go through its hook
+                made = self._made[id(slot)] = (shape, ShardedGrad(param, name=slot.name, strategy=self.strategy,
+                                                                  rank=self.rank))
+            param.grad = made[1]
