@@ -26,8 +26,8 @@ import torch
 
 import dspark
 from dspark import comm
-from dspark.bench.barrier_timing import barrier_timed_ms
-from dspark.bench.table_artifact import write_table
+from dspark.bench.artifacts.table import write_table
+from dspark.bench.measure.barrier_timing import barrier_timed_ms
 from dspark.models import get_workload
 from dspark.tensor.fingerprint import batch_fingerprint
 

@@ -17,7 +17,7 @@ import torch
 from interleaved import interleaved_medians, median_step_ms
 
 import dspark
-from dspark.bench.cpu_load import core_for_rank, pin_all_threads
+from dspark.bench.measure.cpu_load import core_for_rank, pin_all_threads
 from dspark.models import get_workload
 
 

@@ -12,7 +12,7 @@ kernel. Prints the command and the load average, then one line per size: lines, 
 other jobs held the cores), peak MB, findings; then the wall time per 1000 lines, which stays flat
 when the checker is linear.
 ``--out DIR`` writes the same rows as ``DIR/table.json`` (see [Note: table artifacts] in
-``dspark.bench.table_artifact``); ``python -m dspark.bench.record ... --anchor check-scaling --
+``dspark.bench.artifacts.table``); ``python -m dspark.bench.record ... --anchor check-scaling --
 python benchmarks/check_scaling.py`` keeps it as the artifact docs/figures.md renders.
 """
 
@@ -110,7 +110,7 @@ def main() -> None:
                          f"{1000 * result['seconds'] / lines:.2f}"])
     print("load average after (1, 5, 15 min): {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
     if args.out is not None:
-        from dspark.bench.table_artifact import write_table
+        from dspark.bench.artifacts.table import write_table
 
         path = write_table(args.out, columns=["lines", "bytes", "seconds", "CPU seconds", "peak memory", "findings",
                                               "s per 1000 lines"], rows=rows,

@@ -19,7 +19,7 @@ difference as a share of the load without it, and the CPU seconds of the loading
 hash threads (a load's check can run beside it on one spare core when the second is below the
 first, whatever else loads the machine), then the conditions: hash rates of one core, load average.
 ``--out DIR`` also writes the table as ``DIR/table.json`` (see [Note: table artifacts] in
-:mod:`dspark.bench.table_artifact`), the rows as published and the conditions in its caption; keep
+:mod:`dspark.bench.artifacts.table`), the rows as published and the conditions in its caption; keep
 it with ``python -m dspark.bench.record ... -- python benchmarks/ckpt_verify_cost.py ... --out DIR``.
 """
 
@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 import dspark
-from dspark.bench.table_artifact import write_table
+from dspark.bench.artifacts.table import write_table
 from dspark.checkpoint import digest
 from dspark.checkpoint.manifest import MANIFEST_FILE
 

@@ -95,7 +95,7 @@ def main() -> None:
         rows.append(row)
         print(f"{row[0]:<18} {row[1]:<36} {row[2]:>8} {row[3]:>12} {row[4]:>12}")
     if args.out is not None:
-        from dspark.bench.table_artifact import write_table
+        from dspark.bench.artifacts.table import write_table
 
         write_table(args.out, columns=["DSPARK_CPU_MALLOC", "malloc", "step ms", "faults/step",
                                        "peak RSS MB"], rows=rows,

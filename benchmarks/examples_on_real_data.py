@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from dspark.bench.table_artifact import write_table
+from dspark.bench.artifacts.table import write_table
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 

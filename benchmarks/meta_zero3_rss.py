@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 import dspark
-from dspark.bench.table_artifact import write_table
+from dspark.bench.artifacts.table import write_table
 
 GIB = 1024**3
 

@@ -28,8 +28,8 @@ import torch
 
 import dspark
 from dspark import comm
-from dspark.bench.barrier_timing import barrier_timed_ms
-from dspark.bench.table_artifact import write_table
+from dspark.bench.artifacts.table import write_table
+from dspark.bench.measure.barrier_timing import barrier_timed_ms
 from dspark.engine.finite_check import new_flag, scale_and_check
 from dspark.models import get_workload
 

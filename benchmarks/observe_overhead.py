@@ -34,7 +34,7 @@ from torch import nn
 
 import dspark
 from dspark import comm
-from dspark.bench.table_artifact import write_table
+from dspark.bench.artifacts.table import write_table
 from dspark.engine.engine import engine_parts
 from dspark.engine.inputs import ForwardInputs
 from dspark.engine.step_observer import StepObserver

@@ -53,7 +53,7 @@ def main() -> None:
         print(f"  {name:9s} {median:7.2f} ms  ({loop / median:.1f}x the loop)")
         rows.append([name, f"{median:.2f}", f"{loop / median:.1f}x"])
     if args.out is not None:
-        from dspark.bench.table_artifact import write_table
+        from dspark.bench.artifacts.table import write_table
 
         write_table(args.out, columns=["AdamW kernel", "step ms", "speed vs the for-loop"], rows=rows,
                     caption=f"One AdamW step over {total / 1e6:.1f}M fp32 parameters in {args.tensors} "

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from dspark.bench.peer_ratios import peer_ratios
+from dspark.bench.analyse.peer_ratios import peer_ratios
 from dspark.bench.result import BenchResult
 
 

@@ -112,7 +112,7 @@ def main() -> None:
             print(f"### {heading}\n\n```\n{plan}\n```\n")
             rows += table_rows(workload, interconnect, plan)
     if args.out is not None:
-        from dspark.bench.table_artifact import write_table
+        from dspark.bench.artifacts.table import write_table
 
         write_table(args.out, rows=rows, columns=[
             "workload", "link", "devices", "strategy", "micro-batch x passes", "peak GB per rank",

@@ -215,7 +215,7 @@ def write_artifact(data: dict[str, Any], out: Path) -> None:
     if out.suffix == ".json":
         out.write_text(json.dumps(data, indent=2) + "\n")
         return
-    from dspark.bench.table_artifact import write_table
+    from dspark.bench.artifacts.table import write_table
 
     out.mkdir(parents=True, exist_ok=True)
     (out / "plan-validation.json").write_text(json.dumps(data, indent=2) + "\n")

@@ -186,7 +186,7 @@ def measure(weights: Path, method: str, layers: int, width: int) -> None:
 
 def measure_all(out: Path, layers: int, width: int, nproc: int) -> None:
     """Every method in its own launch on weights written to a temporary directory; ``out/table.json``."""
-    from dspark.bench.table_artifact import write_table
+    from dspark.bench.artifacts.table import write_table
 
     results = []
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -124,7 +124,7 @@ def measure_all(out: Path, layers: int, width: int, nproc: int) -> None:
     """Every path in its own launch (a peak is per process), on weights written once; ``out/table.json``."""
     from transformers import GPT2LMHeadModel
 
-    from dspark.bench.table_artifact import write_table
+    from dspark.bench.artifacts.table import write_table
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     dspark_cli = str(Path(sys.executable).with_name("dspark"))

@@ -31,8 +31,8 @@ from interleaved import interleaved_medians, median_call_ms, median_step_ms
 
 import dspark
 from dspark import comm
-from dspark.bench.cpu_load import core_for_rank, pin_all_threads
-from dspark.bench.table_artifact import write_table
+from dspark.bench.artifacts.table import write_table
+from dspark.bench.measure.cpu_load import core_for_rank, pin_all_threads
 from dspark.comm import shm_transport
 from dspark.engine import build as build_module
 from dspark.models import get_workload

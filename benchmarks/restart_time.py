@@ -30,7 +30,7 @@ import threading
 import time
 from pathlib import Path
 
-from dspark.bench.table_artifact import write_table
+from dspark.bench.artifacts.table import write_table
 from dspark.launch.process_tree import children
 
 NPROC = 2

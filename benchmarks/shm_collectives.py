@@ -25,8 +25,8 @@ import torch
 
 import dspark
 from dspark import comm
-from dspark.bench.cpu_load import core_for_rank, pin_all_threads
-from dspark.bench.table_artifact import write_table
+from dspark.bench.artifacts.table import write_table
+from dspark.bench.measure.cpu_load import core_for_rank, pin_all_threads
 
 
 def _timed(fn: Callable[[], object]) -> tuple[float, float]:

@@ -34,9 +34,9 @@ import torch
 
 import dspark
 from dspark import comm
-from dspark.bench.cpu_load import core_for_rank, pin_all_threads
-from dspark.bench.peers import PEERS, dspark_engine_options, make_engine
-from dspark.bench.table_artifact import write_table
+from dspark.bench.artifacts.table import write_table
+from dspark.bench.measure.cpu_load import core_for_rank, pin_all_threads
+from dspark.bench.measure.peers import PEERS, dspark_engine_options, make_engine
 from dspark.models import get_workload
 
 DEFAULT_PAIRS = "replicate:torch-ddp,zero3:torch-fsdp2"

@@ -73,7 +73,7 @@ def main() -> None:
         rows.append([f"`{name}`", first, done])
         print(f"{name:>30}  {first:>12}  {done:>6}")
     if args.out is not None:
-        from dspark.bench.table_artifact import write_table
+        from dspark.bench.artifacts.table import write_table
 
         write_table(args.out, columns=["command", "first output s", "exit s"], rows=rows,
                     caption=f"{args.nproc} ranks, a script that calls `dspark.init()` and prints one "

@@ -109,7 +109,7 @@ def main() -> None:
             "spread_ms": round(statistics.pstdev(times[True] + times[False]), 3),
         }), flush=True)
         if args.out is not None:
-            from dspark.bench.table_artifact import write_table
+            from dspark.bench.artifacts.table import write_table
 
             write_table(args.out, columns=["workload", "strategy", "`skip_nonfinite=True` step ms",
                                            "`skip_nonfinite=False` step ms", "spread ms"],

@@ -4,7 +4,7 @@ Run from the repository root::
 
     python benchmarks/zero_real_memory.py
 
-For each strategy it starts a fresh ``--nproc``-rank job (``python -m dspark.bench.rss_worker
+For each strategy it starts a fresh ``--nproc``-rank job (``python -m dspark.bench.measure.rss_worker
 STRATEGY``: 5 x Linear(4096, 4096), 83.9M parameters, AdamW, two steps) and prints every rank's peak
 resident memory (VmHWM, MiB), ``engine.memory_report()``'s total (MB) and the bytes per parameter
 its ranks' peaks saved against replicate's (the mean over ranks). ``--out DIR`` writes the table as
@@ -17,8 +17,8 @@ import argparse
 import statistics
 from pathlib import Path
 
-from dspark.bench.rss_worker import LAYERS, STEPS, WIDTH, peak_rss_per_rank
-from dspark.bench.table_artifact import write_table
+from dspark.bench.artifacts.table import write_table
+from dspark.bench.measure.rss_worker import LAYERS, STEPS, WIDTH, peak_rss_per_rank
 
 MIB = 2**20
 

@@ -66,8 +66,8 @@ ALLOWED: tuple[tuple[str, str, str], ...] = (
     ("docs/pretrained.md", "1354 MiB in fp32", "the model's size: parameters x 4 bytes"),
     ("docs/pretrained.md", "474.70 MiB (497,759,232 bytes)", "the model's size: parameters x 4 bytes"),
     # src: examples of what a function returns for its argument, arguments, and config values
-    ("src/dspark/bench/formatting.py", "format_", "a formatter's example: the text its argument gives"),
-    ("src/dspark/bench/anomalies.py", "2.0x a 1/2 share", "the audit's words for a replicated batch"),
+    ("src/dspark/bench/present/formatting.py", "format_", "a formatter's example: the text its argument gives"),
+    ("src/dspark/bench/analyse/anomalies.py", "2.0x a 1/2 share", "the audit's words for a replicated batch"),
     ("src/dspark/engine/audit.py", "2.0x a 1/2 share", "the audit's words for a replicated batch"),
     ("src/dspark/engine/engine.py", "2.0x a 1/2 share", "the audit's words for a replicated batch"),
     ("src/dspark/checkpoint/hf_files.py", '"5GB"', "a size argument, HuggingFace's way"),

@@ -2,7 +2,7 @@
 (``USDT: ... profiler_start``), below Python, so ``sys.stderr`` cannot catch it. Where DSpark
 starts the profiler for its own measurement (the planner's peak memory, not a trace the user
 asked for), those lines are noise in the user's terminal around a table; a job's log filters
-them the same way (:mod:`dspark.bench.runner`).
+them the same way (:mod:`dspark.bench.measure.runner`).
 """
 
 from __future__ import annotations

@@ -4,11 +4,14 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from dspark.bench.measurement import Measurement, results_from_measurements
+from dspark.bench.ledger.measurement import Measurement, results_from_measurements
+from dspark.bench.measure.runner import RunFailure
 from dspark.bench.result import BenchConfig, BenchResult
-from dspark.bench.runner import RunFailure
+
+if TYPE_CHECKING:
+    from dspark.bench.ledger.ledger import Ledger
 
 MB = 1_000_000
 MODEL_STATE_BYTES = 400 * MB      # params + grads + AdamW state, replicate strategy: same on every rank
@@ -145,3 +148,28 @@ class FakeWorkers:
 
 def kinds(result: BenchResult) -> list[str]:
     return [a["kind"] for a in result.anomalies]
+
+
+RUN_ROUNDS = 3
+"""The rounds of :func:`append_run`."""
+
+
+def append_run(ledger: Ledger, *, busy: bool = False) -> None:
+    """A 3-round run: 1 device at ~460 ms, 2 devices at ~240 ms, interleaved."""
+    rows = []
+    for r in range(RUN_ROUNDS):
+        one = make_measurement(num_devices=1, round_index=r, rounds_planned=RUN_ROUNDS,
+                               step_ms_by_rank=[[460.0 + r, 462.0, 461.0]],
+                               rank_loads=make_measurement().rank_loads[:1],
+                               batch={"samples_by_rank": [8], "identical_input_ranks": [],
+                                      "replicated_modules": [], "replicated_module_count": 0},
+                               state_held_by_rank=make_measurement().state_held_by_rank[:1],
+                               state_expected_by_rank=make_measurement().state_expected_by_rank[:1],
+                               tensor_peak_bytes_by_rank=[150_000_000],
+                               rss_peak_bytes_by_rank=[500_000_000])
+        loads = [dict(load, foreign_cpu_s=0.2 if busy else 0.004)
+                 for load in make_measurement().rank_loads]
+        two = make_measurement(round_index=r, rounds_planned=RUN_ROUNDS, rank_loads=loads,
+                               step_ms_by_rank=[[240.0 + r, 241.0, 242.0]] * 2)
+        rows += [one, two]
+    ledger.append(rows)

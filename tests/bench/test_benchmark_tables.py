@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dspark.bench.table_artifact import load_table
+from dspark.bench.artifacts.table import load_table
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -20,9 +20,9 @@ from typing import Any
 
 import pytest
 
-from dspark.bench.analysis import annotate
-from dspark.bench.ledger import Ledger
-from dspark.bench.provenance import source_commit
+from dspark.bench.analyse.analysis import annotate
+from dspark.bench.ledger.ledger import Ledger
+from dspark.bench.measure.provenance import source_commit
 from dspark.cli.main import main
 from dspark.comm.shm_setup import shm_wanted
 from dspark.engine import STEP_STATS_KEYS
@@ -206,7 +206,7 @@ def test_bad_input_is_a_one_line_error(capsys: pytest.CaptureFixture[str]) -> No
 
 def test_a_failed_configuration_makes_the_exit_code_1(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from dspark.bench import runner
+    from dspark.bench.measure import runner
 
     def fail(config: Any, **_: Any) -> runner.RunFailure:
         return runner.RunFailure(config=config, exit_code=1, stderr_tail="rank 0: Traceback ...")

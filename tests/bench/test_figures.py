@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from dspark.bench import record as record_module
-from dspark.bench.artifact_check import ArtifactRefused, pin_artifact, read_heads
+from dspark.bench.artifacts.kept import ArtifactRefused, pin_artifact, read_heads
+from dspark.bench.artifacts.table import load_table, write_table
 from dspark.bench.figures import (
     HEADLINE_END,
     HEADLINE_START,
@@ -22,7 +23,6 @@ from dspark.bench.figures import (
     replace_headline,
     unsupported_numbers,
 )
-from dspark.bench.table_artifact import load_table, write_table
 from tests.messages import assert_names
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -133,12 +133,12 @@ def test_a_changed_table_is_refused_by_name(tmp_path, damage):
 
 
 def test_a_ledger_artifact_renders_its_rows_and_refuses_a_deleted_tail_row(tmp_path):
-    from dspark.bench.ledger import Ledger
-    from tests.bench.test_ledger_chain import _run
+    from dspark.bench.ledger.ledger import Ledger
+    from tests.bench.factory import append_run
 
     directory = _keep(tmp_path / "results", "2026-01-01-box-quick", {"ledger": "ledger.jsonl"}, pin=False)
     with Ledger(tmp_path / "l.sqlite") as ledger:
-        _run(ledger)
+        append_run(ledger)
         ledger.export_rows(directory / "ledger.jsonl")
         head = ledger.head()
     assert pin_artifact(tmp_path / "results", "2026-01-01-box-quick") == head
@@ -185,7 +185,7 @@ def test_no_head_in_git_history_was_ever_changed():
 
 def _quick_artifact(results: Path, name: str, *, cores: int = 2, load: float = 0.5,
                     foreign: float = 0.01) -> None:
-    from dspark.bench.analysis import annotate
+    from dspark.bench.analyse.analysis import annotate
     from tests.bench.factory import make_result
 
     rows = [r.to_dict() for r in annotate([
@@ -252,7 +252,7 @@ def test_record_keeps_a_complete_artifact(tmp_path, monkeypatch, dirty):
     monkeypatch.setattr(record_module, "_run", _fake_run({
         "uptime": "load average: 0.10\n", "env": "dspark env table\n", "git rev-parse": "abc123\n",
         "git status": " M src/dspark/x.py\n" if dirty else ""}))
-    script = ("import sys; from dspark.bench.table_artifact import write_table; "
+    script = ("import sys; from dspark.bench.artifacts.table import write_table; "
               "write_table(sys.argv[sys.argv.index('--out') + 1], columns=['a s'], rows=[[0.5]])")
     out = record_module.record(results_dir=tmp_path, name="2026-01-01-box-x", title="X",
                                command=[sys.executable, "-c", script], anchor="x")
@@ -284,8 +284,8 @@ def test_record_keeps_a_bench_run_from_its_own_ledger(tmp_path, monkeypatch):
     ``ledger.jsonl`` and its head pinned."""
     monkeypatch.setattr(record_module, "_run", _fake_run({"uptime": "load average: 0.10\n",
                                                           "git rev-parse": "abc123\n"}))
-    script = ("import sys; from dspark.bench.ledger import Ledger; from tests.bench.test_ledger_chain "
-              "import _run; _run(Ledger(sys.argv[sys.argv.index('--db') + 1]))")
+    script = ("import sys; from dspark.bench.ledger.ledger import Ledger; from tests.bench.factory "
+              "import append_run; append_run(Ledger(sys.argv[sys.argv.index('--db') + 1]))")
     out = record_module.record(results_dir=tmp_path, name="2026-01-01-box-seed", title="S",
                                command=[sys.executable, "-c", script], ledger=True)
     meta = json.loads((out / "artifact.json").read_text())

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from dspark.bench import provenance, runner
-from dspark.bench.ledger import Ledger
-from dspark.bench.provenance import source_commit
+from dspark.bench.ledger.ledger import Ledger
+from dspark.bench.measure import provenance, runner
+from dspark.bench.measure.provenance import source_commit
 from dspark.cli import whole_file
 from dspark.cli.main import main
 from tests.bench.factory import FakeWorkers, make_measurement
@@ -84,7 +84,7 @@ def test_rerun_measures_the_baseline_beside_a_stale_n_device_result(
     assert [(c.num_devices, r) for c, r, _ in workers.calls] == [(1, 0), (2, 0), (2, 1), (1, 1)]
     with Ledger(db) as ledger:
         latest = ledger.resolve("latest")
-    from dspark.bench.analysis import annotate
+    from dspark.bench.analyse.analysis import annotate
 
     one, two = annotate(latest)
     assert two.baseline_result_id == one.result_id

@@ -39,10 +39,10 @@ def test_parsing_keeps_script_arguments_untouched(tmp_path: Path) -> None:
 
 def test_parsing_multi_node_and_module_targets() -> None:
     spec = _spec("--nproc-per-node", "8", "--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1",
-                 "--master-port", "29501", "-m", "dspark.bench.worker", "--out", "x.json")
+                 "--master-port", "29501", "-m", "dspark.bench.measure.worker", "--out", "x.json")
     assert (spec.nproc, spec.nnodes, spec.node_rank, spec.master_addr, spec.master_port) == (
         8, 2, 1, "10.0.0.1", 29501)
-    assert (spec.module, spec.target, spec.args) == (True, "dspark.bench.worker", ("--out", "x.json"))
+    assert (spec.module, spec.target, spec.args) == (True, "dspark.bench.measure.worker", ("--out", "x.json"))
 
 
 def test_dry_run_prints_the_torchrun_command(capsys: pytest.CaptureFixture[str]) -> None:

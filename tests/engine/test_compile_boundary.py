@@ -39,6 +39,6 @@ def test_a_hook_called_eagerly_is_the_function_itself() -> None:
 
 
 def test_importing_dspark_does_not_load_the_compiler() -> None:
-    code = "import sys, dspark, dspark.bench.worker; print('torch._dynamo' in sys.modules)"
+    code = "import sys, dspark, dspark.bench.measure.worker; print('torch._dynamo' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False", out.stderr

@@ -117,7 +117,7 @@ def test_an_fp16_overflow_on_cuda_skips_the_step_on_the_device(single_process,
 
 
 def test_peak_memory_comes_from_the_cuda_allocator() -> None:
-    from dspark.bench.memory import measure_peak_bytes
+    from dspark.bench.measure.memory import measure_peak_bytes
 
     device = torch.device("cuda", 0)
 

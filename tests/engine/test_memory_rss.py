@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from dspark.bench.rss_worker import peak_rss_per_rank
+from dspark.bench.measure.rss_worker import peak_rss_per_rank
 
 
 @pytest.mark.slow

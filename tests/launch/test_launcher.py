@@ -39,9 +39,9 @@ def test_script_arguments_pass_untouched_after_the_script(script: str) -> None:
 
 
 def test_module_target_runs_with_dash_m() -> None:
-    argv = launcher_argv(LaunchSpec(target="dspark.bench.worker", module=True, nproc=2,
+    argv = launcher_argv(LaunchSpec(target="dspark.bench.measure.worker", module=True, nproc=2,
                                     args=("--config", "{}")))
-    assert argv[-4:] == ["-m", "dspark.bench.worker", "--config", "{}"]
+    assert argv[-4:] == ["-m", "dspark.bench.measure.worker", "--config", "{}"]
     command = launcher_command(LaunchSpec(target="a.b", module=True, nproc=1, args=("--nproc", "3")))
     assert command[1:3] == ["-m", "dspark.launch.torchrun_entry"]
     launcher, script = split_argv(command[3:])

@@ -1,8 +1,18 @@
-"""The benchmark lab: suites, the runner, the ledger, the analysis and the reports.
+"""The benchmark lab, a wing of its own beside the training core (``pip install 'dspark[lab]'``):
 
-Names are imported on first use: every benchmark worker process imports this package, and it
-should not pay for SQLite, rich and matplotlib to measure one configuration. (``compare`` is not
-re-exported: the submodule of that name would shadow it; use ``dspark.bench.compare.compare``.)
+* ``measure/``: the suites, the runner and the worker each rank runs, the engines measured beside
+  DSpark's, interleaved rounds, and the probes a worker takes;
+* ``ledger/``: what a launch measured and the hash-chained SQLite ledger it is appended to;
+* ``analyse/``: the analysis, the anomaly rules, noise, comparisons, the plan a result is held to;
+* ``present/``: console tables, the HTML report and its figures;
+* ``artifacts/``: kept measurements under ``benchmarks/results/``, verified before they are shown;
+* ``result.py`` (the vocabulary every part speaks) and ``faults.py`` (faults the lab injects);
+  ``python -m dspark.bench.record`` keeps a measurement and ``python -m dspark.bench.figures`` renders
+  docs/figures.md from the kept ones.
+
+``import dspark`` and a training run never import it. Names are imported on first use: every
+benchmark worker process imports this package, and it should not pay for SQLite, rich and
+matplotlib to measure one configuration.
 
 Example::
 
@@ -16,20 +26,21 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from dspark.bench.analysis import annotate
-    from dspark.bench.compare import Comparison
-    from dspark.bench.ledger import Ledger, default_db_path
-    from dspark.bench.measurement import Measurement
-    from dspark.bench.noise import NoiseModel
-    from dspark.bench.report import (
+    from dspark.bench.analyse.analysis import annotate
+    from dspark.bench.analyse.compare import Comparison
+    from dspark.bench.analyse.noise import NoiseModel
+    from dspark.bench.artifacts.table import write_table
+    from dspark.bench.ledger.ledger import Ledger, default_db_path
+    from dspark.bench.ledger.measurement import Measurement
+    from dspark.bench.measure.runner import DEFAULT_ROUNDS, BenchRunError, RunFailure, run_suite
+    from dspark.bench.measure.suites import SUITES, Machine, SuiteOverrides, build_suite
+    from dspark.bench.present.report import (
         render_comparison,
         render_results_table,
         render_seed_table,
         write_html_report,
     )
     from dspark.bench.result import BenchConfig, BenchResult
-    from dspark.bench.runner import DEFAULT_ROUNDS, BenchRunError, RunFailure, run_suite
-    from dspark.bench.suites import SUITES, Machine, SuiteOverrides, build_suite
 
 __all__ = [
     "DEFAULT_ROUNDS",
@@ -52,19 +63,23 @@ __all__ = [
     "render_seed_table",
     "run_suite",
     "write_html_report",
+    "write_table",
 ]
 
 _MODULE_OF = {
-    "annotate": "analysis",
-    "Comparison": "compare",
-    "Ledger": "ledger", "default_db_path": "ledger",
-    "Measurement": "measurement", "NoiseModel": "noise",
-    "render_comparison": "report", "render_results_table": "report",
-    "render_seed_table": "report", "write_html_report": "report",
+    "annotate": "analyse.analysis",
+    "Comparison": "analyse.compare",
+    "NoiseModel": "analyse.noise",
+    "write_table": "artifacts.table",
+    "Ledger": "ledger.ledger", "default_db_path": "ledger.ledger",
+    "Measurement": "ledger.measurement",
+    "BenchRunError": "measure.runner", "DEFAULT_ROUNDS": "measure.runner",
+    "RunFailure": "measure.runner", "run_suite": "measure.runner",
+    "SUITES": "measure.suites", "Machine": "measure.suites", "SuiteOverrides": "measure.suites",
+    "build_suite": "measure.suites",
+    "render_comparison": "present.report", "render_results_table": "present.report",
+    "render_seed_table": "present.report", "write_html_report": "present.report",
     "BenchConfig": "result", "BenchResult": "result",
-    "BenchRunError": "runner", "DEFAULT_ROUNDS": "runner", "RunFailure": "runner",
-    "run_suite": "runner",
-    "SUITES": "suites", "Machine": "suites", "SuiteOverrides": "suites", "build_suite": "suites",
 }
 
 

@@ -5,8 +5,8 @@ A measurement taken with a fault injected (a rank slowed by ``DSPARK_BENCH_SLOW_
 variable named in :data:`INJECTIONS` or starting with :data:`INJECTION_PREFIX`) is not a
 measurement of DSpark: it is recorded with the variables that injected it
 (``Measurement.injected_faults``), every table shows it, and it never becomes evidence about the
-machine or the code: :class:`dspark.bench.noise.NoiseModel` leaves it out of the run-to-run
-history and :meth:`dspark.bench.ledger.Ledger.previous` never returns it as a regression baseline.
+machine or the code: :class:`dspark.bench.analyse.noise.NoiseModel` leaves it out of the run-to-run
+history and :meth:`dspark.bench.ledger.ledger.Ledger.previous` never returns it as a regression baseline.
 """
 
 from __future__ import annotations

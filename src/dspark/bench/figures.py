@@ -9,7 +9,7 @@ benchmark's own tables under ``"tables"``, see [Note: table artifacts], or, for 
 before ledgers were, exported result rows under ``"results"``) beside those files. Before anything
 is rendered, every artifact is verified against the chain head pinned for it in
 ``benchmarks/results/HEADS`` and every result checked against its own figures (see [Note: pinned
-heads] in :mod:`dspark.bench.artifact_check`); one that fails is refused by name and nothing is
+heads] in :mod:`dspark.bench.artifacts.kept`); one that fails is refused by name and nothing is
 written. Results are rendered as analysed now, from the kept rows: ``--check`` re-derives every
 number and compares. ``tests/bench/test_figures.py`` fails on any difference, and on any number in
 a table that no artifact value renders to. A figure without an artifact is not published;
@@ -40,14 +40,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from dspark.bench.artifact_check import (
+from dspark.bench.artifacts.kept import (
     HEADS_FILE,
     ArtifactRefused,
     check_artifact,
     pin_artifact,
     read_heads,
 )
-from dspark.bench.table_artifact import Table, markdown_table
+from dspark.bench.artifacts.table import Table, markdown_table
 
 __all__ = ["NOT_REMEASURED", "REFERENCE_MACHINE", "Artifact", "headline_artifact", "headline_block",
            "load_artifacts", "main", "render_figures", "replace_headline", "unsupported_numbers"]

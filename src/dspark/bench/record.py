@@ -29,8 +29,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from dspark.bench.artifact_check import LEDGER_FILE, chain_kept_files, pin_head
-from dspark.bench.ledger import Ledger
+from dspark.bench.artifacts.kept import LEDGER_FILE, chain_kept_files, pin_head
+from dspark.bench.ledger.ledger import Ledger
 
 __all__ = ["machine_line", "main", "record"]
 

@@ -1,7 +1,7 @@
 """What one benchmark configuration is, and what a run measured for it.
 
 ``BenchConfig`` is what to measure. The ledger keeps raw measurements, one per launch
-(:class:`dspark.bench.measurement.Measurement`); a ``BenchResult`` is one configuration of one run,
+(:class:`dspark.bench.ledger.measurement.Measurement`); a ``BenchResult`` is one configuration of one run,
 summarised from its rounds when read, and carries the analysis (speedup, anomalies) computed then,
 so a corrected rule reaches old results. ``BenchResult.to_dict`` gives the JSON object
 ``dspark bench --json`` writes.
@@ -93,7 +93,7 @@ class BenchConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Recorded:
-    """Where a figure came from (see :mod:`dspark.bench.provenance`), and the JSON round trip
+    """Where a figure came from (see :mod:`dspark.bench.measure.provenance`), and the JSON round trip
     shared by raw measurements and results."""
 
     git_commit: str = ""
@@ -121,7 +121,7 @@ class Recorded:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class BenchResult(Recorded):
     """One configuration measured in one run: its rounds' raw figures, summarised, plus the analysis
-    (speedup, anomalies) computed when it is read (see :mod:`dspark.bench.analysis`). Every key of
+    (speedup, anomalies) computed when it is read (see :mod:`dspark.bench.analyse.analysis`). Every key of
     the JSON output is a field here."""
 
     # what ran
@@ -138,14 +138,14 @@ class BenchResult(Recorded):
     step_ms_p90: float
     samples_per_s: float
     """The samples a step trained (``samples_per_step``, or ``global_batch`` when not counted)
-    over the median step (see [Note: samples counted] in :mod:`dspark.bench.samples`)."""
+    over the median step (see [Note: samples counted] in :mod:`dspark.bench.analyse.samples`)."""
     # memory
     peak_bytes_per_rank: int
     """GPU: allocator peak. CPU: tensor bytes the rank held at its peak during one training step
     (storages Python reaches, plus the allocations the profiler saw); not C++-only buffers."""
     model_state_bytes_per_rank: int
     """Parameters + gradients + optimizer state the heaviest rank held, found by walking what the
-    module and the optimizer reference (see :mod:`dspark.bench.state_bytes`)."""
+    module and the optimizer reference (see :mod:`dspark.bench.measure.model_state`)."""
     local_batch: int
     """The most samples any rank's model received per step (measured by the batch probe, over
     every pass of the step)."""
@@ -226,7 +226,7 @@ class BenchResult(Recorded):
     injected_faults: dict[str, str] = field(default_factory=dict)
     """Faults injected on purpose in any round (:mod:`dspark.bench.faults`); such a result is shown
     as injected in every table and never enters noise history or regression baselines."""
-    # inside a step (``dspark bench --profile``; see dspark.bench.breakdown)
+    # inside a step (``dspark bench --profile``; see dspark.bench.analyse.breakdown)
     profiled: bool = False
     """Whether the run asked for the step breakdown (``--profile``)."""
     phase_ms_by_rank: list[dict[str, float]] = field(default_factory=list)
@@ -239,7 +239,7 @@ class BenchResult(Recorded):
     audit_by_rank: list[dict[str, Any]] = field(default_factory=list)
     """Per rank, after the batch probe: ``{"rows_checked": n, "above_share": [rows]}``, the rows of
     ``engine.audit()`` held above their share; [] for a PyTorch peer or an older measurement."""
-    # scaling, computed when read (see dspark.bench.analysis)
+    # scaling, computed when read (see dspark.bench.analyse.analysis)
     speedup: float | None = None
     """Median over rounds of (baseline round median / this round median)."""
     speedup_min: float | None = None
@@ -250,7 +250,7 @@ class BenchResult(Recorded):
     """The 1-device result of the same run the speedup is against (None: no speedup)."""
     predicted_peak_bytes_per_rank: int | None = None
     """The plan's peak per rank for this configuration, from its 1-device baseline (see
-    :mod:`dspark.bench.off_plan`); None without a baseline."""
+    :mod:`dspark.bench.analyse.off_plan`); None without a baseline."""
     predicted_step_ms: float | None = None
     """The plan's step for this configuration, from the same baseline."""
     anomalies: list[dict[str, Any]] = field(default_factory=list)

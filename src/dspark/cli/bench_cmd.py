@@ -80,7 +80,7 @@ def _add_db(parser: argparse.ArgumentParser, *, default: Any) -> None:
 
 
 def _add_outputs(parser: argparse.ArgumentParser, *, default: Any) -> None:
-    from dspark.bench.runner import DEFAULT_ROUNDS
+    from dspark.bench.measure.runner import DEFAULT_ROUNDS
 
     parser.add_argument("--rounds", type=_at_least(1), metavar="N",
                         default=DEFAULT_ROUNDS if default is None else default,
@@ -112,7 +112,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
 
         add_parser(parser.add_subparsers())
     """
-    from dspark.bench.suites import SUITES
+    from dspark.bench.measure.suites import SUITES
 
     parser = subparsers.add_parser(
         "bench", help="run benchmark suites; list, compare, rerun and export results",
@@ -217,14 +217,14 @@ def _write_after_run(what: str, write: Callable[[], str], out: Console, err: Con
 
 
 def _run_and_show(configs: Sequence[Any], args: argparse.Namespace, *, seed_table: bool) -> int:
-    from dspark.bench.report import (
+    from dspark.bench.measure.runner import RunFailure, new_run_id, run_suite
+    from dspark.bench.present.report import (
         render_breakdown_table,
         render_peer_table,
         render_results_table,
         render_seed_table,
         write_html_report,
     )
-    from dspark.bench.runner import RunFailure, new_run_id, run_suite
 
     out, err = console(), console(stderr=True)
     db = db_path(args)
@@ -254,7 +254,7 @@ def _run_and_show(configs: Sequence[Any], args: argparse.Namespace, *, seed_tabl
         written &= _write_after_run(
             "--report", lambda: f"wrote the report to {write_html_report(results, args.report)}",
             out, err, run_id)
-    from dspark.bench.ledger import Ledger
+    from dspark.bench.ledger.ledger import Ledger
 
     with Ledger(db) as ledger:
         head = ledger.head()
@@ -268,8 +268,8 @@ def _run_and_show(configs: Sequence[Any], args: argparse.Namespace, *, seed_tabl
 
 
 def _print_traces(results: Sequence[Any], trace_root: Path, out: Console) -> None:
-    from dspark.bench.peers import PEERS
-    from dspark.bench.runner import trace_dir_of
+    from dspark.bench.measure.peers import PEERS
+    from dspark.bench.measure.runner import trace_dir_of
 
     for result in results:
         where = trace_dir_of(result.config, trace_root)
@@ -283,7 +283,7 @@ def _print_traces(results: Sequence[Any], trace_root: Path, out: Console) -> Non
 
 
 def _run_suite(args: argparse.Namespace) -> int:
-    from dspark.bench.suites import SuiteOverrides, build_suite
+    from dspark.bench.measure.suites import SuiteOverrides, build_suite
 
     overrides = SuiteOverrides(
         workloads=args.workloads or (), devices=args.devices or (),
@@ -297,9 +297,9 @@ def _run_suite(args: argparse.Namespace) -> int:
 def _rerun(args: argparse.Namespace) -> int:
     import socket
 
-    from dspark.bench.ledger import Ledger
-    from dspark.bench.provenance import source_commit
-    from dspark.bench.suites import Machine
+    from dspark.bench.ledger.ledger import Ledger
+    from dspark.bench.measure.provenance import source_commit
+    from dspark.bench.measure.suites import Machine
 
     commit, dirty = source_commit()
     if not commit:
@@ -330,7 +330,7 @@ def _rerun(args: argparse.Namespace) -> int:
         if config not in fits:
             out.print(f"  skipped {describe(config)}: this machine has {machine.num_devices} "
                       f"{machine.device_kind}(s)", highlight=False)
-    # A speedup needs its baseline measured in the same run (see dspark.bench.analysis).
+    # A speedup needs its baseline measured in the same run (see dspark.bench.analyse.analysis).
     baselines = [known[c.baseline_key].config if c.baseline_key in known
                  else dataclasses.replace(c, num_devices=1, batch_placement="shard")
                  for c in fits if c.key != c.baseline_key]

@@ -62,12 +62,12 @@ def write_json(path: Path, rows: object) -> None:
 
 
 def describe(config: Any) -> str:
-    from dspark.bench.runner import describe_config
+    from dspark.bench.measure.runner import describe_config
 
     return describe_config(config)
 
 
 def db_path(args: argparse.Namespace) -> Path:
-    from dspark.bench.ledger import default_db_path
+    from dspark.bench.ledger.ledger import default_db_path
 
     return Path(args.db) if args.db is not None else default_db_path()

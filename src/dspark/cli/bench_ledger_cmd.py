@@ -1,5 +1,5 @@
 """``dspark bench list | compare | report | export | verify``: the actions that read a ledger (an
-SQLite file, or a kept artifact's rows, see [Note: kept rows] in :mod:`dspark.bench.ledger_rows`).
+SQLite file, or a kept artifact's rows, see [Note: kept rows] in :mod:`dspark.bench.ledger.rows`).
 
 Example::
 
@@ -28,9 +28,9 @@ __all__ = ["compare_runs", "export_results", "list_results", "report_run", "veri
 
 
 def list_results(args: argparse.Namespace) -> int:
-    from dspark.bench.analysis import annotate
-    from dspark.bench.formatting import format_speedup
-    from dspark.bench.ledger import Ledger
+    from dspark.bench.analyse.analysis import annotate
+    from dspark.bench.ledger.ledger import Ledger
+    from dspark.bench.present.formatting import format_speedup
 
     with Ledger(db_path(args), create=False) as ledger:
         chain = ledger.verify()  # rows it finds bad are left out of what is read below
@@ -64,10 +64,10 @@ def _flags(result: Any, chain: Any) -> str:
 
 
 def compare_runs(args: argparse.Namespace) -> int:
-    from dspark.bench.compare import compare
-    from dspark.bench.ledger import Ledger
-    from dspark.bench.noise import NoiseModel
-    from dspark.bench.report import render_comparison
+    from dspark.bench.analyse.compare import compare
+    from dspark.bench.analyse.noise import NoiseModel
+    from dspark.bench.ledger.ledger import Ledger
+    from dspark.bench.present.report import render_comparison
 
     with Ledger(db_path(args), create=False) as ledger:
         chain = ledger.verify()
@@ -79,9 +79,9 @@ def compare_runs(args: argparse.Namespace) -> int:
 
 
 def report_run(args: argparse.Namespace) -> int:
-    from dspark.bench.analysis import annotate
-    from dspark.bench.ledger import Ledger
-    from dspark.bench.report import write_html_report
+    from dspark.bench.analyse.analysis import annotate
+    from dspark.bench.ledger.ledger import Ledger
+    from dspark.bench.present.report import write_html_report
 
     check_outputs(args)
     with Ledger(db_path(args), create=False) as ledger:
@@ -95,8 +95,8 @@ def report_run(args: argparse.Namespace) -> int:
 
 
 def export_results(args: argparse.Namespace) -> int:
-    from dspark.bench.analysis import annotate
-    from dspark.bench.ledger import Ledger
+    from dspark.bench.analyse.analysis import annotate
+    from dspark.bench.ledger.ledger import Ledger
     from dspark.bench.result import BenchResult
 
     check_outputs(args)
@@ -127,8 +127,8 @@ def export_results(args: argparse.Namespace) -> int:
 
 
 def _export_rows(args: argparse.Namespace) -> int:
-    from dspark.bench.ledger import Ledger
-    from dspark.bench.ledger_rows import ROWS_SUFFIX
+    from dspark.bench.ledger.ledger import Ledger
+    from dspark.bench.ledger.rows import ROWS_SUFFIX
 
     if args.run:
         raise ValueError("--rows writes the whole ledger (a run's rows alone would not verify: "
@@ -145,7 +145,7 @@ def _export_rows(args: argparse.Namespace) -> int:
 
 
 def verify_ledger(args: argparse.Namespace) -> int:
-    from dspark.bench.ledger import Ledger
+    from dspark.bench.ledger.ledger import Ledger
 
     with Ledger(db_path(args), create=False, seal=args.seal) as ledger:
         report = ledger.verify(head=args.head)

@@ -4,7 +4,7 @@ Parsing only; :mod:`dspark.launch.launcher` builds the launcher's command and ru
 the script path belongs to the script, untouched, flags included::
 
     dspark run --nproc 2 train.py --strategy zero2
-    dspark run --nproc 2 -m dspark.bench.worker --config cfg.json
+    dspark run --nproc 2 -m dspark.bench.measure.worker --config cfg.json
     dspark run --nproc 8 --nnodes 2 --node-rank 0 --master-addr node0 --master-port 29500 train.py
     srun --ntasks-per-node=1 dspark run train.py   # nodes, node rank, node 0, --nproc from Slurm
 

@@ -42,7 +42,7 @@ def _first_difference(what: str, everyone: list[dict[str, Any]], rank: int, fix:
 
 def warn_emulated_bf16() -> None:
     """bf16 on a CPU without native bf16 instructions (AVX2 only: no AVX512-BF16, no AMX) runs
-    emulated, many times slower than fp32 (``dspark.bench.cpu_precision.cpu_matmul_ms`` times both),
+    emulated, many times slower than fp32 (``dspark.bench.measure.cpu_precision.cpu_matmul_ms`` times both),
     so a step looks hung. Said once, on rank 0."""
     try:
         native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())

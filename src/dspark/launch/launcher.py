@@ -9,7 +9,7 @@ What DSpark adds is the defaults a small job wants, and a clean stop:
 * ``OMP_NUM_THREADS=1`` per worker unless the caller set it: one worker is one core on CPU, and
   N workers each spawning N OpenMP threads would oversubscribe the machine;
 * a module target (``module=True``) runs ``python -m NAME`` in every worker, which is how the
-  benchmark runner starts ``dspark.bench.worker``;
+  benchmark runner starts ``dspark.bench.measure.worker``;
 * SIGTERM, SIGINT and SIGHUP reach the workers as SIGTERM, and they get ``grace_period_s`` to save and
   exit (see :func:`dspark.preemption_requested`), then the whole process tree is killed; nothing
   is left running ([Note: stopping a job] in :mod:`dspark.launch.supervisor`). Workers that exit 0 make
@@ -122,7 +122,7 @@ class LaunchSpec:
         if self.module:
             if not all(part.isidentifier() for part in self.target.split(".")):
                 raise ValueError(f"module target={self.target!r} is not a dotted module name "
-                                 f"(e.g. 'dspark.bench.worker'); pass module=False for a script path")
+                                 f"(e.g. 'dspark.bench.measure.worker'); pass module=False for a script path")
         elif not Path(self.target).is_file():
             where = Path(self.target).resolve()
             raise ValueError(f"script {self.target!r} does not exist or is not a file "
@@ -176,9 +176,9 @@ def launcher_argv(spec: LaunchSpec) -> list[str]:
 
     Example::
 
-        launcher_argv(LaunchSpec(target="dspark.bench.worker", module=True, nproc=2))
+        launcher_argv(LaunchSpec(target="dspark.bench.measure.worker", module=True, nproc=2))
         # ['--nnodes', '1', '--nproc-per-node', '2', '--max-restarts', '0', '--node-rank', '0',
-        #  '--master-addr', '127.0.0.1', '--master-port', '41237', '-m', 'dspark.bench.worker']
+        #  '--master-addr', '127.0.0.1', '--master-port', '41237', '-m', 'dspark.bench.measure.worker']
     """
     argv = ["--nnodes", str(spec.nnodes), "--nproc-per-node", str(spec.nproc),
             "--max-restarts", str(spec.max_restarts)]
@@ -264,7 +264,7 @@ def launch(spec: LaunchSpec, *, env: Mapping[str, str] | None = None,
 
     Example::
 
-        done = launch(LaunchSpec(target="dspark.bench.worker", module=True, nproc=2,
+        done = launch(LaunchSpec(target="dspark.bench.measure.worker", module=True, nproc=2,
                                  args=("--config", "cfg.json")), capture=True)
         done.returncode, done.stdout
     """

@@ -23,7 +23,7 @@ speedup of two (the quick suite's figures: docs/figures.md#quick-suite).
 no fast kernels there. ``OMP_NUM_THREADS=1 .venv/bin/python -m dspark.models.step_time
 resnet50-cpu gpt2-cpu --steps 6`` times one step of each in fp32 and bf16 on this machine, and the
 lab's CPU suites time a matrix product in both before they run and fall back to fp32 where bf16 is
-the slower (:mod:`dspark.bench.cpu_precision`). Step times move a great deal when other processes
+the slower (:mod:`dspark.bench.measure.cpu_precision`). Step times move a great deal when other processes
 share the cores: measure on an idle machine.
 """
 

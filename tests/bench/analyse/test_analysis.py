@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from dspark.bench.analysis import annotate, find_baseline, scaling
-from dspark.bench.ledger import Ledger
+from dspark.bench.analyse.analysis import annotate, find_baseline, scaling
+from dspark.bench.ledger.ledger import Ledger
 from tests.bench.factory import kinds, make_measurement, make_result, seed_results
 from tests.messages import assert_line_names
 

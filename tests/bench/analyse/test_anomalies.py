@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from dspark.bench.analysis import annotate
-from dspark.bench.anomalies import (
+from dspark.bench.analyse.analysis import annotate
+from dspark.bench.analyse.anomalies import (
     activation_bytes_per_rank,
     audit_lines,
     is_batch_replicated,
@@ -16,7 +16,7 @@ from dspark.bench.anomalies import (
     regression,
     replicated_batch,
 )
-from dspark.bench.noise import NoiseModel
+from dspark.bench.analyse.noise import NoiseModel
 from dspark.bench.result import BenchResult
 from tests.bench.factory import MB, MODEL_STATE_BYTES, kinds, make_result, seed_results
 from tests.messages import assert_line_names, assert_names

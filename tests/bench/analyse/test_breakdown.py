@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from dspark.bench.analysis import annotate
-from dspark.bench.breakdown import PHASE_KEYS, compute_band, step_breakdown, straggler
-from dspark.bench.measurement import results_from_measurements
-from dspark.bench.noise import DEFAULT_RUN_TO_RUN
+from dspark.bench.analyse.analysis import annotate
+from dspark.bench.analyse.breakdown import PHASE_KEYS, compute_band, step_breakdown, straggler
+from dspark.bench.analyse.noise import DEFAULT_RUN_TO_RUN
+from dspark.bench.ledger.measurement import results_from_measurements
 from tests.bench.factory import kinds, make_measurement, phase_stats, profiled_result
 from tests.messages import assert_line_names
 

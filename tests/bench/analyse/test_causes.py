@@ -7,8 +7,8 @@ import dataclasses
 
 import pytest
 
-from dspark.bench.analysis import annotate
-from dspark.bench.causes import lost_ms, negative_scaling, ranked_causes
+from dspark.bench.analyse.analysis import annotate
+from dspark.bench.analyse.causes import lost_ms, negative_scaling, ranked_causes
 from dspark.bench.result import BenchResult
 from tests.bench.factory import MB, MODEL_STATE_BYTES, make_result, phase_stats, seed_results
 from tests.messages import assert_line_names

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from dspark.bench.compare import compare
+from dspark.bench.analyse.compare import compare
 from tests.bench.factory import MB, make_result
 from tests.messages import assert_names
 
@@ -44,7 +44,7 @@ def test_same_key_twice_uses_the_newest() -> None:
 
 
 def test_a_configurations_own_history_widens_its_band() -> None:
-    from dspark.bench.noise import NoiseModel
+    from dspark.bench.analyse.noise import NoiseModel
 
     a, b = [make_result(step_ms=100.0, result_id="a")], [make_result(step_ms=125.0, result_id="b")]
     assert compare(a, b).rows[0].verdict == "slower"  # +25% beyond the 15% default

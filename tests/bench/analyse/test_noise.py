@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from dspark.bench.noise import (
+from dspark.bench.analyse.noise import (
     DEFAULT_RUN_TO_RUN,
     NoiseModel,
     observed_range,

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from dspark.bench.analysis import annotate
-from dspark.bench.off_plan import off_plan, plan_for_result, predicted_fields
+from dspark.bench.analyse.analysis import annotate
+from dspark.bench.analyse.off_plan import off_plan, plan_for_result, predicted_fields
 from tests.bench.factory import MB, MODEL_STATE_BYTES, make_result, seed_results
 
 

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from dspark.bench.formatting import peer_rows
-from dspark.bench.peer_ratios import PAIRINGS, peer_ratios
-from dspark.bench.peers import DEEPSPEED_PEERS, PEERS, TORCH_PEERS
-from dspark.bench.report import render_peer_table, write_html_report
+from dspark.bench.analyse.peer_ratios import PAIRINGS, peer_ratios
+from dspark.bench.measure.peers import DEEPSPEED_PEERS, PEERS, TORCH_PEERS
+from dspark.bench.present.formatting import peer_rows
+from dspark.bench.present.report import render_peer_table, write_html_report
 from tests.bench.factory import make_result
 from tests.messages import assert_line_names, assert_names
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from dspark.bench.analysis import annotate
-from dspark.bench.measurement import results_from_measurements
-from dspark.bench.samples import counted_samples, missing_samples, rank_share
+from dspark.bench.analyse.analysis import annotate
+from dspark.bench.analyse.samples import counted_samples, missing_samples, rank_share
+from dspark.bench.ledger.measurement import results_from_measurements
 from tests.bench.factory import kinds, make_measurement
 from tests.messages import assert_line_names
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dspark.bench.trust import CORE_FOREIGN_ALLOWANCE, busy_machine, suspect_baseline
+from dspark.bench.analyse.trust import CORE_FOREIGN_ALLOWANCE, busy_machine, suspect_baseline
 from tests.bench.factory import make_result
 from tests.messages import assert_line_names
 

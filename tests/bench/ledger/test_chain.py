@@ -9,37 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from dspark.bench.analysis import annotate
-from dspark.bench.ledger import Ledger, LedgerTampered
-from dspark.bench.ledger_chain import GENESIS, row_hash
-from dspark.bench.ledger_schema import CONTENT_COLUMNS, insert_measurement_sql, measurement_row
+from dspark.bench.analyse.analysis import annotate
+from dspark.bench.ledger.chain import GENESIS, row_hash
+from dspark.bench.ledger.ledger import Ledger, LedgerTampered
+from dspark.bench.ledger.schema import CONTENT_COLUMNS, insert_measurement_sql, measurement_row
 from dspark.bench.result import BenchResult
 from dspark.cli.main import main
-from tests.bench.factory import make_measurement
+from tests.bench.factory import RUN_ROUNDS, append_run, make_measurement
 from tests.messages import assert_line_names
-
-ROUNDS = 3
-
-
-def _run(ledger: Ledger, *, busy: bool = False) -> None:
-    """A 3-round run: 1 device at ~460 ms, 2 devices at ~240 ms, interleaved."""
-    rows = []
-    for r in range(ROUNDS):
-        one = make_measurement(num_devices=1, round_index=r, rounds_planned=ROUNDS,
-                               step_ms_by_rank=[[460.0 + r, 462.0, 461.0]],
-                               rank_loads=make_measurement().rank_loads[:1],
-                               batch={"samples_by_rank": [8], "identical_input_ranks": [],
-                                      "replicated_modules": [], "replicated_module_count": 0},
-                               state_held_by_rank=make_measurement().state_held_by_rank[:1],
-                               state_expected_by_rank=make_measurement().state_expected_by_rank[:1],
-                               tensor_peak_bytes_by_rank=[150_000_000],
-                               rss_peak_bytes_by_rank=[500_000_000])
-        loads = [dict(load, foreign_cpu_s=0.2 if busy else 0.004)
-                 for load in make_measurement().rank_loads]
-        two = make_measurement(round_index=r, rounds_planned=ROUNDS, rank_loads=loads,
-                               step_ms_by_rank=[[240.0 + r, 241.0, 242.0]] * 2)
-        rows += [one, two]
-    ledger.append(rows)
 
 
 def _raw(path: Path) -> sqlite3.Connection:
@@ -53,16 +30,16 @@ def _two_device(ledger: Ledger) -> BenchResult:
 def test_an_honest_ledger_verifies_and_names_its_head(tmp_path: Path) -> None:
     with Ledger(tmp_path / "l.sqlite") as ledger:
         assert ledger.verify().ok and ledger.verify().head == GENESIS
-        _run(ledger)
+        append_run(ledger)
         report = ledger.verify()
-        assert report.ok and report.rows == 2 * ROUNDS and report.head == ledger.head() != GENESIS
+        assert report.ok and report.rows == 2 * RUN_ROUNDS and report.head == ledger.head() != GENESIS
     assert main(["bench", "verify", "--db", str(tmp_path / "l.sqlite")]) == 0
 
 
 def test_extra_rounds_with_fresh_ids_are_caught(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     db = tmp_path / "l.sqlite"
     with Ledger(db) as ledger:
-        _run(ledger)
+        append_run(ledger)
         honest = _two_device(ledger)
     # The finding: three more rounds of the 2-device configuration, fast ones, each with a fresh
     # id, inserted straight into the file, were read as more rounds and doubled the speedup.
@@ -71,28 +48,28 @@ def test_extra_rounds_with_fresh_ids_are_caught(tmp_path: Path, capsys: pytest.C
     for devices, steps in ((1, [[460.0] * 3]), (2, [[120.0] * 3] * 2)):
         template = conn.execute(f"SELECT {columns} FROM measurements WHERE num_devices = ? "
                                 "ORDER BY id LIMIT 1", (devices,)).fetchone()
-        for r in range(ROUNDS, 2 * ROUNDS):
+        for r in range(RUN_ROUNDS, 2 * RUN_ROUNDS):
             forged = {**json.loads(template[-1]), "round_index": r, "step_ms_by_rank": steps}
             mid = f"{template[2]}/{template[-2]}/r{r}"
             conn.execute(f"INSERT INTO measurements ({columns}) VALUES ({', '.join('?' * len(template))})",
                          (mid, *template[1:3], r, *template[4:-1], json.dumps(forged, sort_keys=True)))
     with Ledger(db) as ledger:
         unverified = _two_device(ledger)
-        assert unverified.rounds == 2 * ROUNDS and unverified.speedup > 1.3 * honest.speedup
+        assert unverified.rounds == 2 * RUN_ROUNDS and unverified.speedup > 1.3 * honest.speedup
         report = ledger.verify()
-        assert not report.ok and len(report.bad) == 2 * ROUNDS
+        assert not report.ok and len(report.bad) == 2 * RUN_ROUNDS
         first = report.first_bad
-        assert first is not None and first.row_id == 2 * ROUNDS + 1
+        assert first is not None and first.row_id == 2 * RUN_ROUNDS + 1
         assert "no hash" in first.reason and "planned 3" in first.reason
         after = _two_device(ledger)  # verified: the forged rows are left out
-    assert after.rounds == ROUNDS and after.speedup == pytest.approx(honest.speedup)
+    assert after.rounds == RUN_ROUNDS and after.speedup == pytest.approx(honest.speedup)
     assert main(["bench", "verify", "--db", str(db)]) == 1
-    assert f"row {2 * ROUNDS + 1} (" in capsys.readouterr().err
+    assert f"row {2 * RUN_ROUNDS + 1} (" in capsys.readouterr().err
     for action in (["report", "--run", "latest", "--report", str(tmp_path / "rep")],
                    ["export", "--run", "latest", "--json", str(tmp_path / "x.json")],
                    ["compare", "latest", "latest"]):
         assert main(["bench", *action, "--db", str(db)]) == 2
-        assert f"row {2 * ROUNDS + 1}" in capsys.readouterr().err
+        assert f"row {2 * RUN_ROUNDS + 1}" in capsys.readouterr().err
     assert main(["bench", "list", "--db", str(db)]) == 0
     assert "TAMPERED" in capsys.readouterr().out
 
@@ -100,7 +77,7 @@ def test_extra_rounds_with_fresh_ids_are_caught(tmp_path: Path, capsys: pytest.C
 def test_a_rewrite_under_dropped_triggers_is_caught(tmp_path: Path) -> None:
     db = tmp_path / "l.sqlite"
     with Ledger(db) as ledger:
-        _run(ledger, busy=True)
+        append_run(ledger, busy=True)
         honest = _two_device(ledger)
     assert "busy_machine" in {a["kind"] for a in honest.anomalies}
     # The finding: DROP TRIGGER, UPDATE, CREATE TRIGGER rewrote the steps and zeroed the
@@ -127,7 +104,7 @@ def test_a_rewrite_under_dropped_triggers_is_caught(tmp_path: Path) -> None:
 def test_a_deleted_row_breaks_the_next_link(tmp_path: Path) -> None:
     db = tmp_path / "l.sqlite"
     with Ledger(db) as ledger:
-        _run(ledger)
+        append_run(ledger)
     conn = _raw(db)
     conn.execute("DROP TRIGGER measurements_no_delete")
     conn.execute("DELETE FROM measurements WHERE id = 3")
@@ -141,11 +118,11 @@ def test_a_deleted_row_breaks_the_next_link(tmp_path: Path) -> None:
 def test_a_chained_row_whose_ids_lie_about_its_content_is_caught(tmp_path: Path) -> None:
     db = tmp_path / "l.sqlite"
     with Ledger(db) as ledger:
-        _run(ledger)
+        append_run(ledger)
         head = ledger.head()
     # A forger who computes the chain but files a 2-device measurement under another
     # configuration's hash, or a round the run never planned.
-    lying = make_measurement(round_index=0, rounds_planned=ROUNDS, run_id="run-b")
+    lying = make_measurement(round_index=0, rounds_planned=RUN_ROUNDS, run_id="run-b")
     renamed = list(measurement_row(lying))
     renamed[CONTENT_COLUMNS.index("measurement_id")] = "run-b/0123456789abcdef/r9"
     misfiled = measurement_row(dataclasses.replace(lying, config_hash="0123456789abcdef"))
@@ -191,7 +168,7 @@ def test_a_downgraded_ledger_is_refused_and_never_sealed_silently(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     db = tmp_path / "l.sqlite"
     with Ledger(db) as ledger:
-        _run(ledger)
+        append_run(ledger)
         kept = ledger.head()
     _downgrade(db, edit=True)
     for command in (["verify"], ["list"], ["export", "--json", str(tmp_path / "x.json")]):
@@ -203,7 +180,7 @@ def test_a_downgraded_ledger_is_refused_and_never_sealed_silently(
     assert_line_names(" ".join(out.split()), "SEALED", "rows 1-6", "schema-2")
     with Ledger(db) as ledger:
         assert ledger.schema_version() == 4 and ledger.verify().ok
-        assert [(seal.from_version, seal.rows) for seal in ledger.verify().seals] == [(2, 2 * ROUNDS)]
+        assert [(seal.from_version, seal.rows) for seal in ledger.verify().seals] == [(2, 2 * RUN_ROUNDS)]
         ledger.append(make_measurement(run_id="run-c", rounds_planned=1))  # chained on the seal
     assert main(["bench", "verify", "--db", str(db)]) == 0
     assert "SEALED" in capsys.readouterr().out      # every verify reports it
@@ -216,7 +193,7 @@ def test_a_downgraded_ledger_is_refused_and_never_sealed_silently(
 def test_a_resealed_ledger_without_edits_still_reaches_its_head(tmp_path: Path) -> None:
     db = tmp_path / "l.sqlite"
     with Ledger(db) as ledger:
-        _run(ledger)
+        append_run(ledger)
         kept = ledger.head()
     _downgrade(db, edit=False)
     with Ledger(db, seal=True) as ledger:
@@ -229,12 +206,12 @@ def test_verify_head_catches_deleted_and_rechained_rows(tmp_path: Path, capsys: 
                                                         damage: str) -> None:
     db = tmp_path / "l.sqlite"
     with Ledger(db) as ledger:
-        _run(ledger)
+        append_run(ledger)
         kept = ledger.head()
     conn = _raw(db)
     if damage == "tail row deleted":   # the chain of what is left holds: only the head tells
         conn.execute("DROP TRIGGER measurements_no_delete")
-        conn.execute(f"DELETE FROM measurements WHERE id = {2 * ROUNDS}")
+        conn.execute(f"DELETE FROM measurements WHERE id = {2 * RUN_ROUNDS}")
         conn.execute("CREATE TRIGGER measurements_no_delete BEFORE DELETE ON measurements "
                      "BEGIN SELECT RAISE(ABORT, 'append-only'); END")
     elif damage == "chain recomputed":   # a row changed and every hash after it recomputed
@@ -269,7 +246,7 @@ def test_verify_head_catches_deleted_and_rechained_rows(tmp_path: Path, capsys: 
 def test_a_crafted_ledger_is_one_line_not_a_traceback(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     db = tmp_path / "l.sqlite"
     with Ledger(db) as ledger:
-        _run(ledger)
+        append_run(ledger)
     conn = _raw(db)
     conn.execute("DROP TRIGGER schema_version_no_delete")
     conn.execute("DELETE FROM schema_version")
@@ -292,7 +269,7 @@ def test_a_crafted_ledger_is_one_line_not_a_traceback(tmp_path: Path, capsys: py
 def test_require_intact_names_only_the_runs_asked_for(tmp_path: Path) -> None:
     db = tmp_path / "l.sqlite"
     with Ledger(db) as ledger:
-        _run(ledger)
+        append_run(ledger)
     conn = _raw(db)
     conn.execute("DROP TRIGGER measurements_no_delete")
     conn.execute("DELETE FROM measurements WHERE id = 1")

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from dspark.bench.analysis import annotate
-from dspark.bench.ledger import SCHEMA_VERSION, Ledger, LedgerUnsealed, default_db_path
-from dspark.bench.ledger_schema import insert_measurement_sql, measurement_row
-from dspark.bench.measurement import Measurement
+from dspark.bench.analyse.analysis import annotate
+from dspark.bench.ledger.ledger import SCHEMA_VERSION, Ledger, LedgerUnsealed, default_db_path
+from dspark.bench.ledger.measurement import Measurement
+from dspark.bench.ledger.schema import insert_measurement_sql, measurement_row
 from dspark.bench.result import BenchConfig
 from tests.bench.factory import make_measurement, make_result, phase_stats
 

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from dspark.bench.ledger import Ledger
-from dspark.bench.ledger_rows import MAX_ROWS_FILE_BYTES
+from dspark.bench.ledger.ledger import Ledger
+from dspark.bench.ledger.rows import MAX_ROWS_FILE_BYTES
 from dspark.cli.main import main
-from tests.bench.test_ledger_chain import ROUNDS, _run
+from tests.bench.factory import RUN_ROUNDS, append_run
 from tests.messages import assert_line_names
 
 
@@ -20,7 +20,7 @@ def kept(tmp_path: Path) -> tuple[Path, str]:
     """A 3-round run's rows exported to ``ledger.jsonl``, and the head a run prints."""
     db = tmp_path / "l.sqlite"
     with Ledger(db) as ledger:
-        _run(ledger)
+        append_run(ledger)
         head = ledger.head()
     rows = tmp_path / "ledger.jsonl"
     assert main(["bench", "export", "--db", str(db), "--rows", str(rows)]) == 0
@@ -31,7 +31,7 @@ def test_the_rows_read_back_as_the_same_ledger(kept: tuple[Path, str], tmp_path:
                                                capsys: pytest.CaptureFixture[str]) -> None:
     rows, head = kept
     lines = rows.read_text().splitlines()
-    assert len(lines) == 1 + 2 * ROUNDS and json.loads(lines[0])["seals"] == []
+    assert len(lines) == 1 + 2 * RUN_ROUNDS and json.loads(lines[0])["seals"] == []
     with Ledger(rows) as again, Ledger(tmp_path / "l.sqlite") as original:
         assert again.verify(head=head).ok and again.head() == head
         assert [r.to_dict() for r in again.results()] == [r.to_dict() for r in original.results()]

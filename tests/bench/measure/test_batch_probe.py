@@ -12,7 +12,7 @@ from torch import nn
 
 import dspark
 from dspark import comm
-from dspark.bench.batch_probe import BatchProbe, compare_ranks, inspect_batches
+from dspark.bench.measure.batch_probe import BatchProbe, compare_ranks, inspect_batches
 
 
 class _Model(nn.Module):

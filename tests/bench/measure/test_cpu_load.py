@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from dspark.bench.cpu_load import CpuSnapshot, core_for_rank, window_load
+from dspark.bench.measure.cpu_load import CpuSnapshot, core_for_rank, window_load
 
 pytestmark = [pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux only"), pytest.mark.serial]
 
@@ -24,7 +24,7 @@ def _python(code: str) -> dict[str, object]:
 
 _THREADS = """
     import json, os, threading, time
-    from dspark.bench.cpu_load import pin_all_threads, thread_ids
+    from dspark.bench.measure.cpu_load import pin_all_threads, thread_ids
     core = sorted(os.sched_getaffinity(0))[-1]
     started = threading.Event()
     def idle():
@@ -50,7 +50,7 @@ def test_every_thread_is_pinned_not_only_the_caller() -> None:
 
 _HOG = """
     import json, os, subprocess, sys, time
-    from dspark.bench.cpu_load import cpu_snapshot, window_load
+    from dspark.bench.measure.cpu_load import cpu_snapshot, window_load
     core = sorted(os.sched_getaffinity(0))[0]
     os.sched_setaffinity(0, {core})
     hog = subprocess.Popen([sys.executable, "-c",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dspark.bench.cpu_precision import choose_cpu_precision
+from dspark.bench.measure.cpu_precision import choose_cpu_precision
 from tests.messages import assert_line_names, assert_names
 
 

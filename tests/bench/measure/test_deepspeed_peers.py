@@ -12,16 +12,16 @@ import pytest
 import torch
 
 import dspark
-from dspark.bench import deepspeed_peer
-from dspark.bench.deepspeed_peer import (
+from dspark.bench.measure import deepspeed_peer
+from dspark.bench.measure.deepspeed_peer import (
     DEEPSPEED_PEERS,
     DeepSpeedPeer,
     deepspeed_config,
     deepspeed_missing,
     dspark_bucket_mb,
 )
-from dspark.bench.peers import buffer_sync, make_engine
-from dspark.bench.suites import Machine, SuiteOverrides, build_suite
+from dspark.bench.measure.peers import buffer_sync, make_engine
+from dspark.bench.measure.suites import Machine, SuiteOverrides, build_suite
 
 _TWO_CORES = Machine(num_gpus=0, num_cpu_cores=2)
 
@@ -75,7 +75,7 @@ def test_peers_suite_adds_the_deepspeed_stages_when_deepspeed_imports(monkeypatc
 
 def test_peers_suite_without_deepspeed_skips_them_in_one_line(monkeypatch, caplog) -> None:
     _importable(monkeypatch, "DeepSpeed is not installed")
-    with caplog.at_level(logging.WARNING, logger="dspark.bench.suites"):
+    with caplog.at_level(logging.WARNING, logger="dspark.bench.measure.suites"):
         configs = build_suite("peers", machine=_TWO_CORES)
     assert {c.strategy for c in configs} == {"replicate", "torch-ddp", "zero3", "torch-fsdp2"}
     lines = [r.getMessage() for r in caplog.records if "DeepSpeed" in r.getMessage()]

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import dspark
-from dspark.bench.deepspeed_peer import DEEPSPEED_PEERS, DeepSpeedPeer
+from dspark.bench.measure.deepspeed_peer import DEEPSPEED_PEERS, DeepSpeedPeer
 from dspark.policy.optimizer_kernel import kernel_name
 
 pytestmark = [
@@ -113,8 +113,8 @@ def test_deepspeed_accumulating_micro_batches_reaches_what_dspark_reaches(ds_poo
 
 
 def _measure() -> dict[str, Any]:
+    from dspark.bench.measure.worker import run_config
     from dspark.bench.result import BenchConfig
-    from dspark.bench.worker import run_config
 
     config = BenchConfig(workload="gpt2-cpu", num_devices=2, strategy="deepspeed-zero2",
                          precision="bf16", global_batch=2, warmup_steps=0, measure_steps=1)

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 import dspark
-from dspark.bench.deepspeed_peer import deepspeed_config
-from dspark.bench.formatting import batch_label
-from dspark.bench.peers import PeerEngine
+from dspark.bench.measure.deepspeed_peer import deepspeed_config
+from dspark.bench.measure.peers import PeerEngine
+from dspark.bench.measure.worker import run_config
+from dspark.bench.present.formatting import batch_label
 from dspark.bench.result import BenchConfig
-from dspark.bench.worker import run_config
 from dspark.models import get_workload
 from tests.bench.factory import make_result
 from tests.engine import tiny_models as tm
@@ -70,7 +70,7 @@ def _one_process_on_the_whole_batch(steps: int) -> list[torch.Tensor]:
 def _accumulated(strategy: str, passes: int, steps: int) -> dict[str, Any]:
     """Train ``strategy`` (DSpark's or a PyTorch peer, as the lab builds it) with each rank's share
     in ``passes`` micro-batches, SGD without momentum: a wrong factor on the gradient shows."""
-    from dspark.bench.peers import make_engine
+    from dspark.bench.measure.peers import make_engine
 
     world = dspark.get_world()
     sgd = functools.partial(torch.optim.SGD, lr=SGD_LR)
@@ -174,7 +174,7 @@ def test_a_workloads_own_limit_applies_without_the_option(single_process, monkey
 
 
 def test_the_option_reaches_every_configuration_of_a_suite() -> None:
-    from dspark.bench.suites import Machine, SuiteOverrides, build_suite
+    from dspark.bench.measure.suites import Machine, SuiteOverrides, build_suite
 
     configs = build_suite("quick", SuiteOverrides(max_micro_batch=8, precision="fp32"),
                           machine=Machine(num_gpus=0, num_cpu_cores=2))
@@ -200,7 +200,7 @@ def test_a_configuration_without_the_option_keeps_its_earlier_hash() -> None:
 
 
 def test_an_out_of_memory_step_names_the_option() -> None:
-    from dspark.bench.worker import out_of_memory_hint
+    from dspark.bench.measure.worker import out_of_memory_hint
 
     config = BenchConfig(workload="gpt2-124m", num_devices=2, global_batch=256)
     hint = out_of_memory_hint(torch.cuda.OutOfMemoryError("CUDA out of memory"), config)

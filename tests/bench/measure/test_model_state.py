@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 import dspark
-from dspark.bench.anomalies import memory_above_expected
-from dspark.bench.state_bytes import expected_model_state, held_model_state, param_specs
+from dspark.bench.analyse.anomalies import memory_above_expected
+from dspark.bench.measure.model_state import expected_model_state, held_model_state, param_specs
 from tests.bench.factory import make_result
 from tests.messages import assert_line_names
 

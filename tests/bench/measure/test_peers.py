@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import dspark
-from dspark.bench.peers import (
+from dspark.bench.measure.peers import (
     DEEPSPEED_PEERS,
     PEERS,
     PeerEngine,
@@ -18,7 +18,7 @@ from dspark.bench.peers import (
     buffers_broadcast,
     dspark_engine_options,
 )
-from dspark.bench.suites import Machine, build_suite
+from dspark.bench.measure.suites import Machine, build_suite
 from tests.engine import tiny_models as tm
 from tests.messages import assert_names
 
@@ -126,7 +126,7 @@ def test_the_ddp_peer_is_built_with_dspark_buffer_policy(pool) -> None:
 
 
 def test_peers_suite_pairs_each_strategy_with_its_pytorch_tool(monkeypatch) -> None:
-    from dspark.bench import deepspeed_peer
+    from dspark.bench.measure import deepspeed_peer
 
     monkeypatch.setattr(deepspeed_peer, "deepspeed_missing", lambda: "DeepSpeed is not installed")
     configs = build_suite("peers", machine=Machine(num_gpus=0, num_cpu_cores=2))

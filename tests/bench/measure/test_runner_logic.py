@@ -9,10 +9,9 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from dspark.bench import runner
-from dspark.bench.ledger import Ledger
-from dspark.bench.result import BenchConfig
-from dspark.bench.runner import (
+from dspark.bench.ledger.ledger import Ledger
+from dspark.bench.measure import runner
+from dspark.bench.measure.runner import (
     BenchRunError,
     RunFailure,
     describe_config,
@@ -20,6 +19,7 @@ from dspark.bench.runner import (
     new_run_id,
     run_suite,
 )
+from dspark.bench.result import BenchConfig
 from tests.bench.factory import FakeWorkers
 from tests.messages import assert_line_names
 
@@ -129,7 +129,7 @@ def test_an_injected_fault_is_recorded_shown_and_never_a_baseline(
         fake: FakeWorkers, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # The finding: DSPARK_BENCH_SLOW_RANK was recorded nowhere, and the slowed result became
     # ordinary history for later noise bands and regression checks.
-    from dspark.bench.formatting import anomaly_kinds, config_label
+    from dspark.bench.present.formatting import anomaly_kinds, config_label
 
     db = tmp_path / "ledger.sqlite"
     (clean,) = [r for r in run_suite([ONE], db=db, rounds=1, progress=False, run_id="clean")]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dspark.bench.provenance import collect_provenance, device_model, source_commit
+from dspark.bench.measure.provenance import collect_provenance, device_model, source_commit
 
 
 def _git(cwd: Path, *args: str) -> str:

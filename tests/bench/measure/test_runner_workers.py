@@ -6,9 +6,9 @@ import platform
 
 import pytest
 
-from dspark.bench.measurement import Measurement
+from dspark.bench.ledger.measurement import Measurement
+from dspark.bench.measure.runner import RunFailure, run_in_workers
 from dspark.bench.result import BenchConfig
-from dspark.bench.runner import RunFailure, run_in_workers
 from tests.messages import assert_line_names
 
 pytestmark = pytest.mark.slow

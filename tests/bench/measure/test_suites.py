@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dspark.bench.suites import Machine, SuiteOverrides, build_suite
+from dspark.bench.measure.suites import Machine, SuiteOverrides, build_suite
 from tests.messages import assert_line_names, assert_names
 
 TWO_CORES = Machine(num_gpus=0, num_cpu_cores=2)

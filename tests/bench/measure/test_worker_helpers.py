@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import dspark
-from dspark.bench.measurement import step_time_summary
-from dspark.bench.worker import bus_bytes_per_s
+from dspark.bench.ledger.measurement import step_time_summary
+from dspark.bench.measure.worker import bus_bytes_per_s
 
 
 def test_step_time_summary_agrees_with_the_standard_library() -> None:

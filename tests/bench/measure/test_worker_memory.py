@@ -7,7 +7,7 @@ import gc
 import pytest
 import torch
 
-from dspark.bench.memory import held_tensor_bytes, measure_peak_bytes, peak_of_running_sum
+from dspark.bench.measure.memory import held_tensor_bytes, measure_peak_bytes, peak_of_running_sum
 
 MB = 1_000_000
 
@@ -80,7 +80,7 @@ def test_peak_rss_covers_memory_touched_outside_tensors() -> None:
     import ctypes
     import mmap
 
-    from dspark.bench.memory import peak_rss_bytes, reset_peak_rss
+    from dspark.bench.measure.memory import peak_rss_bytes, reset_peak_rss
 
     # Collect first, then reset: memory freed after the reset would lower the resident size under
     # the reset's mark, and the block below could grow back into it without a new peak.

@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
-from dspark.bench.analysis import annotate
-from dspark.bench.measurement import Measurement, results_from_measurements
+from dspark.bench.analyse.analysis import annotate
+from dspark.bench.ledger.measurement import Measurement, results_from_measurements
+from dspark.bench.measure.worker import SLOW_RANK_ENV, run_config
 from dspark.bench.result import BenchConfig
-from dspark.bench.worker import SLOW_RANK_ENV, run_config
 from tests.messages import assert_names
 
 # Ten times a 1-sample gpt2-cpu step's compute here (36 ms), and a third of it where CI's box was
@@ -57,7 +57,7 @@ def test_a_rank_slowed_on_purpose_is_flagged_as_the_straggler(pool) -> None:
 def test_a_bad_slow_rank_value_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     from torch import nn
 
-    from dspark.bench.worker import _slow_down
+    from dspark.bench.measure.worker import _slow_down
 
     monkeypatch.setenv(SLOW_RANK_ENV, "rank one")
     with pytest.raises(ValueError) as caught:

@@ -9,12 +9,12 @@ import pytest
 from matplotlib.image import imread
 from rich.console import Console
 
-from dspark.bench.analysis import annotate
-from dspark.bench.compare import compare
-from dspark.bench.formatting import breakdown_rows
-from dspark.bench.measurement import results_from_measurements
-from dspark.bench.plots import report_figures
-from dspark.bench.report import (
+from dspark.bench.analyse.analysis import annotate
+from dspark.bench.analyse.compare import compare
+from dspark.bench.ledger.measurement import results_from_measurements
+from dspark.bench.present.formatting import breakdown_rows
+from dspark.bench.present.plots import report_figures
+from dspark.bench.present.report import (
     render_breakdown_table,
     render_comparison,
     render_results_table,

@@ -1,9 +1,9 @@
 """Scaling analysis: speedup and efficiency against the 1-device result of the same run, and the
-anomaly rules. Computed whenever results are read, never stored (see :mod:`dspark.bench.ledger`).
+anomaly rules. Computed whenever results are read, never stored (see :mod:`dspark.bench.ledger.ledger`).
 
 [Note: speedup from rounds]
 A run measures each configuration in rounds that alternate with its 1-device baseline (see
-[Note: rounds] in :mod:`dspark.bench.measurement`). Round ``r``'s speedup is the baseline's median
+[Note: rounds] in :mod:`dspark.bench.ledger.measurement`). Round ``r``'s speedup is the baseline's median
 step in round ``r`` over this configuration's median step in round ``r``; the result's speedup is
 the median of those ratios, reported with their min and max. The baseline is always the 1-device
 result of the *same run* (named by ``baseline_result_id``): a result whose run has no baseline has
@@ -18,17 +18,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from dspark.bench.anomalies import memory_above_expected, regression, replicated_batch
-from dspark.bench.breakdown import straggler
-from dspark.bench.causes import negative_scaling
-from dspark.bench.noise import NoiseModel
-from dspark.bench.off_plan import off_plan, predicted_fields
+from dspark.bench.analyse.anomalies import memory_above_expected, regression, replicated_batch
+from dspark.bench.analyse.breakdown import straggler
+from dspark.bench.analyse.causes import negative_scaling
+from dspark.bench.analyse.noise import NoiseModel
+from dspark.bench.analyse.off_plan import off_plan, predicted_fields
+from dspark.bench.analyse.samples import missing_samples
+from dspark.bench.analyse.trust import busy_machine, suspect_baseline
 from dspark.bench.result import BenchResult
-from dspark.bench.samples import missing_samples
-from dspark.bench.trust import busy_machine, suspect_baseline
 
 if TYPE_CHECKING:
-    from dspark.bench.ledger import Ledger
+    from dspark.bench.ledger.ledger import Ledger
 
 __all__ = [
     "ANOMALY_KINDS",
@@ -83,7 +83,7 @@ def scaling(result: BenchResult, baseline: BenchResult) -> Scaling | None:
     """
     mine = dict(zip(result.round_indices, result.round_step_ms, strict=False))
     theirs = dict(zip(baseline.round_indices, baseline.round_step_ms, strict=False))
-    # per sample, by the probe's count (see [Note: samples counted] in dspark.bench.samples)
+    # per sample, by the probe's count (see [Note: samples counted] in dspark.bench.analyse.samples)
     work = (result.samples_per_step / baseline.samples_per_step
             if result.samples_per_step > 0 and baseline.samples_per_step > 0 else 1.0)
     ratios = tuple(theirs[r] / mine[r] * work for r in sorted(mine.keys() & theirs.keys())
@@ -113,7 +113,7 @@ def annotate(results: list[BenchResult], *, history: Ledger | None = None) -> li
     a ``history`` (the ledger), each result is also checked for a regression against
     ``history.previous(result)``, with noise bands from the history; a profiled result's ranks are
     checked for a straggler against the host's run-to-run range from the same history (see
-    :mod:`dspark.bench.breakdown`). Any anomalies a result came
+    :mod:`dspark.bench.analyse.breakdown`). Any anomalies a result came
     with are replaced: the rules are the truth, not what an older version wrote down.
 
     Example::

@@ -1,7 +1,7 @@
 """The anomaly rules about scaling, memory, the batch and regressions: each looks at one result (and
 its 1-device baseline or its previous run) and says, in plain words with the numbers, what is wrong
 and the likely cause. The rules about whether a measurement can be trusted at all live in
-:mod:`dspark.bench.trust`.
+:mod:`dspark.bench.analyse.trust`.
 
 Every rule is a pure function returning anomaly dicts ``{"kind", "message", <numbers>...}``
 (empty when healthy), so each is tested on synthetic results with no process group. Rules read
@@ -32,9 +32,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from dspark.bench.formatting import format_mb, format_ms
-from dspark.bench.noise import NoiseModel
-from dspark.bench.peers import PEERS
+from dspark.bench.analyse.noise import NoiseModel
+from dspark.bench.measure.peers import PEERS
+from dspark.bench.present.formatting import format_mb, format_ms
 from dspark.bench.result import BenchResult
 from dspark.engine import format_audit
 from dspark.policy.strategies import STRATEGIES
@@ -198,7 +198,7 @@ def model_state_excess(result: BenchResult) -> bool:
 def replicated_batch(result: BenchResult, baseline: BenchResult | None) -> list[dict[str, Any]]:
     """The ranks' models received the same batch, or more than their share of it, or a module
     inside the model received the same batch-derived input on two ranks (the seed's bug), by the
-    batch probe's measurements (see :mod:`dspark.bench.batch_probe`).
+    batch probe's measurements (see :mod:`dspark.bench.measure.batch_probe`).
 
     Example::
 
@@ -330,7 +330,7 @@ def _shown(name: str, result: BenchResult) -> object:
 def regression(result: BenchResult, previous: BenchResult | None,
                noise: NoiseModel | None = None) -> list[dict[str, Any]]:
     """Slower than the previous result of the same configuration, beyond the noise band of
-    ``noise`` (see [Note: noise rule] in :mod:`dspark.bench.noise`). Improvements are not anomalies.
+    ``noise`` (see [Note: noise rule] in :mod:`dspark.bench.analyse.noise`). Improvements are not anomalies.
 
     Example::
 

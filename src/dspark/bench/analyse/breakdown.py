@@ -7,10 +7,10 @@ rank; ``compute_ms`` (forward + backward + optimizer without the waits, see [Not
 in :mod:`dspark.engine.step_observer`) can. A rank is a *straggler* when its median ``compute_ms``
 exceeds the median of the other ranks' medians by more than the noise band plus
 :data:`STRAGGLER_SLACK_MS`. The band is the widest of the machine's run-to-run range (the lab's one
-noise rule, :meth:`dspark.bench.noise.NoiseModel.machine_range`: a default until the host's history
+noise rule, :meth:`dspark.bench.analyse.noise.NoiseModel.machine_range`: a default until the host's history
 says otherwise) and each rank's own spread, ``(p90 - p10) / median`` of its ``compute_ms``: a rank
 whose steps wander widely is no evidence of a straggler by less than that. The rule reads measured times only, like
-every rule in :mod:`dspark.bench.anomalies`.
+every rule in :mod:`dspark.bench.analyse.anomalies`.
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from dspark.bench.anomalies import anomaly
-from dspark.bench.formatting import format_ms, format_ratio
-from dspark.bench.noise import NoiseModel
+from dspark.bench.analyse.anomalies import anomaly
+from dspark.bench.analyse.noise import NoiseModel
+from dspark.bench.analyse.trust import CORE_FOREIGN_ALLOWANCE
+from dspark.bench.present.formatting import format_ms, format_ratio
 from dspark.bench.result import BenchResult
-from dspark.bench.trust import CORE_FOREIGN_ALLOWANCE
 from dspark.engine import STEP_STATS_KEYS
 
 __all__ = ["PHASE_KEYS", "STRAGGLER_SLACK_MS", "ProfiledRound", "compute_band", "step_breakdown", "straggler"]
@@ -38,7 +38,7 @@ STRAGGLER_SLACK_MS = 1.0
 
 class ProfiledRound(Protocol):
     """What the breakdown reads of one round's measurement (a
-    :class:`~dspark.bench.measurement.Measurement`, which builds its result from this module: the
+    :class:`~dspark.bench.ledger.measurement.Measurement`, which builds its result from this module: the
     breakdown names only the two fields it needs, so that no import goes back)."""
 
     @property

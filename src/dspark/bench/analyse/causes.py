@@ -26,14 +26,14 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
-from dspark.bench.anomalies import (
+from dspark.bench.analyse.anomalies import (
     anomaly,
     devices,
     is_batch_replicated,
     model_state_excess,
     wire_bytes,
 )
-from dspark.bench.formatting import format_mb, format_ms, format_ratio
+from dspark.bench.present.formatting import format_mb, format_ms, format_ratio
 from dspark.bench.result import BenchResult
 
 __all__ = ["ACCOUNTS_FOR", "Cause", "lost_ms", "negative_scaling", "ranked_causes"]

@@ -2,7 +2,7 @@
 
 Rows are matched by configuration key; when a side holds the same configuration more than once
 (a commit measured twice), its newest result by timestamp stands for it. Verdicts follow the
-noise rule of :mod:`dspark.bench.noise` (with the ledger's history when given) and read "B is ...
+noise rule of :mod:`dspark.bench.analyse.noise` (with the ledger's history when given) and read "B is ...
 than A".
 """
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from dspark.bench.ledger_schema import utc_timestamp
-from dspark.bench.noise import NoiseModel
+from dspark.bench.analyse.noise import NoiseModel
+from dspark.bench.ledger.schema import utc_timestamp
 from dspark.bench.result import BenchResult, ConfigKey
 
 __all__ = ["ROW_VERDICTS", "Comparison", "ComparisonRow", "compare"]

@@ -12,7 +12,7 @@ band. The band is the widest of:
 * this configuration's own history: the widest relative range of its same-code reruns on this
   host;
 * the range each of the two results shows itself: the p10-p90 spread of its steps, and the range
-  of its round medians (see [Note: rounds] in :mod:`dspark.bench.measurement`).
+  of its round medians (see [Note: rounds] in :mod:`dspark.bench.ledger.measurement`).
 
 Both histories leave out the runs the two results come from: comparing two runs, their own
 differences are what is being judged, not evidence of noise. A relative range is

@@ -21,8 +21,8 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from dspark.bench.anomalies import anomaly, devices
-from dspark.bench.formatting import format_mb, format_ms
+from dspark.bench.analyse.anomalies import anomaly, devices
+from dspark.bench.present.formatting import format_mb, format_ms
 from dspark.bench.result import BenchResult
 from dspark.models import get_workload
 from dspark.planner import Interconnect, ModelShape, Probe, RowCost, model_shape, row_cost

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dspark.bench.anomalies import anomaly
+from dspark.bench.analyse.anomalies import anomaly
 from dspark.bench.result import BenchResult
 
 __all__ = ["counted_samples", "missing_samples", "rank_share"]

@@ -1,16 +1,16 @@
 """The rules about whether a measurement can be trusted at all: a busy machine during the timed
 steps, and a 1-device baseline that is unsteady or makes N devices look better than N can be.
 
-Pure functions over :class:`BenchResult`, like :mod:`dspark.bench.anomalies`.
+Pure functions over :class:`BenchResult`, like :mod:`dspark.bench.analyse.anomalies`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from dspark.bench.anomalies import anomaly, devices
-from dspark.bench.formatting import format_ms, format_ratio
-from dspark.bench.noise import DEFAULT_RUN_TO_RUN, relative_range
+from dspark.bench.analyse.anomalies import anomaly, devices
+from dspark.bench.analyse.noise import DEFAULT_RUN_TO_RUN, relative_range
+from dspark.bench.present.formatting import format_ms, format_ratio
 from dspark.bench.result import BenchResult
 
 __all__ = ["BASELINE_ROUND_SPREAD", "CORE_FOREIGN_ALLOWANCE", "SUPERLINEAR_MARGIN", "busy_machine",
@@ -19,7 +19,7 @@ __all__ = ["BASELINE_ROUND_SPREAD", "CORE_FOREIGN_ALLOWANCE", "SUPERLINEAR_MARGI
 CORE_FOREIGN_ALLOWANCE = 0.10
 """The share of the timed window a rank's core may spend on other processes (or stolen by the
 hypervisor) before its times are called untrustworthy (see [Note: load over the timed window] in
-:mod:`dspark.bench.cpu_load`)."""
+:mod:`dspark.bench.measure.cpu_load`)."""
 
 
 def _busy_rounds(result: BenchResult) -> list[tuple[int, float]]:

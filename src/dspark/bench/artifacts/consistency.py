@@ -5,13 +5,13 @@ of every artifact before it renders one.
 A result row carries its raw figures (every timed step of every round) beside what was summarised
 from them (the median and p10-p90, each round's median, samples per second) and what was analysed
 from those (the speedup, its rounds' min and max, the efficiency, the anomalies). Each of the latter
-is recomputed here from the former, with the lab's own code (:func:`dspark.bench.measurement.
-step_time_summary`, :func:`dspark.bench.analysis.annotate`): a row whose median lies outside its
+is recomputed here from the former, with the lab's own code (:func:`dspark.bench.ledger.measurement.
+step_time_summary`, :func:`dspark.bench.analyse.analysis.annotate`): a row whose median lies outside its
 own p10-p90, or is not the median of its steps, or whose speedup is not what its rounds' steps give,
 was not written by the lab as it stands, and is refused, named, with both values. The analysis
 rendered is the one recomputed (the current rules), never the one a file says it had.
 
-Rows re-derived from a kept ledger (see [Note: kept rows] in :mod:`dspark.bench.ledger_rows`) are
+Rows re-derived from a kept ledger (see [Note: kept rows] in :mod:`dspark.bench.ledger.rows`) are
 consistent by construction and get the same checks.
 """
 
@@ -21,8 +21,8 @@ import math
 import statistics
 from typing import Any
 
-from dspark.bench.analysis import annotate
-from dspark.bench.measurement import step_time_summary
+from dspark.bench.analyse.analysis import annotate
+from dspark.bench.ledger.measurement import step_time_summary
 from dspark.bench.result import BenchResult
 
 __all__ = ["RELATIVE_TOLERANCE", "rederive", "row_faults"]

@@ -9,7 +9,7 @@ history shows every head ever pinned, and a pinned head is never changed (``pin_
 change of that line. The chain is
 
 * for a ``dspark bench`` run, its ledger's own (``ledger.jsonl``, see [Note: kept rows] in
-  :mod:`dspark.bench.ledger_rows`): every row verified, no seal, and its head equal to the pinned one
+  :mod:`dspark.bench.ledger.rows`): every row verified, no seal, and its head equal to the pinned one
   (not merely reached: an artifact is never appended to);
 * for a benchmark's own tables (``table*.json``, see [Note: table artifacts]) and for result rows
   kept without their ledger (``results.json`` of the artifacts made before ledgers were kept), one
@@ -17,7 +17,7 @@ change of that line. The chain is
   written when the artifact is kept), so a changed, added or removed row is named.
 
 Each result is then checked against itself (see [Note: consistent results] in
-:mod:`dspark.bench.consistency`). An artifact that fails anything is refused by name, and
+:mod:`dspark.bench.artifacts.consistency`). An artifact that fails anything is refused by name, and
 ``make figures`` writes nothing.
 """
 
@@ -29,11 +29,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dspark.bench.analysis import annotate
-from dspark.bench.consistency import rederive, row_faults
-from dspark.bench.ledger import Ledger
-from dspark.bench.ledger_chain import GENESIS, row_hash
-from dspark.bench.table_artifact import Table, load_table
+from dspark.bench.analyse.analysis import annotate
+from dspark.bench.artifacts.consistency import rederive, row_faults
+from dspark.bench.artifacts.table import Table, load_table
+from dspark.bench.ledger.chain import GENESIS, row_hash
+from dspark.bench.ledger.ledger import Ledger
 
 __all__ = ["CHAIN_FILE", "HEADS_FILE", "LEDGER_FILE", "MAX_KEPT_FILE_BYTES", "ArtifactRefused",
            "CheckedRows", "chain_kept_files", "check_artifact", "pin_artifact", "pin_head", "read_heads"]

@@ -2,7 +2,7 @@
 
 [Note: hash chain]
 Triggers refuse UPDATE, DELETE and INSERT OR REPLACE (see [Note: append-only for real] in
-:mod:`dspark.bench.ledger_schema`), but SQLite cannot forbid schema surgery: DROP TRIGGER, UPDATE,
+:mod:`dspark.bench.ledger.schema`), but SQLite cannot forbid schema surgery: DROP TRIGGER, UPDATE,
 CREATE TRIGGER rewrites a row, and a plain INSERT with a fresh id adds rounds no run measured. So
 every measurement row also carries ``row_hash = sha256(prev_hash, its content)``, where
 ``prev_hash`` is the row before it's ``row_hash`` (:data:`GENESIS` for the first), and its ids must
@@ -63,7 +63,7 @@ class BadRow:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Seal:
     """Rows DSpark chained that had no hash (see [Note: no silent seal] in
-    :mod:`dspark.bench.ledger_schema`): what they held before ``sealed_at`` is not vouched for."""
+    :mod:`dspark.bench.ledger.schema`): what they held before ``sealed_at`` is not vouched for."""
 
     sealed_at: str
     from_version: int
@@ -106,7 +106,7 @@ class ChainReport:
 
 
 def _content_faults(content: Sequence[object], columns: Sequence[str]) -> list[str]:
-    from dspark.bench.measurement import Measurement
+    from dspark.bench.ledger.measurement import Measurement
 
     row = dict(zip(columns, content, strict=True))
     try:

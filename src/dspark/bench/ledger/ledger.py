@@ -1,11 +1,11 @@
 """The ledger: every benchmark measurement ever recorded, in one SQLite file, append-only.
 
-Each launch of a configuration (a round, see :mod:`dspark.bench.measurement`) is one row, written
+Each launch of a configuration (a round, see :mod:`dspark.bench.ledger.measurement`) is one row, written
 as soon as it is measured, so a suite that dies half-way keeps what it finished. A row keeps the
 raw figures (every step of every rank, core loads, bytes held); results, speedups and anomalies are
 computed from them whenever they are read, so a corrected rule reaches old measurements. Triggers
 refuse UPDATE, DELETE and an INSERT over an existing id (see [Note: append-only for real] in
-:mod:`dspark.bench.ledger_schema`, which also holds the migration from schema 1).
+:mod:`dspark.bench.ledger.schema`, which also holds the migration from schema 1).
 
 [Note: append-only]
 The seed lost ~30 benchmarks to one bug and had to recompute them; which numbers were recorded
@@ -30,9 +30,10 @@ from pathlib import Path
 from types import TracebackType
 
 from dspark.bench.faults import is_injected
-from dspark.bench.ledger_chain import GENESIS, ChainReport, Seal, row_hash, verify_rows
-from dspark.bench.ledger_rows import ROWS_SUFFIX, load_rows, write_rows
-from dspark.bench.ledger_schema import (
+from dspark.bench.ledger.chain import GENESIS, ChainReport, Seal, row_hash, verify_rows
+from dspark.bench.ledger.measurement import Measurement, results_from_measurements
+from dspark.bench.ledger.rows import ROWS_SUFFIX, load_rows, write_rows
+from dspark.bench.ledger.schema import (
     CONTENT_COLUMNS,
     KEY_COLUMNS,
     SCHEMA_VERSION,
@@ -43,7 +44,6 @@ from dspark.bench.ledger_schema import (
     missing_triggers,
     utc_timestamp,
 )
-from dspark.bench.measurement import Measurement, results_from_measurements
 from dspark.bench.result import BenchConfig, BenchResult, ConfigKey
 
 __all__ = ["SCHEMA_VERSION", "ChainReport", "Ledger", "LedgerTampered", "LedgerUnsealed", "RunSummary",
@@ -317,7 +317,7 @@ class Ledger:
     def results(self, *, run_id: str | None = None, commit: str | None = None,
                 host: str | None = None) -> list[BenchResult]:
         """One result per configuration per run (filters as :meth:`measurements`), oldest first,
-        summarised from the raw rounds; pass them through :func:`dspark.bench.analysis.annotate`
+        summarised from the raw rounds; pass them through :func:`dspark.bench.analyse.analysis.annotate`
         for speedups and anomalies.
 
         Example::

@@ -22,10 +22,10 @@ from typing import Any
 
 import numpy as np
 
-from dspark.bench.breakdown import step_breakdown
-from dspark.bench.cpu_load import RankLoad
+from dspark.bench.analyse.breakdown import step_breakdown
+from dspark.bench.analyse.samples import counted_samples
+from dspark.bench.measure.cpu_load import RankLoad
 from dspark.bench.result import BenchConfig, BenchResult, ConfigKey, Recorded
-from dspark.bench.samples import counted_samples
 
 __all__ = ["Measurement", "result_id_of", "results_from_measurements", "step_time_summary"]
 
@@ -84,7 +84,7 @@ class Measurement(Recorded):
     step_ms_summary: list[float] = field(default_factory=list)
     """``[median, p10, p90]`` for rows migrated from schema 1, which kept no samples; else []."""
     rank_loads: list[dict[str, Any]] = field(default_factory=list)
-    """Per rank, :class:`~dspark.bench.cpu_load.RankLoad` of its timed window, as a dict."""
+    """Per rank, :class:`~dspark.bench.measure.cpu_load.RankLoad` of its timed window, as a dict."""
     # memory and batch: the configuration's first round only
     tensor_peak_bytes_by_rank: list[int] = field(default_factory=list)
     rss_peak_bytes_by_rank: list[int] = field(default_factory=list)
@@ -95,7 +95,7 @@ class Measurement(Recorded):
     """Per rank: bytes held for params, grads, optimizer, buffers (between backward and step)."""
     state_expected_by_rank: list[dict[str, int]] = field(default_factory=list)
     batch: dict[str, Any] | None = None
-    """The batch probe's :class:`~dspark.bench.batch_probe.BatchInspection`, as a dict."""
+    """The batch probe's :class:`~dspark.bench.measure.batch_probe.BatchInspection`, as a dict."""
     # traffic
     comm_bytes_per_step: int | None = None
     comm_wire_bytes_per_step: int | None = None

@@ -19,7 +19,7 @@ import sqlite3
 from pathlib import Path
 from typing import Any
 
-from dspark.bench.ledger_schema import CONTENT_COLUMNS, SCHEMA_VERSION, create_schema
+from dspark.bench.ledger.schema import CONTENT_COLUMNS, SCHEMA_VERSION, create_schema
 
 __all__ = ["MAX_ROWS_FILE_BYTES", "ROWS_FORMAT", "ROWS_SUFFIX", "load_rows", "write_rows"]
 

@@ -23,7 +23,7 @@ breakdown, no audit, no kernel, one pass a step); an older DSpark reading a newe
 file: the raw figures of a launch belong in its one ``measurement_json``, and a column or side
 table for them would only repeat it.
 3. ``prev_hash`` and ``row_hash`` on every measurement: a hash chain (see [Note: hash chain] in
-   :mod:`dspark.bench.ledger_chain`). The schema-1 ``results`` table, kept by the migration to 2,
+   :mod:`dspark.bench.ledger.chain`). The schema-1 ``results`` table, kept by the migration to 2,
    is never read.
 4. ``seals``: one row each time DSpark chained rows that had no hash (see [Note: no silent seal]).
    A schema-3 file gains the empty table on open; nothing in it is rewritten.
@@ -49,10 +49,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dspark.bench.ledger_chain import GENESIS, row_hash
+from dspark.bench.ledger.chain import GENESIS, row_hash
 
 if TYPE_CHECKING:
-    from dspark.bench.measurement import Measurement
+    from dspark.bench.ledger.measurement import Measurement
 
 __all__ = ["CONTENT_COLUMNS", "KEY_COLUMNS", "SCHEMA_VERSION", "TRIGGERS", "LedgerUnsealed",
            "create_schema", "insert_measurement_sql", "measurement_row", "migrate", "missing_triggers",
@@ -220,7 +220,7 @@ def _add_seals(conn: sqlite3.Connection) -> None:
 
 
 def _from_schema1(conn: sqlite3.Connection) -> None:
-    from dspark.bench.measurement import Measurement
+    from dspark.bench.ledger.measurement import Measurement
 
     _execute_script(conn, _MEASUREMENTS + _no_replace("results", "id"))
     rows = conn.execute("SELECT id, result_json FROM results ORDER BY timestamp, id").fetchall()

@@ -41,7 +41,7 @@ first time a process group is wrapped (about a minute, cached in PyTorch's exten
 ``make peers`` builds it once so that no timed run waits for a compiler.
 
 Like the PyTorch peers, DeepSpeed's collectives bypass DSpark's byte counters: its traffic is
-ESTIMATED (see [Note: estimated traffic] in :mod:`dspark.bench.peers`).
+ESTIMATED (see [Note: estimated traffic] in :mod:`dspark.bench.measure.peers`).
 """
 
 from __future__ import annotations
@@ -210,7 +210,7 @@ def _import_deepspeed(device: torch.device) -> Any:
 
 class DeepSpeedPeer:
     """A DeepSpeed ZeRO engine under the slice of :class:`dspark.Engine`'s surface the benchmark
-    worker uses (see :class:`dspark.bench.peers.PeerEngine`).
+    worker uses (see :class:`dspark.bench.measure.peers.PeerEngine`).
 
     Example::
 

@@ -1,5 +1,5 @@
 """PyTorch's own data-parallel wrappers (and, with the optional ``peers`` extra, DeepSpeed's ZeRO
-stages: :mod:`dspark.bench.deepspeed_peer`), measured by the same worker as DSpark's engine, so a
+stages: :mod:`dspark.bench.measure.deepspeed_peer`), measured by the same worker as DSpark's engine, so a
 claim like "DSpark's zero3 is as fast as FSDP2" is a measurement side by side, not a belief.
 
 =============  ===================================================  ===================
@@ -47,7 +47,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dspark.bench.deepspeed_peer import DEEPSPEED_PEERS, DeepSpeedPeer, peer_precision
+from dspark.bench.measure.deepspeed_peer import DEEPSPEED_PEERS, DeepSpeedPeer, peer_precision
 from dspark.comm import World
 from dspark.comm.stats import wire_bytes
 from dspark.engine.config import EngineConfig
@@ -261,7 +261,7 @@ def make_engine(strategy: str, model: nn.Module, world: World, *, lr: float, pre
                 grad_accum_steps: int = 1) -> Any:
     """DSpark's engine for a DSpark strategy (with ``options``, see :func:`dspark_engine_options`),
     a :class:`PeerEngine` for a PyTorch peer, a
-    :class:`~dspark.bench.deepspeed_peer.DeepSpeedPeer` for a DeepSpeed one (which needs the
+    :class:`~dspark.bench.measure.deepspeed_peer.DeepSpeedPeer` for a DeepSpeed one (which needs the
     ``global_batch`` for its configuration). DSpark's engine and DeepSpeed get the same optimizer
     factory. ``grad_accum_steps``: backward calls per step, each on a micro-batch (every engine
     averages them).

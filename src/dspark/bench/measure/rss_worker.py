@@ -1,6 +1,6 @@
 """ZeRO's saving in real memory: each rank's peak resident memory (VmHWM) training one model.
 
-``python -m dspark.bench.rss_worker STRATEGY`` is started by :func:`peak_rss_per_rank` through the
+``python -m dspark.bench.measure.rss_worker STRATEGY`` is started by :func:`peak_rss_per_rank` through the
 launcher, in fresh processes (a process's peak cannot be reset): each rank builds
 :data:`LAYERS` x ``Linear(WIDTH, WIDTH)`` (83.9M parameters), trains :data:`STEPS` steps with AdamW
 under ``STRATEGY`` and prints its peak RSS as one JSON line. ``tests/engine/test_memory_rss.py``
@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 import dspark
-from dspark.bench.memory import peak_rss_bytes
+from dspark.bench.measure.memory import peak_rss_bytes
 from dspark.launch.launcher import LaunchSpec, launch
 
 __all__ = ["LAYERS", "STEPS", "WIDTH", "main", "peak_rss_per_rank"]
@@ -38,10 +38,10 @@ def peak_rss_per_rank(strategy: str, *, nproc: int = 2) -> list[dict[str, Any]]:
     """Each rank's ``{"rank", "peak_bytes", "num_params", "total_bytes"}`` (``total_bytes``:
     ``engine.memory_report()``'s), in rank order, from one fresh ``nproc``-rank run under
     ``strategy``; a run that fails is a ``RuntimeError`` with the end of its stderr."""
-    done = launch(LaunchSpec(nproc=nproc, target="dspark.bench.rss_worker", module=True,
+    done = launch(LaunchSpec(nproc=nproc, target="dspark.bench.measure.rss_worker", module=True,
                              args=(strategy,)), capture=True)
     if done.returncode != 0:
-        raise RuntimeError(f"dspark.bench.rss_worker {strategy} on {nproc} ranks exited "
+        raise RuntimeError(f"dspark.bench.measure.rss_worker {strategy} on {nproc} ranks exited "
                            f"{done.returncode}:\n{done.stderr[-3000:]}")
     # every rank prints to one pipe, so one rank's line can land inside another's: decode each
     # object where it starts instead of line by line
@@ -49,7 +49,7 @@ def peak_rss_per_rank(strategy: str, *, nproc: int = 2) -> list[dict[str, Any]]:
     starts = [i for i in range(len(done.stdout)) if done.stdout.startswith('{"rank"', i)]
     rows = [decoder.raw_decode(done.stdout, i)[0] for i in starts]
     if len(rows) != nproc:
-        raise RuntimeError(f"dspark.bench.rss_worker {strategy}: {len(rows)} results from {nproc} "
+        raise RuntimeError(f"dspark.bench.measure.rss_worker {strategy}: {len(rows)} results from {nproc} "
                            f"ranks in its output:\n{done.stdout[-3000:]}")
     return sorted(rows, key=lambda r: r["rank"])
 

@@ -4,7 +4,7 @@ moment it is measured, then the analysis of what the run recorded.
 Every launch gets its own job through :mod:`dspark.launch.launcher` (PyTorch's launcher underneath; a
 1-device launch is its one worker process alone, ``agent=False``): one process per device, so no state (allocator caches, process groups, warm kernels) leaks from one
 measurement into the next. The launches of a configuration alternate with its 1-device baseline's
-(see [Note: rounds] in :mod:`dspark.bench.measurement`), so a slow spell of the machine hits both
+(see [Note: rounds] in :mod:`dspark.bench.ledger.measurement`), so a slow spell of the machine hits both
 sides of a speedup. A configuration that fails is reported with the tail of its stderr and not
 launched again; what its earlier rounds measured stays recorded, as does everything else: a suite
 that dies half-way keeps every finished measurement in the ledger.
@@ -34,12 +34,12 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
-from dspark.bench.analysis import annotate
+from dspark.bench.analyse.analysis import annotate
 from dspark.bench.faults import injected_faults
-from dspark.bench.ledger import Ledger
-from dspark.bench.measurement import Measurement
+from dspark.bench.ledger.ledger import Ledger
+from dspark.bench.ledger.measurement import Measurement
+from dspark.bench.measure.worker import error_path
 from dspark.bench.result import BenchConfig, BenchResult, ConfigKey
-from dspark.bench.worker import error_path
 from dspark.errors import DSparkError
 from dspark.launch.launcher import LaunchSpec, launch
 from dspark.profiler_banner import is_banner
@@ -49,7 +49,7 @@ __all__ = ["DEFAULT_ROUNDS", "BenchRunError", "RunFailure", "describe_config", "
 
 _log = logging.getLogger(__name__)
 
-_WORKER_MODULE = "dspark.bench.worker"
+_WORKER_MODULE = "dspark.bench.measure.worker"
 _STDERR_TAIL_LINES = 25
 
 DEFAULT_ROUNDS = 3

@@ -2,15 +2,15 @@
 
 * ``quick`` (the default): the CPU presets on 1 and 2 devices, batch sharded, each preset's own
   batch, in its own precision where this CPU runs that faster than fp32, else fp32
-  (:mod:`dspark.bench.cpu_precision`). Sized to finish in under 2 minutes on a 2-core machine,
+  (:mod:`dspark.bench.measure.cpu_precision`). Sized to finish in under 2 minutes on a 2-core machine,
   start-up included.
 * ``seed``: the article's table. Per workload: 1 device; N devices with the batch *replicated*
   (the seed's bug, on purpose); N devices sharded. On CPU the presets; with 2 or more GPUs the
   real ResNet-50 and GPT-2 124M, whose defaults are the article's (global batch 256, fp16).
-* ``peers``: DSpark's replicate and zero3 beside PyTorch's DDP and FSDP2 (:mod:`dspark.bench.peers`)
+* ``peers``: DSpark's replicate and zero3 beside PyTorch's DDP and FSDP2 (:mod:`dspark.bench.measure.peers`)
   on the CPU presets, 1 and 2 devices: a speedup claim checked against PyTorch's own tools. When
   DeepSpeed imports (the optional ``peers`` extra, ``make peers``), also zero1, zero2 and zero3
-  beside DeepSpeed's ZeRO stages (:mod:`dspark.bench.deepspeed_peer`); without it they are skipped
+  beside DeepSpeed's ZeRO stages (:mod:`dspark.bench.measure.deepspeed_peer`); without it they are skipped
   with one line saying how to install them. Precision as in ``quick``.
 * ``full``: the real sizes, every strategy, 1 to all GPUs (needs at least 2).
 
@@ -28,9 +28,9 @@ from typing import Any
 
 import torch
 
-from dspark.bench import deepspeed_peer
-from dspark.bench.cpu_precision import choose_cpu_precision, cpu_matmul_ms
-from dspark.bench.peers import DEEPSPEED_PEERS, FP16_PEERS, PEERS
+from dspark.bench.measure import deepspeed_peer
+from dspark.bench.measure.cpu_precision import choose_cpu_precision, cpu_matmul_ms
+from dspark.bench.measure.peers import DEEPSPEED_PEERS, FP16_PEERS, PEERS
 from dspark.bench.result import BenchConfig
 from dspark.policy.strategies import PRECISIONS, STRATEGIES
 
@@ -44,7 +44,7 @@ _CPU_WORKLOADS = ("resnet50-cpu", "gpt2-cpu")
 _GPU_WORKLOADS = ("resnet50", "gpt2-124m")
 _DEFAULT_STRATEGY = "replicate"
 # (warm-up, measured) steps per launch; a run launches each configuration in 3 rounds (see
-# dspark.bench.runner), so a result has three times the timed steps. On CPU only a launch's first
+# dspark.bench.measure.runner), so a result has three times the timed steps. On CPU only a launch's first
 # step is slow (first-touch pages, optimizer state, the engine's bucket order), the second already
 # within the spread of the rest, so one warm-up step is enough. The first round runs 2 untimed probe
 # steps instead. A CPU step takes under a second and a launch's start-up (interpreter, torch, the
@@ -72,7 +72,7 @@ class Machine:
     num_cpu_cores: int
     """Cores this process may run on (its CPU affinity)."""
     cpu_matmul_ms: tuple[tuple[str, float], ...] = ()
-    """``(precision, ms)`` of a 512 x 512 matmul on one core (:mod:`dspark.bench.cpu_precision`);
+    """``(precision, ms)`` of a 512 x 512 matmul on one core (:mod:`dspark.bench.measure.cpu_precision`);
     measured by :meth:`detect` on a CPU-only machine, empty when unknown (presets keep their
     precision)."""
 
@@ -182,7 +182,7 @@ def _peer_strategies() -> tuple[str, ...]:
 def _default_precision(suite: str, preset: str, machine: Machine,
                        switched: dict[str, str]) -> str:
     """The preset's precision, except on a CPU that runs it slower than fp32 in ``quick`` and
-    ``peers`` (see :mod:`dspark.bench.cpu_precision`); ``switched`` collects why, by preset."""
+    ``peers`` (see :mod:`dspark.bench.measure.cpu_precision`); ``switched`` collects why, by preset."""
     if suite not in _MACHINE_PRECISION_SUITES or machine.num_gpus:
         return preset
     choice = choose_cpu_precision(preset, dict(machine.cpu_matmul_ms))

@@ -1,23 +1,23 @@
 """One launch of one benchmark configuration (a *round*), measured: the program every rank runs.
 
-``python -m dspark.bench.worker --config JSON --out PATH --round R [--probe] [--profile]
+``python -m dspark.bench.measure.worker --config JSON --out PATH --round R [--probe] [--profile]
 [--trace DIR]`` is started by the runner through the launcher (one process per rank). Each rank
 builds the same model from the same seed, makes the same global batch each step and keeps its
 slice of it (or all of it: ``batch_placement == "replicate"`` is the seed's bug, chosen on
-purpose). Rank 0 writes one :class:`~dspark.bench.measurement.Measurement` as JSON to ``PATH``.
+purpose). Rank 0 writes one :class:`~dspark.bench.ledger.measurement.Measurement` as JSON to ``PATH``.
 
 A launch, in order:
 
 1. pin every thread to the rank's core (before ``dspark.init()``, and again once the engine exists;
-   see [Note: pinning every thread] in :mod:`dspark.bench.cpu_load`); DDP's and FSDP2's ranks keep
+   see [Note: pinning every thread] in :mod:`dspark.bench.measure.cpu_load`); DDP's and FSDP2's ranks keep
    glibc's own malloc thresholds, as their users have them, unless ``DSPARK_CPU_MALLOC`` is set
    (DSpark's engine sets its own, see :mod:`dspark.cpu_malloc`; recorded as ``cpu_malloc``);
 2. with ``--trace DIR``: the engine's own trace (``Engine(trace_dir=DIR)``) of
    :data:`TRACE_STEPS` untimed steps, first, so that the profiler is gone before anything is
    measured (DSpark's engine only: a peer, PyTorch's or DeepSpeed's, has no trace option);
 3. with ``--probe`` (a configuration's first round): two untimed steps under the batch probe
-   (what each rank's model received, see :mod:`dspark.bench.batch_probe`), the second one reading
-   the model state held between backward and optimizer step (:mod:`dspark.bench.state_bytes`);
+   (what each rank's model received, see :mod:`dspark.bench.measure.batch_probe`), the second one reading
+   the model state held between backward and optimizer step (:mod:`dspark.bench.measure.model_state`);
    then ``engine.audit()``, whose rows above their share are kept;
 4. the remaining warm-up steps (traced and probe steps count as warm-up), at least one after a
    probe, so that the first timed step's ``data_ms`` (from the previous ``step()``) holds no audit;
@@ -25,7 +25,7 @@ A launch, in order:
    exactly this window; each step starts after a barrier; with ``--profile``,
    ``engine.step_stats()`` is read after each one, outside its time;
 6. with ``--probe``: the peak resident memory of the timed steps (its high-water mark is reset
-   when they start), then the tensor peak of one more step (:mod:`dspark.bench.memory`), whose
+   when they start), then the tensor peak of one more step (:mod:`dspark.bench.measure.memory`), whose
    profiler would otherwise count in the resident peak.
 
 [Note: what a step's time covers] forward, loss, backward and the optimizer step, with their
@@ -54,8 +54,9 @@ import torch
 
 import dspark
 from dspark import comm, cpu_malloc
-from dspark.bench.batch_probe import BatchInspection, inspect_batches
-from dspark.bench.cpu_load import (
+from dspark.bench.ledger.measurement import Measurement
+from dspark.bench.measure.batch_probe import BatchInspection, inspect_batches
+from dspark.bench.measure.cpu_load import (
     RankLoad,
     core_for_rank,
     cpu_snapshot,
@@ -63,12 +64,17 @@ from dspark.bench.cpu_load import (
     thread_ids,
     window_load,
 )
-from dspark.bench.measurement import Measurement
-from dspark.bench.memory import measure_peak_bytes, peak_rss_bytes, reset_peak_rss
-from dspark.bench.peers import PEERS, TORCH_PEERS, buffer_sync, dspark_engine_options, make_engine
-from dspark.bench.provenance import collect_provenance
+from dspark.bench.measure.memory import measure_peak_bytes, peak_rss_bytes, reset_peak_rss
+from dspark.bench.measure.model_state import expected_model_state, held_model_state, param_specs
+from dspark.bench.measure.peers import (
+    PEERS,
+    TORCH_PEERS,
+    buffer_sync,
+    dspark_engine_options,
+    make_engine,
+)
+from dspark.bench.measure.provenance import collect_provenance
 from dspark.bench.result import BenchConfig
-from dspark.bench.state_bytes import expected_model_state, held_model_state, param_specs
 from dspark.policy.optimizer_kernel import kernel_name
 
 __all__ = ["PROBE_STEPS", "SLOW_RANK_ENV", "TRACE_STEPS", "bus_bytes_per_s", "error_path", "main",
@@ -422,7 +428,7 @@ def error_path(out: Path, rank: int) -> Path:
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m dspark.bench.worker",
+    parser = argparse.ArgumentParser(prog="python -m dspark.bench.measure.worker",
                                      description="Measure one round of one benchmark configuration "
                                                  "(one rank).")
     parser.add_argument("--config", required=True, help="BenchConfig fields as a JSON object")
@@ -451,7 +457,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Example::
 
-        python -m dspark.bench.worker --config '{"workload": "gpt2-cpu", "num_devices": 1}' --out r.json
+        python -m dspark.bench.measure.worker --config '{"workload": "gpt2-cpu", "num_devices": 1}' --out r.json
     """
     args = _parse(argv)
     config = BenchConfig(**json.loads(args.config))

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from dspark.bench.analyse.peer_ratios import peer_ratios
 from dspark.bench.faults import describe_injected
-from dspark.bench.peer_ratios import peer_ratios
 from dspark.bench.result import BenchResult
 
 __all__ = ["BREAKDOWN_COLUMNS", "BREAKDOWN_NOTE", "BYTES_PER_MB", "MEMORY_COLUMNS_NOTE",
@@ -199,7 +199,7 @@ PEER_NOTE = (
 
 def peer_rows(results: Sequence[BenchResult]) -> list[list[str]]:
     """One text row of :data:`PEER_COLUMNS` per pairing of a DSpark strategy and its peer measured
-    on 2 or more devices in ``results`` (see :mod:`dspark.bench.peer_ratios`); [] when none.
+    on 2 or more devices in ``results`` (see :mod:`dspark.bench.analyse.peer_ratios`); [] when none.
 
     Example::
 

@@ -11,8 +11,8 @@ import html
 from collections.abc import Sequence
 from pathlib import Path
 
-from dspark.bench.anomalies import devices
-from dspark.bench.formatting import (
+from dspark.bench.analyse.anomalies import devices
+from dspark.bench.present.formatting import (
     BREAKDOWN_COLUMNS,
     BREAKDOWN_NOTE,
     MEMORY_COLUMNS_NOTE,
@@ -116,7 +116,7 @@ def write_html_report(results: Sequence[BenchResult], out_dir: str | Path, *,
         raise ValueError("results=[] is empty: there is nothing to report; run `dspark bench` "
                          "first or pick a ref that holds results")
     # matplotlib is imported only here: the terminal commands should not pay for it.
-    from dspark.bench.plots import report_figures
+    from dspark.bench.present.plots import report_figures
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

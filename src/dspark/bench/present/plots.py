@@ -13,7 +13,7 @@ from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from dspark.bench.formatting import BYTES_PER_MB
+from dspark.bench.present.formatting import BYTES_PER_MB
 from dspark.bench.result import BenchResult
 
 __all__ = ["ReportFigure", "breakdown_figure", "memory_figure", "report_figures", "speedup_figure",

@@ -1,7 +1,7 @@
-"""Results in the terminal (rich tables) and, through :mod:`dspark.bench.html_report`, as HTML.
+"""Results in the terminal (rich tables) and, through :mod:`dspark.bench.present.html_report`, as HTML.
 
 Renderers only render: they print what the results carry (speedup, anomalies), so pass results
-through :func:`dspark.bench.analysis.annotate` first. Every figure printed comes from a result.
+through :func:`dspark.bench.analyse.analysis.annotate` first. Every figure printed comes from a result.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from dspark.bench.anomalies import devices
-from dspark.bench.compare import Comparison
+from dspark.bench.analyse.anomalies import devices
+from dspark.bench.analyse.compare import Comparison
 from dspark.bench.faults import describe_injected
-from dspark.bench.formatting import (
+from dspark.bench.present.formatting import (
     BREAKDOWN_COLUMNS,
     BREAKDOWN_NOTE,
     BYTES_PER_MB,
@@ -34,7 +34,7 @@ from dspark.bench.formatting import (
     peer_rows,
     result_cells,
 )
-from dspark.bench.html_report import write_html_report
+from dspark.bench.present.html_report import write_html_report
 from dspark.bench.result import BenchResult
 
 __all__ = ["render_breakdown_table", "render_comparison", "render_peer_table", "render_results_table",
