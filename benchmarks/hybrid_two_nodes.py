@@ -52,7 +52,7 @@ def worker(strategy: str, steps: int) -> None:
     """One strategy on every rank of the two launches; rank 0 prints one JSON line."""
     import dspark
     from dspark import comm
-    from dspark.bench.barrier_timing import barrier_timed_ms
+    from dspark.bench.measure.barrier_timing import barrier_timed_ms
     from dspark.planner.peak_memory import measure_peak_bytes
 
     world = dspark.init()
@@ -192,7 +192,7 @@ def main() -> None:
     for row in table_rows(data):
         print(" | ".join(map(str, row)))
     if args.out is not None:
-        from dspark.bench.table_artifact import write_table
+        from dspark.bench.artifacts.table import write_table
 
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "hybrid-two-nodes.json").write_text(json.dumps(data, indent=2) + "\n")
