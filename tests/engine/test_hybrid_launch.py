@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -107,6 +108,10 @@ def test_a_hybrid_checkpoint_loads_exactly_under_zero3_on_two_ranks_and_replicat
     source = Path(f"{launches[4]['path']}.hybrid.ckpt")
     saved = launches[4]["checkpoints"]["hybrid"]
     assert dspark.checkpoint.read_checkpoint_info(source).strategy == "hybrid-zero3"
+    from dspark.checkpoint import storage
+
+    stored = Counter(index.fqn for index in storage.read_metadata(source).storage_data)
+    assert stored["model/embed.weight"] == stored["optim/embed.weight/exp_avg"] == GROUP  # each shard once
     for state in pool.run(_load_and_save, "zero3", str(source), str(tmp_path / "zero3")):
         assert all(torch.equal(state[k], saved[k]) for k in saved)
     _assert_same_files(tmp_path / "zero3", source)
