@@ -29,7 +29,7 @@ from typing import Any
 
 from dspark.models import get_workload
 from dspark.planner import Plan, PlanRow, Probe, get_interconnect, model_shape, row_cost
-from dspark.planner.table import hybrid_group
+from dspark.planner.table import hybrid_group, needed_bytes
 from dspark.policy import HYBRID_STRATEGIES, STRATEGIES
 
 ARTIFACTS = Path(__file__).parent / "results" / "2026-12-04-h200" / "final"
@@ -75,9 +75,8 @@ def plan_at(workload: str, counts: list[int], interconnect: str, budget: int, gr
             cost = row_cost(shape=shape, probe=probe, strategy=strategy, num_ranks=n, micro_batch=micro,
                             passes=local // micro, bucket_mb=25.0, link=link, shard_group_size=shard_group)
             fields = {k: getattr(cost, k) for k in cost.__dataclass_fields__}
-            peak = sum(v for k, v in fields.items() if k.endswith("_bytes"))
             rows.append(PlanRow(strategy=strategy, devices=n, micro_batch=micro, passes=local // micro,
-                                budget_bytes=budget, fits=peak <= budget, shard_group_size=shard_group, **fields))
+                                budget_bytes=budget, fits=needed_bytes(cost) <= budget, shard_group_size=shard_group, **fields))
     return Plan(rows=tuple(rows), global_batch=256, precision="fp16", interconnect=interconnect,
                 memory_budget_bytes=budget, probe=probe)
 

@@ -1,27 +1,28 @@
-"""The planner against the engine: for each model, what ``dspark.plan`` predicts (one probe on one
-CPU core) beside what ``dspark run`` measures, per strategy on 1 and 2 ranks (and memory on 4),
-written to one JSON artifact; with ``--out DIR``, ``DIR/plan-validation.json`` and the table
-docs/figures.md renders (``DIR/table.json``, see [Note: table artifacts]).
+"""The planner against the engine on models it was never tuned for: for each model of the validation
+zoo (:mod:`dspark.models.plan_zoo`), fp32 and bf16, what ``dspark.plan`` predicts (one probe on one
+CPU core) beside what ``dspark run`` measures, for every strategy on 1, 2 and 3 ranks: the tensor
+peak, the process peak and the step. One JSON artifact; with ``--out DIR``, ``DIR/plan-validation.json``
+and the table docs/figures.md renders (``DIR/table.json``, see [Note: table artifacts]).
 
-    python -m dspark.bench.record --name DATE-MACHINE-plan-validation --anchor plan-validation \
+    python -m dspark.bench.record --name DATE-MACHINE-plan-validation --anchor plan-validation \\
         --title "..." -- env OMP_NUM_THREADS=1 .venv/bin/python benchmarks/plan_validation.py
     .venv/bin/python benchmarks/plan_validation.py --table DIR/plan-validation.json
+    .venv/bin/python benchmarks/plan_validation.py --replan DIR/plan-validation.json --out NEW
 
-Models: the two CPU presets (gpt2-cpu, resnet50-cpu) and a HuggingFace GPT2LMHeadModel built
-from a config (4 layers x 256, vocabulary 2048, 128 tokens). bf16 autocast, AdamW, the
-workloads' global batches (gpt2-cpu 32, resnet50-cpu 128, HF 16). Measured per configuration: the
-median step of ``--steps`` timed steps after one warm-up (the slowest rank's), and the tensor peak
-of one more step (:func:`dspark.planner.peak_memory.measure_peak_bytes`, the lab's measure), the
-largest over ranks. On 1 rank every strategy is the same engine path (nothing to shard or
-communicate), so 1 rank is measured once, as replicate. 4 ranks on a 2-core machine share cores:
-only their memory is compared. The link is measured first, on 2 ranks through the same transport
-(:func:`dspark.planner.link_probe.measure_link`: all-reduce, reduce-scatter and all-gather apart), and
-the plan is made over it; the artifact keeps it under ``"link"``.
+AdamW; each model's global batch (it divides by 1, 2 and 3). Measured per configuration, in a fresh
+``dspark run`` launch: the process peak (``VmHWM`` of each rank's whole life: imports, model,
+engine, steps), the median step of ``--steps`` timed steps after one warm-up (the slowest rank's),
+and then the tensor peak of one more step (:func:`dspark.planner.peak_memory.measure_peak_bytes`,
+the lab's measure); the largest over ranks. On 1 rank every strategy is the same engine path, so it
+is measured once, as replicate. 3 ranks share the 2 cores: their steps are not compared. The link is
+measured first, on 2 ranks (:func:`dspark.planner.link_probe.measure_link`), and the plans are made
+over it; the artifact keeps it under ``"link"``.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -33,29 +34,16 @@ from typing import Any
 
 import torch
 
-MODELS = ("gpt2-cpu", "resnet50-cpu", "hf-gpt2")
+from dspark.models.plan_zoo import ZOO, build
+
 STRATEGY_NAMES = ("replicate", "zero1", "zero2", "zero3")
-PRECISION = "bf16"
+PRECISIONS = ("fp32", "bf16")
+RANKS = (1, 2, 3)
+OPTIMIZER = functools.partial(torch.optim.AdamW, lr=1e-4)
 
 
-def build(name: str) -> tuple[torch.nn.Module, Any, Any, int]:
-    """``(model, global batch, loss_fn or None, global batch size)``, the same on every call."""
-    if name == "hf-gpt2":
-        from transformers import GPT2Config, GPT2LMHeadModel
-        from transformers.utils import logging
-
-        logging.set_verbosity_error()
-        torch.manual_seed(0)
-        config = GPT2Config(vocab_size=2048, n_positions=128, n_embd=256, n_layer=4, n_head=4,
-                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-        model = GPT2LMHeadModel(config)
-        tokens = torch.randint(0, 2048, (16, 128), generator=torch.Generator().manual_seed(0))
-        return model, {"input_ids": tokens, "labels": tokens}, None, 16
-    from dspark.models import get_workload
-
-    wl = get_workload(name)
-    return (wl.build_model(seed=0), wl.make_batch(wl.default_global_batch, seed=0), wl.loss,
-            wl.default_global_batch)
+def _rows(batch: Any) -> int:
+    return int(batch["input_ids"].shape[0]) if isinstance(batch, dict) else int(batch[0].shape[0])
 
 
 def _loss(engine: Any, batch: Any, loss_fn: Any) -> torch.Tensor:
@@ -65,18 +53,18 @@ def _loss(engine: Any, batch: Any, loss_fn: Any) -> torch.Tensor:
     return loss_fn(engine(inputs), targets)
 
 
-def worker(name: str, strategy: str, steps: int) -> None:
+def worker(name: str, precision: str, strategy: str, steps: int, size: str) -> None:
     """One configuration on every rank of ``dspark run``; rank 0 prints one JSON line."""
-    import functools
-
     import dspark
     from dspark import comm
+    from dspark.bench.measure.memory import peak_rss_bytes
     from dspark.planner.peak_memory import measure_peak_bytes
 
     world = dspark.init()
-    model, batch, loss_fn, _ = build(name)
-    engine = dspark.Engine(model, optimizer=functools.partial(torch.optim.AdamW, lr=1e-4),
-                           strategy=strategy, precision=PRECISION)
+    torch.set_num_threads(1)
+    started = peak_rss_bytes()  # imports and the process group: before the model
+    model, batch, loss_fn = build(name, size=size)
+    engine = dspark.Engine(model, optimizer=OPTIMIZER, strategy=strategy, precision=precision)
     local = dspark.distribute_batch(batch, shard_dim=0)
 
     def step() -> None:
@@ -91,15 +79,14 @@ def worker(name: str, strategy: str, steps: int) -> None:
         step()
         comm.barrier()
         times.append((time.perf_counter() - start) * 1e3)
+    process = peak_rss_bytes()  # before the profiler below, which holds memory of its own
     peak = measure_peak_bytes(step, world.device)
     report = engine.memory_report()
     everyone = comm.all_gather_object({"step_ms": statistics.median(times), "peak_bytes": peak,
+                                       "process_peak_bytes": process, "started_rss_bytes": started,
                                        "model_state_bytes": int(report["total_bytes"])})
     if world.rank == 0:
-        print("RESULT " + json.dumps({"step_ms": max(e["step_ms"] for e in everyone),
-                                      "peak_bytes": max(e["peak_bytes"] for e in everyone),
-                                      "model_state_bytes": max(e["model_state_bytes"] for e in everyone)}),
-              flush=True)
+        print("RESULT " + json.dumps({key: max(e[key] for e in everyone) for key in everyone[0]}), flush=True)
     engine.close()
     dspark.shutdown()
 
@@ -128,7 +115,7 @@ def link_from_dict(data: dict[str, Any]) -> Any:
 
 def _run_ranks(ranks: int, *args: str) -> dict[str, Any]:
     dspark_cli = str(Path(sys.executable).with_name("dspark"))
-    # --oversubscribe: 4 ranks share the 2 cores on purpose (memory only; see above)
+    # --oversubscribe: 3 ranks share the 2 cores on purpose (their memory, not their step)
     out = subprocess.run([dspark_cli, "run", "--nproc", str(ranks), "--oversubscribe", __file__, *args],
                          capture_output=True, text=True, check=False, env={**os.environ, "OMP_NUM_THREADS": "1"})
     for line in out.stdout.splitlines():
@@ -137,76 +124,105 @@ def _run_ranks(ranks: int, *args: str) -> dict[str, Any]:
     raise RuntimeError(f"{args} on {ranks}: no result\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
 
 
-def measure(name: str, strategy: str, ranks: int, steps: int) -> dict[str, float]:
-    return _run_ranks(ranks, "--worker", name, strategy, str(steps))
-
-
-def validate(models: list[str], steps: int, measured: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Plan and measure each configuration; with ``measured`` (an earlier artifact), plan only and
-    take the measured values from it (``--replan``: the current model against kept measurements)."""
+def plan_for(name: str, precision: str, link: Any, size: str) -> Any:
+    """The plan of zoo model ``name`` on 1, 2 and 3 ranks, as a user would make it."""
     import dspark
 
-    kept = {(r["model"], r["strategy"], r["ranks"]): r for r in (measured or {}).get("rows", [])}
-    rows = []
-    link_data = _run_ranks(2, "--link-worker")
+    torch.set_num_threads(1)
+    model, batch, loss_fn = build(name, size=size)
+    return dspark.plan(model, batch, loss_fn, optimizer=OPTIMIZER, devices=list(RANKS), precision=precision,
+                       global_batch=_rows(batch), interconnect=link)
+
+
+def _row(name: str, precision: str, strategy: str, ranks: int, predicted: Any, got: dict[str, Any]) -> dict[str, Any]:
+    return {"model": name, "precision": precision, "strategy": strategy, "ranks": ranks,
+            "predicted_peak_bytes": predicted.peak_bytes, "measured_peak_bytes": got["peak_bytes"],
+            "predicted_process_peak_bytes": predicted.process_peak_bytes,
+            "measured_process_peak_bytes": got["process_peak_bytes"],
+            "predicted_state_bytes": predicted.model_state_bytes, "measured_state_bytes": got["model_state_bytes"],
+            "predicted_step_ms": predicted.step_ms, "measured_step_ms": got["step_ms"],
+            "predicted_step_parts_ms": {"compute": predicted.compute_ms, "comm": predicted.comm_exposed_ms,
+                                        "optimizer": predicted.optimizer_ms},
+            "step_compared": ranks < 3}
+
+
+def validate(models: list[str], precisions: list[str], steps: int, size: str,
+             measured: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Plan and measure each configuration; with ``measured`` (an earlier artifact), plan only and
+    take the measured values (and the link) from it (``--replan``: the current planner against kept
+    measurements)."""
+    kept = {(r["model"], r["precision"], r["strategy"], r["ranks"]): r for r in (measured or {}).get("rows", [])}
+    link_data = measured["link"] if measured is not None else _run_ranks(2, "--link-worker")
     link = link_from_dict(link_data)
     print(f"link: {link}", flush=True)
+    rows = []
     for name in models:
-        model, batch, loss_fn, global_batch = build(name)
-        torch.set_num_threads(1)
-        plan = dspark.plan(model, batch, loss_fn, devices=[1, 2, 4], precision=PRECISION,
-                           global_batch=global_batch, interconnect=link)
-        print(plan, flush=True)
-        for ranks in (1, 2, 4):
-            for strategy in (("replicate",) if ranks == 1 else STRATEGY_NAMES):
-                row = plan.row(strategy, ranks)
-                if measured is not None:
-                    if (name, strategy, ranks) not in kept:
-                        continue
-                    old = kept[(name, strategy, ranks)]
-                    got = {"peak_bytes": old["measured_peak_bytes"], "step_ms": old["measured_step_ms"],
-                           "model_state_bytes": old["measured_state_bytes"]}
-                else:
-                    got = measure(name, strategy, ranks, steps if ranks < 4 else 1)
-                rows.append({"model": name, "strategy": strategy, "ranks": ranks,
-                             "predicted_peak_bytes": row.peak_bytes, "measured_peak_bytes": got["peak_bytes"],
-                             "predicted_state_bytes": row.model_state_bytes,
-                             "measured_state_bytes": got["model_state_bytes"],
-                             "predicted_step_ms": row.step_ms, "measured_step_ms": got["step_ms"],
-                             "predicted_step_parts_ms": {"compute": row.compute_ms, "comm": row.comm_exposed_ms,
-                                                         "optimizer": row.optimizer_ms},
-                             "step_compared": ranks < 4})
-                print(json.dumps(rows[-1]), flush=True)
+        for precision in precisions:
+            plan = plan_for(name, precision, link, size)
+            print(plan, flush=True)
+            for ranks in RANKS:
+                for strategy in (("replicate",) if ranks == 1 else STRATEGY_NAMES):
+                    key = (name, precision, strategy, ranks)
+                    if measured is not None:
+                        if key not in kept:
+                            continue
+                        old = kept[key]
+                        got = {"peak_bytes": old["measured_peak_bytes"], "step_ms": old["measured_step_ms"],
+                               "process_peak_bytes": old["measured_process_peak_bytes"],
+                               "model_state_bytes": old["measured_state_bytes"]}
+                    else:
+                        got = _run_ranks(ranks, "--worker", name, precision, strategy,
+                                         str(steps if ranks < 3 else 1), size)
+                    rows.append(_row(name, precision, strategy, ranks, plan.row(strategy, ranks), got))
+                    print(json.dumps(rows[-1]), flush=True)
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     if measured is not None:
-        return {**measured, "rows": rows, "link": link_data, "replanned": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        return {**measured, "rows": rows, "replanned": now}
     return {"command": "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/plan_validation.py",
             "machine": f"{os.cpu_count()} CPU cores shared with other work; torch {torch.__version__}",
-            "precision": PRECISION, "steps": steps, "link": link_data,
-            "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "rows": rows}
+            "size": size, "steps": steps, "link": link_data, "timestamp": now, "rows": rows}
 
 
-COLUMNS = ("model", "strategy", "ranks", "peak predicted MB", "peak measured MB", "ratio",
-           "step predicted ms", "step measured ms", "ratio")
+COLUMNS = ("model", "precision", "strategy", "ranks", "tensor peak predicted MB", "measured MB", "ratio",
+           "process peak predicted MB", "measured MB", "ratio", "step predicted ms", "measured ms", "ratio")
+
+
+def _ratio(predicted: float | None, measured: float) -> list[str]:
+    if predicted is None or measured <= 0:
+        return ["-", f"{measured / 1e6:.1f}", "-"]
+    return [f"{predicted / 1e6:.1f}", f"{measured / 1e6:.1f}", f"{predicted / measured:.2f}"]
 
 
 def table_rows(data: dict[str, Any]) -> list[list[str]]:
-    """The artifact's rows as formatted cells: predicted / measured for peak and step."""
-    rows = []
+    """The artifact's rows as formatted cells: predicted / measured tensor peak, process peak, step."""
+    out = []
     for r in data["rows"]:
         step = ([f"{r['predicted_step_ms']:.0f}", f"{r['measured_step_ms']:.0f}",
                  f"{r['predicted_step_ms'] / r['measured_step_ms']:.2f}"] if r["step_compared"]
                 else ["-", "-", "-"])
-        rows.append([r["model"], r["strategy"], str(r["ranks"]), f"{r['predicted_peak_bytes'] / 1e6:.1f}",
-                     f"{r['measured_peak_bytes'] / 1e6:.1f}",
-                     f"{r['predicted_peak_bytes'] / r['measured_peak_bytes']:.2f}", *step])
-    return rows
+        out.append([r["model"], r["precision"], r["strategy"], str(r["ranks"]),
+                    *_ratio(r["predicted_peak_bytes"], r["measured_peak_bytes"]),
+                    *_ratio(r.get("predicted_process_peak_bytes"), r.get("measured_process_peak_bytes") or 0),
+                    *step])
+    return out
+
+
+def summary(data: dict[str, Any]) -> str:
+    """The range of each ratio over the artifact's rows."""
+    def spread(pairs: list[tuple[float | None, float]]) -> str:
+        ratios = [p / m for p, m in pairs if p is not None and m]
+        return f"{min(ratios):.2f} to {max(ratios):.2f} over {len(ratios)} rows" if ratios else "none"
+    rows = data["rows"]
+    return (f"tensor peak {spread([(r['predicted_peak_bytes'], r['measured_peak_bytes']) for r in rows])}; "
+            f"process peak {spread([(r.get('predicted_process_peak_bytes'), r.get('measured_process_peak_bytes') or 0) for r in rows])}; "
+            f"step {spread([(r['predicted_step_ms'], r['measured_step_ms']) for r in rows if r['step_compared']])}")
 
 
 def table(data: dict[str, Any]) -> str:
-    """The artifact as a Markdown table: predicted / measured for peak and step."""
+    """The artifact as a Markdown table."""
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(row) + " |" for row in table_rows(data)]
-    return "\n".join(lines)
+    return "\n".join(lines) + "\n\n" + summary(data)
 
 
 def write_artifact(data: dict[str, Any], out: Path) -> None:
@@ -219,32 +235,37 @@ def write_artifact(data: dict[str, Any], out: Path) -> None:
 
     out.mkdir(parents=True, exist_ok=True)
     (out / "plan-validation.json").write_text(json.dumps(data, indent=2) + "\n")
-    write_table(out, columns=COLUMNS, rows=table_rows(data))
+    write_table(out, columns=COLUMNS, rows=table_rows(data),
+                caption="Predicted by dspark.plan (one probe on one CPU core) against the engine run by "
+                        "dspark run: AdamW, each zoo model's global batch; " + summary(data))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--worker", nargs=3, metavar=("MODEL", "STRATEGY", "STEPS"))
+    parser.add_argument("--worker", nargs=5, metavar=("MODEL", "PRECISION", "STRATEGY", "STEPS", "SIZE"))
     parser.add_argument("--link-worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--models", default=",".join(MODELS))
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--models", default=",".join(ZOO))
+    parser.add_argument("--precisions", default=",".join(PRECISIONS))
+    parser.add_argument("--size", default="bench", help="the zoo's size: bench (default) or tiny")
+    parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path("plan-validation.json"),
                         help="a .json file, or a directory for plan-validation.json and table.json")
     parser.add_argument("--table", metavar="ARTIFACT", help="print the Markdown table of an artifact")
     parser.add_argument("--replan", metavar="ARTIFACT",
-                        help="plan again with the current model and compare with ARTIFACT's measurements")
+                        help="plan again with the current planner and compare with ARTIFACT's measurements")
     args = parser.parse_args()
     if args.link_worker:
         link_worker()
         return
     if args.worker:
-        worker(args.worker[0], args.worker[1], int(args.worker[2]))
+        name, precision, strategy, steps, size = args.worker
+        worker(name, precision, strategy, int(steps), size)
         return
     if args.table:
         print(table(json.loads(Path(args.table).read_text())))
         return
     measured = json.loads(Path(args.replan).read_text()) if args.replan else None
-    data = validate(args.models.split(","), args.steps, measured)
+    data = validate(args.models.split(","), args.precisions.split(","), args.steps, args.size, measured)
     write_artifact(data, args.out)
     print(table(data))
 

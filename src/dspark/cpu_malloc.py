@@ -50,7 +50,7 @@ import platform
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["ENV_VAR", "CpuMalloc", "current", "release_freed", "tune_for_training"]
+__all__ = ["ENV_VAR", "CpuMalloc", "current", "mmap_threshold_bytes", "release_freed", "tune_for_training"]
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +118,21 @@ def _reason_to_leave(env: Mapping[str, str]) -> str | None:
         if var in env:
             return f"{var} is set"
     return None
+
+
+def mmap_threshold_bytes(env: Mapping[str, str] | None = None) -> int:
+    """The size from which the C library maps an allocation afresh (and unmaps it on free) instead of
+    serving it from its heap, under the setting :func:`tune_for_training` makes for ``env`` (default:
+    this process's environment): 32 MiB for ``tuned``, and for glibc's own moving threshold the
+    highest it moves to. A tensor below it stays in the heap once freed (see [Note: why the
+    thresholds]).
+
+    Example::
+
+        mmap_threshold_bytes({"DSPARK_CPU_MALLOC": "lean"})   # 1048576
+    """
+    mode = _choice(os.environ if env is None else env)
+    return _THRESHOLDS[mode][0] if mode in _THRESHOLDS else _THRESHOLDS["tuned"][0]
 
 
 def tune_for_training(env: Mapping[str, str] | None = None) -> CpuMalloc:

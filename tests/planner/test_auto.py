@@ -13,7 +13,9 @@ import torch
 
 import dspark
 from dspark.planner.auto_choice import auto_plan, choose
+from dspark.planner.table import needed_bytes
 from tests.messages import assert_line_names
+from tests.planner.baseline import BASELINE_BYTES, pinned_baseline
 from tests.planner.test_planner import _mlp
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3)
@@ -21,17 +23,18 @@ ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3)
 
 def _plan(budget: int):
     return auto_plan(_mlp(), optimizer=ADAMW, precision="fp32", bucket_mb=25.0, num_ranks=2,
-                     bus_bytes_per_s=1e9, backend="gloo", memory_budget=budget)
+                     bus_bytes_per_s=1e9, backend="gloo", memory_budget=budget,
+                     process_baseline_bytes=BASELINE_BYTES)
 
 
 def test_everything_fits_replicate_and_a_smaller_budget_shards_more() -> None:
     roomy = _plan(1 << 40)
     assert choose(roomy).strategy == "replicate"
-    replicate_peak = roomy.row("replicate", 2).peak_bytes
-    tight = choose(_plan(replicate_peak - 1))
-    assert tight.strategy in ("zero2", "zero3") and tight.peak_bytes < replicate_peak
-    zero2_peak = roomy.row("zero2", 2).peak_bytes
-    assert choose(_plan(min(zero2_peak, replicate_peak) - 1)).strategy == "zero3"
+    replicate_need = needed_bytes(roomy.row("replicate", 2))
+    tight = choose(_plan(replicate_need - 1))
+    assert tight.strategy in ("zero2", "zero3") and tight.peak_bytes < roomy.row("replicate", 2).peak_bytes
+    zero2_need = needed_bytes(roomy.row("zero2", 2))
+    assert choose(_plan(min(zero2_need, replicate_need) - 1)).strategy == "zero3"
     with pytest.raises(ValueError, match="no strategy fits on 2"):
         choose(_plan(1000))
 
@@ -59,12 +62,13 @@ def test_the_auto_table_says_what_it_did_not_measure() -> None:
 
 
 def _auto_engine(budget: int | None) -> dict[str, object]:
-    engine = dspark.Engine(_mlp(), optimizer=ADAMW, strategy="auto", memory_budget=budget)
+    with pinned_baseline():
+        engine = dspark.Engine(_mlp(), optimizer=ADAMW, strategy="auto", memory_budget=budget)
     x = torch.randn(4, 32, generator=torch.Generator().manual_seed(dspark.get_world().rank))
     engine.backward(engine(x).float().pow(2).mean())
     engine.step()
     out = {"strategy": engine.strategy.name,
-           "replicate_peak": engine.plan.row("replicate", 2).peak_bytes}
+           "replicate_need": needed_bytes(engine.plan.row("replicate", 2))}
     engine.close()
     return out
 
@@ -72,7 +76,7 @@ def _auto_engine(budget: int | None) -> dict[str, object]:
 def test_auto_engine_on_two_ranks(pool) -> None:
     roomy = pool.run(_auto_engine, None)
     assert [r["strategy"] for r in roomy] == ["replicate", "replicate"]
-    budget = int(roomy[0]["replicate_peak"]) - 1  # type: ignore[call-overload]
+    budget = int(roomy[0]["replicate_need"]) - 1  # type: ignore[call-overload]
     tight = pool.run(_auto_engine, budget)
     assert tight[0]["strategy"] == tight[1]["strategy"] != "replicate"
     assert tight[0]["strategy"] in ("zero2", "zero3")

@@ -11,8 +11,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import dspark
+from dspark.planner.table import needed_bytes
 from dspark.tensor.batch import split_batch
 from tests.engine.harness import assert_close
+from tests.planner.baseline import BASELINE_BYTES, pinned_baseline
 
 ROWS = 64  # one step's batch on each rank
 SGD = functools.partial(torch.optim.SGD, lr=0.05)
@@ -31,19 +33,21 @@ def _global_batch(step: int, world_size: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 def _peaks(micro: int, optimizer=SGD) -> dict[str, int]:
-    """Each strategy's predicted peak per rank on 2 ranks at micro-batch ``micro`` (one process)."""
+    """Each strategy's need of the budget per rank on 2 ranks at micro-batch ``micro`` (one process,
+    the rank's baseline pinned as the pool's tasks pin it)."""
     plan = dspark.plan(_wide(), _global_batch(0, 2), F.mse_loss, optimizer=optimizer, devices=[2],
-                       memory_budget=1 << 40, max_micro_batch=micro)
+                       memory_budget=1 << 40, max_micro_batch=micro, process_baseline_bytes=BASELINE_BYTES)
     assert all(r.micro_batch == micro for r in plan.rows)
-    return {r.strategy: r.peak_bytes for r in plan.rows}
+    return {r.strategy: needed_bytes(r) for r in plan.rows}
 
 
 def _train_auto(optimizer, budget: int, steps: int, accum: int | None = None) -> dict[str, object]:
     world = dspark.get_world()
     x, y = _global_batch(0, world.world_size)
     mine = slice(world.rank * ROWS, (world.rank + 1) * ROWS)
-    engine = dspark.Engine(_wide(), optimizer=optimizer, strategy="auto", memory_budget=budget,
-                           sample_batch=(x[mine], y[mine]), loss_fn=F.mse_loss, grad_accum_steps=accum)
+    with pinned_baseline():
+        engine = dspark.Engine(_wide(), optimizer=optimizer, strategy="auto", memory_budget=budget,
+                               sample_batch=(x[mine], y[mine]), loss_fn=F.mse_loss, grad_accum_steps=accum)
     refused = None
     for step in range(steps):
         x, y = _global_batch(step, world.world_size)
@@ -119,9 +123,10 @@ def _build(budget: int, accum: int | None, target_rows: int = ROWS) -> str:
     """The engine's micro-batch choice as ``"micro x accum"``, or the ValueError it raised."""
     x, y = _global_batch(0, 1)
     try:
-        engine = dspark.Engine(_wide(), optimizer=SGD, strategy="auto", memory_budget=budget,
-                               sample_batch=(x[:ROWS], y[:target_rows]), loss_fn=F.mse_loss,
-                               grad_accum_steps=accum)
+        with pinned_baseline():
+            engine = dspark.Engine(_wide(), optimizer=SGD, strategy="auto", memory_budget=budget,
+                                   sample_batch=(x[:ROWS], y[:target_rows]), loss_fn=F.mse_loss,
+                                   grad_accum_steps=accum)
     except ValueError as exc:
         return f"ValueError: {exc}"
     out = f"{engine.micro_batch} x {engine.grad_accum_steps}"
@@ -133,8 +138,9 @@ def _build_on_rank_0_only(budget: int) -> str:
     """Only rank 0 passes a batch (only rank 0's is read); the others pass None."""
     x, y = _global_batch(0, 1)
     sample = (x[:ROWS], y[:ROWS]) if dspark.get_world().rank == 0 else None
-    engine = dspark.Engine(_wide(), optimizer=SGD, strategy="auto", memory_budget=budget,
-                           sample_batch=sample, loss_fn=F.mse_loss if sample is not None else None)
+    with pinned_baseline():
+        engine = dspark.Engine(_wide(), optimizer=SGD, strategy="auto", memory_budget=budget,
+                               sample_batch=sample, loss_fn=F.mse_loss if sample is not None else None)
     out = f"{engine.strategy.name} {engine.micro_batch} x {engine.grad_accum_steps}"
     engine.close()
     return out

@@ -9,13 +9,23 @@ step, like gradients under ``zero_grad(set_to_none=True)`` in one process: betwe
 holds no gradient, so the next forward's activation peak does not include them (DDP keeps its
 buckets, a second copy of the gradients, for the whole run). Under zero2 and zero3 a rank keeps
 only its shard of each gradient: the bucket owns a flat *shard* buffer (``1/N`` of the
-gradients), likewise from its launch to the optimizer step, and the whole gradients are copied into a pooled send buffer when the bucket launches and freed at once; pooled
+gradients), likewise from its launch to the optimizer step, and the whole gradients go into a pooled
+send buffer (see [Note: packed as they arrive]); pooled
 buffers are reused by later buckets once their collective has landed, so sending costs about two
 buckets of memory, not a copy of the model's gradients, and the pool is emptied when the reduction
 ends: a bucket as large as GPT-2's embedding gradient would otherwise stay allocated through
 the next step's activation peak. (On CPU the engine's malloc setting keeps buffers up to glibc's
 largest mmap threshold in the heap, so allocating them again each step costs no page faults: see
 :mod:`dspark.cpu_malloc`.)
+
+[Note: packed as they arrive] Under zero2 and zero3 each gradient is copied into its bucket's send
+buffer the moment it is complete (from the second window on, once the counts per backward are known:
+[Note: the first step observes]) and its whole tensor is freed there, so a rank never holds a
+bucket's whole gradients *and* its send buffer: packing them all at launch held both, a bucket's
+worth more than one process holds at the end of backward. A bucket of one parameter whose rows
+split evenly over the ranks sends the gradient autograd made as it is (in memory order it already
+is the send layout): no buffer, no copy. A bucket whose pooled buffer another bucket is still
+filling gets a buffer of its own.
 
 [Note: send layout] A sharded bucket sends an ``(N, seg)`` buffer: row ``r`` holds chunk ``r`` (padded)
 of every parameter in turn, so a reduce-scatter hands rank ``r`` exactly its rows (on gloo,
@@ -65,6 +75,10 @@ class BufferPool:
         self._turn[dtype] = (turn + 1) % self.depth
         key = (dtype, turn)
         previous = self._owners.get(key)
+        if previous is not None and previous is not owner and previous.filling:
+            # that bucket is still packing gradients into it (see [Note: packed as they arrive]):
+            # this one gets a buffer of its own, outside the pool
+            return torch.empty(numel, dtype=dtype, device=device)
         if previous is not None and previous is not owner:
             previous.collect()
         buf = self._buffers.get(key)
@@ -121,6 +135,8 @@ class GradBucket:
         self._wire: torch.Tensor | None = None  # the pooled buffer the collective writes, if any
         self._collected = True
         self._gathering = False  # the collective in flight is the all-gather of updated rows
+        self._send: torch.Tensor | None = None  # sharded: the (N, seg) send buffer being filled or in flight
+        self._packed: set[int] = set()  # sharded: slots whose gradient is in _send already
         # This window's storage (see [Note: gradients live in buckets]): allocated when the first
         # gradient arrives (whole) or the bucket launches (shards), freed after the optimizer step.
         self.shard_buffer: torch.Tensor | None = None  # sharded: the reduced shards
@@ -129,6 +145,11 @@ class GradBucket:
         """Where each slot's padded shard starts in a row of ``(N, seg)`` (see [Note: send layout])."""
         self.seg = sum(s.shard_numel for s in self.slots)
         self.offsets = self.shard_offsets if sharded else _offsets([s.numel for s in self.slots])
+
+    @property
+    def filling(self) -> bool:
+        """Sharded: gradients are being packed into this bucket's send buffer (it has not launched)."""
+        return self._send is not None and not self.launched
 
     @property
     def numel(self) -> int:
@@ -150,6 +171,23 @@ class GradBucket:
                 slot.grad_view = slot.view_full(self.grad_buffer[offset: offset + slot.numel])
         return self.grad_buffer
 
+    def _adopt(self, slot: ParamSlot) -> bool:
+        """[Note: a bucket of one adopts its gradient] A parameter larger than a bucket (an embedding,
+        a vocabulary head) is alone in its bucket. Copying its fresh gradient into a new flat buffer
+        would hold two copies of it at once, at the end of backward where a large embedding's
+        gradient arrives: a one-process step holds one. Where the gradient autograd made fills its
+        own storage in the parameter's memory order, that storage *is* the flat buffer: no copy, no
+        second buffer. Elsewhere (several parameters, or another layout) it is copied in."""
+        grad = slot.param.grad
+        if (len(self.slots) != 1 or self.grad_buffer is not None or grad is None
+                or grad.dtype != self.dtype or grad.device != self.device or grad.storage_offset() != 0
+                or tuple(grad.stride()) != slot.strides
+                or grad.untyped_storage().nbytes() != slot.numel * grad.element_size()):
+            return False
+        self.grad_buffer = memory_order_flat(slot, grad)
+        slot.grad_view = grad
+        return True
+
     def free_window(self) -> None:
         """After the optimizer step: free this window's gradients. A rank keeps no gradient between
         steps (as ``zero_grad(set_to_none=True)`` in one process), so they are not part of the next
@@ -163,10 +201,11 @@ class GradBucket:
     # -- during backward -------------------------------------------------------------------------
     def absorb(self, slot: ParamSlot) -> None:
         """replicate/zero1: make ``slot``'s gradient live in this bucket. A gradient autograd created
-        afresh (the parameter had ``grad=None``) is copied in once; later accumulations then land in
-        the bucket in place."""
+        afresh (the parameter had ``grad=None``) is copied in once, or, in a bucket of one parameter,
+        becomes the bucket's buffer itself (see [Note: a bucket of one adopts its gradient]); later
+        accumulations then land in the bucket in place."""
         slot.assert_in(SlotState.WHOLE, SlotState.WHOLE_ROWS, doing="reducing its whole gradient in a bucket")
-        if slot.grad_view is None:
+        if slot.grad_view is None and not self._adopt(slot):
             self._whole()
         grad, view = slot.param.grad, slot.grad_view
         if grad is None or view is None or grad.data_ptr() == view.data_ptr():
@@ -200,10 +239,45 @@ class GradBucket:
         self._wire = wire
         self._handle = comm.all_reduce(wire, async_op=True, label=self.label)
 
-    def _launch_sharded(self, send_pool: BufferPool, out_pool: BufferPool, pre_scale: float) -> None:
+    def pack(self, slot: ParamSlot, send_pool: BufferPool) -> None:
+        """zero2/zero3: ``slot``'s gradient is complete for this window: copy it into this bucket's
+        send buffer now and free it (see [Note: packed as they arrive])."""
+        grad = slot.param.grad
+        if grad is None or id(slot) in self._packed:
+            return
+        if self._send is None and self._adopt_as_send(slot, grad):
+            return
+        send = self._send_buffer(send_pool)
+        offset = self.offsets[self.slots.index(slot)]
+        _fill_chunks(send[:, offset: offset + slot.shard_numel], memory_order_flat(slot, grad))
+        slot.param.grad = None  # zero2/zero3 keep no whole gradient
+        self._packed.add(id(slot))
+
+    def _adopt_as_send(self, slot: ParamSlot, grad: torch.Tensor) -> bool:
+        """A bucket of one parameter whose rows split evenly: its gradient, in memory order, already is
+        the ``(N, seg)`` send layout (chunk ``r`` in row ``r``, no padding), so it is sent as it is."""
         n = self.num_ranks
-        send = send_pool.take(self, self.wire_dtype, n * self.seg, self.device).view(n, self.seg)
+        if (len(self.slots) != 1 or slot.rows % n or grad.dtype != self.wire_dtype
+                or grad.device != self.device or grad.storage_offset() != 0
+                or tuple(grad.stride()) != slot.strides
+                or grad.untyped_storage().nbytes() != slot.numel * grad.element_size()):
+            return False
+        self._send = memory_order_flat(slot, grad).view(n, self.seg)
+        slot.param.grad = None
+        self._packed.add(id(slot))
+        return True
+
+    def _send_buffer(self, send_pool: BufferPool) -> torch.Tensor:
+        if self._send is None:
+            n = self.num_ranks
+            self._send = send_pool.take(self, self.wire_dtype, n * self.seg, self.device).view(n, self.seg)
+        return self._send
+
+    def _launch_sharded(self, send_pool: BufferPool, out_pool: BufferPool, pre_scale: float) -> None:
+        send = self._send_buffer(send_pool)
         for slot, offset in zip(self.slots, self.offsets, strict=True):
+            if id(slot) in self._packed:
+                continue
             dst = send[:, offset: offset + slot.shard_numel]  # (N, shard): chunk r of the slot in row r
             grad = slot.param.grad
             if grad is None or not slot.used:
@@ -211,6 +285,7 @@ class GradBucket:
                 continue
             _fill_chunks(dst, memory_order_flat(slot, grad))
             slot.param.grad = None  # zero2/zero3 keep no whole gradient
+        self._packed.clear()
         if pre_scale != 1.0:
             send.mul_(pre_scale)
         if self.collective == "reduce_scatter":
@@ -287,6 +362,7 @@ class GradBucket:
             self.grad_buffer.copy_(wire)
         self._handle = None
         self._wire = None
+        self._send = None
         self._collected = True
 
     def finish(self, post_scale: float, used_anywhere: Sequence[bool], found_inf: torch.Tensor | None = None) -> None:
@@ -341,6 +417,8 @@ class GradBucket:
         self.pending = len(self.slots)
         self._handle = None
         self._wire = None
+        self._send = None
+        self._packed.clear()
         self._collected = True
 
 

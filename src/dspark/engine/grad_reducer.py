@@ -142,6 +142,8 @@ class GradReducer:
             if self.observing:
                 return  # see [Note: the first step observes]
         if self.sync and slot.arrivals == slot.expected_arrivals:
+            if bucket.sharded and not self.observing:
+                bucket.pack(slot, self._send_pool)  # see [Note: packed as they arrive]
             bucket.pending -= 1
             if bucket.pending == 0:
                 self._launch_ready()

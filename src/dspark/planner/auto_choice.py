@@ -18,6 +18,7 @@ compute and the micro-batch too (see [Note: auto with a batch]).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 from collections.abc import Callable
@@ -33,7 +34,16 @@ from dspark.planner.cost import row_cost
 from dspark.planner.interconnect import Interconnect
 from dspark.planner.link_probe import measure_link
 from dspark.planner.probe import Probe, batch_size, optimizer_state_of
-from dspark.planner.table import Plan, PlanRow, default_memory_budget, model_shape, plan
+from dspark.planner.process_memory import HEAP_SHARE, this_process_baseline_bytes
+from dspark.planner.table import (
+    Plan,
+    PlanRow,
+    default_memory_budget,
+    describe_need,
+    model_shape,
+    needed_bytes,
+    plan,
+)
 from dspark.policy.rank_groups import group_layout
 from dspark.policy.strategies import HYBRID_STRATEGIES, STRATEGIES, all_strategies
 
@@ -89,10 +99,12 @@ fractions of a millisecond, enough to reorder strategies whose whole difference 
 
 def auto_plan(model: nn.Module, *, optimizer: object, precision: str, bucket_mb: float,
               num_ranks: int, bus_bytes_per_s: float, backend: str, memory_budget: int,
-              link: Interconnect | None = None, shard_group_size: int | None = None) -> Plan:
+              link: Interconnect | None = None, shard_group_size: int | None = None,
+              process_baseline_bytes: int = 0) -> Plan:
     """Every strategy's row on ``num_ranks`` ranks as auto sees it (see [Note: what auto knows]),
     over ``link`` (:func:`dspark.planner.link_probe.measure_link`'s) or else one all-reduce bandwidth;
-    with ``shard_group_size`` (several nodes: :func:`hybrid_layout`), the hybrid strategies' rows too.
+    with ``shard_group_size`` (several nodes: :func:`hybrid_layout`), the hybrid strategies' rows too;
+    ``process_baseline_bytes`` (read in this rank) gives each row a process peak on a CPU.
 
     Example::
 
@@ -105,6 +117,9 @@ def auto_plan(model: nn.Module, *, optimizer: object, precision: str, bucket_mb:
     probe = Probe.from_one_step(device="not measured", batch=1, forward_ms=0.0, backward_ms=0.0,
                                 optimizer_ms=0.0, step_bytes=0.0, num_params=len(shape.trainable),
                                 unit_bytes=unit_bytes, optimizer_state=shape.optimizer_state)
+    if process_baseline_bytes:
+        probe = dataclasses.replace(probe, process_baseline_bytes=process_baseline_bytes, baseline_in_rank=True,
+                                    allocator_share=HEAP_SHARE)
     gloo = backend == "gloo"
     if link is None:
         link = Interconnect(name="measured", bytes_per_s=bus_bytes_per_s or 1e9,
@@ -116,10 +131,9 @@ def auto_plan(model: nn.Module, *, optimizer: object, precision: str, bucket_mb:
         group = shard_group_size if strategy in HYBRID_STRATEGIES else None
         cost = row_cost(shape=shape, probe=probe, strategy=strategy, num_ranks=num_ranks,
                         micro_batch=1, passes=1, bucket_mb=bucket_mb, link=link, shard_group_size=group)
-        peak = (cost.params_bytes + cost.grads_bytes + cost.optimizer_bytes + cost.comm_buffer_bytes)
         fields = {k: getattr(cost, k) for k in cost.__dataclass_fields__}
         rows.append(PlanRow(strategy=strategy, devices=num_ranks, micro_batch=0, passes=1, shard_group_size=group,
-                            budget_bytes=memory_budget, fits=peak <= memory_budget, **fields))
+                            budget_bytes=memory_budget, fits=needed_bytes(cost) <= memory_budget, **fields))
     return Plan(rows=tuple(rows), global_batch=0, precision=precision,
                 interconnect=f"measured {link.bytes_per_s / 1e9:.2f} GB/s", memory_budget_bytes=memory_budget,
                 probe=probe)
@@ -132,13 +146,12 @@ def choose(plan: Plan, micro_batch: int | None = None) -> PlanRow:
     rows = [r for r in plan.rows if micro_batch is None or r.micro_batch == micro_batch]
     fitting = [r for r in rows if r.fits]
     if not fitting:
-        plan.best()  # raises, naming the smallest peak and the budget
-        smallest = min(rows or plan.rows, key=lambda r: r.peak_bytes)
+        plan.best()  # raises, naming the smallest need and the budget
+        smallest = min(rows or plan.rows, key=needed_bytes)
         raise ValueError(f"no strategy fits at the loop's micro-batch of {micro_batch} rows: the smallest "
-                         f"predicted peak there is {smallest.strategy}'s {smallest.peak_bytes / 2**20:.1f} MiB "
-                         f"per rank over the budget of {smallest.budget_bytes / 2**20:.1f} MiB; leave "
-                         "grad_accum_steps out so that auto may choose a smaller micro-batch, or raise "
-                         "memory_budget")
+                         f"need there is {describe_need(smallest)}, over the budget of "
+                         f"{smallest.budget_bytes / 1e6:,.1f} MB; leave grad_accum_steps out so that auto "
+                         "may choose a smaller micro-batch, or raise memory_budget")
     fastest = min(fitting, key=lambda r: r.step_ms)
     order = list(all_strategies())
     limit = max(fastest.step_ms * (1 + TIE_SHARE), fastest.step_ms + TIE_MS) + 1e-9
@@ -187,7 +200,9 @@ def auto_choice(request: AutoRequest) -> AutoChoice:
     table = auto_plan(request.model, optimizer=request.optimizer, precision=request.precision,
                       bucket_mb=request.bucket_mb, num_ranks=world.world_size,
                       bus_bytes_per_s=bandwidth, backend=world.backend, memory_budget=budget, link=link,
-                      shard_group_size=group_size)
+                      shard_group_size=group_size,
+                      process_baseline_bytes=this_process_baseline_bytes(world.device)
+                      if world.device.type == "cpu" else 0)
     chosen = choose(table).strategy
     if world.rank == 0:
         announce(f"strategy='auto' chose {chosen} on {world.world_size} rank(s) (engine.plan); activations "
@@ -246,12 +261,18 @@ def _resolve_with_batch(request: AutoRequest, budget: int, link: Interconnect | 
             if fixed is not None and rows % fixed:
                 raise ValueError(f"sample_batch has {rows} rows, which grad_accum_steps={fixed} does not "
                                  f"split into equal micro-batches ({rows} % {fixed} = {rows % fixed})")
+            settings: dict[str, Any] = {"optimizer": request.optimizer, "devices": [world.world_size],
+                        "precision": request.precision, "global_batch": rows * world.world_size,
+                        "memory_budget": budget, "interconnect": link, "bucket_mb": request.bucket_mb,
+                        "device": world.device, "shard_group_size": group_size,
+                        "max_micro_batch": None if fixed is None else rows // fixed}
             with torch.random.fork_rng(devices=cuda):
-                result = plan(request.model, request.sample_batch, request.loss_fn, optimizer=request.optimizer,
-                              devices=[world.world_size], precision=request.precision,
-                              global_batch=rows * world.world_size, memory_budget=budget, interconnect=link,
-                              bucket_mb=request.bucket_mb, device=world.device, shard_group_size=group_size,
-                              max_micro_batch=None if fixed is None else rows // fixed)
+                measured = plan(request.model, request.sample_batch, request.loss_fn, **settings,
+                                process_baseline_bytes=0)
+            # the baseline read after the probe ran here: what the probe left resident stays for
+            # the training that follows (see [Note: process memory])
+            result = plan(request.model, request.sample_batch, request.loss_fn, **settings, probe=measured.probe,
+                          process_baseline_bytes=this_process_baseline_bytes(world.device))
         except Exception as exc:  # every rank raises it, not only rank 0
             result = exc
     if world.world_size > 1:

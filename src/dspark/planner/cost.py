@@ -67,11 +67,14 @@ from dataclasses import dataclass
 
 import torch
 
+from dspark.cpu_malloc import mmap_threshold_bytes
 from dspark.planner.interconnect import Interconnect, all_gather_s, all_reduce_s, reduce_scatter_s
-from dspark.planner.probe import Probe
+from dspark.planner.peak_timeline import bucket_groups, step_peak
+from dspark.planner.probe_record import Probe
+from dspark.planner.process_memory import process_peak_bytes
 from dspark.policy.state_bytes import expected_state_bytes
 from dspark.policy.strategies import ShardingPolicy, all_strategies
-from dspark.policy.units import SECOND_PREFETCH_MAX_BYTES, TAG_BYTES  # see [Note: gather tags]
+from dspark.policy.units import TAG_BYTES  # see [Note: gather tags]
 from dspark.tensor.shard_math import chunk_size
 
 __all__ = ["ModelShape", "RowCost", "row_cost"]
@@ -91,6 +94,17 @@ class ModelShape:
     """zero3 units (root first): indices into ``trainable`` of the parameters each gathers."""
     optimizer_state: tuple[int, bool]
     """:func:`dspark.policy.state_bytes.optimizer_state_elements` of the optimizer."""
+    frozen_units: tuple[tuple[int, ...], ...] = ()
+    """The same as ``units`` for the frozen parameters (indices into ``frozen``): zero3 gathers them
+    with their unit."""
+
+    def unit_bytes(self, num_ranks: int) -> list[int]:
+        """Each zero3 unit's padded parameter bytes on ``num_ranks`` ranks (what one gather moves),
+        frozen parameters included."""
+        frozen = list(self.frozen_units) + [()] * (len(self.units) - len(self.frozen_units))
+        return [sum(_padded_bytes(self.trainable[i], num_ranks) for i in unit)
+                + sum(_padded_bytes(self.frozen[i], num_ranks) for i in still)
+                for unit, still in zip(self.units, frozen, strict=True)]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -101,8 +115,17 @@ class RowCost:
     grads_bytes: int
     optimizer_bytes: int
     activation_bytes: int
+    """Activations at the peak (the per-sample part of what the step holds then)."""
     comm_buffer_bytes: int
+    """Communication buffers (and zero3's gathered parameters) held at the peak."""
     runtime_bytes: int
+    """Scratch at the peak that does not shrink with the batch."""
+    peak_bytes: int
+    """The step's highest moment (see [Note: the step's timeline]): not the sum of the parts, since
+    a rank may hold fewer gradients at its peak than after backward."""
+    process_peak_bytes: int | None
+    """What the rank's process takes at that peak, libraries and allocator included (see [Note:
+    process memory]); None: the probe did not measure the process's baseline."""
     compute_ms: float
     comm_exposed_ms: float
     optimizer_ms: float
@@ -117,6 +140,37 @@ def _padded_bytes(spec: ParamSpec, num_ranks: int) -> int:
 
 def _whole_bytes(spec: ParamSpec) -> int:
     return math.prod(spec[0]) * spec[1].itemsize
+
+
+def mapped_state_bytes(shape: ModelShape, policy: ShardingPolicy, num_ranks: int, bucket_mb: float) -> int:
+    """The bytes of a rank's model state held in allocations of at least
+    :func:`dspark.cpu_malloc.mmap_threshold_bytes` each (on a CPU the C library maps those apart
+    from its heap: see [Note: process memory]): parameters (or zero3's shards), the gradients' flat
+    buffers (one per bucket: whole, or its shards under zero2/zero3, a bucket of one its own
+    gradient), the optimizer's state per parameter (its rows only where sharded)."""
+    limit = mmap_threshold_bytes()
+    n = num_ranks
+
+    def mine(spec: ParamSpec, sharded: bool) -> int:
+        return _padded_bytes(spec, n) // n if sharded and n > 1 else _whole_bytes(spec)
+
+    pieces = [mine(spec, policy.splits_params_on(n)) for spec in (*shape.trainable, *shape.frozen)]
+    order = list(reversed(range(len(shape.trainable))))
+    for group in bucket_groups(shape.trainable, order, bucket_mb):
+        pieces.append(sum(mine(shape.trainable[i], policy.shard_grads) for i in group))
+    moments, _ = shape.optimizer_state
+    pieces += [mine(spec, policy.splits_optimizer_on(n)) for spec in shape.trainable for _ in range(moments)]
+    return sum(p for p in pieces if p >= limit)
+
+
+def collective_heap_bytes(shape: ModelShape, bucket_mb: float) -> int:
+    """The two largest gradient buckets (whole bytes) below :func:`dspark.cpu_malloc.mmap_threshold_bytes`:
+    what gloo's threads copy into heaps of their own (see [Note: process memory])."""
+    limit = mmap_threshold_bytes()
+    order = list(reversed(range(len(shape.trainable))))
+    sizes = sorted((sum(_whole_bytes(shape.trainable[i]) for i in group)
+                    for group in bucket_groups(shape.trainable, order, bucket_mb)), reverse=True)
+    return sum(size for size in sizes[:2] if size < limit)
 
 
 def state_bytes(shape: ModelShape, strategy: str, num_ranks: int) -> dict[str, int]:
@@ -152,22 +206,6 @@ def buckets(shape: ModelShape, ready: Sequence[float], bucket_mb: float) -> list
     done.extend(g for g in open_.values() if g)
     out = [(max(ready[j] for j in g), sum(_whole_bytes(shape.trainable[j]) for j in g)) for g in done]
     return sorted(out)
-
-
-def _gathered_bytes(shape: ModelShape, num_ranks: int) -> int:
-    """zero3's gathered parameters at the peak: the root unit, plus the largest unit with the units
-    gathered ahead of it (see [Note: predicted memory])."""
-    sizes = [sum(_padded_bytes(shape.trainable[i], num_ranks) for i in unit) for unit in shape.units]
-    if not sizes:
-        return 0
-    root, blocks = sizes[0], sizes[1:]
-    best = 0
-    for k, size in enumerate(blocks):
-        ahead = blocks[k + 1: k + 2]
-        if len(blocks) > k + 2 and blocks[k + 2] <= SECOND_PREFETCH_MAX_BYTES:
-            ahead = blocks[k + 1: k + 3]
-        best = max(best, size + sum(ahead))
-    return root + best
 
 
 def _serial_exposed(items: Sequence[tuple[float, float, float]], window_ms: float) -> float:
@@ -220,7 +258,7 @@ def _exposed_comm_ms(shape: ModelShape, probe: Probe, policy: ShardingPolicy, n:
     if not policy.splits_params_on(split):
         wire = _serial_exposed(items, backward_ms) if hidden else sum(d + t for _, d, t in items)
         return wire + local_ms + after_ms
-    unit_bytes = [sum(_padded_bytes(shape.trainable[i], split) for i in u) + TAG_BYTES for u in shape.units]
+    unit_bytes = [b + TAG_BYTES for b in shape.unit_bytes(split)]
     gathers = [1e3 * all_gather_s(b, split, link) for b in unit_bytes]
     if not hidden:
         return sum(d + t for _, d, t in items) + passes * 2 * sum(gathers) + local_ms + after_ms
@@ -253,18 +291,11 @@ def row_cost(*, shape: ModelShape, probe: Probe, strategy: str, num_ranks: int, 
         raise ValueError(f"shard_group_size={split} does not divide the world: world_size({n}) % "
                          f"shard_group_size({split}) != 0")
     state = state_bytes(shape, strategy, split)
-    activations = probe.activation_bytes(micro_batch)
+    peak = step_peak(trainable=shape.trainable, units=shape.units, unit_bytes=shape.unit_bytes(split),
+                     probe=probe, strategy=strategy, num_ranks=n, split=split, micro_batch=micro_batch,
+                     bucket_mb=bucket_mb, resident_bytes=state["params"] + state["optimizer"],
+                     grads_bytes=state["grads"])
     grouped = buckets(shape, probe.grad_ready, bucket_mb)
-    largest = sorted((b for _, b in grouped), reverse=True)
-    buffers = 0
-    if n > 1 and policy.shard_grads:  # the send buffers, whatever the group (hybrid: of one rank too)
-        whole_grads = sum(_whole_bytes(spec) for spec in shape.trainable)
-        buffers += max(0, min(sum(largest[:2]), whole_grads) - (whole_grads - state["grads"]))
-    if policy.splits_params_on(split):
-        buffers += _gathered_bytes(shape, split)
-    if policy.splits_optimizer_on(split) and not policy.shard_params:
-        row_gather = sum(b + b // split for b in largest[:2])
-        buffers = max(buffers, row_gather - activations - probe.runtime_bytes())
 
     forward_ms = probe.forward_ms.at(micro_batch)
     backward_ms = probe.backward_ms.at(micro_batch)
@@ -277,6 +308,13 @@ def row_cost(*, shape: ModelShape, probe: Probe, strategy: str, num_ranks: int, 
         exposed = _exposed_comm_ms(shape, probe, policy, n, grouped, passes, forward_ms, backward_ms, link,
                                    split)
     return RowCost(params_bytes=state["params"], grads_bytes=state["grads"],
-                   optimizer_bytes=state["optimizer"], activation_bytes=activations,
-                   comm_buffer_bytes=buffers, runtime_bytes=probe.runtime_bytes(),
+                   optimizer_bytes=state["optimizer"], activation_bytes=peak.activation_bytes,
+                   comm_buffer_bytes=peak.comm_buffer_bytes, runtime_bytes=peak.runtime_bytes,
+                   peak_bytes=peak.peak_bytes,
+                   process_peak_bytes=process_peak_bytes(
+                       peak.peak_bytes, device_type="cuda" if "cuda" in probe.device else "cpu",
+                       num_ranks=1 if probe.baseline_in_rank else n,
+                       baseline_bytes=probe.process_baseline_bytes, allocator_share=probe.allocator_share,
+                       mapped_bytes=mapped_state_bytes(shape, policy, split, bucket_mb),
+                       collective_heap_bytes=collective_heap_bytes(shape, bucket_mb)),
                    compute_ms=compute_ms, comm_exposed_ms=exposed, optimizer_ms=optimizer_ms)

@@ -37,7 +37,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from dspark.profiler_banner import quiet_banners
 from dspark.tensor.storage import storage_bytes
 
-__all__ = ["held_tensor_bytes", "measure_peak_bytes", "peak_of_running_sum"]
+__all__ = ["PeakMarks", "held_tensor_bytes", "measure_interval_peaks", "measure_peak_bytes", "peak_of_running_sum"]
 
 _MEASURED_REGION = "dspark.bench.measured_region"
 
@@ -77,16 +77,56 @@ def held_tensor_bytes(device: torch.device | str = "cpu") -> int:
                          device_type=device_type)
 
 
-def _profiled_peak_bytes(fn: Callable[[], object], device: torch.device) -> int:
+class PeakMarks:
+    """Splits a measured region into intervals: each :meth:`mark` (called from inside the measured
+    function, e.g. by a gradient hook) ends one interval and starts the next, so that
+    :func:`measure_interval_peaks` reports the peak of each.
+
+    Example::
+
+        marks = PeakMarks(torch.device("cpu"))
+        param.register_post_accumulate_grad_hook(lambda p: marks.mark())
+        measure_interval_peaks(step, torch.device("cpu"), marks)   # one peak per gradient, and one more
+    """
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self.cuda_peaks: list[int] = []
+        self.levels: list[int] = []
+        """After :func:`measure_interval_peaks`: the bytes held at each mark."""
+
+    def start(self) -> None:
+        """A new run of the region begins (its marks replace the last run's)."""
+        self.cuda_peaks = []
+        self.levels = []
+
+    def mark(self) -> None:
+        if self.device.type == "cuda":
+            self.cuda_peaks.append(int(torch.cuda.max_memory_allocated(self.device)))
+            self.levels.append(int(torch.cuda.memory_allocated(self.device)))
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return
+        from torch.profiler import record_function
+
+        with record_function(_MARK):
+            pass
+
+
+_MARK = "dspark.bench.peak_mark"
+
+
+def _profiled_interval_peaks(fn: Callable[[], object], device: torch.device, marks: PeakMarks) -> list[int]:
     from torch.profiler import ProfilerActivity, profile, record_function
 
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
     with quiet_banners():  # see dspark.profiler_banner
         prof.start()
     try:
+        marks.start()
         fn()  # priming run: see the module docstring
         gc.collect()
         held_bytes = held_tensor_bytes(device)
+        marks.start()
         with record_function(_MEASURED_REGION):
             fn()
     finally:
@@ -97,12 +137,52 @@ def _profiled_peak_bytes(fn: Callable[[], object], device: torch.device) -> int:
     events: list[Any] = prof.profiler.kineto_results.events()  # type: ignore[union-attr]
     region = next(e for e in events if e.name() == _MEASURED_REGION)
     start_ns, end_ns = region.start_ns(), region.end_ns()
+    bounds = sorted(e.start_ns() for e in events if e.name() == _MARK and start_ns <= e.start_ns() <= end_ns)
     memory = sorted(
         (event.start_ns(), event.nbytes()) for event in events
         if event.name() == "[memory]" and event.device_type() == torch.autograd.DeviceType.CPU
         and start_ns <= event.start_ns() <= end_ns
     )
-    return held_bytes + peak_of_running_sum(nbytes for _, nbytes in memory)
+    peaks = [0] * (len(bounds) + 1)
+    levels = [0] * len(bounds)
+    running, interval = 0, 0
+    for when, nbytes in memory:
+        while interval < len(bounds) and when >= bounds[interval]:
+            levels[interval] = running
+            interval += 1
+            peaks[interval] = running  # held when the interval starts
+        running += nbytes
+        peaks[interval] = max(peaks[interval], running)
+    for later in range(interval, len(bounds)):
+        levels[later] = running
+        peaks[later + 1] = running
+    marks.levels = [held_bytes + max(0, level) for level in levels]
+    return [held_bytes + max(0, p) for p in peaks]
+
+
+def measure_interval_peaks(fn: Callable[[], object], device: torch.device | str, marks: PeakMarks) -> list[int]:
+    """The most tensor bytes this process held on ``device`` in each interval of ``fn`` between two
+    calls of ``marks.mark()`` (one more interval than marks), as :func:`measure_peak_bytes` measures
+    the whole: ``fn`` runs once on GPU and twice on CPU. ``marks.levels`` then holds the bytes held
+    at each mark.
+
+    Example::
+
+        peaks = measure_interval_peaks(step, torch.device("cpu"), marks)
+        max(peaks)   # the step's peak
+    """
+    device = torch.device(device)
+    marks.device = device
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        marks.start()
+        fn()
+        torch.cuda.synchronize(device)
+        return [*marks.cuda_peaks, int(torch.cuda.max_memory_allocated(device))]
+    if device.type != "cpu":
+        raise ValueError(f"device={str(device)!r}: peak memory is measured on 'cpu' or 'cuda' only")
+    return _profiled_interval_peaks(fn, device, marks)
 
 
 def measure_peak_bytes(fn: Callable[[], object], device: torch.device | str = "cpu") -> int:
@@ -114,13 +194,4 @@ def measure_peak_bytes(fn: Callable[[], object], device: torch.device | str = "c
 
         peak = measure_peak_bytes(lambda: train_one_step(), torch.device("cpu"))
     """
-    device = torch.device(device)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        fn()
-        torch.cuda.synchronize(device)
-        return int(torch.cuda.max_memory_allocated(device))
-    if device.type != "cpu":
-        raise ValueError(f"device={str(device)!r}: peak memory is measured on 'cpu' or 'cuda' only")
-    return _profiled_peak_bytes(fn, device)
+    return max(measure_interval_peaks(fn, device, PeakMarks(device)))

@@ -29,7 +29,6 @@ import functools
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,7 +36,9 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from dspark.meta.materialize import has_meta_tensors, materialize
-from dspark.planner.peak_memory import measure_peak_bytes
+from dspark.planner.peak_memory import PeakMarks, measure_interval_peaks
+from dspark.planner.probe_record import Line, Probe, beyond_held_gradients, fit_line, interval_lines
+from dspark.planner.process_memory import HEAP_SHARE, library_baseline_bytes, model_modules
 from dspark.policy.optimizer_kernel import prefer_fused_kernel
 from dspark.policy.state_bytes import expected_state_bytes, optimizer_state_elements
 from dspark.policy.strategies import STRATEGIES, precision_policy
@@ -48,102 +49,6 @@ __all__ = ["Line", "LossFn", "Probe", "batch_size", "loss_of", "measure_copy_byt
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 """``loss_fn(output, targets) -> loss`` for a batch ``(inputs, targets)``."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Line:
-    """A cost measured at two batch sizes: ``fixed + per_sample * batch``."""
-
-    fixed: float
-    per_sample: float
-
-    def at(self, batch: float) -> float:
-        return self.fixed + self.per_sample * batch
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Probe:
-    """What one device measured (see [Note: the probe])."""
-
-    device: str
-    """Where it ran: ``"cpu"`` or ``"cuda:0"``."""
-    batches: tuple[int, int]
-    """The two local batch sizes measured."""
-    forward_ms: Line
-    backward_ms: Line
-    optimizer_ms: float
-    """One optimizer step over every parameter (it does not depend on the batch)."""
-    step_bytes: Line
-    """The step's tensor peak beyond one device's model state, by batch (activations + runtime)."""
-    grad_ready: tuple[float, ...]
-    """Per trainable parameter (in ``model.parameters()`` order, tied ones once): the fraction of
-    backward after which its gradient is complete."""
-    unit_forward_share: tuple[float, ...]
-    """Per zero3 unit (the engine's default units, root first): its share of the forward time."""
-    optimizer_state: tuple[int, bool]
-    """:func:`dspark.policy.state_bytes.optimizer_state_elements` of the optimizer after a step."""
-    optimizer_fixed_ms: float = 0.0
-    """The part of ``optimizer_ms`` that does not shrink with the rows stepped (a kernel launch and
-    the bookkeeping per parameter tensor): a step over ``1/N`` of every parameter's rows takes
-    ``optimizer_fixed_ms + (optimizer_ms - optimizer_fixed_ms) / N``. Measured from a second step over
-    a quarter of every parameter; 0.0: not measured (the step then scales by ``1/N`` whole)."""
-    copy_bytes_per_s: float = 0.0
-    """Bytes per second one copy between two buffers of this device moves; 0.0: not measured (the
-    engine's copies then cost nothing in the plan)."""
-
-    def activation_bytes(self, batch: float) -> int:
-        """Bytes of a step's activations at ``batch`` (without the runtime's fixed part)."""
-        return max(0, round(self.step_bytes.at(batch) - self.runtime_bytes()))
-
-    def runtime_bytes(self) -> int:
-        """The fixed part of a step's memory beyond model state (does not shrink with the batch)."""
-        return max(0, round(self.step_bytes.fixed))
-
-    @classmethod
-    def from_one_step(cls, *, device: str, batch: int, forward_ms: float, backward_ms: float,
-                      optimizer_ms: float, step_bytes: float, num_params: int,
-                      unit_bytes: Sequence[int], optimizer_state: tuple[int, bool] = (2, True)) -> Probe:
-        """A probe from one measured step at ``batch`` samples (a lab result on one device) instead
-        of a run: each cost taken as proportional to the batch (no fixed part is known from one
-        point), gradients ready evenly through backward in reverse parameter order, each unit's
-        share of forward proportional to its parameter bytes (``unit_bytes``, root first).
-
-        Example::
-
-            Probe.from_one_step(device="cpu", batch=32, forward_ms=150.0, backward_ms=300.0,
-                                optimizer_ms=20.0, step_bytes=250e6, num_params=52, unit_bytes=[1, 4])
-        """
-        if batch < 1 or num_params < 0:
-            raise ValueError(f"batch={batch!r} must be >= 1 and num_params={num_params!r} >= 0")
-        total = sum(unit_bytes) or 1
-        return cls(device=device, batches=(batch, batch),
-                   forward_ms=Line(fixed=0.0, per_sample=forward_ms / batch),
-                   backward_ms=Line(fixed=0.0, per_sample=backward_ms / batch),
-                   optimizer_ms=optimizer_ms, step_bytes=Line(fixed=0.0, per_sample=step_bytes / batch),
-                   grad_ready=tuple((num_params - i) / num_params for i in range(num_params)),
-                   unit_forward_share=tuple(b / total for b in unit_bytes),
-                   optimizer_state=optimizer_state)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Probe:
-        """The probe ``dataclasses.asdict`` wrote (a plan's JSON keeps it under ``"probe"``), to plan
-        again from the same measurement on another machine or with other settings.
-
-        Example::
-
-            Probe.from_dict(json.loads(Path("plan.json").read_text())["probe"])
-        """
-        try:
-            return cls(device=str(data["device"]), batches=tuple(data["batches"]),  # type: ignore[arg-type]
-                       forward_ms=Line(**data["forward_ms"]), backward_ms=Line(**data["backward_ms"]),
-                       optimizer_ms=float(data["optimizer_ms"]), step_bytes=Line(**data["step_bytes"]),
-                       grad_ready=tuple(map(float, data["grad_ready"])),
-                       unit_forward_share=tuple(map(float, data["unit_forward_share"])),
-                       optimizer_state=(int(data["optimizer_state"][0]), bool(data["optimizer_state"][1])),
-                       copy_bytes_per_s=float(data.get("copy_bytes_per_s", 0.0)),
-                       optimizer_fixed_ms=float(data.get("optimizer_fixed_ms", 0.0)))
-        except (KeyError, TypeError, IndexError) as exc:
-            raise ValueError(f"not a probe written by dspark.plan: {exc!r} (keys: {sorted(data)})") from None
 
 
 def _leading(x: Any) -> int | None:
@@ -207,12 +112,6 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _fit(points: Sequence[tuple[int, float]]) -> Line:
-    (b0, y0), (b1, y1) = points
-    per_sample = (y1 - y0) / (b1 - b0) if b1 != b0 else y1 / max(b1, 1)
-    return Line(fixed=y1 - per_sample * b1, per_sample=per_sample)
-
-
 class _Runner:
     """The probe's model copy, optimizer and timing hooks."""
 
@@ -228,6 +127,8 @@ class _Runner:
             (lambda: torch.autocast(device.type, dtype=dtype)) if dtype is not None
             else contextlib.nullcontext)
         self.ready: dict[int, float] = {}
+        self.events: list[int] = []  # per mark: the parameter accumulated, or -1 (forward/backward ends)
+        self.marks = PeakMarks(device)
         self.unit_times: list[tuple[int, float, float]] = []
         self._started: dict[int, float] = {}
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad(i)) for i, p in enumerate(params)]
@@ -237,6 +138,8 @@ class _Runner:
     def _on_grad(self, index: int) -> Callable[[torch.Tensor], None]:
         def hook(_: torch.Tensor) -> None:
             self.ready[index] = time.perf_counter()
+            self.events.append(index)
+            self.marks.mark()
         return hook
 
     def _on_unit(self, index: int, *, start: bool) -> Callable[..., None]:
@@ -248,19 +151,31 @@ class _Runner:
                 self.unit_times.append((index, self._started.pop(index), now))
         return hook
 
+    def _phase_mark(self) -> None:
+        self.events.append(-1)
+        self.marks.mark()
+
+    def _forward_then_mark(self, *args: Any, **kwargs: Any) -> Any:
+        out = self.model(*args, **kwargs)
+        self._phase_mark()  # the model's forward ends
+        return out
+
     def step(self, batch: Any, loss_fn: LossFn | None) -> tuple[float, float, float, float]:
         """One step: ``(forward_s, backward_s, optimizer_s, backward_start)``."""
         self.ready.clear()
+        self.events.clear()
         self.unit_times.clear()
         _sync(self.device)
         t0 = time.perf_counter()
         with self.autocast():
-            loss = loss_of(self.model, batch, loss_fn)
+            loss = loss_of(self._forward_then_mark, batch, loss_fn)
         _sync(self.device)
         t1 = time.perf_counter()
+        self._phase_mark()  # the loss is computed (see Probe.interval_bytes)
         loss.backward()
         _sync(self.device)
         t2 = time.perf_counter()
+        self._phase_mark()  # backward ends: the optimizer step is an interval of its own
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         _sync(self.device)
@@ -276,9 +191,11 @@ class _Runner:
 def measure_probe(model: nn.Module, sample_batch: Any, *, loss_fn: LossFn | None,
                   optimizer: Callable[..., torch.optim.Optimizer], precision: str,
                   device: torch.device, batches: tuple[int, int], units: Sequence[str],
-                  steps: int = 3) -> Probe:
+                  steps: int = 3, library_baseline: bool = True) -> Probe:
     """Measure ``model`` on ``device`` at the two local batch sizes ``batches`` (see
-    [Note: the probe]). ``units`` names the zero3 units (root first, ``""``).
+    [Note: the probe]). ``units`` names the zero3 units (root first, ``""``). ``library_baseline``:
+    measure a fresh process's libraries on a CPU (see [Note: process memory]; False where the caller
+    reads the baseline in the process that will train).
 
     Example::
 
@@ -299,6 +216,7 @@ def measure_probe(model: nn.Module, sample_batch: Any, *, loss_fn: LossFn | None
     fwd: list[tuple[int, float]] = []
     bwd: list[tuple[int, float]] = []
     peaks: list[tuple[int, float]] = []
+    intervals: list[tuple[int, tuple[int, ...], list[float], list[float]]] = []
     opt: list[float] = []
     ready: list[float] = [1.0] * len(runner.params)
     shares: list[float] = [0.0] * len(units)
@@ -318,19 +236,26 @@ def measure_probe(model: nn.Module, sample_batch: Any, *, loss_fn: LossFn | None
             ready = [min(1.0, max(0.0, (runner.ready.get(i, b_start + b_s) - b_start) / b_s))
                      for i in range(len(runner.params))]
             shares = _unit_shares(runner.unit_times, len(units), runner.forward_span)
-            peak = measure_peak_bytes(functools.partial(runner.step, batch, loss_fn), device)
-            peaks.append((rows, float(peak - state_bytes - caller_bytes)))
+            by_interval = measure_interval_peaks(functools.partial(runner.step, batch, loss_fn), device,
+                                                 runner.marks)
+            peaks.append((rows, float(max(by_interval) - state_bytes - caller_bytes)))
+            grad_bytes = [p.numel() * p.element_size() for p in runner.params]
+            held = state_bytes - sum(grad_bytes) + caller_bytes
+            intervals.append((rows, tuple(e for e in runner.events if e >= 0),
+                              beyond_held_gradients(by_interval, runner.events, grad_bytes, held),
+                              beyond_held_gradients(runner.marks.levels, runner.events, grad_bytes, held)))
     finally:
         runner.close()
-    grad_bytes = sum(p.numel() * p.element_size() for p in runner.params)
+    grad_bytes_total = sum(p.numel() * p.element_size() for p in runner.params)
     optimizer_ms = 1e3 * statistics.median(opt)
     quarter_ms = _quarter_optimizer_ms(runner.params, optimizer, device, steps)
     # full = fixed + per_row_share, quarter = fixed + per_row_share / 4
     optimizer_fixed_ms = min(optimizer_ms, max(0.0, (4 * quarter_ms - optimizer_ms) / 3))
-    return Probe(device=str(device), batches=batches, forward_ms=_fit(fwd), backward_ms=_fit(bwd),
-                 optimizer_ms=optimizer_ms, step_bytes=_fit(peaks),
+    return Probe(device=str(device), batches=batches, forward_ms=fit_line(fwd), backward_ms=fit_line(bwd),
+                 optimizer_ms=optimizer_ms, step_bytes=fit_line(peaks),
                  grad_ready=tuple(ready), unit_forward_share=tuple(shares), optimizer_state=state,
-                 optimizer_fixed_ms=optimizer_fixed_ms, copy_bytes_per_s=measure_copy_bytes_per_s(device, min(grad_bytes, _COPY_MAX_BYTES)))
+                 optimizer_fixed_ms=optimizer_fixed_ms, copy_bytes_per_s=measure_copy_bytes_per_s(device, min(grad_bytes_total, _COPY_MAX_BYTES)),
+                 **interval_lines(intervals), **process_terms(model, device, library_baseline))
 
 
 _COPY_MAX_BYTES = 64 << 20
@@ -378,6 +303,21 @@ def measure_copy_bytes_per_s(device: torch.device, nbytes: int, repeats: int = 5
         _sync(device)
         times.append(time.perf_counter() - start)
     return 4 * numel / max(statistics.median(times), 1e-9)
+
+
+def process_terms(model: nn.Module, device: torch.device, library_baseline: bool) -> dict[str, Any]:
+    """``process_baseline_bytes`` and ``allocator_share`` for a probe on ``device`` (see [Note:
+    process memory]): on a CPU a fresh process's libraries and the heap's measured share; on a GPU
+    the context (the device's used memory beyond what the allocator reserved) and the allocator's
+    reserved-to-allocated ratio after the probe's steps."""
+    if device.type != "cuda":
+        baseline = library_baseline_bytes(model_modules(model)) if library_baseline else 0
+        return {"process_baseline_bytes": baseline, "allocator_share": HEAP_SHARE}
+    free, total = torch.cuda.mem_get_info(device)
+    reserved = torch.cuda.memory_reserved(device)
+    allocated = max(1, int(torch.cuda.max_memory_allocated(device)))
+    return {"process_baseline_bytes": max(0, total - free - reserved),
+            "allocator_share": max(0.0, reserved / allocated - 1.0)}
 
 
 def optimizer_state_of(factory: Callable[..., torch.optim.Optimizer]) -> tuple[int, bool]:

@@ -10,6 +10,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -29,16 +30,44 @@ from dspark.planner.probe import LossFn, Probe, batch_size, measure_probe, optim
 from dspark.policy.strategies import HYBRID_STRATEGIES, STRATEGIES, all_strategies, precision_policy
 from dspark.policy.units import unit_modules
 
-__all__ = ["Plan", "PlanRow", "default_memory_budget", "format_plan", "hybrid_group", "loop_advice", "model_shape",
-           "plan"]
+__all__ = ["PEAK_MARGIN", "Plan", "PlanRow", "default_memory_budget", "describe_need", "format_plan", "hybrid_group",
+           "loop_advice", "model_shape", "needed_bytes", "plan"]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_OPTIMIZER = functools.partial(torch.optim.AdamW, lr=3e-4)
 """What :func:`plan` plans for when given no optimizer: AdamW (two fp32 moments per element)."""
 MEMORY_MARGIN = 0.10
-"""The default budget keeps this share of the memory free (the allocator's fragmentation, the
-process's own libraries)."""
+"""The default budget keeps this share of the memory free (other processes, the system)."""
+PEAK_MARGIN = 0.15
+"""A row fits its budget when its predicted process peak (the tensor peak where the process's is
+not known) plus this share is within it: the largest shortfall of a predicted process peak on the
+validation zoo (docs/figures.md#plan-validation) stays inside it (see :func:`needed_bytes`)."""
+
+
+def describe_need(row: PlanRow) -> str:
+    """What ``row`` needs of its budget and why, for an error that names it.
+
+    Example::
+
+        describe_need(row)   # "zero2's ... MB per rank at micro-batch 8 (process peak ... MB, ..."
+    """
+    process = (f"process peak {_mb(row.process_peak_bytes)}, of which tensors {_mb(row.peak_bytes)}"
+               if row.process_peak_bytes is not None else f"tensor peak {_mb(row.peak_bytes)}")
+    return (f"{row.strategy}'s {_mb(needed_bytes(row))} per rank at micro-batch {row.micro_batch} "
+            f"({process}, plus {PEAK_MARGIN:.0%} for the plan's error)")
+
+
+def needed_bytes(cost: RowCost) -> int:
+    """What a row needs of its budget: its predicted process peak (else its tensor peak) plus
+    :data:`PEAK_MARGIN` for the plan's error.
+
+    Example::
+
+        needed_bytes(plan.row("zero3", 2)) <= 8 << 30
+    """
+    peak = cost.process_peak_bytes if cost.process_peak_bytes is not None else cost.peak_bytes
+    return math.ceil(peak * (1 + PEAK_MARGIN))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -55,7 +84,8 @@ class PlanRow(RowCost):
     budget_bytes: int
     """The memory one rank may use here (the plan's ``memory_budget``, or the default)."""
     fits: bool
-    """Whether ``peak_bytes`` is within ``budget_bytes``."""
+    """Whether the row's :func:`needed_bytes` (its process peak and the margin) are within
+    ``budget_bytes``."""
     shard_group_size: int | None = None
     """A hybrid row's ranks per shard group (``devices / shard_group_size`` groups); None otherwise."""
 
@@ -71,16 +101,11 @@ class PlanRow(RowCost):
         return self.params_bytes + self.grads_bytes + self.optimizer_bytes
 
     @property
-    def peak_bytes(self) -> int:
-        return (self.model_state_bytes + self.activation_bytes + self.comm_buffer_bytes
-                + self.runtime_bytes)
-
-    @property
     def step_ms(self) -> float:
         return self.compute_ms + self.comm_exposed_ms + self.optimizer_ms
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "peak_bytes": self.peak_bytes, "step_ms": self.step_ms}
+        return {**asdict(self), "step_ms": self.step_ms}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -110,10 +135,9 @@ class Plan:
                              f"{sorted({r.devices for r in self.rows})}")
         fitting = [r for r in rows if r.fits]
         if not fitting:
-            smallest = min(rows, key=lambda r: r.peak_bytes)
-            raise ValueError(f"no strategy fits on {count} device(s): the smallest predicted peak is "
-                             f"{smallest.strategy}'s {_mb(smallest.peak_bytes)} per rank at micro-batch "
-                             f"{smallest.micro_batch}, over the budget of {_mb(smallest.budget_bytes)}; "
+            smallest = min(rows, key=needed_bytes)
+            raise ValueError(f"no strategy fits on {count} device(s): the smallest need is "
+                             f"{describe_need(smallest)}, over the budget of {_mb(smallest.budget_bytes)}; "
                              "add devices or raise memory_budget")
         return min(fitting, key=lambda r: (r.step_ms, list(all_strategies()).index(r.strategy)))
 
@@ -141,7 +165,7 @@ def _mb(nbytes: float | None) -> str:
 
 
 _COLUMNS = ("strategy", "devices", "micro", "params", "grads", "optim", "activ", "buffers",
-            "runtime", "peak MB", "compute", "comm", "optim ms", "step ms", "speedup", "fits")
+            "runtime", "peak MB", "process MB", "compute", "comm", "optim ms", "step ms", "speedup", "fits")
 
 
 def format_plan(plan: Plan) -> str:
@@ -165,6 +189,7 @@ def format_plan(plan: Plan) -> str:
                       *(f"{b / 1e6:.1f}" for b in (r.params_bytes, r.grads_bytes, r.optimizer_bytes,
                                                     r.activation_bytes, r.comm_buffer_bytes,
                                                     r.runtime_bytes, r.peak_bytes)),
+                      "-" if r.process_peak_bytes is None else f"{r.process_peak_bytes / 1e6:.1f}",
                       *(f"{t:.1f}" for t in (r.compute_ms, r.comm_exposed_ms, r.optimizer_ms, r.step_ms)),
                       "-" if ref is None or r.step_ms <= 0 else f"{ref / r.step_ms:.2f}x",
                       "yes" if r.fits else "NO"])
@@ -172,8 +197,10 @@ def format_plan(plan: Plan) -> str:
     for row in table:
         lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w)
                                for i, (c, w) in enumerate(zip(row, widths, strict=True))))
-    lines.append("memory columns in MB per rank (params, grads, optimizer state, activations, "
-                 "communication buffers, runtime); times in ms per step")
+    lines.append("memory columns in MB per rank (params, grads, optimizer state; activations, "
+                 "communication buffers and runtime scratch at the step's peak); peak: the tensors' "
+                 "highest moment; process: the process at that moment, libraries and allocator "
+                 f"included; fits: process peak + {PEAK_MARGIN:.0%} within the budget; times in ms per step")
     if any(r.shard_group_size is not None for r in plan.rows):
         lines.append("hybrid-zeroN (R x S): the stage inside shard groups of S ranks, R groups replicating "
                      "it; a rank holds 1/S of what the stage shards")
@@ -222,19 +249,22 @@ def model_shape(model: nn.Module, optimizer_state: tuple[int, bool] = (2, True))
     """
     unique = list(dict.fromkeys(model.parameters()))
     trainable = [p for p in unique if p.requires_grad]
-    index = {id(p): i for i, p in enumerate(trainable)}
+    frozen = [p for p in unique if not p.requires_grad]
     units = unit_modules(model)
     owner: dict[int, int] = {}
     for u, (_, module) in enumerate(units):  # later (deeper) units claim their parameters last
         for p in module.parameters():
-            if id(p) in index:
-                owner[id(p)] = u
-    members: list[list[int]] = [[] for _ in units]
-    for p in trainable:
-        members[owner.get(id(p), 0)].append(index[id(p)])
+            owner[id(p)] = u
+
+    def members(params: list[nn.Parameter]) -> tuple[tuple[int, ...], ...]:
+        out: list[list[int]] = [[] for _ in units]
+        for i, p in enumerate(params):
+            out[owner.get(id(p), 0)].append(i)
+        return tuple(tuple(m) for m in out)
+
     return ModelShape(trainable=tuple((tuple(p.shape), p.dtype) for p in trainable),
-                      frozen=tuple((tuple(p.shape), p.dtype) for p in unique if not p.requires_grad),
-                      units=tuple(tuple(m) for m in members), optimizer_state=optimizer_state)
+                      frozen=tuple((tuple(p.shape), p.dtype) for p in frozen),
+                      units=members(trainable), frozen_units=members(frozen), optimizer_state=optimizer_state)
 
 
 def _micro_batches(local: int, max_micro_batch: int | None) -> list[int]:
@@ -250,7 +280,8 @@ def plan(model: nn.Module, sample_batch: Any, loss_fn: LossFn | None = None, *,
          memory_budget: int | None = None, interconnect: str | Interconnect | None = None,
          bucket_mb: float = 25.0, max_micro_batch: int | None = None,
          device: torch.device | str | None = None, probe: Probe | None = None,
-         trace: str = "auto", shard_group_size: int | None = None) -> Plan:
+         trace: str = "auto", shard_group_size: int | None = None,
+         process_baseline_bytes: int | None = None) -> Plan:
     """Predict every strategy's peak memory and step per rank on each device count, from one short
     probe of ``model`` on one device (see :mod:`dspark.planner.probe` and :mod:`dspark.planner.cost`).
 
@@ -268,6 +299,10 @@ probe's larger batch would not fit on the device (a model larger than this machi
     Hybrid rows (``hybrid-zero1/2/3``) split the ranks into shard groups of ``shard_group_size``, by
     default one node of ``interconnect`` (its ``ranks_per_node``); ``strategies="all"`` adds them
     where that makes several groups of several ranks (see :func:`hybrid_group`).
+
+``process_baseline_bytes``: what a rank's process holds besides its tensors, where the caller
+measured it in the process that will train (``strategy="auto"`` does); None: a new probe measures a
+fresh process's libraries (see [Note: process memory]).
 
     Example::
 
@@ -305,8 +340,10 @@ probe's larger batch would not fit on the device (a model larger than this machi
         if smallest == largest:
             smallest = max(1, largest // 2)
         probe = _new_probe(model, sample_batch, loss_fn, optimizer=optimizer, precision=precision,
-                           device=where, trace=trace,
+                           device=where, trace=trace, library_baseline=process_baseline_bytes is None,
                            batches=(smallest, largest) if smallest != largest else (largest, largest))
+    if process_baseline_bytes is not None:
+        probe = dataclasses.replace(probe, process_baseline_bytes=process_baseline_bytes, baseline_in_rank=True)
     shape = model_shape(model, probe.optimizer_state)
     rows = []
     for n in counts:
@@ -331,7 +368,7 @@ TRACES = ("auto", "measure", "fake")
 
 def _new_probe(model: nn.Module, sample_batch: Any, loss_fn: LossFn | None, *,
                optimizer: Callable[..., torch.optim.Optimizer], precision: str, device: torch.device,
-               trace: str, batches: tuple[int, int]) -> Probe:
+               trace: str, batches: tuple[int, int], library_baseline: bool) -> Probe:
     if trace not in TRACES:
         raise ValueError(f"trace={trace!r} is not one of {', '.join(TRACES)}")
     if trace == "auto":
@@ -351,7 +388,8 @@ def _new_probe(model: nn.Module, sample_batch: Any, loss_fn: LossFn | None, *,
                           batches=batches, unit_bytes=unit_bytes, optimizer_state=shape.optimizer_state)
     _check_probe_fits(model, device)
     return measure_probe(model, sample_batch, loss_fn=loss_fn, optimizer=optimizer, precision=precision,
-                         device=device, batches=batches, units=[name for name, _ in unit_modules(model)])
+                         device=device, batches=batches, units=[name for name, _ in unit_modules(model)],
+                         library_baseline=library_baseline)
 
 
 def _check_probe_fits(model: nn.Module, device: torch.device) -> None:
@@ -404,10 +442,9 @@ def _fit_row(shape: ModelShape, probe: Probe, strategy: str, n: int, local: int,
     for micro in _micro_batches(local, max_micro_batch):
         cost = row_cost(shape=shape, probe=probe, strategy=strategy, num_ranks=n, micro_batch=micro,
                         passes=local // micro, bucket_mb=bucket_mb, link=link, shard_group_size=shard_group_size)
-        parts = asdict(cost)
-        peak = sum(v for k, v in parts.items() if k.endswith("_bytes"))
         row = PlanRow(strategy=strategy, devices=n, micro_batch=micro, passes=local // micro,
-                      budget_bytes=budget, fits=peak <= budget, shard_group_size=shard_group_size, **parts)
+                      budget_bytes=budget, fits=needed_bytes(cost) <= budget, shard_group_size=shard_group_size,
+                      **asdict(cost))
         if row.fits:
             return row
     if row is None:

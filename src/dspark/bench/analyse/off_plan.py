@@ -98,8 +98,7 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def _peak(row: RowCost) -> int:
-    return (row.params_bytes + row.grads_bytes + row.optimizer_bytes + row.activation_bytes
-            + row.comm_buffer_bytes + row.runtime_bytes)
+    return row.peak_bytes
 
 
 def _step(row: RowCost) -> float:

@@ -1,0 +1,137 @@
+"""The memory a user sees a rank's process take, predicted from its tensor peak.
+
+[Note: process memory] The plan's tensor peak is what PyTorch's tensors occupy at the step's highest
+moment. What a user budgets for, and what ``memory_budget`` means, is the process:
+
+* **CPU**: its resident memory at its peak (``VmHWM``): the *libraries* a rank loads (the
+  interpreter, PyTorch, DSpark's engine and what it imports on construction, the modules the
+  model's classes come from), measured by starting a fresh process that imports them, initialises
+  DSpark and runs one engine step of a two-parameter model (:func:`library_baseline_bytes`, a few
+  seconds, once per process and set of modules); plus the tensor peak; plus what the C library's
+  heap holds beyond the live tensors in it (freed blocks kept for the next step, and the holes
+  activations and gradients of other sizes leave: :data:`HEAP_SHARE` of the tensors below the size
+  it maps apart, :func:`dspark.cpu_malloc.mmap_threshold_bytes`); plus, on a world of several ranks,
+  :data:`RANK_BYTES` (the process group's buffers and threads) and a copy of the two largest
+  gradient buckets below that size (gloo's threads reduce through copies in heaps of their own).
+* **GPU**: the device memory the process takes: the caching allocator's reserved peak (the tensor
+  peak times the reserved-to-allocated ratio the probe measured on that device) plus the CUDA
+  context and libraries (the device's used memory beyond the reserved, measured by the probe).
+
+The constants are fitted, not chosen: by least squares over the validation zoo's measured process
+peaks on 1 to 3 CPU ranks (``benchmarks/plan_validation.py``); how close the prediction comes, on
+every row, is in docs/figures.md#plan-validation. The heap's behaviour is the least predictable
+part: configurations of the same tensors differ by tens of MB run to run, which is why
+``strategy="auto"`` keeps a margin (:data:`dspark.planner.table.PEAK_MARGIN`).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from dspark.planner.peak_memory import held_tensor_bytes
+
+__all__ = ["HEAP_SHARE", "RANK_BYTES", "library_baseline_bytes", "model_modules", "process_peak_bytes",
+           "this_process_baseline_bytes"]
+
+HEAP_SHARE = 0.35
+"""CPU: the allocator's resident memory beyond the live tensors in its heap, as a share of those
+tensors (see [Note: process memory])."""
+RANK_BYTES = 38 << 20
+"""CPU: what a rank of a world of several holds beyond one process (see [Note: process memory])."""
+
+_BASELINE_SCRIPT = """
+import functools, importlib, sys
+import torch
+import dspark
+for name in sys.argv[1:]:
+    importlib.import_module(name)
+dspark.init()
+engine = dspark.Engine(torch.nn.Linear(2, 2), optimizer=functools.partial(torch.optim.SGD, lr=0.1))
+engine.backward(engine(torch.ones(1, 2)).sum())
+engine.step()
+for line in open("/proc/self/status"):
+    if line.startswith("VmHWM:"):
+        print(int(line.split()[1]) * 1024)
+"""
+
+
+def model_modules(model: nn.Module) -> tuple[str, ...]:
+    """The importable modules ``model``'s classes come from, beyond PyTorch's (``__main__``, which a
+    fresh process cannot import, left out).
+
+    Example::
+
+        model_modules(GPT2LMHeadModel(config))   # ("transformers.models.gpt2.modeling_gpt2",)
+    """
+    names = {type(m).__module__ for m in model.modules()}
+    return tuple(sorted(n for n in names if n != "__main__" and not n.startswith(("torch.", "builtins"))))
+
+
+@functools.lru_cache(maxsize=8)
+def library_baseline_bytes(modules: Iterable[str] = ()) -> int:
+    """The peak resident bytes of a fresh process that imports PyTorch, DSpark and ``modules``,
+    initialises DSpark (one process) and runs one engine step on a two-parameter model: what every
+    rank holds before its model (see [Note: process memory]). 0 where it cannot be measured (not
+    Linux, or the process failed).
+
+    Example::
+
+        library_baseline_bytes(("transformers.models.gpt2.modeling_gpt2",))   # bytes
+    """
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    try:
+        out = subprocess.run([sys.executable, "-c", _BASELINE_SCRIPT, *modules], capture_output=True,
+                             text=True, timeout=300, env={**env, "OMP_NUM_THREADS": "1"}, check=True)
+        return int(out.stdout.split()[-1])
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return 0
+
+
+def process_peak_bytes(tensor_peak_bytes: int, *, device_type: str, num_ranks: int, baseline_bytes: int,
+                       allocator_share: float, mapped_bytes: int = 0, collective_heap_bytes: int = 0) -> int | None:
+    """A rank's process peak from its tensor peak (see [Note: process memory]); None where the
+    baseline was not measured. ``mapped_bytes``: the part of the tensor peak in allocations the C
+    library maps apart from its heap (on a CPU: each of at least
+    :func:`dspark.cpu_malloc.mmap_threshold_bytes`), which the heap's share does not grow;
+    ``collective_heap_bytes``: the two largest gradient buckets below that size, which gloo's
+    threads copy into heaps of their own on a world of several.
+
+    Example::
+
+        process_peak_bytes(200_000_000, device_type="cpu", num_ranks=2, baseline_bytes=320_000_000,
+                           allocator_share=HEAP_SHARE)
+    """
+    if baseline_bytes <= 0:
+        return None
+    in_heap = max(0, tensor_peak_bytes - mapped_bytes)
+    extra = RANK_BYTES + collective_heap_bytes if device_type == "cpu" and num_ranks > 1 else 0
+    return round(baseline_bytes + tensor_peak_bytes + in_heap * allocator_share + extra)
+
+
+def this_process_baseline_bytes(device: torch.device) -> int:
+    """What this process holds besides its tensors, read now: on a CPU its resident memory less
+    every tensor it can reach, on a GPU the device's used memory beyond what the allocator reserved
+    (the context, the libraries). ``strategy='auto'`` reads it in the rank that will train (see
+    [Note: process memory]). 0 where it cannot be read.
+
+    Example::
+
+        this_process_baseline_bytes(torch.device("cpu"))   # bytes
+    """
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return max(0, total - free - torch.cuda.memory_reserved(device))
+    try:
+        with open("/proc/self/status") as status:
+            rss = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
+    except (OSError, StopIteration, ValueError):
+        return 0
+    return max(0, rss - held_tensor_bytes("cpu"))

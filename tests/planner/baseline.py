@@ -1,0 +1,19 @@
+"""A process baseline pinned for tests of auto's choice: the choice between strategies whose
+tensor peaks differ by a few hundred kilobytes must not depend on how much resident memory a pool
+rank happens to hold (see [Note: process memory]); the baseline's own measurement is tested apart."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from unittest import mock
+
+BASELINE_BYTES = 300 << 20
+"""What the pinned rank's process holds besides its tensors."""
+
+
+@contextlib.contextmanager
+def pinned_baseline(nbytes: int = BASELINE_BYTES) -> Iterator[None]:
+    """Inside: ``strategy="auto"`` reads ``nbytes`` as this rank's process baseline."""
+    with mock.patch("dspark.planner.auto_choice.this_process_baseline_bytes", return_value=nbytes):
+        yield

@@ -1,0 +1,72 @@
+"""A budget is a promise: ``Engine(strategy="auto", memory_budget=B)`` either trains within ``B`` bytes
+of process memory on every rank (its resident peak, libraries and allocator included: see [Note:
+process memory]) or refuses to build. Budgets just above and just below what each strategy needs
+(its predicted process peak plus :data:`dspark.planner.table.PEAK_MARGIN`), on zoo models the
+planner was not tuned for, each engine trained and its real peak measured. The same at larger sizes
+in fresh processes: ``benchmarks/auto_budget.py``."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+import torch
+
+import dspark
+from dspark.bench.measure.memory import peak_rss_bytes, reset_peak_rss
+from dspark.models.plan_zoo import build
+from dspark.planner.process_memory import this_process_baseline_bytes
+from dspark.planner.table import needed_bytes
+
+ADAMW = functools.partial(torch.optim.AdamW, lr=1e-4)
+SLACK = 16 << 20
+"""How far above and below a strategy's need the budgets are: about 4% of a rank's process (a
+rank's baseline moves by a few MB between the task's start and the plan, after the probe)."""
+
+
+def _train_within(name: str, above_baseline: int) -> dict[str, Any]:
+    """Build an auto engine with a budget of ``above_baseline`` bytes more than this rank's process
+    holds now besides its tensors, and train two steps: the budget, this rank's process peak from
+    the build on (or the refusal), and each strategy's need as the plan predicted it, relative to the
+    same baseline. (A rank's baseline drifts from task to task in a pool process, a few MB per
+    engine: the budgets follow it.)"""
+    base = this_process_baseline_bytes(torch.device("cpu"))
+    budget = base + above_baseline
+    reset_peak_rss()
+    model, batch, loss_fn = build(name, size="tiny")
+    local = dspark.distribute_batch(batch, shard_dim=0)
+    try:
+        engine = dspark.Engine(model, optimizer=ADAMW, strategy="auto", memory_budget=budget,
+                               sample_batch=local, loss_fn=loss_fn)
+    except ValueError as exc:
+        return {"budget": budget, "refused": str(exc), "measured": peak_rss_bytes()}
+    for _ in range(2):
+        for part in engine.micro_batches(local):
+            loss = engine(**part).loss if loss_fn is None else loss_fn(engine(part[0]), part[1])
+            engine.backward(loss)
+        engine.step()
+    row = engine.plan.row(engine.strategy.name, 2)
+    out = {"budget": budget, "strategy": engine.strategy.name, "micro_batch": engine.micro_batch,
+           "measured": peak_rss_bytes(),
+           "predicted": row.process_peak_bytes,
+           "needs": {r.strategy: needed_bytes(r) - base for r in engine.plan.rows}}
+    engine.close()
+    return out
+
+
+@pytest.mark.parametrize("name", ["mlp-wide", "embed-tied"])
+def test_auto_never_trains_over_its_budget(pool, name: str) -> None:
+    pool.run(_train_within, name, 1 << 40)  # the first engine of a process imports what it needs
+    needs = pool.run(_train_within, name, 1 << 40)[0]["needs"]
+    ordered = sorted(needs.items(), key=lambda item: item[1])
+    cases = []
+    # just above and just below the largest and the smallest need, and a budget nothing fits in
+    for strategy, offset in [(s, n + d) for s, n in (ordered[-1], ordered[0]) for d in (SLACK, -SLACK)] + [("-", 0)]:
+        ranks = pool.run(_train_within, name, offset)
+        cases.append((strategy, ranks))
+        assert ("refused" in ranks[0]) == ("refused" in ranks[1]), ranks  # every rank alike
+        for rank in ranks:
+            assert "refused" in rank or rank["measured"] <= rank["budget"], (name, strategy, rank)
+    assert any("strategy" in ranks[0] for _, ranks in cases), cases
+    assert "refused" in cases[-1][1][0], cases[-1]
