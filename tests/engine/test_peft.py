@@ -72,6 +72,7 @@ def _round_trip(model: str, build: str, strategy: str, base_dir: str, out: str) 
     *[("llama", build, strategy) for build in ("cpu", "meta")
       for strategy in ("replicate", "zero1", "zero2", "zero3")],
     ("gpt2", "meta", "zero3"),  # a fused Conv1D projection (fan_in_fan_out) and a tied head
+    ("gpt2", "cpu", "replicate"),  # the tied head frozen, with no slot outside zero3
 ])
 def test_lora_loads_its_base_and_saves_what_peft_and_transformers_load(
         pool, base_dirs: dict[str, str], tmp_path: Path, model: str, build: str, strategy: str) -> None:

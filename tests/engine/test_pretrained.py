@@ -219,3 +219,18 @@ def test_under_zero3_each_rank_reads_only_its_rows(pool, saved_dir: Path) -> Non
             if len(shapes[name]) > 0:
                 assert (start, stop) == result["rows"][name], name
                 assert stop - start < shapes[name][0], name  # never the whole tensor
+
+
+def test_a_frozen_tied_weight_outside_zero3_is_one_entry_with_both_names() -> None:
+    """A frozen parameter has no slot outside zero3; tied (GPT-2's head and embedding, frozen by peft
+    or by hand), its two names are still one tensor: the file's one copy fills both, and a save writes
+    it once."""
+    from dspark.engine.weights import match_keys, weight_entries
+
+    model = hf_models.gpt2()
+    model.transformer.wte.weight.requires_grad_(False)
+    entries = weight_entries([], model.state_dict(keep_vars=True))
+    tied = [e.names for e in entries if "lm_head.weight" in e.names]
+    assert tied == [("transformer.wte.weight", "lm_head.weight")]
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    assert match_keys(entries, shapes).missing == []

@@ -109,12 +109,20 @@ def weight_entries(slots: Sequence[ParamSlot], module_state: Mapping[str, torch.
         [e.name for e in weight_entries(engine_slots, model.state_dict(keep_vars=True))]
     """
     slot_of = {name: slot for slot in slots for name in slot.names}
+    # a tensor the engine tracks no slot for (a frozen parameter outside zero3) under several names is
+    # tied like a slot's: one entry with every name, so a file holding it once fills them all
+    names_of: dict[int, list[str]] = {}
+    for name, value in module_state.items():
+        if name not in slot_of:
+            names_of.setdefault(id(value), []).append(name)
     entries: list[WeightEntry] = []
     done: set[int] = set()
     for name, value in module_state.items():
         slot = slot_of.get(name)
         if slot is None:
-            entries.append(WeightEntry((name,), tuple(value.shape), value.dtype, None, value))
+            if id(value) not in done:
+                done.add(id(value))
+                entries.append(WeightEntry(tuple(names_of[id(value)]), tuple(value.shape), value.dtype, None, value))
             continue
         if id(slot) in done:
             continue
