@@ -136,3 +136,41 @@ def test_an_unweighted_step_over_a_padding_batch_is_refused(pool) -> None:
     twice."""
     for message in pool.run(_train_unweighted_over_padding):
         assert_names(message, "rank 0: 1", "rank 1: 0", "weight=loader.batch_info.local_size")
+
+
+def _window_of_two(num_samples: int, *, ranks: bool, strategy: str = "replicate") -> dict[str, torch.Tensor]:
+    """Two batches a step, each weighted by the rows the loop sees (``len(x)``, as a token count read
+    from the batch would be): on the ranks the last window is a real batch and, on rank 1, a padding
+    batch of one row."""
+    model = _model()
+    loader = dspark.DataLoader(_dataset_of(num_samples), global_batch_size=GLOBAL_BATCH, seed=4,
+                               drop_last=False, **({} if ranks else {"rank": 0, "world_size": 1}))
+    if ranks:
+        engine = dspark.Engine(model, optimizer=_optimizer("sgd"), strategy=strategy, grad_accum_steps=2)
+        for i, (x, y) in enumerate(loader):
+            engine.backward(torch.nn.functional.mse_loss(engine(x), y), weight=len(x))
+            if i % 2 == 1 or i + 1 == len(loader):
+                engine.step()
+        state = engine.full_state_dict()
+        engine.close()
+        return state
+    opt = _optimizer("sgd")(model.parameters())
+    batches = list(loader)
+    for i in range(0, len(batches), 2):
+        window = batches[i:i + 2]
+        rows = sum(len(x) for x, _ in window)
+        opt.zero_grad()
+        sum(torch.nn.functional.mse_loss(model(x), y, reduction="sum") for x, y in window).div(rows).backward()
+        opt.step()
+    return model.state_dict()
+
+
+@pytest.mark.parametrize("strategy", ["replicate", "zero3"])
+def test_a_padding_batch_trains_nothing_whatever_weight_the_loop_reads_from_it(pool, strategy: str) -> None:
+    """25 samples at 8: the last window is 8 + 1 samples, and rank 1's half of the 1 is a padding copy
+    of rank 0's sample. weight=len(x) there is 1, yet the step is one process's on the 9 samples: a
+    padding batch weighs 0 (it weighed 1, training rank 0's sample twice, 1/10 of the step each)."""
+    reference = _window_of_two(25, ranks=False)
+    for state in pool.run(_window_of_two, 25, ranks=True, strategy=strategy):
+        for name, want in reference.items():
+            torch.testing.assert_close(state[name], want, rtol=1e-5, atol=1e-6)

@@ -13,9 +13,10 @@ padding, never a mix, so "this rank's current batch is padding" says everything:
 * :func:`dspark.gather_for_metrics` takes no rows from a rank whose current batch is padding, and
   :func:`dspark.reduce_metrics` weighs it 0, so per-batch metrics count every sample once;
 * the engine counts a padding batch's forward as zero rows (an unweighted step with it is an
-  ``UnequalBatchesError``, as a zero-row batch was), ``engine.backward(loss,
-  weight=loader.batch_info.local_size)`` gives it weight 0, and the replicated-batch check does not
-  compare it (it is a copy of another rank's sample by design).
+  ``UnequalBatchesError``, as a zero-row batch was), takes any ``engine.backward(loss, weight=...)``
+  of it as 0 (``loader.batch_info.local_size``, or ``len(x)`` and a token count, which would read 1
+  row and train the copy), and the replicated-batch check does not compare it (it is a copy of
+  another rank's sample by design).
 
 The current batch is the one a ``dspark.DataLoader`` of this process handed out last: a real batch
 clears the mark, and so does the end of a pass.

@@ -23,6 +23,7 @@ from torch import nn
 
 from dspark import comm
 from dspark.comm import World
+from dspark.data.padding import current_batch_is_padding
 from dspark.engine.grad_reducer import GradReducer, LocalReducer
 from dspark.engine.hyperparams import check_same_hyperparameters, fingerprint
 from dspark.engine.loss_graph import accum_scaling, accum_scaling_message
@@ -79,11 +80,14 @@ class BackwardPass:
         hyper-parameters in step]); None: not compared."""
 
     def check(self, loss: torch.Tensor, weight: float | int | torch.Tensor | None) -> float | None:
-        """Refuse a backward the window cannot take, with nothing changed; returns the checked weight."""
+        """Refuse a backward the window cannot take, with nothing changed; returns the checked weight
+        (0 for a loader's padding batch, see [Note: padding batches] in :mod:`dspark.data.padding`)."""
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError(f"backward expects a scalar loss tensor, got "
                              f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
         w = check_weight(weight)
+        if w is not None and current_batch_is_padding():
+            w = 0.0  # a copy of a sample another rank trains on: whatever its weight was read from
         if not self.allow_accum_scaled_loss:  # see [Note: a loss divided by the accumulation count]
             found = accum_scaling(loss, self.grad_accum_steps)
             if found is not None:
