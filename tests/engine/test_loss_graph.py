@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 import torch
 
@@ -40,13 +41,14 @@ DIVIDED: dict[str, Callable[[], torch.Tensor]] = {
     "loss.mul_(1.0 / k)": lambda: _loss().mul_(1.0 / K),
     "loss * k ** -1": lambda: _loss() * K ** -1,
     "k ** -1 * loss": lambda: K ** -1 * _loss(),
-    "loss * tensor(1 / k)": lambda: _loss() * torch.tensor(1 / K),
-    "tensor(1 / k) * loss": lambda: torch.tensor(1 / K) * _loss(),
-    "loss / tensor(k)": lambda: _loss() / torch.tensor(float(K)),
+    "loss / numpy int": lambda: _loss() / np.int64(K),
     "a helper": lambda: _scaled(_loss()),
     "a helper's default argument": lambda: _scaled_by_default(_loss()),
     "(loss / k).float()": lambda: (_loss() / K).float(),
     "loss.bfloat16() / k": lambda: (_loss().bfloat16() / K).float(),
+    "(loss / k).mean()": lambda: (_loss() / K).mean(),
+    "(per-sample losses / k).mean()": lambda: (_W.square() / K).mean(),
+    "(per-sample losses / k).sum()": lambda: (_W.square() / K).sum(),
 }
 
 
@@ -77,6 +79,11 @@ NOT_SCALED: dict[str, Callable[[], torch.Tensor]] = {
     "a weight that needs a gradient": lambda: _loss() * torch.tensor(0.25, requires_grad=True),
     "a vector of weights": lambda: (_W.square() * torch.full((3,), 1 / K)).sum(),
     "a loss with no graph": lambda: torch.tensor(2.0) / K,
+    # a count held in a tensor comes from the data: K in this batch, something else in the next
+    "a sum over a token count that is k here": lambda: _W.square().sum() / (torch.arange(K) >= 0).sum(),
+    "a sum over a float count that is k here": lambda: _W.square().sum() / torch.tensor(float(K)),
+    "a sum over a float64 count that is k here": lambda: _W.square().sum() / torch.tensor(K, dtype=torch.float64),
+    "times a tensor that is 1 / k here": lambda: _loss() * torch.tensor(1 / K),
 }
 
 

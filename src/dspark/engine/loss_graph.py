@@ -9,15 +9,21 @@ looser, AdamW's epsilon K times heavier, SGD K times slower, no error anywhere. 
 finds the spellings it can read; the loss itself says how it was made whatever the spelling
 (``loss / k``, ``loss.div_(k)``, ``loss.mul_(1.0 / k)``, ``loss * k ** -1``, a helper function, a
 helper's default argument): the root of its graph is autograd's division or multiplication node,
-one of whose two inputs is a constant (no gradient flows to it) that autograd saved to compute the
-other's gradient. Nodes that only change a tensor's dtype or shape (``.float()``, ``.reshape(())``)
-are looked through. A constant equal to ``K`` or ``1 / K`` (relative tolerance 1e-6, so that
-``1.0 / 3`` matches 3) is refused before the backward runs. ``K = 1`` is never refused (nothing to
-divide), and neither is a constant held on an accelerator: reading it would wait for the device on
-every backward (a number written in Python, ``loss / 4``, is saved on the CPU whatever the loss's
-device). A loss meant to be scaled by a constant that happens to equal ``K`` (``0.5 * mse`` with
-``grad_accum_steps=2``) passes with ``Engine(allow_accum_scaled_loss=True)``. The check reads a
-few attributes of the root node per backward: its cost is a figure in docs/figures.md
+one of whose two inputs is a number written in Python (no gradient flows to it) that autograd saved
+to compute the other's gradient. Nodes that pass a constant factor through unchanged are looked
+through: those that only change a tensor's dtype or shape (``.float()``, ``.reshape(())``), and a sum
+or a mean (``(loss / k).mean()``, ``(per_sample / k).sum()``: the mean of a divided tensor is the
+divided mean). A number equal to ``K`` or ``1 / K`` (relative tolerance 1e-6, so that ``1.0 / 3``
+matches 3) is refused before the backward runs. ``K = 1`` is never refused (nothing to divide).
+Only a number written in Python counts (``loss / 4``, ``loss / k``, a NumPy scalar: autograd keeps
+it as a "wrapped number", which type promotion ranks below every tensor, on the CPU whatever the
+loss's device), never a tensor: a divisor held in a tensor is a count taken from the data
+(``loss_sum / mask.sum()``, the tokens of this micro-batch), which may equal ``K`` in one batch and
+not the next, and a run must not stop on the batch where it does; a tensor on an accelerator could
+not be read without waiting for the device either. A loss meant to be scaled by a number that
+happens to equal ``K`` (``0.5 * mse`` with ``grad_accum_steps=2``, a sum divided by ``len(batch)``
+when the batch holds ``K`` rows) passes with ``Engine(allow_accum_scaled_loss=True)``. The check
+reads a few attributes of a few nodes per backward: its cost is a figure in docs/figures.md
 (``#ddp-habit-checks``).
 """
 
@@ -30,10 +36,14 @@ import torch
 
 __all__ = ["AccumScaling", "accum_scaling", "accum_scaling_message"]
 
-# autograd nodes that change only a tensor's dtype or shape: the loss's value goes through unchanged
+# autograd nodes that pass a constant factor of their one input through: a change of dtype or shape,
+# a sum or a mean
 _TRANSPARENT = ("ToCopyBackward", "CloneBackward", "AliasBackward", "ViewBackward", "ReshapeAliasBackward",
-                "SqueezeBackward", "UnsqueezeBackward", "ExpandBackward")
+                "SqueezeBackward", "UnsqueezeBackward", "ExpandBackward", "SumBackward", "MeanBackward")
 _LOOK_THROUGH = 4  # transparent nodes followed above the root before giving up
+# wrapped numbers are float64 or int64; a 0-d tensor of the same dtype would win type promotion over these
+_PROMOTION_PROBES = {torch.float64: torch.zeros((), dtype=torch.float16),
+                     torch.int64: torch.zeros((), dtype=torch.int8)}
 
 
 class AccumScaling(NamedTuple):
@@ -48,17 +58,25 @@ class AccumScaling(NamedTuple):
     larger (``* K``, ``/ (1 / K)``)."""
 
 
+def _written_in_python(saved: torch.Tensor) -> bool:
+    """Whether ``saved`` is a number written in Python that autograd wrapped in a tensor (``loss /
+    4``), not a tensor of the program's (``loss / mask.sum()``): type promotion ranks a wrapped number
+    below every tensor, so it leaves a small dtype as it is where a 0-d tensor of its dtype would not."""
+    probe = _PROMOTION_PROBES.get(saved.dtype)
+    return (probe is not None and saved.dim() == 0 and saved.device.type == "cpu"
+            and torch.result_type(probe, saved) == probe.dtype)
+
+
 def _constant(node: Any, loss_side: int) -> float | None:
-    """The value autograd saved for the constant operand of ``node`` (the loss being input
-    ``loss_side``), when it is one number readable without waiting for a device."""
+    """The number written in Python that ``node`` scaled the loss (its input ``loss_side``) by, as
+    autograd saved it, or None (a tensor, or no number)."""
     saved = getattr(node, "_saved_other" if loss_side == 0 else "_saved_self", None)
     if isinstance(saved, bool):
         return None
     if isinstance(saved, int | float):
         return float(saved)
-    if (isinstance(saved, torch.Tensor) and saved.numel() == 1 and saved.device.type == "cpu"
-            and not saved.requires_grad and not saved.is_complex()):
-        return float(saved.reshape(()).item())
+    if isinstance(saved, torch.Tensor) and not saved.requires_grad and _written_in_python(saved):
+        return float(saved.item())
     return None
 
 
@@ -130,5 +148,5 @@ def accum_scaling_message(found: AccumScaling, *, accum_steps: int, rank: int) -
                   "the micro-batch's mean loss: engine.backward(loss)")
     return (f"rank {rank}: the loss passed to engine.backward() was {effect}. Its autograd graph ends "
             f"in a {found.op} by the constant {found.constant:g}. A loss meant to be scaled by a "
-            f"constant equal to {k} (or 1/{k}) passes with dspark.Engine(..., "
-            "allow_accum_scaled_loss=True)")
+            f"number equal to {k} (or 1/{k}), such as a sum divided by a count of samples or tokens "
+            f"that is {k} here, passes with dspark.Engine(..., allow_accum_scaled_loss=True)")
