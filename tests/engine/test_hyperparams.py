@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pickle
+
 import torch
 
 from dspark.engine.hyperparams import differences, fingerprint, hyperparameters
@@ -37,3 +39,18 @@ def test_differences_name_the_group_the_key_and_each_ranks_value() -> None:
                                            "param group 1 'momentum': '(not set)' on rank 0, 0.9 on rank 1"]
     assert differences([mine, mine[:1]]) == ["param groups: 2 on rank 0, 1 on rank 1"]
     assert differences([mine, mine]) == []
+
+
+class _Tag:
+    """An object of the program's kept in a param group: its repr names its address."""
+
+
+def test_an_object_in_a_group_compares_without_its_address() -> None:
+    # two processes hold the same program's objects at different addresses: two instances here
+    mine, theirs = _adamw(lr=0.1), _adamw(lr=0.1)
+    mine.param_groups[0]["tag"], theirs.param_groups[0]["tag"] = _Tag(), _Tag()
+    mine.param_groups[1]["hook"], theirs.param_groups[1]["hook"] = lambda lr: lr, lambda lr: lr
+    assert fingerprint(mine) == fingerprint(theirs)
+    assert pickle.loads(pickle.dumps(hyperparameters(mine))) == hyperparameters(theirs)  # gathered as is
+    theirs.param_groups[0]["tag"] = 1.0
+    assert fingerprint(mine) != fingerprint(theirs)

@@ -7,7 +7,8 @@ master_process:``, or from a value computed per rank) makes replicate's copies o
 (every rank then exports another model) and makes zero1-3 step one rank's rows with other values,
 all without an error. So each window's reduction also carries a fingerprint of this rank's
 hyper-parameters: every entry of every param group except ``params`` (``lr``, ``betas``,
-``weight_decay``, ``eps``, ``momentum``, ... whatever the optimizer keeps there), in one float64 of
+``weight_decay``, ``eps``, ``momentum``, ... whatever the optimizer keeps there; an object of the
+program's, such as a function, by its repr without the memory address), in one float64 of
 the small vector the reduction all-reduces anyway ([Note: step extras] in
 :mod:`dspark.engine.grad_reducer`): no extra collective. Fingerprints that differ are a
 ``ValueError`` on every rank (each sees every fingerprint), after one gather of the values that
@@ -20,6 +21,7 @@ the device at every step).
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,6 +32,7 @@ from dspark import comm
 __all__ = ["check_same_hyperparameters", "differences", "fingerprint", "hyperparameters"]
 
 _FINGERPRINT_BYTES = 6  # 48 bits: exact in a float64, and a chance of 2**-48 to miss a difference
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
 def _value(value: Any) -> Any:
@@ -39,7 +42,13 @@ def _value(value: Any) -> Any:
         return value.item()
     if isinstance(value, list | tuple):
         return tuple(_value(v) for v in value)
-    return value
+    if isinstance(value, dict):
+        return {key: _value(v) for key, v in value.items()}
+    if value is None or isinstance(value, int | float | complex | str | bytes):
+        return value
+    # an object of the program's (a function, an instance of its class): its repr names its address,
+    # which differs on every process; compared (and gathered, picklable) as that repr without it
+    return _ADDRESS.sub("", repr(value))
 
 
 def hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
@@ -106,5 +115,7 @@ def check_same_hyperparameters(fingerprints: Sequence[int], optimizer: torch.opt
         f"{' ...' if len(found) > 6 else ''}): under replicate each rank's copy of the model would "
         "part from the others', under zero1-3 each rank's rows would be stepped with its own values. "
         "A line changed optimizer.param_groups on some ranks only (under `if master_process:`, or with "
-        "a value computed from the rank): set them on every rank alike (the same schedule, the same "
-        "value), e.g. `for g in engine.optimizer.param_groups: g['lr'] = lr` on every rank")
+        "a value computed from the rank, such as a ReduceLROnPlateau stepped on each rank's own loss): "
+        "set them on every rank alike (the same schedule, the same value; a metric a scheduler reads "
+        "reduced over the ranks first, with dspark.reduce_metrics), e.g. `for g in "
+        "engine.optimizer.param_groups: g['lr'] = lr` on every rank")
