@@ -296,6 +296,9 @@ def test_zero3_names_an_evaluation_that_ran_on_one_rank_only(pool) -> None:
         assert_line_names(message, "this rank", "scale", mine)
         assert_line_names(message, f"rank {1 - rank}", "scale", theirs)
         assert "not on rank 0 alone" in message and "engine.full_state_dict()" in message
+        assert_names(message, "an evaluation on some ranks only", "if master_process")
+        # the evaluation's fix comes first, before the advice for a unit skipped in training
+        assert message.index("not on rank 0 alone") < message.index("LayerDrop")
         assert result["recovered"] is True
 
 

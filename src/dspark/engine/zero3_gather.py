@@ -163,20 +163,27 @@ class GatherTags:
             return
         me = comm.get_world().rank
         windows = (mine >> 56) != (tags[other] >> 56)
+        training = ("In training, a unit that runs on some ranks only (an early exit, LayerDrop, expert "
+                    "routing that skips a block on one rank): make the choice the same on every rank (seed "
+                    "it alike), or run the skipped unit with a zero contribution (e.g. on an empty batch, "
+                    "or multiplied by 0).")
+        evaluation = ("In evaluation: evaluate on every rank (each on its own share of the data), not on "
+                      "rank 0 alone; generate the same number of tokens on every rank (HuggingFace's "
+                      "generate(): synced_gpus=True, the default DSpark gives the engine's module); for an "
+                      "evaluation on one rank, load engine.full_state_dict() into a plain copy of the model.")
+        phases = {(tag >> 48) & 0xFF for tag in (mine, tags[other])}
+        if NO_GRAD in phases and len(phases) == 2:  # one side evaluates, the other does not
+            advice = ("One side ran a forward without grad that the other did not: an evaluation on some "
+                      "ranks only, such as `if master_process: estimate_loss()` kept from a DDP loop. "
+                      f"{evaluation} {training}")
+        else:
+            advice = f"{training} {evaluation}"
         raise CollectiveError(
             f"rank {me}: under zero3 the ranks gathered different parameters in one all-gather: this "
             f"rank gathered {self._describe(mine, windows)}, rank {self._ranks(other)} "
-            f"{self._describe(tags[other], windows)}. Each "
-            "zero3 forward and backward gathers parameters together with every rank, so every rank "
-            "must run the same units in the same order. In training, a unit that runs on some ranks "
-            "only (an early exit, LayerDrop, expert routing that skips a block on one rank): make "
-            "the choice the same on every rank (seed it alike), or run the skipped unit with a zero "
-            "contribution (e.g. on an empty batch, or multiplied by 0). In evaluation: evaluate on "
-            "every rank (each on its own share of the data), not on rank 0 alone; generate the same "
-            "number of tokens on every rank (HuggingFace's generate(): synced_gpus=True, the default "
-            "DSpark gives the engine's module); for an evaluation on one rank, load "
-            "engine.full_state_dict() into a plain copy of the model. Or train with "
-            "strategy='zero2', which runs such models as one process does.")
+            f"{self._describe(tags[other], windows)}. {advice} Each zero3 forward and backward gathers "
+            "parameters together with every rank, so every rank must run the same units in the same "
+            "order; or train with strategy='zero2', which runs such models as one process does.")
 
     def _describe(self, tag: int, window: bool = False) -> str:
         phase, first, last = (tag >> 48) & 0xFF, (tag >> 24) & 0xFFFFFF, tag & 0xFFFFFF
