@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
 import dspark
+from tests.messages import assert_names
 
 NUM_SAMPLES = 1001
 GLOBAL_BATCH = 64
@@ -132,3 +133,34 @@ def test_mismatches_are_errors_naming_each_ranks_value(pool, kind: str, words: l
     errors = [line for line in failed.value.args[0].splitlines() if line.startswith("ValueError")]
     assert len(errors) == 2, failed.value.args[0]  # raised on both ranks
     assert all(word in error for word in words for error in errors), errors
+
+
+def _kept_over_the_pass(skip_padding: bool) -> dict[str, object]:
+    """21 samples at 4 on 2 ranks: the last batch is 1 sample, rank 1's a padding copy of it. Each
+    batch's ids kept (or only real ones), then gathered and reduced once after the pass."""
+    loader = dspark.DataLoader(TensorDataset(torch.arange(21)), global_batch_size=4, shuffle=False,
+                               drop_last=False)
+    kept = []
+    for (ids,) in loader:
+        if not (skip_padding and loader.batch_info is not None and loader.batch_info.padding):
+            kept.append(ids)
+    ids = torch.cat(kept)
+    out: dict[str, object] = {}
+    for call in ("gather", "reduce"):
+        try:
+            out[call] = (sorted(dspark.gather_for_metrics(ids).tolist()) if call == "gather" else
+                         dspark.reduce_metrics({"mean_id": ids.double().mean()}, weight=len(ids))["mean_id"].item())
+        except ValueError as exc:
+            out[call] = str(exc)
+    return out
+
+
+def test_rows_kept_over_a_pass_that_ended_on_padding_are_refused(pool) -> None:
+    """Gathered once after the pass, the padding copy would count sample 20 twice (22 ids, a mean of
+    10.45 instead of 10): refused on both ranks, naming rank 1's 11 rows; kept without the padding,
+    they are every sample once (in rank order, not the dataset's: gather per batch for that)."""
+    for out in pool.run(_kept_over_the_pass, False):
+        assert_names(out["gather"], "rank 1's rows (11)", "loader.batch_info.padding")
+        assert_names(out["reduce"], "rank 1's weight (11)", "loader.batch_info.local_size")
+    for out in pool.run(_kept_over_the_pass, True):
+        assert out == {"gather": list(range(21)), "reduce": 10.0}

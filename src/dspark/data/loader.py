@@ -34,7 +34,7 @@ from dspark.data.order import (
     local_rows,
     smaller_batch_fix,
 )
-from dspark.data.padding import mark_current_batch
+from dspark.data.padding import mark_current_batch, mark_pass_end
 from dspark.data.sampler import GlobalBatchSampler
 from dspark.data.stream import CollateWithInfo, RankStream
 
@@ -247,13 +247,15 @@ class DataLoader:
         self._generator.manual_seed(epoch_seed(epoch_seed(self.seed, epoch), self.rank))
         if self._sampler is not None and self._torch_loader is not None:
             self._sampler.epoch, self._sampler.start_batch = epoch, start
+            rows = padding_rows = 0
             for index, batch in enumerate(self._torch_loader, start=start):
-                self._batch_info = self._sampler.batch_info(epoch, index)
+                self._batch_info = info = self._sampler.batch_info(epoch, index)
                 self._advance(last=index + 1 == len(self._sampler.sizes))
-                mark_current_batch(padding=self._batch_info.padding > 0)
+                rows, padding_rows = rows + info.local_size + info.padding, padding_rows + info.padding
+                mark_current_batch(padding=info.padding > 0)
                 yield batch
                 self._check_current(generation)  # before fetching more: a stale pass takes nothing
-            mark_current_batch(padding=False)
+            mark_pass_end(rows=rows, padding_rows=padding_rows)
             return
         stream = RankStream(self.dataset, global_batch_size=self.global_batch_size, rank=self.rank,
                             world_size=self.world_size, drop_last=self.drop_last, epoch=epoch,
@@ -261,6 +263,7 @@ class DataLoader:
         loader = TorchDataLoader(stream, batch_size=None, collate_fn=CollateWithInfo(self.collate_fn),
                                  generator=self._generator, **self._torch_kwargs)
         items = iter(loader)
+        rows = padding_rows = 0
         while True:
             try:
                 item = next(items, None)
@@ -277,10 +280,11 @@ class DataLoader:
             info, batch = item
             self._batch_info = info
             self._advance(last=False)
+            rows, padding_rows = rows + info.local_size + info.padding, padding_rows + info.padding
             mark_current_batch(padding=info.padding > 0)
             yield batch
             self._check_current(generation)
-        mark_current_batch(padding=False)
+        mark_pass_end(rows=rows, padding_rows=padding_rows)
         self._epoch, self._consumed = epoch + 1, 0  # the stream's end is this epoch's end
 
     def _settings(self) -> dict[str, int]:

@@ -20,7 +20,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from dspark import comm
-from dspark.data.padding import current_batch_is_padding
+from dspark.data.padding import current_batch_is_padding, rows_with_padding
 
 __all__ = ["gather_for_metrics", "reduce_metrics"]
 
@@ -59,11 +59,14 @@ def gather_for_metrics(x: T) -> T:
         return x
     if current_batch_is_padding():
         leaves = [leaf[:0] for leaf in leaves]
-    described = comm.all_gather_object((str(spec), [_describe(leaf) for leaf in leaves]))
-    _check_alike(described)
+    pass_rows = rows_with_padding()
+    kept_padding = pass_rows if pass_rows is not None and all(leaf.shape[0] == pass_rows for leaf in leaves) else None
+    described = comm.all_gather_object((str(spec), [_describe(leaf) for leaf in leaves], kept_padding))
+    _refuse_kept_padding("gather_for_metrics", "rows", [kept for _, _, kept in described])
+    _check_alike([(spec_r, parts) for spec_r, parts, _ in described])
     gathered = []
     for i, leaf in enumerate(leaves):
-        counts = [parts[i][0] for _, parts in described]
+        counts = [parts[i][0] for _, parts, _ in described]
         longest = max(counts)
         padded = leaf.new_zeros((longest, *leaf.shape[1:]))
         padded[: leaf.shape[0]] = leaf.detach()
@@ -86,6 +89,20 @@ def _check_alike(described: list[tuple[str, list[tuple[int, tuple[int, ...], str
                 f"gather_for_metrics: part {i} differs between ranks beyond its rows: "
                 + ", ".join(f"rank {r}: rows x {shape} {dtype}" for r, (shape, dtype) in enumerate(kinds))
                 + "; every rank must pass the same trailing shape and dtype")
+
+
+def _refuse_kept_padding(call: str, what: str, kept: list[int | None]) -> None:
+    """Refuse, on every rank, rows kept over a whole pass that ended on padding (see [Note: padding
+    batches] in :mod:`dspark.data.padding`): ``kept[r]`` is rank ``r``'s row count if its input was
+    exactly those rows."""
+    ranks = [(r, n) for r, n in enumerate(kept) if n is not None]
+    if ranks:
+        raise ValueError(
+            f"{call}: " + ", ".join(f"rank {r}'s {what} ({n})" for r, n in ranks) + " = the rows its last "
+            "pass over a dspark.DataLoader handed out, its padding batch included (a copy of a sample "
+            "another rank holds), so that sample would count twice. Gather or reduce per batch, inside "
+            "the loop, or keep a batch's rows only when not loader.batch_info.padding (and weigh by "
+            "loader.batch_info.local_size)")
 
 
 def reduce_metrics(metrics: Mapping[str, Any], *, weight: float | int | torch.Tensor = 1.0
@@ -118,8 +135,13 @@ def reduce_metrics(metrics: Mapping[str, Any], *, weight: float | int | torch.Te
                      + [(v * w if w > 0 else torch.zeros_like(v)).reshape(-1) for v in values])
     world = comm.get_world()
     packed = flat.to(world.device) if world.device.type != "cpu" else flat
+    pass_rows = rows_with_padding()
+    kept_padding = pass_rows if pass_rows is not None and w == pass_rows else None
     # metrics that differ in names or shapes between ranks would misalign the sums silently
-    layouts = comm.all_gather_object([(name, tuple(v.shape)) for name, v in zip(names, values, strict=True)])
+    described = comm.all_gather_object(([(name, tuple(v.shape)) for name, v in zip(names, values, strict=True)],
+                                        kept_padding))
+    _refuse_kept_padding("reduce_metrics", "weight", [kept for _, kept in described])
+    layouts = [layout for layout, _ in described]
     if any(layout != layouts[0] for layout in layouts):
         raise ValueError("reduce_metrics: the ranks passed different metrics ("
                          + "; ".join(f"rank {r}: {layout}" for r, layout in enumerate(layouts))

@@ -19,7 +19,10 @@ padding, never a mix, so "this rank's current batch is padding" says everything:
   another rank's sample by design).
 
 The current batch is the one a ``dspark.DataLoader`` of this process handed out last: a real batch
-clears the mark, and so does the end of a pass.
+clears the mark, and so does the end of a pass. A loop that keeps every batch's rows to gather once
+after the pass would count the padding copy too; a pass that ended on padding is therefore noted
+(the rows it handed out, padding included) until the next batch, and the metrics refuse, on every
+rank, a gather or a weight of exactly those rows.
 
 Example::
 
@@ -29,15 +32,36 @@ Example::
 
 from __future__ import annotations
 
-__all__ = ["current_batch_is_padding", "mark_current_batch"]
+__all__ = ["current_batch_is_padding", "mark_current_batch", "mark_pass_end", "rows_with_padding"]
 
 _padding = False
+_pass_rows: int | None = None
+"""The rows (padding included) of the last pass, when it handed out padding and no batch came since."""
 
 
 def mark_current_batch(*, padding: bool) -> None:
     """Record whether the batch a loader hands out now is padding (see [Note: padding batches])."""
-    global _padding
+    global _padding, _pass_rows
     _padding = padding
+    _pass_rows = None
+
+
+def mark_pass_end(*, rows: int, padding_rows: int) -> None:
+    """A loader's pass ended, having handed out ``rows`` rows of which ``padding_rows`` were padding."""
+    global _padding, _pass_rows
+    _padding = False
+    _pass_rows = rows if padding_rows > 0 else None
+
+
+def rows_with_padding() -> int | None:
+    """The rows the last pass handed out, padding included, if it handed out padding and no batch
+    came since: rows kept over that whole pass count another rank's sample twice.
+
+    Example::
+
+        rows_with_padding()   # 51 after a pass of 50 real rows and 1 padding row on this rank
+    """
+    return _pass_rows
 
 
 def current_batch_is_padding() -> bool:
