@@ -129,6 +129,11 @@ class RowCost:
     compute_ms: float
     comm_exposed_ms: float
     optimizer_ms: float
+    step_ms_low: float | None = None
+    """The lowest step the probe's rounds predict for this row (see [Note: steady steps] in
+    :mod:`dspark.planner.probe_timing`); None: the probe kept no rounds."""
+    step_ms_high: float | None = None
+    """The highest."""
 
 
 def _padded_bytes(spec: ParamSpec, num_ranks: int) -> int:
@@ -271,6 +276,18 @@ def _exposed_comm_ms(shape: ModelShape, probe: Probe, policy: ShardingPolicy, n:
     return max(stalls, _serial_exposed(items + [(0.0, g, 0.0) for g in gathers], backward_ms)) + local_ms + after_ms
 
 
+def _step_interval(probe: Probe, micro_batch: int, passes: int, exposed_ms: float,
+                   optimizer_ms: float) -> dict[str, float]:
+    """The row's step by each of the probe's rounds: their lowest and highest (see [Note: steady
+    steps]); none without rounds."""
+    rounds = list(zip(probe.forward_ms_rounds, probe.backward_ms_rounds, probe.optimizer_ms_rounds, strict=False))
+    if not rounds:
+        return {}
+    share = optimizer_ms / probe.optimizer_ms if probe.optimizer_ms > 0 else 0.0
+    steps = [passes * (f.at(micro_batch) + b.at(micro_batch)) + exposed_ms + o * share for f, b, o in rounds]
+    return {"step_ms_low": min(steps), "step_ms_high": max(steps)}
+
+
 def row_cost(*, shape: ModelShape, probe: Probe, strategy: str, num_ranks: int, micro_batch: int,
              passes: int, bucket_mb: float, link: Interconnect, shard_group_size: int | None = None) -> RowCost:
     """One rank's predicted memory and step for ``strategy`` on ``num_ranks`` ranks running
@@ -317,4 +334,5 @@ def row_cost(*, shape: ModelShape, probe: Probe, strategy: str, num_ranks: int, 
                        baseline_bytes=probe.process_baseline_bytes, allocator_share=probe.allocator_share,
                        mapped_bytes=mapped_state_bytes(shape, policy, split, bucket_mb),
                        collective_heap_bytes=collective_heap_bytes(shape, bucket_mb)),
-                   compute_ms=compute_ms, comm_exposed_ms=exposed, optimizer_ms=optimizer_ms)
+                   compute_ms=compute_ms, comm_exposed_ms=exposed, optimizer_ms=optimizer_ms,
+                   **_step_interval(probe, micro_batch, passes, exposed, optimizer_ms))

@@ -38,6 +38,7 @@ from torch.utils._pytree import tree_map
 from dspark.meta.materialize import has_meta_tensors, materialize
 from dspark.planner.peak_memory import PeakMarks, measure_interval_peaks
 from dspark.planner.probe_record import Line, Probe, beyond_held_gradients, fit_line, interval_lines
+from dspark.planner.probe_timing import time_rounds
 from dspark.planner.process_memory import HEAP_SHARE, library_baseline_bytes, model_modules
 from dspark.policy.optimizer_kernel import prefer_fused_kernel
 from dspark.policy.state_bytes import expected_state_bytes, optimizer_state_elements
@@ -213,26 +214,19 @@ def measure_probe(model: nn.Module, sample_batch: Any, *, loss_fn: LossFn | None
     work.to(device).train()
     modules = dict(work.named_modules())
     runner = _Runner(work, optimizer, precision, device, [modules[name] for name in units])
-    fwd: list[tuple[int, float]] = []
-    bwd: list[tuple[int, float]] = []
     peaks: list[tuple[int, float]] = []
     intervals: list[tuple[int, tuple[int, ...], list[float], list[float]]] = []
-    opt: list[float] = []
     ready: list[float] = [1.0] * len(runner.params)
     shares: list[float] = [0.0] * len(units)
     state: tuple[int, bool] = (0, False)
     state_bytes = 0
+    prepared = {rows: _to(slice_batch(sample_batch, rows), device) for rows in dict.fromkeys(batches)}
     try:
-        for rows in batches:
-            batch = _to(slice_batch(sample_batch, rows), device)
+        for rows, batch in prepared.items():
             runner.step(batch, loss_fn)  # warm-up: kernels chosen, optimizer state allocated
             state = optimizer_state_elements(runner.optimizer)
             state_bytes = _one_device_state_bytes(work, runner.params, state)
-            timings = [runner.step(batch, loss_fn) for _ in range(steps)]
-            fwd.append((rows, 1e3 * statistics.median(t[0] for t in timings)))
-            bwd.append((rows, 1e3 * statistics.median(t[1] for t in timings)))
-            opt.extend(t[2] for t in timings)
-            _, b_s, _, b_start = timings[-1]
+            _, b_s, _, b_start = runner.step(batch, loss_fn)
             ready = [min(1.0, max(0.0, (runner.ready.get(i, b_start + b_s) - b_start) / b_s))
                      for i in range(len(runner.params))]
             shares = _unit_shares(runner.unit_times, len(units), runner.forward_span)
@@ -244,21 +238,31 @@ def measure_probe(model: nn.Module, sample_batch: Any, *, loss_fn: LossFn | None
             intervals.append((rows, tuple(e for e in runner.events if e >= 0),
                               beyond_held_gradients(by_interval, runner.events, grad_bytes, held),
                               beyond_held_gradients(runner.marks.levels, runner.events, grad_bytes, held)))
+        timing = time_rounds(lambda rows: runner.step(prepared[rows], loss_fn)[:3], batches, ROUND_STEPS)
     finally:
         runner.close()
+    if len(peaks) == 1:  # one batch size given twice
+        peaks.append(peaks[0])
+        intervals.append(intervals[0])
     grad_bytes_total = sum(p.numel() * p.element_size() for p in runner.params)
-    optimizer_ms = 1e3 * statistics.median(opt)
     quarter_ms = _quarter_optimizer_ms(runner.params, optimizer, device, steps)
     # full = fixed + per_row_share, quarter = fixed + per_row_share / 4
-    optimizer_fixed_ms = min(optimizer_ms, max(0.0, (4 * quarter_ms - optimizer_ms) / 3))
-    return Probe(device=str(device), batches=batches, forward_ms=fit_line(fwd), backward_ms=fit_line(bwd),
-                 optimizer_ms=optimizer_ms, step_bytes=fit_line(peaks),
+    optimizer_fixed_ms = min(timing.optimizer_ms, max(0.0, (4 * quarter_ms - timing.optimizer_ms) / 3))
+    return Probe(device=str(device), batches=batches, forward_ms=timing.forward_ms, backward_ms=timing.backward_ms,
+                 optimizer_ms=timing.optimizer_ms, step_bytes=fit_line(peaks),
                  grad_ready=tuple(ready), unit_forward_share=tuple(shares), optimizer_state=state,
-                 optimizer_fixed_ms=optimizer_fixed_ms, copy_bytes_per_s=measure_copy_bytes_per_s(device, min(grad_bytes_total, _COPY_MAX_BYTES)),
+                 optimizer_fixed_ms=optimizer_fixed_ms,
+                 copy_bytes_per_s=measure_copy_bytes_per_s(device, min(grad_bytes_total, _COPY_MAX_BYTES)),
+                 timing_rounds=timing.rounds, steady=timing.steady, step_spread=timing.spread,
+                 forward_ms_rounds=timing.forward_ms_rounds, backward_ms_rounds=timing.backward_ms_rounds,
+                 optimizer_ms_rounds=timing.optimizer_ms_rounds, refused_fits=timing.refused_fits,
                  **interval_lines(intervals), **process_terms(model, device, library_baseline))
 
 
 _COPY_MAX_BYTES = 64 << 20
+ROUND_STEPS = 2
+"""Steps at each batch size in one timing round (see [Note: steady steps]): rounds, not steps
+within one, are what the probe repeats until steady."""
 
 
 def _quarter_optimizer_ms(params: Sequence[torch.Tensor], optimizer: Callable[..., torch.optim.Optimizer],

@@ -76,6 +76,19 @@ class Probe:
     allocator_share: float = 0.0
     """The allocator's memory beyond the live tensors, as a share of the tensor peak (see
     [Note: process memory])."""
+    timing_rounds: int = 1
+    """Rounds the step was timed in (see [Note: steady steps] in :mod:`dspark.planner.probe_timing`)."""
+    steady: bool = True
+    """Whether the rounds kept were within ``STEADY_SPREAD`` of each other (False: a busy machine)."""
+    step_spread: float = 0.0
+    """Range over median of the kept rounds' steps at the larger batch."""
+    forward_ms_rounds: tuple[Line, ...] = ()
+    """Each kept round's own forward line (the rows' intervals come from them); empty: one value."""
+    backward_ms_rounds: tuple[Line, ...] = ()
+    optimizer_ms_rounds: tuple[float, ...] = ()
+    refused_fits: tuple[str, ...] = ()
+    """Parts (``"forward"``, ``"backward"``) whose fit implied more than linear speed-up and were
+    taken as proportional to the batch instead."""
     accumulation_bytes: tuple[Line, ...] = ()
     """The same bytes at the end of the model's forward and of the loss, at the instant of each
     accumulation of ``grad_events``
@@ -138,7 +151,13 @@ class Probe:
                        accumulation_bytes=tuple(Line(**line) for line in data.get("accumulation_bytes", ())),
                        process_baseline_bytes=int(data.get("process_baseline_bytes", 0)),
                        baseline_in_rank=bool(data.get("baseline_in_rank", False)),
-                       allocator_share=float(data.get("allocator_share", 0.0)))
+                       allocator_share=float(data.get("allocator_share", 0.0)),
+                       timing_rounds=int(data.get("timing_rounds", 1)), steady=bool(data.get("steady", True)),
+                       step_spread=float(data.get("step_spread", 0.0)),
+                       forward_ms_rounds=tuple(Line(**line) for line in data.get("forward_ms_rounds", ())),
+                       backward_ms_rounds=tuple(Line(**line) for line in data.get("backward_ms_rounds", ())),
+                       optimizer_ms_rounds=tuple(map(float, data.get("optimizer_ms_rounds", ()))),
+                       refused_fits=tuple(map(str, data.get("refused_fits", ()))))
         except (KeyError, TypeError, IndexError) as exc:
             raise ValueError(f"not a probe written by dspark.plan: {exc!r} (keys: {sorted(data)})") from None
 

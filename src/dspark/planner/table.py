@@ -31,7 +31,7 @@ from dspark.policy.strategies import HYBRID_STRATEGIES, STRATEGIES, all_strategi
 from dspark.policy.units import unit_modules
 
 __all__ = ["PEAK_MARGIN", "Plan", "PlanRow", "default_memory_budget", "describe_need", "format_plan", "hybrid_group",
-           "loop_advice", "model_shape", "needed_bytes", "plan"]
+           "loop_advice", "model_shape", "needed_bytes", "plan", "probe_notes"]
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +165,8 @@ def _mb(nbytes: float | None) -> str:
 
 
 _COLUMNS = ("strategy", "devices", "micro", "params", "grads", "optim", "activ", "buffers",
-            "runtime", "peak MB", "process MB", "compute", "comm", "optim ms", "step ms", "speedup", "fits")
+            "runtime", "peak MB", "process MB", "compute", "comm", "optim ms", "step ms", "step range",
+            "speedup", "fits")
 
 
 def format_plan(plan: Plan) -> str:
@@ -182,6 +183,7 @@ def format_plan(plan: Plan) -> str:
         batch += " (activations from a fake trace; compute and optimizer not measured)"
     lines = [f"plan: {batch}, {plan.precision}, interconnect "
              f"{plan.interconnect}, budget per rank {budget}, probe: {plan.probe.device}"]
+    lines += probe_notes(plan.probe)
     table = [list(_COLUMNS)]
     for r in plan.rows:
         ref = base.get(r.strategy, one)
@@ -191,6 +193,8 @@ def format_plan(plan: Plan) -> str:
                                                     r.runtime_bytes, r.peak_bytes)),
                       "-" if r.process_peak_bytes is None else f"{r.process_peak_bytes / 1e6:.1f}",
                       *(f"{t:.1f}" for t in (r.compute_ms, r.comm_exposed_ms, r.optimizer_ms, r.step_ms)),
+                      "-" if r.step_ms_low is None or r.step_ms_high is None
+                      else f"{r.step_ms_low:.1f}-{r.step_ms_high:.1f}",
                       "-" if ref is None or r.step_ms <= 0 else f"{ref / r.step_ms:.2f}x",
                       "yes" if r.fits else "NO"])
     widths = [max(len(row[i]) for row in table) for i in range(len(_COLUMNS))]
@@ -208,6 +212,29 @@ def format_plan(plan: Plan) -> str:
     for passes, micro in split:
         lines.append(f"micro {micro} x {passes}: " + loop_advice(passes, micro))
     return "\n".join(lines)
+
+
+def probe_notes(probe: Probe) -> list[str]:
+    """How sure the probe's step times are, in lines for the plan's table (see [Note: steady steps]
+    in :mod:`dspark.planner.probe_timing`).
+
+    Example::
+
+        probe_notes(plan.probe)   # ["probe: steps timed in 3 rounds, steady (their spread ...) ..."]
+    """
+    out = []
+    if probe.forward_ms_rounds:
+        if probe.steady:
+            out.append(f"probe: steps timed in {probe.timing_rounds} rounds, steady (their spread "
+                       f"{probe.step_spread:.0%}); step range: the rounds' own predictions")
+        else:
+            out.append(f"probe: steps NOT steady after {probe.timing_rounds} rounds: they spread "
+                       f"{probe.step_spread:.0%} (a busy machine?); the step range says how far; re-plan "
+                       "on a quiet machine for a firm figure")
+    if probe.refused_fits:
+        out.append(f"probe: the {' and '.join(probe.refused_fits)} time's fit implied more than linear "
+                   "speed-up over ranks: taken as proportional to the batch instead")
+    return out
 
 
 def loop_advice(passes: int, micro_batch: int) -> str:
