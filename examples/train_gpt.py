@@ -1,12 +1,13 @@
 """Train a small GPT-2-style model with DSpark, on synthetic text, on 1..N devices.
 
     dspark run --nproc 2 examples/train_gpt.py --strategy zero2 --precision bf16
-    dspark run --nproc 2 examples/train_gpt.py --strategy auto --memory-budget-mib 40
+    dspark run --nproc 2 examples/train_gpt.py --strategy auto --memory-budget-mib 1000 --seq-len 512 --vocab 8192
     python examples/train_gpt.py                      # one process, same code
 
 Every rank builds the same model and draws the same global batch; distribute_batch keeps this rank's
 rows (strong scaling), split into the engine's micro-batches. With ``--strategy auto`` the planner
-picks the strategy and the micro-batch that fit ``--memory-budget-mib`` from one step's batch (unless
+picks the strategy and the micro-batch whose process peak fits ``--memory-budget-mib`` (torch and its
+heap included: about 0.6 GB on a CPU) from one step's batch (unless
 ``--grad-accum`` fixes the micro-batch). The synthetic text has structure (every other token follows from the one
 before), so the loss falls from ~ln(vocab) towards ~ln(vocab)/2.
 """

@@ -71,22 +71,32 @@ class BufferPool:
         self._turn: dict[torch.dtype, int] = {}
 
     def take(self, owner: GradBucket, dtype: torch.dtype, numel: int, device: torch.device) -> torch.Tensor:
+        key = self.wait_turn(owner, dtype)
+        if key is None:
+            # the bucket before in this turn is still packing gradients into its buffer (see
+            # [Note: packed as they arrive]): this one gets a buffer of its own, outside the pool
+            return torch.empty(numel, dtype=dtype, device=device)
+        buf = self._buffers.get(key)
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(numel, dtype=dtype, device=device)
+            self._buffers[key] = buf
+        return buf[:numel]
+
+    def wait_turn(self, owner: GradBucket, dtype: torch.dtype) -> tuple[torch.dtype, int] | None:
+        """Take the next turn for ``owner``: the bucket that held it collects its result first, so no
+        more than ``depth`` buckets' collectives are in flight, whether they send a pooled buffer or a
+        gradient of their own (see [Note: a bucket of one adopts its gradient]). Returns the turn's key,
+        or None where its holder is still filling its buffer (it cannot be collected yet)."""
         turn = self._turn.get(dtype, 0)
         self._turn[dtype] = (turn + 1) % self.depth
         key = (dtype, turn)
         previous = self._owners.get(key)
         if previous is not None and previous is not owner and previous.filling:
-            # that bucket is still packing gradients into it (see [Note: packed as they arrive]):
-            # this one gets a buffer of its own, outside the pool
-            return torch.empty(numel, dtype=dtype, device=device)
+            return None
         if previous is not None and previous is not owner:
             previous.collect()
-        buf = self._buffers.get(key)
-        if buf is None or buf.numel() < numel:
-            buf = torch.empty(numel, dtype=dtype, device=device)
-            self._buffers[key] = buf
         self._owners[key] = owner
-        return buf[:numel]
+        return key
 
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
@@ -245,7 +255,7 @@ class GradBucket:
         grad = slot.param.grad
         if grad is None or id(slot) in self._packed:
             return
-        if self._send is None and self._adopt_as_send(slot, grad):
+        if self._send is None and self._adopt_as_send(slot, grad, send_pool):
             return
         send = self._send_buffer(send_pool)
         offset = self.offsets[self.slots.index(slot)]
@@ -253,7 +263,7 @@ class GradBucket:
         slot.param.grad = None  # zero2/zero3 keep no whole gradient
         self._packed.add(id(slot))
 
-    def _adopt_as_send(self, slot: ParamSlot, grad: torch.Tensor) -> bool:
+    def _adopt_as_send(self, slot: ParamSlot, grad: torch.Tensor, send_pool: BufferPool) -> bool:
         """A bucket of one parameter whose rows split evenly: its gradient, in memory order, already is
         the ``(N, seg)`` send layout (chunk ``r`` in row ``r``, no padding), so it is sent as it is."""
         n = self.num_ranks
@@ -262,6 +272,7 @@ class GradBucket:
                 or tuple(grad.stride()) != slot.strides
                 or grad.untyped_storage().nbytes() != slot.numel * grad.element_size()):
             return False
+        send_pool.wait_turn(self, self.wire_dtype)  # in flight with the pooled buffers, not beside them
         self._send = memory_order_flat(slot, grad).view(n, self.seg)
         slot.param.grad = None
         self._packed.add(id(slot))
