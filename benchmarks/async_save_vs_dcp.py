@@ -34,6 +34,7 @@ from torch import nn
 
 import dspark
 from dspark.bench.artifacts.table import write_table
+from dspark.bench.measure.rounds import round_order
 from dspark.checkpoint import wait_for_pending_save
 
 WIDTH = 1024
@@ -71,7 +72,7 @@ def main() -> int:
     calls: dict[str, list[float]] = {"dspark": [], "dcp": []}
     nexts: dict[str, list[float]] = {"dspark": [], "dcp": []}
     for i in range(args.saves):
-        for mode in ("dspark", "dcp"):
+        for mode in round_order(["dspark", "dcp"], i):
             for _ in range(args.steps_between):
                 plain.append(step(engine, x))
             path = args.ckpt / f"{mode}-{i % 2}"
@@ -92,7 +93,7 @@ def main() -> int:
         print(f"median step without a save {baseline:.1f} ms, {world.world_size} rank(s)")
         print(f"{'mode':<7} {'save call':>10} {'next step':>10} {'stall':>10}")
         rows = []
-        for mode in ("dspark", "dcp"):
+        for mode in round_order(["dspark", "dcp"], i):
             stall = [c + max(0.0, n - baseline) for c, n in zip(calls[mode], nexts[mode], strict=True)]
             rows.append([mode, *(f"{statistics.median(v):.1f}" for v in (calls[mode], nexts[mode], stall))])
             print(f"{mode:<7} {rows[-1][1]:>10} {rows[-1][2]:>10} {rows[-1][3]:>10}")

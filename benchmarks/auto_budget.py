@@ -34,8 +34,8 @@ def worker(name: str, budget: int, steps: int) -> None:
     import dspark
     from dspark import comm
     from dspark.bench.measure.memory import peak_rss_bytes
+    from dspark.engine.for_the_lab import needed_bytes
     from dspark.models.plan_zoo import build
-    from dspark.planner.table import needed_bytes
 
     dspark.init()
     torch.set_num_threads(1)

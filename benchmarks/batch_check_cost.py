@@ -28,8 +28,9 @@ import dspark
 from dspark import comm
 from dspark.bench.artifacts.table import write_table
 from dspark.bench.measure.barrier_timing import barrier_timed_ms
+from dspark.bench.measure.rounds import round_order
+from dspark.engine.for_the_lab import batch_fingerprint
 from dspark.models import get_workload
-from dspark.tensor.fingerprint import batch_fingerprint
 
 
 def parse_args() -> argparse.Namespace:
@@ -66,9 +67,8 @@ def main() -> None:
         batch = tuple(t.clone() for t in dspark.distribute_batch(whole, shard_dim=0))
         # A B, then B A: the engine that steps first after a new batch is made pays for it (a cold
         # cache, fresh allocations), so a fixed order charged that to the checking engine every step
-        order = list(engines.items()) if i % 2 == 0 else list(reversed(engines.items()))
-        for every, engine in order:
-            elapsed = barrier_timed_ms(functools.partial(step, engine, batch), world.device)
+        for every in round_order(list(engines), i):
+            elapsed = barrier_timed_ms(functools.partial(step, engines[every], batch), world.device)
             if i >= args.warmup:
                 step_ms[every].append(elapsed)
         fp = batch_fingerprint(batch, device=world.device)

@@ -14,21 +14,22 @@ import gc
 import os
 
 import torch
-from interleaved import interleaved_medians, median_step_ms
 
 import dspark
+from dspark.bench.measure.barrier_timing import median_step_ms
 from dspark.bench.measure.cpu_load import core_for_rank, pin_all_threads
+from dspark.bench.measure.rounds import interleaved_rounds
 from dspark.models import get_workload
 
 
 def _step_ms(workload_name: str, strategy: str, precision: str, bucket_mb: float,
-             steps: int) -> float:
+             steps: int, global_batch: int | None) -> float:
     workload = get_workload(workload_name)
     engine = dspark.Engine(workload.build_model(seed=0), strategy=strategy, precision=precision,
                            optimizer=functools.partial(torch.optim.AdamW, lr=3e-4),
                            bucket_mb=bucket_mb)
     # two warm-up steps: the first also rebuilds the buckets
-    return median_step_ms(engine, workload, workload.default_global_batch, steps, warmup=2)
+    return median_step_ms(engine, workload, global_batch or workload.default_global_batch, steps, warmup=2)
 
 
 def main() -> None:
@@ -37,6 +38,7 @@ def main() -> None:
     parser.add_argument("--strategy", default="replicate")
     parser.add_argument("--precision", default="bf16")
     parser.add_argument("--sizes", default="25,4,1", help="comma-separated bucket_mb values")
+    parser.add_argument("--global-batch", type=int, default=None, help="default: the workload's")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
@@ -47,11 +49,11 @@ def main() -> None:
             pin_all_threads(core)
     world = dspark.init()
     def measure(size: float) -> tuple[str, float]:
-        return "", _step_ms(args.workload, args.strategy, args.precision, size, args.steps)
+        return "", _step_ms(args.workload, args.strategy, args.precision, size, args.steps, args.global_batch)
 
     if world.is_main:
         print(f"{args.workload}, {args.strategy}, {args.precision}, {world.world_size} ranks", flush=True)
-    interleaved_medians({f"bucket_mb={float(s):g}": functools.partial(measure, float(s))
+    interleaved_rounds({f"bucket_mb={float(s):g}": functools.partial(measure, float(s))
                          for s in args.sizes.split(",")}, args.rounds, verbose=world.is_main)
     gc.collect()
     dspark.shutdown()

@@ -67,8 +67,7 @@ def generate(*, lines: int | None = None, size_bytes: int | None = None) -> str:
 
 
 def _measure_one(path: str) -> dict[str, float]:
-    from dspark.check.driver import check_paths
-    from dspark.check.placement_rules import check_source
+    from dspark.check import check_paths, check_source
 
     check_source(_HEADER + _BLOCK.format(i=0), "warm-up.py")   # imports done before the clock starts
     start, cpu_start = time.perf_counter(), time.process_time()

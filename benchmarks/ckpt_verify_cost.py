@@ -5,11 +5,11 @@ checkpoint with the check and without it, interleaved, median of several.
     python benchmarks/ckpt_verify_cost.py --repeats 5 --cache cold     # files evicted first
     python benchmarks/ckpt_verify_cost.py --repeats 5 --cache both --sha256 --out DIR
 
-One process (world size 1, CPU). The model is a stack of 4096x4096 linear layers trained one step
-with AdamW, so that parameters and optimizer state make ``--gb`` of checkpoint. "Without" loads a
+One process (world size 1, CPU). The model is a stack of 4096x4096 linear layers (``--width``)
+trained one step with AdamW, so that parameters and optimizer state make ``--gb`` of checkpoint. "Without" loads a
 twin of the checkpoint that has no manifest (format 2: its files hard links to the same bytes,
-so both read the same page cache), which DSpark loads unverified with a warning: the code path
-is the same but for the check. ``--sha256`` adds a third twin whose manifest holds sha256 digests
+so both read the same page cache), which DSpark loads unverified, with a warning, when told so
+(``engine.load(path, verify=False)``): the code path is the same but for the check. ``--sha256`` adds a third twin whose manifest holds sha256 digests
 of the same files, as checkpoints saved before BLAKE3 have. ``--cache cold`` evicts the files from
 the page cache before every load (``posix_fadvise(DONTNEED)``), so each load reads from the disk,
 as a resumed job does.
@@ -40,8 +40,9 @@ import torch
 
 import dspark
 from dspark.bench.artifacts.table import write_table
-from dspark.checkpoint import digest
-from dspark.checkpoint.manifest import MANIFEST_FILE
+from dspark.bench.measure.rounds import round_order
+from dspark.engine.for_the_lab import MANIFEST_FILE
+from dspark.engine.for_the_lab import checkpoint_digest as digest
 
 COLUMNS = ["page cache", "manifest hash", "load without check s", "load with check s", "check's cost",
            "reading thread CPU s", "hash threads CPU s", "load average"]
@@ -52,8 +53,8 @@ def _process_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _engine(layers: int) -> dspark.Engine:
-    model = torch.nn.Sequential(*(torch.nn.Linear(4096, 4096, bias=False) for _ in range(layers)))
+def _engine(layers: int, width: int) -> dspark.Engine:
+    model = torch.nn.Sequential(*(torch.nn.Linear(width, width, bias=False) for _ in range(layers)))
     return dspark.Engine(model, optimizer=functools.partial(torch.optim.AdamW, lr=1e-4), strategy="replicate")
 
 
@@ -116,6 +117,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gb", type=float, default=1.0, help="checkpoint size to aim for")
     parser.add_argument("--repeats", type=int, default=5, help="loads of each kind")
+    parser.add_argument("--width", type=int, default=4096, help="each linear layer is width x width")
     parser.add_argument("--cache", choices=["warm", "cold", "both"], default="warm",
                         help="page cache before each load: warm, cold (files evicted), or both in turn")
     parser.add_argument("--cold", action="store_true", help="the same as --cache cold")
@@ -128,9 +130,9 @@ def main() -> None:
     logging.getLogger("dspark.checkpoint.info").setLevel(logging.ERROR)   # the twin's warning, each load
     load_before = os.getloadavg()
     dspark.init(backend="gloo")
-    layers = max(1, round(args.gb * 1e9 / (4096 * 4096 * 4 * 3)))   # parameter + two AdamW moments
-    engine = _engine(layers)
-    engine.backward(engine(torch.randn(8, 4096)).square().mean())
+    layers = max(1, round(args.gb * 1e9 / (args.width**2 * 4 * 3)))   # parameter + two AdamW moments
+    engine = _engine(layers, args.width)
+    engine.backward(engine(torch.randn(8, args.width)).square().mean())
     engine.step()
     rows: list[list[object]] = []
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
@@ -142,8 +144,8 @@ def main() -> None:
             _sha256_twin(ckpt, Path(tmp) / "sha256")
             kinds["sha256"] = Path(tmp) / "sha256"
         size = sum(p.stat().st_size for p in ckpt.iterdir())
-        for path in kinds.values():
-            engine.load(path)   # warm-up: allocator, first-touch of the destination buffers
+        for kind, path in kinds.items():   # warm-up: allocator, first-touch of the destination buffers
+            engine.load(path, verify=kind != "without")
         for cache in caches:
             times: dict[str, list[float]] = {kind: [] for kind in kinds}
             # CPU seconds of the load's own thread and of every other thread (the hash workers): where
@@ -151,12 +153,12 @@ def main() -> None:
             reading_cpu: dict[str, list[float]] = {kind: [] for kind in kinds}
             other_cpu: dict[str, list[float]] = {kind: [] for kind in kinds}
             for i in range(args.repeats):
-                order = list(kinds.items())
-                for kind, path in order if i % 2 == 0 else order[::-1]:   # interleaved: noise falls on all
+                for kind in round_order(list(kinds), i):   # interleaved: noise falls on all
+                    path = kinds[kind]
                     if cache == "cold":
                         _evict(path)
                     start, thread_start, process_start = time.perf_counter(), time.thread_time(), _process_cpu_s()
-                    engine.load(path)
+                    engine.load(path, verify=kind != "without")
                     times[kind].append(time.perf_counter() - start)
                     reading_cpu[kind].append(time.thread_time() - thread_start)
                     other_cpu[kind].append(_process_cpu_s() - process_start - reading_cpu[kind][-1])
@@ -179,7 +181,7 @@ def main() -> None:
     dspark.shutdown()
     load_after = os.getloadavg()
     rates = ", ".join(f"{name} {_hash_rate_gb_s(name):.2f} GB/s" for name in digest.HASH_NAMES)
-    conditions = (f"{size / 1e9:.2f} GB checkpoint ({layers} linear layers of 4096x4096 with AdamW state), "
+    conditions = (f"{size / 1e9:.2f} GB checkpoint ({layers} linear layers of {args.width}x{args.width} with AdamW state), "
                   f"one process, {os.cpu_count()} cores, {digest.spare_threads()} hash thread(s) beside "
                   f"the load; {args.repeats} loads of each kind interleaved, medians; hash on one core: "
                   f"{rates}; load average {load_before[0]:.2f} before, {load_after[0]:.2f} after")

@@ -22,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+from dspark.bench.measure.rounds import round_order
+
 CHOICES = ("default", "tuned", "heap", "lean")
 
 
@@ -30,7 +32,7 @@ def child(args: argparse.Namespace) -> None:
 
     import dspark
     from dspark import cpu_malloc
-    from dspark.models.registry import get_workload
+    from dspark.models import get_workload
 
     torch.set_num_threads(1)
     dspark.init()
@@ -63,6 +65,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="timed steps per process")
     parser.add_argument("--rounds", type=int, default=2, help="processes per choice, interleaved")
     parser.add_argument("--out", type=Path, default=None, help="write DIR/table.json")
+    parser.add_argument("--choices", default=",".join(CHOICES), help="comma-separated, of " + ", ".join(CHOICES))
     parser.add_argument("--child", choices=CHOICES, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -70,9 +73,12 @@ def main() -> None:
         return
     argv = ["--workload", args.workload, "--batch", str(args.batch), "--precision", args.precision,
             "--warmup", str(args.warmup), "--steps", str(args.steps)]
-    runs: dict[str, list[dict[str, object]]] = {c: [] for c in CHOICES}
+    choices = args.choices.split(",")
+    if unknown := sorted(set(choices) - set(CHOICES)):
+        parser.error(f"--choices {args.choices!r}: unknown {unknown}; the choices are {', '.join(CHOICES)}")
+    runs: dict[str, list[dict[str, object]]] = {c: [] for c in choices}
     for round_index in range(args.rounds):
-        for choice in CHOICES:
+        for choice in round_order(choices, round_index):
             env = {**os.environ, "DSPARK_CPU_MALLOC": choice, "OMP_NUM_THREADS": "1"}
             # stderr passes through: a child that fails shows its error, not only its exit status
             done = subprocess.run([sys.executable, __file__, *argv, "--child", choice], env=env,

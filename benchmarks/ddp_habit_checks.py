@@ -36,9 +36,8 @@ import torch
 
 import dspark
 from dspark import comm
-from dspark.engine.hyperparams import fingerprint
-from dspark.engine.loss_graph import accum_scaling
-from dspark.engine.sharded_grad import ShardedGradMarks
+from dspark.engine.for_the_lab import ShardedGradMarks, accum_scaling
+from dspark.engine.for_the_lab import hyperparameter_fingerprint as fingerprint
 from dspark.models import get_workload
 
 ACCUM = 2
@@ -123,7 +122,7 @@ def main() -> None:
         if world.is_main:
             print(json.dumps(results[-1]), flush=True)
     if world.is_main and args.out is not None:
-        from dspark.bench.table_artifact import write_table
+        from dspark.bench.artifacts.table import write_table
 
         keys = ["workload", "strategy", "parameters", "step_ms", "loss_check_us_per_backward",
                 "fingerprint_us_per_step", "stand_ins_us_per_step", "checks_us_per_step", "share_of_step_percent"]

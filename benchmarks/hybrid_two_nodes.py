@@ -41,22 +41,23 @@ NODES, PER_NODE = 2, 2
 GROUPS = ("shard", "replica", "world")
 
 
-def _workload() -> tuple[torch.nn.Module, Any, Any, int]:
+def _workload(global_batch: int | None) -> tuple[torch.nn.Module, Any, Any, int]:
     from dspark.models import get_workload
 
     wl = get_workload(WORKLOAD)
-    return wl.build_model(seed=0), wl.make_batch(wl.default_global_batch, seed=0), wl.loss, wl.default_global_batch
+    batch = global_batch or wl.default_global_batch
+    return wl.build_model(seed=0), wl.make_batch(batch, seed=0), wl.loss, batch
 
 
-def worker(strategy: str, steps: int) -> None:
+def worker(strategy: str, steps: int, global_batch: int | None) -> None:
     """One strategy on every rank of the two launches; rank 0 prints one JSON line."""
     import dspark
     from dspark import comm
     from dspark.bench.measure.barrier_timing import barrier_timed_ms
-    from dspark.planner.peak_memory import measure_peak_bytes
+    from dspark.engine.for_the_lab import measure_peak_bytes
 
     world = dspark.init()
-    model, batch, loss_fn, _ = _workload()
+    model, batch, loss_fn, _ = _workload(global_batch)
     engine = dspark.Engine(model, optimizer=functools.partial(torch.optim.AdamW, lr=1e-4), strategy=strategy)
     inputs, targets = dspark.distribute_batch(batch, shard_dim=0)
 
@@ -88,8 +89,7 @@ def link_worker() -> None:
     """The link inside each node's pair and over the world; rank 0 prints the two-level link."""
     import dspark
     from dspark import comm
-    from dspark.planner.link_probe import measure_link
-    from dspark.policy import group_layout
+    from dspark.engine.for_the_lab import group_layout, measure_link
 
     world = dspark.init()
     across = measure_link(world)
@@ -102,7 +102,8 @@ def link_worker() -> None:
 
 
 def _link(data: dict[str, Any]) -> Any:
-    from dspark.planner.interconnect import Interconnect, LinkCost
+    from dspark.engine.for_the_lab import LinkCost
+    from dspark.planner import Interconnect
 
     def one(d: dict[str, Any]) -> Interconnect:
         return Interconnect(**{**d, "inter_node": None, "per_collective": tuple(
@@ -138,19 +139,19 @@ COLUMNS = ("strategy", "groups", "state MB per rank predicted", "state MB measur
            "across groups", "over the world")
 
 
-def run(steps: int) -> dict[str, Any]:
+def run(steps: int, global_batch: int | None) -> dict[str, Any]:
     import dspark
 
     link_data = two_launches("--link-worker")
     link = _link(link_data)
-    model, batch, loss_fn, global_batch = _workload()
+    model, batch, loss_fn, global_batch = _workload(global_batch)
     torch.set_num_threads(1)
     plan = dspark.plan(model, batch, loss_fn, devices=[NODES * PER_NODE], strategies=list(STRATEGIES),
                        global_batch=global_batch, interconnect=link, shard_group_size=PER_NODE)
     print(plan, flush=True)
     rows = []
     for strategy in STRATEGIES:
-        got = two_launches("--worker", strategy, str(steps))
+        got = two_launches("--worker", strategy, str(steps), "--global-batch", str(global_batch))
         row = plan.row(strategy, NODES * PER_NODE)
         rows.append({"strategy": strategy, "shard_group_size": got["shard_group_size"],
                      "predicted_state_bytes": row.model_state_bytes, "measured_state_bytes": got["state_bytes"],
@@ -180,15 +181,16 @@ def main() -> None:
     parser.add_argument("--worker", nargs=2, metavar=("STRATEGY", "STEPS"), help=argparse.SUPPRESS)
     parser.add_argument("--link-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--global-batch", type=int, default=None, help="default: the workload's")
     parser.add_argument("--out", type=Path, help="write DIR/table.json and DIR/hybrid-two-nodes.json")
     args = parser.parse_args()
     if args.link_worker:
         link_worker()
         return
     if args.worker:
-        worker(args.worker[0], int(args.worker[1]))
+        worker(args.worker[0], int(args.worker[1]), args.global_batch)
         return
-    data = run(args.steps)
+    data = run(args.steps, args.global_batch)
     for row in table_rows(data):
         print(" | ".join(map(str, row)))
     if args.out is not None:

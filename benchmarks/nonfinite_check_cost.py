@@ -30,7 +30,8 @@ import dspark
 from dspark import comm
 from dspark.bench.artifacts.table import write_table
 from dspark.bench.measure.barrier_timing import barrier_timed_ms
-from dspark.engine.finite_check import new_flag, scale_and_check
+from dspark.bench.measure.rounds import round_order
+from dspark.engine.for_the_lab import new_flag, scale_and_check
 from dspark.models import get_workload
 
 BUCKET_MB = 25.0  # the engine's default bucket size
@@ -42,6 +43,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--workload", default="gpt2-cpu", help="a name from dspark.models.WORKLOADS")
     parser.add_argument("--strategies", default="replicate,zero2", help="comma-separated")
     parser.add_argument("--precision", default=None, help="default: the workload's own (the quick suite's)")
+    parser.add_argument("--global-batch", type=int, default=None, help="default: the workload's")
     parser.add_argument("--steps", type=int, default=20, help="timed steps of each engine")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--out", type=Path, default=None, help="write DIR/table.json (rank 0)")
@@ -65,7 +67,7 @@ def _flag_all_reduces(flag: torch.Tensor) -> None:
 
 
 def measure(workload_name: str, strategy: str, precision: str | None, steps: int,
-            warmup: int) -> dict[str, Any]:
+            warmup: int, global_batch: int | None = None) -> dict[str, Any]:
     world = dspark.get_world()
     workload = get_workload(workload_name)
     factory = functools.partial(torch.optim.AdamW, lr=1e-4)
@@ -86,9 +88,9 @@ def measure(workload_name: str, strategy: str, precision: str | None, steps: int
     plain_ms, fused_ms, flag_ms = [], [], []
     flag = new_flag(world.device)
     for i in range(warmup + steps):
-        whole = workload.make_batch(workload.default_global_batch, seed=i, device=world.device)
+        whole = workload.make_batch(global_batch or workload.default_global_batch, seed=i, device=world.device)
         batch = tuple(t.clone() for t in dspark.distribute_batch(whole, shard_dim=0))
-        order = [True, False] if i % 2 == 0 else [False, True]
+        order = round_order([True, False], i)
         for on in order:
             elapsed = barrier_timed_ms(functools.partial(step, engines[on], batch), world.device)
             if i >= warmup:
@@ -123,7 +125,7 @@ def main() -> None:
     world = dspark.init()
     if world.device.type == "cpu":
         torch.set_num_threads(1)  # one worker = one core
-    results = [measure(args.workload, s, args.precision, args.steps, args.warmup)
+    results = [measure(args.workload, s, args.precision, args.steps, args.warmup, args.global_batch)
                for s in args.strategies.split(",")]
     if world.is_main:
         for result in results:
@@ -137,8 +139,9 @@ def main() -> None:
             rows = [[r["workload"], r["strategy"], r["precision"],
                      *(f"{r[key] / 1e6:.1f}" if key.endswith("bytes") else json.dumps(r[key])
                        for key in figures.values())] for r in results]
+            batch = "the workload's" if args.global_batch is None else f"a {args.global_batch}-sample"
             write_table(args.out, columns=["workload", "strategy", "precision", *figures], rows=rows,
-                        caption=f"{world.world_size} ranks on {world.device.type}, AdamW, the workload's "
+                        caption=f"{world.world_size} ranks on {world.device.type}, AdamW, {batch} "
                                 f"global batch split over the ranks. The check's parts, over this rank's "
                                 f"reduced gradients in {BUCKET_MB:g} MB buckets: the plain scaling pass "
                                 f"and the fused scale-and-check pass that replaces it, taking turns, and "

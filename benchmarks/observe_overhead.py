@@ -35,9 +35,7 @@ from torch import nn
 import dspark
 from dspark import comm
 from dspark.bench.artifacts.table import write_table
-from dspark.engine.engine import engine_parts
-from dspark.engine.inputs import ForwardInputs
-from dspark.engine.step_observer import StepObserver
+from dspark.engine.for_the_lab import ForwardInputs, StepObserver, engine_parts
 
 _BLOCK = 2
 _DIRECT_REPEATS = 2000

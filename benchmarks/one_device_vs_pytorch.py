@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 import dspark
+from dspark.bench.measure.rounds import round_order
 from dspark.models import get_workload
 
 _SEED = 0
@@ -120,8 +121,7 @@ def measure(name: str, *, global_batch: int, micro_batch: int, precision: str, r
     peaks: dict[str, int] = {choice: 0 for choice in built}
     names = list(built)
     for round_index in range(rounds):
-        shift = round_index % len(names)
-        for choice in names[shift:] + names[:shift]:
+        for choice in round_order(names, round_index):
             step, _ = built[choice]
             for _ in range(warmup if round_index == 0 else 0):
                 step()

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from dspark.bench.measure.rounds import round_order
+
 KERNELS = {"for-loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
 
 
@@ -37,8 +39,9 @@ def main() -> None:
         optimizers[name] = torch.optim.AdamW(params, lr=1e-3, **options)
         optimizers[name].step()  # creates the state
     times: dict[str, list[float]] = {name: [] for name in KERNELS}
-    for _ in range(args.repeats):
-        for name, opt in optimizers.items():
+    for repeat in range(args.repeats):
+        for name in round_order(list(optimizers), repeat):
+            opt = optimizers[name]
             start = time.perf_counter()
             for _ in range(args.steps):
                 opt.step()

@@ -27,10 +27,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+from dspark.engine import STRATEGIES
+from dspark.engine.for_the_lab import HYBRID_STRATEGIES, hybrid_group, needed_bytes
 from dspark.models import get_workload
 from dspark.planner import Plan, PlanRow, Probe, get_interconnect, model_shape, row_cost
-from dspark.planner.table import hybrid_group, needed_bytes
-from dspark.policy import HYBRID_STRATEGIES, STRATEGIES
 
 ARTIFACTS = Path(__file__).parent / "results" / "2026-12-04-h200" / "final"
 H200_BYTES = 143771 * 2**20

@@ -58,7 +58,7 @@ def worker(name: str, precision: str, strategy: str, steps: int, size: str) -> N
     import dspark
     from dspark import comm
     from dspark.bench.measure.memory import peak_rss_bytes
-    from dspark.planner.peak_memory import measure_peak_bytes
+    from dspark.engine.for_the_lab import measure_peak_bytes
 
     world = dspark.init()
     torch.set_num_threads(1)
@@ -96,7 +96,7 @@ def link_worker() -> None:
     import dataclasses
 
     import dspark
-    from dspark.planner.link_probe import measure_link
+    from dspark.engine.for_the_lab import measure_link
 
     world = dspark.init()
     link = measure_link(world)
@@ -107,7 +107,8 @@ def link_worker() -> None:
 
 def link_from_dict(data: dict[str, Any]) -> Any:
     """The :class:`dspark.planner.Interconnect` ``dataclasses.asdict`` wrote."""
-    from dspark.planner.interconnect import Interconnect, LinkCost
+    from dspark.engine.for_the_lab import LinkCost
+    from dspark.planner import Interconnect
 
     return Interconnect(**{**data, "inter_node": None,
                            "per_collective": tuple((name, LinkCost(**cost)) for name, cost in data["per_collective"])})

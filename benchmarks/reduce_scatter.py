@@ -27,14 +27,14 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from interleaved import interleaved_medians, median_call_ms, median_step_ms
 
 import dspark
 from dspark import comm
 from dspark.bench.artifacts.table import write_table
+from dspark.bench.measure.barrier_timing import median_call_ms, median_step_ms
 from dspark.bench.measure.cpu_load import core_for_rank, pin_all_threads
-from dspark.comm import shm_transport
-from dspark.engine import build as build_module
+from dspark.bench.measure.rounds import interleaved_rounds
+from dspark.engine.for_the_lab import SHARDED_REDUCE, SHM_ENV
 from dspark.models import get_workload
 
 
@@ -66,15 +66,15 @@ def collectives(sizes: list[float], repeats: int, world: dspark.World) -> tuple[
     return columns, rows
 
 
-def _step_ms(workload_name: str, strategy: str, precision: str, path: str, steps: int,
+def _step_ms(workload_name: str, strategy: str, precision: str, path: str, steps: int, global_batch: int,
              world: dspark.World) -> float:
     # the engine's per-backend choice (as tests/engine/test_training_loops.py sets it)
-    build_module.SHARDED_REDUCE[world.backend] = path
+    SHARDED_REDUCE[world.backend] = path
     workload = get_workload(workload_name)
     engine = dspark.Engine(workload.build_model(seed=0), strategy=strategy, precision=precision,
                            optimizer=functools.partial(torch.optim.AdamW, lr=3e-4))
     # two warm-up steps: the first also rebuilds the buckets
-    return median_step_ms(engine, workload, workload.default_global_batch, steps, warmup=2)
+    return median_step_ms(engine, workload, global_batch, steps, warmup=2)
 
 
 def main() -> None:
@@ -84,6 +84,7 @@ def main() -> None:
     parser.add_argument("--workload", help="also time the engine's step on this workload")
     parser.add_argument("--strategies", default="zero2,zero3")
     parser.add_argument("--precision", default="fp32")
+    parser.add_argument("--global-batch", type=int, default=None, help="default: the workload's")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--out", type=Path, default=None, help="write DIR/table.json (rank 0)")
@@ -94,7 +95,7 @@ def main() -> None:
     if core is not None:  # None: fewer cores than ranks, nobody is pinned
         pin_all_threads(core)
     # this compares gloo's own paths: DSpark's shared-memory transport would carry them otherwise
-    os.environ[shm_transport.SHM_ENV] = "0"
+    os.environ[SHM_ENV] = "0"
     world = dspark.init()
     if world.backend != "gloo":
         raise SystemExit(f"this compares gloo's paths; the backend here is {world.backend}")
@@ -110,15 +111,16 @@ def main() -> None:
                             f"all-to-all and a local sum. Rank 0's median wall time of {args.repeats} "
                             f"calls after 3 warm-up calls, every call started on all ranks together.")
     def measure(strategy: str, path: str) -> tuple[str, float]:
-        return "", _step_ms(args.workload, strategy, args.precision, path, args.steps, world)
+        return "", _step_ms(args.workload, strategy, args.precision, path, args.steps, global_batch, world)
 
+    global_batch = args.global_batch or (get_workload(args.workload).default_global_batch if args.workload else 0)
     if args.workload:
         step_rows = []
         for strategy in args.strategies.split(","):
             if world.is_main:
                 print(f"{args.workload}, {strategy}, {args.precision}", flush=True)
             paths = {path: f"{strategy} by {path}" for path in ("all_reduce", "reduce_scatter")}
-            values = interleaved_medians({name: functools.partial(measure, strategy, path)
+            values = interleaved_rounds({name: functools.partial(measure, strategy, path)
                                           for path, name in paths.items()},
                                          args.rounds, verbose=world.is_main)
             step_rows += [[strategy, path, f"{statistics.median(values[name]):.1f}",
@@ -128,7 +130,7 @@ def main() -> None:
                         columns=["strategy", "buckets reduced by", "step ms", "rounds min-max ms"],
                         rows=step_rows,
                         caption=f"The engine's step on {args.workload} (global batch "
-                                f"{get_workload(args.workload).default_global_batch}, {args.precision}, "
+                                f"{global_batch}, {args.precision}, "
                                 f"AdamW), {world.world_size} gloo ranks, {cores}. Each engine: 2 warm-up "
                                 f"steps, then the median of {args.steps} steps; the two paths interleaved "
                                 f"over {args.rounds} rounds, the order rotating; the median over the rounds "

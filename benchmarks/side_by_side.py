@@ -37,6 +37,7 @@ from dspark import comm
 from dspark.bench.artifacts.table import write_table
 from dspark.bench.measure.cpu_load import core_for_rank, pin_all_threads
 from dspark.bench.measure.peers import PEERS, dspark_engine_options, make_engine
+from dspark.bench.measure.rounds import round_order
 from dspark.models import get_workload
 
 DEFAULT_PAIRS = "replicate:torch-ddp,zero3:torch-fsdp2"
@@ -99,8 +100,7 @@ def _run_pair(ours: str, theirs: str, workload: Any, precision: str, global_batc
         gc.disable()  # a collection inside a timed step would be charged to that engine
         try:
             for index in range(warmup, warmup + steps):
-                order = sides if index % 2 == 0 else sides[::-1]
-                for side in order:
+                for side in round_order(sides, index):
                     side.step(index, timed=True)
         finally:
             gc.enable()

@@ -20,6 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from dspark.bench.measure.rounds import round_order
+
 SCRIPT = """
 import dspark
 world = dspark.init()
@@ -62,9 +64,9 @@ def main() -> None:
             IMPORT_ONLY: [sys.executable, "-c", "import dspark"],
         }
         times: dict[str, list[tuple[float, float]]] = {name: [] for name in commands}
-        for _ in range(args.repeats):
-            for name, command in commands.items():
-                times[name].append(one_run(command))
+        for repeat in range(args.repeats):
+            for name in round_order(list(commands), repeat):
+                times[name].append(one_run(commands[name]))
     print(f"median of {args.repeats} (interleaved), seconds:  first output   exit")
     rows = []
     for name, runs in times.items():

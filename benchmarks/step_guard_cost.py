@@ -64,6 +64,9 @@ def _workload(name: str, device: torch.device) -> tuple[Callable[[], nn.Module],
             workload.loss, "fp32")
 
 
+# This script imports nothing of the lab's (dspark.bench), so that it runs against an older checkout
+# too (see the docstring): its timing and its turns are the lab's barrier_timed_ms and round_order
+# written out.
 def _timed_ms(fn: Callable[[], Any]) -> float:
     comm.barrier()
     start = time.perf_counter()

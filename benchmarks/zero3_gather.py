@@ -21,11 +21,12 @@ import functools
 import gc
 
 import torch
-from interleaved import interleaved_medians, median_call_ms
 
 import dspark
 from dspark import comm
-from dspark.engine.zero3_units import unit_modules
+from dspark.bench.measure.barrier_timing import median_call_ms
+from dspark.bench.measure.rounds import interleaved_rounds
+from dspark.engine.for_the_lab import unit_modules
 from dspark.models import get_workload
 
 
@@ -84,7 +85,7 @@ def main() -> None:
               f"{total / 1e6:.1f} MB gathered per pass, {world.world_size} ranks through "
               f"{comm.transport()!r}", flush=True)
     n = world.world_size
-    interleaved_medians({
+    interleaved_rounds({
         "packed": functools.partial(_pass_ms, functools.partial(_packed, units, n), args.repeats),
         "parts": functools.partial(_pass_ms, functools.partial(_parts, units, n), args.repeats),
     }, args.rounds, verbose=world.is_main)

@@ -20,10 +20,11 @@ import functools
 import gc
 
 import torch
-from interleaved import interleaved_medians, median_step_ms
 
 import dspark
-from dspark.engine.zero3_units import unit_modules
+from dspark.bench.measure.barrier_timing import median_step_ms
+from dspark.bench.measure.rounds import interleaved_rounds
+from dspark.engine.for_the_lab import unit_modules
 from dspark.models import get_workload
 
 
@@ -66,7 +67,7 @@ def main() -> None:
         count, ms = _step_ms(args.workload, units, args.steps, args.global_batch)
         return f" ({count} units)", ms
 
-    interleaved_medians({name: functools.partial(measure, units) for name, units in policies.items()},
+    interleaved_rounds({name: functools.partial(measure, units) for name, units in policies.items()},
                         args.rounds, verbose=world.is_main)
     gc.collect()
     dspark.shutdown()

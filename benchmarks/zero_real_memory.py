@@ -28,10 +28,12 @@ def main() -> int:
     parser.add_argument("--strategies", default="replicate,zero1,zero2,zero3",
                         help="comma-separated; the first is what the others' saving is counted against")
     parser.add_argument("--nproc", type=int, default=2, help="ranks per job")
+    parser.add_argument("--width", type=int, default=WIDTH, help="each Linear is width x width")
     parser.add_argument("--out", type=Path, default=None, help="write DIR/table.json")
     args = parser.parse_args()
     strategies = args.strategies.split(",")
-    peaks = {strategy: peak_rss_per_rank(strategy, nproc=args.nproc) for strategy in strategies}
+    peaks = {strategy: peak_rss_per_rank(strategy, nproc=args.nproc, width=args.width)
+             for strategy in strategies}
     base = strategies[0]
     num_params = peaks[base][0]["num_params"]
     columns = ["strategy", *(f"peak RSS rank {r} MiB" for r in range(args.nproc)),
@@ -47,7 +49,7 @@ def main() -> int:
         print(" | ".join(row))
     if args.out is not None:
         write_table(args.out, columns=columns, rows=rows,
-                    caption=f"{LAYERS} x Linear({WIDTH}, {WIDTH}), {num_params / 1e6:.1f}M parameters, "
+                    caption=f"{LAYERS} x Linear({args.width}, {args.width}), {num_params / 1e6:.1f}M parameters, "
                             f"AdamW, {STEPS} steps, {args.nproc} ranks, one fresh job per strategy: peak "
                             f"resident memory (VmHWM) per rank, MiB; the saving is the mean over ranks "
                             f"of {base}'s peak minus the strategy's, per parameter.")

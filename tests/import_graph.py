@@ -94,17 +94,35 @@ def import_graph(src: Path) -> list[Import]:
         [i for i in import_graph(Path("src")) if i.importer == "dspark.comm.world"]
     """
     modules = modules_of(src)
-    edges: dict[Import, None] = {}  # ordered, each import once (`from m import a, b` is one)
+    edges: list[Import] = []
     for module, path in modules.items():
-        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
         file = str(path.relative_to(src.parent)) if path.is_relative_to(src.parent) else str(path)
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
-            for target in _targets(node, package, modules):
-                if target.split(".")[0] != ROOT_PACKAGE:
-                    continue
-                imported = _resolve(target, modules)
-                if imported is not None and imported != module:
-                    edges[Import(module, imported, file, getattr(node, "lineno", 0))] = None
+        edges += _imports_in(path, module, file, modules)
+    return edges
+
+
+def script_imports(path: Path, src: Path, *, root: Path) -> list[Import]:
+    """The imports of DSpark's modules (those under ``src``) by a script outside the package, such as
+    ``benchmarks/NAME.py``; the importer is named by its path relative to ``root``.
+
+    Example::
+
+        script_imports(Path("benchmarks/zero3_units.py"), Path("src"), root=Path("."))
+    """
+    name = str(path.relative_to(root))
+    return _imports_in(path, name, name, modules_of(src))
+
+
+def _imports_in(path: Path, module: str, file: str, modules: Mapping[str, Path]) -> list[Import]:
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    edges: dict[Import, None] = {}  # ordered, each import once (`from m import a, b` is one)
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+        for target in _targets(node, package, modules):
+            if target.split(".")[0] != ROOT_PACKAGE:
+                continue
+            imported = _resolve(target, modules)
+            if imported is not None and imported != module:
+                edges[Import(module, imported, file, getattr(node, "lineno", 0))] = None
     return list(edges)
 
 

@@ -17,12 +17,15 @@ from tests.import_graph import (
     Layers,
     cycles,
     import_graph,
+    layer_of,
     layering_violations,
     modules_of,
+    script_imports,
 )
 from tests.messages import assert_line_names, assert_names
 
 SRC = Path(dspark.__file__).resolve().parent.parent
+ROOT = SRC.parent
 
 LAYERS = Layers(
     rank={
@@ -134,6 +137,88 @@ def test_the_rules_on_a_synthetic_graph() -> None:
     assert "is gone" in stale
     ring = [edge("a.x", "a.y"), edge("a.y", "a.z"), edge("a.z", "a.x"), edge("a.z", "a.w")]
     assert cycles(ring) == [["a.x", "a.y", "a.z"]]
+
+
+# The lab's one door ([Note: the lab's one door] in dspark/engine/for_the_lab.py): dspark/bench/ and
+# the scripts in benchmarks/ use the training core through the public names of its packages and the
+# one module that declares what else they need.
+
+CORE = frozenset({"comm", "tensor", "policy", "meta", "engine", "planner", "data", "checkpoint", "logs"})
+"""The training core's packages, which the lab may not reach into (``dspark.models`` holds the lab's
+workloads and the planner's test models: plain PyTorch, open to it)."""
+LAB_DOOR = "dspark.engine.for_the_lab"
+
+
+def _public_names(package: str) -> frozenset[str]:
+    """The names a package's ``__init__.py`` lists in ``__all__``, read with ``ast``."""
+    init = SRC / package.replace(".", "/") / "__init__.py"
+    for node in ast.walk(ast.parse(init.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
+            return frozenset(ast.literal_eval(node.value))
+    return frozenset()
+
+
+def lab_door_violations(edges: list[Import], names: dict[Import, list[str]]) -> list[str]:
+    """Each import by the lab (``edges``, with the names each imports) of the core that is neither
+    its package's public names nor the declared module, one line naming the file, the module and
+    the way in."""
+    problems = []
+    for edge in edges:
+        layer = layer_of(edge.imported)
+        if layer not in CORE or edge.imported == LAB_DOOR:
+            continue
+        if edge.imported != f"dspark.{layer}":
+            problems.append(f"{edge.where()}: imports {edge.imported}, inside the training core: "
+                            f"use the public names of dspark.{layer}, or add what the lab needs to "
+                            f"{LAB_DOOR}")
+            continue
+        hidden = sorted(set(names.get(edge, ())) - _public_names(edge.imported))
+        if hidden:
+            problems.append(f"{edge.where()}: imports {', '.join(hidden)} from {edge.imported}, "
+                            f"not in its __all__: add what the lab needs to {LAB_DOOR}")
+    return problems
+
+
+def _lab_imports() -> tuple[list[Import], dict[Import, list[str]]]:
+    edges = [e for e in import_graph(SRC) if e.importer.startswith("dspark.bench")]
+    for script in sorted((ROOT / "benchmarks").glob("*.py")):
+        edges += script_imports(script, SRC, root=ROOT)
+    names: dict[Import, list[str]] = {}
+    for edge in edges:  # the names `from PACKAGE import a, b` takes, for the package's own imports
+        path = ROOT / edge.file if not edge.file.startswith("dspark/") else SRC / edge.file
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if (isinstance(node, ast.ImportFrom) and node.module == edge.imported
+                    and node.lineno == edge.line):
+                names[edge] = [alias.name for alias in node.names]
+    return edges, names
+
+
+def test_the_lab_reaches_the_core_only_through_public_names_and_its_one_door() -> None:
+    edges, names = _lab_imports()
+    assert len({e.file for e in edges}) > 40, "the lab's modules and the benchmark scripts"
+    assert not (problems := lab_door_violations(edges, names)), "\n".join(problems)
+
+
+def test_every_name_of_the_door_is_used_by_the_lab() -> None:
+    import dspark.engine.for_the_lab as door
+
+    edges, names = _lab_imports()
+    used = {name for edge in edges if edge.imported == LAB_DOOR for name in names.get(edge, ())}
+    assert set(door.__all__) - used == set(), "names the lab no longer needs: remove them"
+
+
+def test_the_lab_rule_names_a_planted_way_in() -> None:
+    inside = Import("benchmarks/x.py", "dspark.engine.grad_reducer", "benchmarks/x.py", 3)
+    hidden = Import("dspark.bench.measure.y", "dspark.planner", "dspark/bench/measure/y.py", 7)
+    fine = [Import("benchmarks/x.py", LAB_DOOR, "benchmarks/x.py", 4),
+            Import("benchmarks/x.py", "dspark.launch.launcher", "benchmarks/x.py", 5)]
+    first, second = lab_door_violations([inside, hidden, *fine],
+                                        {hidden: ["plan", "table"], fine[0]: ["wire_bytes"]})
+    assert first.startswith("benchmarks/x.py:3: ")
+    assert_names(first, "dspark.engine.grad_reducer", LAB_DOOR)
+    assert second.startswith("dspark/bench/measure/y.py:7: ")
+    assert_names(second, "table", "dspark.planner", LAB_DOOR)
+    assert "plan," not in second
 
 
 # Below: what a layer may reach for outside DSpark (kept from the per-package tests this replaced).

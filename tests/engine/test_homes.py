@@ -22,6 +22,7 @@ HOMES: dict[str, tuple[str, ...]] = {
     "engine": ("engine/test_parity.py", "engine/test_modes.py", "engine/test_single_process.py"),
     "failure_agreement": ("engine/test_rank_disagreement.py",),
     "finite_check": ("engine/test_nonfinite.py", "engine/test_fp16.py"),
+    "for_the_lab": ("test_layering.py",),  # what it holds is checked against what the lab imports
     "global_batchnorm": ("engine/test_batchnorm.py",),
     "grad_bucket": ("engine/test_communication.py", "engine/test_mixed_dtypes.py",
                     "engine/test_rank_dependent_use.py"),

@@ -10,7 +10,9 @@
   ``python -m dspark.bench.record`` keeps a measurement and ``python -m dspark.bench.figures`` renders
   docs/figures.md from the kept ones.
 
-``import dspark`` and a training run never import it. Names are imported on first use: every
+The lab uses the training core through the public names of its packages and one declared module,
+:mod:`dspark.engine.for_the_lab` (see [Note: the lab's one door]); ``import dspark`` and a training
+run never import the lab. Names are imported on first use: every
 benchmark worker process imports this package, and it should not pay for SQLite, rich and
 matplotlib to measure one configuration.
 

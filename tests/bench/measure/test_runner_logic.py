@@ -43,8 +43,8 @@ def test_rounds_alternate_baseline_and_n_devices() -> None:
     names = {ONE: one, TWO: two, BUG: bug, OTHER_ONE: o1, OTHER_TWO: o2}
     assert [(r, names[c]) for r, c in plan] == [
         (0, one), (0, two), (0, bug), (0, o1), (0, o2),
-        (1, bug), (1, two), (1, one), (1, o2), (1, o1),
-        (2, one), (2, two), (2, bug), (2, o1), (2, o2)]
+        (1, two), (1, bug), (1, one), (1, o2), (1, o1),
+        (2, bug), (2, one), (2, two), (2, o1), (2, o2)]
     with pytest.raises(ValueError, match="rounds=0"):
         interleaved_plan([ONE], 0)
 

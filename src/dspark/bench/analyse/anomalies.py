@@ -36,8 +36,7 @@ from dspark.bench.analyse.noise import NoiseModel
 from dspark.bench.measure.peers import PEERS
 from dspark.bench.present.formatting import format_mb, format_ms
 from dspark.bench.result import BenchResult
-from dspark.engine import format_audit
-from dspark.policy.strategies import STRATEGIES
+from dspark.engine import STRATEGIES, format_audit
 
 __all__ = [
     "ACTIVATION_TOLERANCE",

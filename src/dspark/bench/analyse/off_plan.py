@@ -24,9 +24,9 @@ from typing import Any
 from dspark.bench.analyse.anomalies import anomaly, devices
 from dspark.bench.present.formatting import format_mb, format_ms
 from dspark.bench.result import BenchResult
+from dspark.engine import STRATEGIES
 from dspark.models import get_workload
 from dspark.planner import Interconnect, ModelShape, Probe, RowCost, model_shape, row_cost
-from dspark.policy.strategies import STRATEGIES
 
 __all__ = ["OFF_PLAN_PEAK_TOLERANCE", "OFF_PLAN_STEP_TOLERANCE", "off_plan", "plan_for_result",
            "predicted_fields"]

@@ -2,8 +2,9 @@
 the rounds of a run are summarised into a :class:`~dspark.bench.result.BenchResult` when read.
 
 [Note: rounds] On a shared CPU box the speed of a core drifts by more than the effects the lab
-measures. So a run launches each configuration several times, alternating the 1-device baseline and
-the N-device configurations (round 0: 1 then N; round 1: N then 1; ...), and the speedup is the
+measures. So a run launches each configuration several times, taking turns with its 1-device baseline
+(round 0: 1 then N; round 1: N then 1; with several configurations on one baseline the order rotates,
+see [Note: interleaved rounds] in :mod:`dspark.bench.measure.rounds`), and the speedup is the
 median of the per-round ratios: a slow spell hits both sides of a ratio, not one side of a suite.
 The memory and the batch probe are measured in a configuration's first round only (they do not
 change between rounds and cost untimed steps).

@@ -28,8 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dspark.tensor.batch import batch_leaves
-from dspark.tensor.fingerprint import batch_fingerprint, identical_ranks
+from dspark.engine.for_the_lab import batch_fingerprint, batch_leaves, identical_ranks
 
 __all__ = ["BatchInspection", "BatchProbe", "compare_ranks", "inspect_batches"]
 

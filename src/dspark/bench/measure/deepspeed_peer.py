@@ -61,10 +61,8 @@ import torch
 from torch import nn
 
 from dspark.comm import World
-from dspark.comm.stats import wire_bytes
-from dspark.engine.config import EngineConfig
-from dspark.policy.optimizer_kernel import prefer_fused_kernel
-from dspark.policy.strategies import PrecisionPolicy, precision_policy
+from dspark.engine import EngineConfig, PrecisionPolicy
+from dspark.engine.for_the_lab import precision_policy, prefer_fused_kernel, wire_bytes
 
 __all__ = ["DEEPSPEED_PEERS", "INSTALL_HINT", "DeepSpeedPeer", "deepspeed_config",
            "deepspeed_missing", "dspark_bucket_mb", "peer_precision", "require_deepspeed"]

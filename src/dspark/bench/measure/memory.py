@@ -9,7 +9,7 @@ from __future__ import annotations
 import resource
 from pathlib import Path
 
-from dspark.planner.peak_memory import held_tensor_bytes, measure_peak_bytes, peak_of_running_sum
+from dspark.engine.for_the_lab import held_tensor_bytes, measure_peak_bytes, peak_of_running_sum
 
 __all__ = ["held_tensor_bytes", "measure_peak_bytes", "peak_of_running_sum", "peak_rss_bytes",
            "reset_peak_rss"]

@@ -21,14 +21,10 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from dspark.policy.state_bytes import expected_state_bytes, optimizer_state_elements
-from dspark.policy.strategies import STRATEGIES
-from dspark.tensor.storage import storage_bytes
+from dspark.engine import STRATEGIES
+from dspark.engine.for_the_lab import expected_state_bytes, optimizer_state_elements, storage_bytes
 
-__all__ = ["STATE_PARTS", "expected_model_state", "held_model_state", "param_specs"]
-
-STATE_PARTS = ("params", "grads", "optimizer")
-"""The parts of model state the strategies' formulas cover (buffers are never sharded)."""
+__all__ = ["expected_model_state", "held_model_state", "param_specs"]
 
 ParamSpec = tuple[tuple[int, ...], torch.dtype]
 

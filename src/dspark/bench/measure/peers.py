@@ -49,9 +49,8 @@ from torch import nn
 
 from dspark.bench.measure.deepspeed_peer import DEEPSPEED_PEERS, DeepSpeedPeer, peer_precision
 from dspark.comm import World
-from dspark.comm.stats import wire_bytes
-from dspark.engine.config import EngineConfig
-from dspark.engine.loss_scaler import LossScaler
+from dspark.engine import EngineConfig, LossScaler
+from dspark.engine.for_the_lab import unit_modules, wire_bytes
 
 __all__ = ["DEEPSPEED_PEERS", "FP16_PEERS", "PEERS", "TORCH_PEERS", "PeerEngine", "buffer_sync",
            "dspark_engine_options", "make_engine"]
@@ -169,7 +168,6 @@ class PeerEngine:
             from torch.distributed.fsdp import fully_shard
 
             from dspark.comm import device_mesh
-            from dspark.engine.zero3_units import unit_modules
 
             mesh = device_mesh()
             for _, unit in reversed(unit_modules(model)[1:]):  # blocks first, the root last

@@ -1,8 +1,8 @@
 """ZeRO's saving in real memory: each rank's peak resident memory (VmHWM) training one model.
 
-``python -m dspark.bench.measure.rss_worker STRATEGY`` is started by :func:`peak_rss_per_rank` through the
-launcher, in fresh processes (a process's peak cannot be reset): each rank builds
-:data:`LAYERS` x ``Linear(WIDTH, WIDTH)`` (83.9M parameters), trains :data:`STEPS` steps with AdamW
+``python -m dspark.bench.measure.rss_worker STRATEGY [WIDTH]`` is started by :func:`peak_rss_per_rank`
+through the launcher, in fresh processes (a process's peak cannot be reset): each rank builds
+:data:`LAYERS` x ``Linear(WIDTH, WIDTH)`` (83.9M parameters at the default width), trains :data:`STEPS` steps with AdamW
 under ``STRATEGY`` and prints its peak RSS as one JSON line. ``tests/engine/test_memory_rss.py``
 checks the saving and ``benchmarks/zero_real_memory.py`` publishes it.
 
@@ -34,12 +34,12 @@ WIDTH = 4096
 STEPS = 2
 
 
-def peak_rss_per_rank(strategy: str, *, nproc: int = 2) -> list[dict[str, Any]]:
+def peak_rss_per_rank(strategy: str, *, nproc: int = 2, width: int = WIDTH) -> list[dict[str, Any]]:
     """Each rank's ``{"rank", "peak_bytes", "num_params", "total_bytes"}`` (``total_bytes``:
     ``engine.memory_report()``'s), in rank order, from one fresh ``nproc``-rank run under
     ``strategy``; a run that fails is a ``RuntimeError`` with the end of its stderr."""
     done = launch(LaunchSpec(nproc=nproc, target="dspark.bench.measure.rss_worker", module=True,
-                             args=(strategy,)), capture=True)
+                             args=(strategy, str(width))), capture=True)
     if done.returncode != 0:
         raise RuntimeError(f"dspark.bench.measure.rss_worker {strategy} on {nproc} ranks exited "
                            f"{done.returncode}:\n{done.stderr[-3000:]}")
@@ -54,17 +54,17 @@ def peak_rss_per_rank(strategy: str, *, nproc: int = 2) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda r: r["rank"])
 
 
-def main(strategy: str) -> None:
+def main(strategy: str, width: int = WIDTH) -> None:
     torch.set_num_threads(1)
     world = dspark.init(backend="gloo")
     torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
+    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(LAYERS)])
     num_params = sum(p.numel() for p in model.parameters())
     engine = dspark.Engine(model, optimizer=functools.partial(torch.optim.AdamW, lr=1e-4),
                            strategy=strategy)
     del model
     for step in range(STEPS):
-        x = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(step))
+        x = torch.randn(4, width, generator=torch.Generator().manual_seed(step))
         engine.backward(engine(dspark.distribute_batch(x, shard_dim=0)).square().mean())
         engine.step()
     line = json.dumps({"rank": world.rank, "peak_bytes": peak_rss_bytes(), "num_params": num_params,
@@ -76,4 +76,4 @@ def main(strategy: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], *(int(w) for w in sys.argv[2:3]))

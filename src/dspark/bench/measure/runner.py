@@ -38,6 +38,7 @@ from dspark.bench.analyse.analysis import annotate
 from dspark.bench.faults import injected_faults
 from dspark.bench.ledger.ledger import Ledger
 from dspark.bench.ledger.measurement import Measurement
+from dspark.bench.measure.rounds import round_order
 from dspark.bench.measure.worker import error_path
 from dspark.bench.result import BenchConfig, BenchResult, ConfigKey
 from dspark.errors import DSparkError
@@ -107,8 +108,10 @@ def _tail(text: str, lines: int = _STDERR_TAIL_LINES) -> str:
 
 
 def interleaved_plan(configs: Sequence[BenchConfig], rounds: int) -> list[tuple[int, BenchConfig]]:
-    """``(round, configuration)`` in launch order: per round, each 1-device baseline beside the
-    configurations measured against it, the baseline first in even rounds and last in odd ones.
+    """``(round, configuration)`` in launch order: per round, each 1-device baseline's group (the
+    baseline and the configurations measured against it) in :func:`round_order`, so that the
+    baseline is first in round 0 and takes every place over the rounds (see [Note: interleaved
+    rounds] in :mod:`dspark.bench.measure.rounds`).
 
     Example::
 
@@ -126,7 +129,7 @@ def interleaved_plan(configs: Sequence[BenchConfig], rounds: int) -> list[tuple[
     plan = []
     for index in range(rounds):
         for group in groups.values():
-            plan += [(index, config) for config in (group if index % 2 == 0 else reversed(group))]
+            plan += [(index, config) for config in round_order(group, index)]
     return plan
 
 

@@ -32,7 +32,7 @@ from dspark.bench.measure import deepspeed_peer
 from dspark.bench.measure.cpu_precision import choose_cpu_precision, cpu_matmul_ms
 from dspark.bench.measure.peers import DEEPSPEED_PEERS, FP16_PEERS, PEERS
 from dspark.bench.result import BenchConfig
-from dspark.policy.strategies import PRECISIONS, STRATEGIES
+from dspark.engine import PRECISIONS, STRATEGIES
 
 __all__ = ["SUITES", "Machine", "SuiteOverrides", "build_suite", "check_devices"]
 

@@ -75,7 +75,7 @@ from dspark.bench.measure.peers import (
 )
 from dspark.bench.measure.provenance import collect_provenance
 from dspark.bench.result import BenchConfig
-from dspark.policy.optimizer_kernel import kernel_name
+from dspark.engine.for_the_lab import kernel_name
 
 __all__ = ["PROBE_STEPS", "SLOW_RANK_ENV", "TRACE_STEPS", "bus_bytes_per_s", "error_path", "main",
            "out_of_memory_hint", "run_config"]
