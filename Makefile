@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.dspark-installed
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -c constraints.txt -e '.[dev,examples]'   # examples: tests run them
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev,examples,lab]'   # examples, lab: tests run them
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -19,7 +19,7 @@ install: $(STAMP)
 # The second line builds DeepSpeed's CPU shared-memory op once (about a minute), so that no
 # benchmark launch waits for a compiler.
 peers: $(STAMP)
-	$(PY) -m pip install -q -c constraints.txt --no-build-isolation -e '.[dev,examples,peers]'
+	$(PY) -m pip install -q -c constraints.txt --no-build-isolation -e '.[dev,examples,lab,peers]'
 	DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 $(PY) -c 'from deepspeed.comm.torch import build_shm_op; build_shm_op()'
 
 lint: $(STAMP)

@@ -1,11 +1,15 @@
 """`import dspark` pays only for what every process needs: PyTorch's distributed checkpoint (DCP,
-1-2 s with the DTensor machinery behind it) is imported when a checkpoint is saved or loaded."""
+1-2 s with the DTensor machinery behind it) is imported when a checkpoint is saved or loaded, and the
+benchmark lab (with matplotlib and SQLite, `dspark[lab]`) never by a training run."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+
+import pytest
 
 HEAVY = ("torch.distributed.checkpoint", "torch.distributed.tensor")
 
@@ -45,3 +49,21 @@ def test_import_dspark_imports_no_torch_and_names_resolve_on_use() -> None:
              "assert dspark.print.__name__ == 'rank_print' and dspark.checkpoint.__name__ == 'dspark.checkpoint'\n"
              "from dspark import *\nassert Shard(0).dim == 0")
     subprocess.run([sys.executable, "-c", probe], check=True, timeout=120)
+
+
+@pytest.mark.slow
+def test_a_training_run_imports_neither_the_lab_nor_its_dependencies() -> None:
+    # the training core installs without dspark[lab]: building and stepping an engine (and letting
+    # strategy="auto" plan) must not import the lab, matplotlib or SQLite
+    probe = ("import dspark, functools, sys, torch\n"
+             "dspark.init()\n"
+             "for strategy in ('replicate', 'auto'):\n"
+             "    engine = dspark.Engine(torch.nn.Linear(8, 2), strategy=strategy,\n"
+             "                           optimizer=functools.partial(torch.optim.SGD, lr=0.1))\n"
+             "    engine.backward(engine(torch.randn(4, 8)).square().mean())\n"
+             "    engine.step()\n"
+             "print('matplotlib' in sys.modules, 'sqlite3' in sys.modules,\n"
+             "      any(m == 'dspark.bench' or m.startswith('dspark.bench.') for m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                         check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.stdout.strip().splitlines()[-1] == "False False False", out.stdout + out.stderr

@@ -11,6 +11,7 @@ __all__ = [
     "CollectiveError",
     "CollectiveTimeoutError",
     "DSparkError",
+    "MissingExtraError",
     "NotInitializedError",
     "OtherRankError",
     "PlacementError",
@@ -100,6 +101,23 @@ class CheckpointSaveError(DSparkError, RuntimeError):
         super().__init__(message)
         self.failed_ranks = failed_ranks
         """The ranks where the save failed (every rank raises, not only those)."""
+
+
+class MissingExtraError(DSparkError, ImportError):
+    """A feature needs a package that only one of DSpark's extras installs (the benchmark lab's
+    figures need matplotlib: ``pip install 'dspark[lab]'``). The message names the feature, the
+    package and the install; the command line prints it as one line.
+
+    Example::
+
+        raise MissingExtraError("matplotlib", extra="lab", needed_for="the HTML report's figures")
+    """
+
+    def __init__(self, package: str, *, extra: str, needed_for: str) -> None:
+        super().__init__(f"{needed_for} needs {package}, which is not installed: "
+                         f"pip install 'dspark[{extra}]'", name=package)
+        self.extra = extra
+        """The extra that installs the package."""
 
 
 def first_line(exc: BaseException, limit: int = 300) -> str:

@@ -33,7 +33,10 @@ def console(*, stderr: bool = False) -> Console:
 
 def check_outputs(args: argparse.Namespace) -> None:
     """``--json PATH``'s folder, ``--report DIR`` and ``--trace DIR`` must be writable places, not
-    files: ``ValueError`` naming the option and the path."""
+    files: ``ValueError`` naming the option and the path. ``--report`` also needs the lab's extra
+    (matplotlib draws its figures): :class:`MissingExtraError` before anything is measured."""
+    if getattr(args, "report", None) is not None:
+        import dspark.bench.present.plots  # noqa: F401  (raises MissingExtraError without matplotlib)
     for option, path, is_dir in (("--json", getattr(args, "json", None), False),
                                  ("--report", getattr(args, "report", None), True),
                                  ("--trace", getattr(args, "trace", None), True)):

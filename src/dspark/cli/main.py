@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from dspark._version import __version__
+from dspark.errors import MissingExtraError
 
 __all__ = ["COMMAND_MODULES", "UsageError", "build_parser", "main"]
 
@@ -111,7 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # --help and --version exit through argparse
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else EXIT_USAGE)
     except (ValueError, TypeError, FileNotFoundError, FileExistsError, NotADirectoryError,
-            IsADirectoryError, PermissionError) as exc:  # bad input, including paths
+            IsADirectoryError, PermissionError, MissingExtraError) as exc:  # bad input or install
         message = str(exc) if isinstance(exc, UsageError) else f"{command}: error: {exc}"
         _log.debug("bad input", exc_info=True)  # the traceback, for `dspark -vv ...`
         print(message.replace("\n", " "), file=sys.stderr)

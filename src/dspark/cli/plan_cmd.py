@@ -194,6 +194,8 @@ def run(args: argparse.Namespace) -> int:
     import dspark
 
     probe = _read_probe(args.probe) if args.probe else None  # before anything is built: fail fast
+    if args.plot:
+        import dspark.planner.plot  # raises MissingExtraError without matplotlib, before the probe
     max_micro_batch = None
     if args.workload:
         from dspark.models import get_workload

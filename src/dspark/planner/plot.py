@@ -5,10 +5,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
-
+from dspark.errors import MissingExtraError
 from dspark.planner.table import Plan
+
+try:  # the lab's extra: pip install 'dspark[lab]'
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+except ImportError as missing:
+    raise MissingExtraError("matplotlib", extra="lab", needed_for="the plan's figure (--plot)") from missing
 
 __all__ = ["save_speedup_plot", "speedup_figure"]
 

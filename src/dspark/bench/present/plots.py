@@ -9,12 +9,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from matplotlib.axes import Axes
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
-
 from dspark.bench.present.formatting import BYTES_PER_MB
 from dspark.bench.result import BenchResult
+from dspark.errors import MissingExtraError
+
+try:  # the lab's extra: pip install 'dspark[lab]'
+    from matplotlib.axes import Axes
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+except ImportError as missing:
+    raise MissingExtraError("matplotlib", extra="lab", needed_for="the HTML report's figures") from missing
 
 __all__ = ["ReportFigure", "breakdown_figure", "memory_figure", "report_figures", "speedup_figure",
            "step_time_figure"]
