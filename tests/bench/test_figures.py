@@ -23,7 +23,7 @@ from dspark.bench.figures import (
     replace_headline,
     unsupported_numbers,
 )
-from tests.messages import assert_names
+from tests.messages import assert_line_names
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -110,9 +110,9 @@ def test_a_forged_results_json_is_refused_by_make_figures(tmp_path, capsys):
     assert main(["--root", str(root)]) == 1
     err = " ".join(capsys.readouterr().err.split())
     assert (root / "README.md").read_text() == before    # nothing written
-    assert_names(err, f"REFUSED {QUICK}", "results.json#3", "does not match the hash")
-    assert_names(err, "step_ms 517.4 lies outside its own p10-p90 (569.1-917.0)")
-    assert_names(err, "speedup 2.1 does not follow from its steps", "1.8592")
+    assert_line_names(err, f"REFUSED {QUICK}", "results.json#3", "content", "chain.txt")
+    assert_line_names(err, "step_ms 517.4", "p10-p90 (569.1-917.0)")
+    assert_line_names(err, "speedup 2.1", "1.8592")
 
 
 @pytest.mark.parametrize("damage", ["cell edited", "row removed", "head changed"])
@@ -147,8 +147,9 @@ def test_a_ledger_artifact_renders_its_rows_and_refuses_a_deleted_tail_row(tmp_p
     assert [r["num_devices"] for r in artifact.rows] == [1, 2] and artifact.rows[1]["speedup"] > 1.8
     lines = (directory / "ledger.jsonl").read_text().splitlines()
     (directory / "ledger.jsonl").write_text("\n".join(lines[:-1]) + "\n")
-    with pytest.raises(ArtifactRefused, match=rf"2026-01-01-box-quick: the pinned head {head} is no row's"):
+    with pytest.raises(ArtifactRefused) as refused:
         load_artifacts(tmp_path / "results")
+    assert_line_names(str(refused.value), "2026-01-01-box-quick", head)
 
 
 def test_a_pinned_head_is_never_changed_nor_an_artifact_removed(tmp_path):
@@ -159,8 +160,9 @@ def test_a_pinned_head_is_never_changed_nor_an_artifact_removed(tmp_path):
     with pytest.raises(ValueError, match="already pinned"):
         pin_artifact(tmp_path, "2026-01-01-box")
     shutil.rmtree(directory)
-    with pytest.raises(ArtifactRefused, match="pinned in HEADS but not kept"):
+    with pytest.raises(ArtifactRefused) as refused:
         load_artifacts(tmp_path)
+    assert_line_names(str(refused.value), "2026-01-01-box", "HEADS")
 
 
 def test_no_head_in_git_history_was_ever_changed():
@@ -204,7 +206,7 @@ def test_the_headline_is_the_newest_quiet_quick_suite_on_the_reference_machine(t
     _quick_artifact(tmp_path, "2026-01-03-loaded", load=3.5)          # load above its 2 cores
     _quick_artifact(tmp_path, "2026-01-04-bigger", cores=16)          # not the reference machine
     block = headline_block(load_artifacts(tmp_path))
-    assert "benchmarks/results/2026-01-01-a/" in block and "on Some CPU (2 logical cores" in block
+    assert_line_names(block, "Some CPU", "2 logical cores", "benchmarks/results/2026-01-01-a/")
     _quick_artifact(tmp_path, "2026-01-05-b")
     assert "benchmarks/results/2026-01-05-b/" in headline_block(load_artifacts(tmp_path))
 
@@ -258,7 +260,7 @@ def test_record_keeps_a_complete_artifact(tmp_path, monkeypatch, dirty):
                                command=[sys.executable, "-c", script], anchor="x")
     meta = json.loads((out / "artifact.json").read_text())
     assert meta["commit"] == "abc123" and meta["anchor"] == "x" and meta["tables"] == ["table.json"]
-    assert meta["machine"].startswith("Xeon (x86_64), 2 logical cores, 2.0 GiB, no GPU")
+    assert_line_names(meta["machine"], "Xeon", "2 logical cores", "2.0 GiB", "no GPU")
     assert meta["command"].endswith(f"--out {out}")
     assert ("not_reproducible" in meta) == dirty
     assert (out / "machine.txt").read_text() == "dspark env table\n"

@@ -31,7 +31,6 @@ if TYPE_CHECKING:
     from dspark.bench.ledger.ledger import Ledger
 
 __all__ = [
-    "ANOMALY_KINDS",
     "Scaling",
     "annotate",
     "find_baseline",
@@ -46,11 +45,6 @@ _BASELINE_RULES: tuple[_Rule, ...] = (
     negative_scaling, suspect_baseline, replicated_batch, missing_samples, memory_above_expected,
     off_plan)
 _TRUST_RULES: tuple[_Rule, ...] = (busy_machine,)
-
-ANOMALY_KINDS = ("negative_scaling", "suspect_baseline", "replicated_batch", "missing_samples",
-                 "memory_above_expected", "off_plan", "straggler", "busy_machine",
-                 "regression")
-
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Scaling:

@@ -56,13 +56,6 @@ class ComparisonRow:
             return None
         return self.b.peak_bytes_per_rank - self.a.peak_bytes_per_rank
 
-    @property
-    def model_state_bytes_delta(self) -> int | None:
-        """B's model-state bytes per rank minus A's."""
-        if self.a is None or self.b is None:
-            return None
-        return self.b.model_state_bytes_per_rank - self.a.model_state_bytes_per_rank
-
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Comparison:
