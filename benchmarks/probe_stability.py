@@ -43,12 +43,12 @@ def _range(row: Any) -> str:
     return "-" if row.step_ms_low is None else f"{row.step_ms_low:.0f}-{row.step_ms_high:.0f}"
 
 
-def probe_once(name: str) -> list[Any]:
+def probe_once(name: str, size: str = "bench") -> list[Any]:
     import dspark
     from dspark.models.plan_zoo import build
 
     torch.set_num_threads(1)
-    model, batch, loss_fn = build(name, size="bench")
+    model, batch, loss_fn = build(name, size=size)
     rows = int(batch["input_ids"].shape[0]) if isinstance(batch, dict) else int(batch[0].shape[0])
     plan = dspark.plan(model, batch, loss_fn, devices=[1, 2], strategies=["replicate"], global_batch=rows,
                        interconnect="loopback-gloo", process_baseline_bytes=1)
@@ -67,16 +67,18 @@ def main() -> None:
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-hog", action="store_true", help="skip the run under a CPU hog")
+    parser.add_argument("--size", default="bench", choices=("bench", "tiny"),
+                        help="the zoo models' size (tiny: a smoke run)")
     parser.add_argument("--out", type=Path, help="write DIR/table.json")
     args = parser.parse_args()
     rows = []
     for name in args.models.split(","):
         for k in range(args.repeats):
-            rows.append([name, f"{k + 1}", *probe_once(name)])
+            rows.append([name, f"{k + 1}", *probe_once(name, args.size)])
             print(" | ".join(map(str, rows[-1])), flush=True)
         if not args.no_hog:
             with cpu_hog():
-                rows.append([name, "CPU hog", *probe_once(name)])
+                rows.append([name, "CPU hog", *probe_once(name, args.size)])
             print(" | ".join(map(str, rows[-1])), flush=True)
     if args.out is not None:
         from dspark.bench.artifacts.table import write_table

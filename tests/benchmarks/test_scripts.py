@@ -106,6 +106,8 @@ SMOKE: dict[str, Smoke] = {
                                "--out", "{out}"), where="rank0"),
     "peer_ratios": Smoke(("{shared}/peers.json",), where="rank0", table=False),
     "plan_at_scale": Smoke(("--out", "{out}"), where="rank0"),
+    "probe_stability": Smoke(("--models", "mlp-deep", "--size", "tiny", "--repeats", "1", "--no-hog",
+                              "--out", "{out}"), where="rank1"),
     "restart_time": Smoke(("--kills", "1", "--save-every", "1", "--step-sleep", "0", "--out", "{out}"),
                           where="rank1"),
     "startup_time": Smoke(("--repeats", "1", "--nproc", "1", "--out", "{out}"), where="rank1"),
