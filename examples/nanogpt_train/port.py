@@ -82,7 +82,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.train_py is None:
         parser.error("give nanoGPT's train.py")
-    data = Path(args.train_py).read_bytes()
+    try:
+        data = Path(args.train_py).read_bytes()
+    except OSError as exc:
+        print(f"cannot read {args.train_py!r} ({exc.strerror or exc}): give the path of nanoGPT's train.py "
+              "(commit 3adf61e1)", file=sys.stderr)
+        return 1
     blob = hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
     if blob != TRAIN_PY_BLOB:
         print(f"{args.train_py} is not the train.py these scripts edit (git blob {blob}, not {TRAIN_PY_BLOB}: "

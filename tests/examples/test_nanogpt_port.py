@@ -22,6 +22,7 @@ import pytest
 
 from dspark.check import check_source
 from tests.examples.test_examples import EXAMPLES, _dspark_run
+from tests.messages import assert_names
 
 PORT = EXAMPLES / "nanogpt_port.py"
 RECIPES = EXAMPLES / "nanogpt_train"
@@ -48,6 +49,14 @@ def test_the_edit_scripts_change_what_porting_md_states(port: str) -> None:
     assert done.returncode == 0, done.stderr
     assert int(done.stdout) == _stated_count(port)
     assert _stated_count("minimal") <= 40
+
+
+def test_the_port_tool_names_a_file_it_cannot_read_in_one_line(tmp_path: Path) -> None:
+    for given in (tmp_path / "missing.py", tmp_path):   # no such file; a directory (the checkout)
+        done = _port_tool("minimal", str(given))
+        assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1
+        assert_names(done.stderr, repr(str(given)), "train.py")
 
 
 def test_the_checker_passes_the_port_and_catches_the_kept_division() -> None:
