@@ -160,3 +160,26 @@ def test_a_sharded_gradient_reads_like_a_gradient_and_step_clears_it(single_proc
     engine.step()
     assert weight.grad is None
     engine.close()
+
+
+def test_the_engine_names_the_model_attribute_a_ddp_line_asked_it_for(single_process) -> None:
+    # model = dspark.Engine(model, ...) in place of model = DDP(model): the loop's kept lines reach the engine
+    engine = dspark.Engine(tm.make("mlp"), optimizer=SGD, strategy="zero2")
+    with pytest.raises(AttributeError) as clip:
+        torch.nn.utils.clip_grad_norm_(engine.parameters(), 1.0)   # nanoGPT's clip, kept
+    assert_names(str(clip.value), "'parameters'", "engine.module.parameters()", "clip_grad_norm=c",
+                 "engine.clip_grad_norm_(c)")
+    with pytest.raises(AttributeError) as no_sync:
+        engine.no_sync()
+    assert_names(str(no_sync.value), "'no_sync'", "grad_accum_steps=K", "engine.backward(loss)")
+    with pytest.raises(AttributeError) as saved:
+        engine.state_dict()
+    assert_names(str(saved.value), "engine.full_state_dict()", "engine.save(path)")
+    with pytest.raises(AttributeError) as layer:
+        _ = engine.layers   # any other attribute of the model
+    assert_names(str(layer.value), "'layers'", "engine.module.layers")
+    assert not hasattr(engine, "parameters") and not hasattr(engine, "no_such_thing")
+    with pytest.raises(AttributeError) as private:
+        _ = engine._no_such_thing
+    assert str(private.value) == "'Engine' object has no attribute '_no_such_thing'"
+    engine.close()

@@ -30,6 +30,7 @@ HOMES: dict[str, tuple[str, ...]] = {
     "host_read": ("engine/test_fp16.py", "engine/test_gpu.py"),
     "inputs": ("engine/test_audit.py", "engine/test_batch_check.py"),
     "loss_scaler": ("engine/test_fp16.py", "engine/test_fp16_headroom.py"),
+    "not_a_module": ("engine/test_ddp_habits.py",),
     "optimizer_guard": ("engine/test_safety.py", "engine/test_ddp_habits.py"),
     "own_calls": ("engine/test_safety.py",),
     "param_groups": ("engine/test_training_loops.py",),

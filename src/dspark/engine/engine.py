@@ -27,6 +27,7 @@ from dspark.engine.build import EngineParts, OptimizerFactory, build_parts
 from dspark.engine.config import EngineConfig, loss_scaler_for
 from dspark.engine.host_read import defers_host_reads
 from dspark.engine.memory_report import frozen_held, memory_report
+from dspark.engine.not_a_module import NotTheModule
 from dspark.engine.pretrained import load_from_rank, load_pretrained
 from dspark.engine.state_dict import IncompatibleKeys
 from dspark.engine.step_observer import observed
@@ -47,7 +48,7 @@ __all__ = ["Engine", "IncompatibleKeys", "engine_parts"]
 log = logging.getLogger(__name__)
 B = TypeVar("B")
 
-class Engine:
+class Engine(NotTheModule):
     """Wrap ``model`` for data-parallel training on every rank of the world.
 
     Example::
