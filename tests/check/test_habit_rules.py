@@ -34,6 +34,9 @@ def _found(body: str) -> list[tuple[int, str]]:
      [(3, "DSP010")]),
     ("engine = dspark.Engine(m, optimizer=opt, strategy='auto')\nsd = engine.optimizer.state_dict()\n",
      [(3, "DSP011")]),
+    # nanoGPT's own spelling: model = DDP(model) became the engine, which has no parameters()
+    ("model = dspark.Engine(model, optimizer=opt)\n"
+     "torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)\n", [(3, "DSP009")]),
 ])
 def test_the_lines_are_found_where_the_strategy_makes_them_wrong(body: str, found: list[tuple[int, str]]) -> None:
     assert _found(body) == found
@@ -64,6 +67,9 @@ def test_the_messages_name_the_strategy_and_the_fix() -> None:
     assert "clip_grad_norm=c" in clip.message and "engine.clip_grad_norm_(c)" in clip.message
     assert "strategy='zero1'" in state.message and "engine.save(path" in state.message
     assert [CODES[c][0] for c in ("DSP009", "DSP010", "DSP011")] == ["error", "error", "warning"]
+    (engine_clip,) = check_source(_HEAD + "model = dspark.Engine(model, optimizer=o)\n"
+                                  "torch.nn.utils.clip_grad_norm_(model.parameters(), 1)\n", "train.py")
+    assert "model is the dspark.Engine" in engine_clip.message and "engine.clip_grad_norm_(c)" in engine_clip.message
 
 
 def test_the_examples_have_no_finding() -> None:

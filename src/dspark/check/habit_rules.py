@@ -10,7 +10,10 @@ before anything runs, where the strategy can be read:
 
 - the module's parameters: ``<engine>.module.parameters()``, a name assigned from ``<engine>.module``,
   or the model passed as the engine's first argument under another name (``engine =
-  dspark.Engine(raw_model, ...)``, then ``raw_model.parameters()``);
+  dspark.Engine(raw_model, ...)``, then ``raw_model.parameters()``); a clip of ``<engine>.parameters()``
+  (nanoGPT's ``model.parameters()``, ``model`` now the engine) is DSP009 under every strategy: the
+  engine has no ``parameters()`` (see [Note: the engine is not the model] in
+  :mod:`dspark.engine.not_a_module`);
 - the engine's optimizer: ``<engine>.optimizer``, or a name assigned from it;
 - the strategy: each ``dspark.Engine(...)`` call of the file, its ``strategy=`` a string, a name
   the module assigns one string only, or left out (``"replicate"``).
@@ -146,14 +149,22 @@ class HabitCheck:
     def _clip(self, call: ast.Call) -> tuple[str, str] | None:
         params = call.args[0]
         if not (isinstance(params, ast.Call) and isinstance(params.func, ast.Attribute)
-                and params.func.attr == "parameters" and self._is_module(params.func.value)):
+                and params.func.attr == "parameters"):
             return None
+        owner, line = params.func.value, f"{ast.unparse(call.func)}({ast.unparse(params)}, ...)"
+        fix = ("clip with dspark.Engine(..., clip_grad_norm=c) or norm = engine.clip_grad_norm_(c) between "
+               "the last engine.backward() and engine.step() (the global norm over every rank's rows)")
+        if not self._is_module(owner):
+            if not self.is_engine(owner):
+                return None
+            # nanoGPT's clip of model.parameters() where model = DDP(model) became the engine
+            return "DSP009", (f"{line}: {ast.unparse(owner)} is the dspark.Engine, not the model, and has no "
+                              f"parameters() (at run time an AttributeError under every strategy); {fix}")
         return self._verdict(
-            f"{ast.unparse(call.func)}({ast.unparse(params)}, ...)", _NO_GRADIENT, code="DSP009",
+            line, _NO_GRADIENT, code="DSP009",
             wrong="each rank holds only its rows of each gradient, inside the engine, so the module's "
                   "parameters hold none and this clips nothing (at run time it raises ShardedGradError)",
-            fix="clip with dspark.Engine(..., clip_grad_norm=c) or norm = engine.clip_grad_norm_(c) between "
-                "the last engine.backward() and engine.step() (the global norm over every rank's rows)")
+            fix=fix)
 
     def _state_dict(self, call: ast.Call, func: ast.Attribute) -> tuple[str, str] | None:
         owner = func.value

@@ -44,8 +44,10 @@ DSP008 (error) a loss divided by the gradient accumulation count (``loss = loss 
     rule and what counts as the count: :mod:`dspark.check.accumulation_rule`.
 DSP009 (error) ``torch.nn.utils.clip_grad_norm_(model.parameters(), c)`` over the engine's module
     under ``strategy="zero2"`` or ``"zero3"``: each rank holds only its rows of each gradient, inside
-    the engine, so the clip would clip nothing (the engine raises ``ShardedGradError`` at run time).
-    Fix: ``Engine(clip_grad_norm=c)`` or ``engine.clip_grad_norm_(c)``.
+    the engine, so the clip would clip nothing (the engine raises ``ShardedGradError`` at run time);
+    under any strategy, a clip of the engine's own ``parameters()`` (nanoGPT's ``model.parameters()``
+    where ``model = DDP(model)`` became the engine, which has none). Fix: ``Engine(clip_grad_norm=c)``
+    or ``engine.clip_grad_norm_(c)``.
 DSP010 (error) ``optimizer.state_dict()`` (or ``load_state_dict``) of the engine's optimizer under
     ``strategy="zero1"``, ``"zero2"`` or ``"zero3"``: it holds only this rank's rows, so a saved state
     would be part of the state (the engine raises ``ShardedOptimizerStateError``). Fix:
