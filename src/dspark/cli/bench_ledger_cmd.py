@@ -145,10 +145,12 @@ def _export_rows(args: argparse.Namespace) -> int:
 
 
 def verify_ledger(args: argparse.Namespace) -> int:
+    from dspark.bench.ledger.chain import check_head
     from dspark.bench.ledger.ledger import Ledger
 
+    head = None if args.head is None else check_head(args.head)  # before a --seal writes anything
     with Ledger(db_path(args), create=False, seal=args.seal) as ledger:
-        report = ledger.verify(head=args.head)
+        report = ledger.verify(head=head)
     out, err = console(), console(stderr=True)
     for seal in report.seals:
         out.print(f"[bold yellow]SEALED[/]: {ledger.path}: {seal}", highlight=False)

@@ -245,6 +245,22 @@ def test_verify_head_catches_deleted_and_rechained_rows(tmp_path: Path, capsys: 
         assert_line_names(" ".join(err.split()), "TAMPERED", kept, "no row's hash")
 
 
+def test_verify_head_takes_only_a_whole_head(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A shortened head (``make figures`` prints 16 digits) or a mistyped one is a usage error naming
+    it, not a TAMPERED verdict on an intact ledger; case and blanks around a whole head are forgiven."""
+    db = tmp_path / "l.sqlite"
+    with Ledger(db) as ledger:
+        append_run(ledger)
+        kept = ledger.head()
+    for wrong in (kept[:16], "", "not-a-head", kept + "0"):
+        assert main(["bench", "verify", "--db", str(db), "--head", wrong]) == 2
+        err = " ".join(capsys.readouterr().err.split())
+        assert "TAMPERED" not in err
+        assert_line_names(err, repr(wrong), "64 hex digits", "HEADS")
+    assert main(["bench", "verify", "--db", str(db), "--head", f" {kept.upper()} "]) == 0
+    assert "0 row(s) appended since" in capsys.readouterr().out
+
+
 def test_a_crafted_ledger_is_one_line_not_a_traceback(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     db = tmp_path / "l.sqlite"
     with Ledger(db) as ledger:

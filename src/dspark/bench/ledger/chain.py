@@ -29,10 +29,27 @@ import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["GENESIS", "BadRow", "ChainReport", "Seal", "row_hash", "verify_rows"]
+__all__ = ["GENESIS", "BadRow", "ChainReport", "Seal", "check_head", "row_hash", "verify_rows"]
 
 GENESIS = "0" * 64
 """The ``prev_hash`` of a ledger's first row."""
+
+
+def check_head(head: str) -> str:
+    """``head`` as a row hash is written: 64 lowercase hex digits (case and surrounding blanks are
+    forgiven). Anything else is a ``ValueError`` naming it: a shortened head (the 16 digits ``make
+    figures`` prints) is no row's hash, and checked as one it would read as a tampered ledger.
+
+    Example::
+
+        check_head(" 1455441DA9...E88F4 ")   # "1455441da9...e88f4"
+    """
+    text = head.strip().lower() if isinstance(head, str) else ""
+    if len(text) != 64 or any(c not in "0123456789abcdef" for c in text):
+        raise ValueError(f"head {head!r:.80} is not a chain head ({len(text)} characters where a head "
+                         "has 64 hex digits): give the whole head, as `dspark bench verify` prints it "
+                         "and benchmarks/results/HEADS keeps it")
+    return text
 
 
 def row_hash(prev_hash: str, content: Sequence[object]) -> str:
@@ -145,6 +162,7 @@ def verify_rows(rows: Iterable[Sequence[object]], columns: Sequence[str], *,
         verify_rows(conn.execute("SELECT id, ..., prev_hash, row_hash FROM measurements ORDER BY id"),
                     CONTENT_COLUMNS).first_bad
     """
+    pinned = None if pinned is None else check_head(pinned)
     bad: list[BadRow] = []
     expected_prev, count, previous_id = GENESIS, 0, None
     pinned_at = 0 if pinned == GENESIS else None
