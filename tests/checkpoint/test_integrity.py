@@ -14,7 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from dspark.checkpoint import CheckpointIntegrityError, read_checkpoint_info, verify_checkpoint
+from dspark.checkpoint import (
+    CheckpointIntegrityError,
+    read_checkpoint_info,
+    read_extra,
+    verify_checkpoint,
+)
 from dspark.checkpoint.manifest import MANIFEST_FILE
 from dspark.cli.main import main
 from tests.checkpoint.ranks import load_checksum, load_error_keeping_state, save_at_steps
@@ -152,6 +157,11 @@ def test_a_checkpoint_without_manifest_loads_only_with_verify_false(pool, a_and_
     for command in (["ckpt", "info", str(a)], ["ckpt", "export", str(a), str(a.parent / "out.pt")]):
         assert main(command) != 0
         assert f"has no {MANIFEST_FILE}" in capsys.readouterr().err
+    for wrong in (None, 0, "False"):   # only False itself says so
+        with pytest.raises(TypeError, match="True or False"):
+            read_checkpoint_info(a, verify=wrong)
+        with pytest.raises(TypeError, match=repr(wrong)):
+            read_extra(a, "x", verify=wrong)
     with caplog.at_level(logging.WARNING, logger="dspark.checkpoint.info"):
         assert read_checkpoint_info(a, verify=False).step_count == 3
     assert "NOT verified" in caplog.text

@@ -140,6 +140,9 @@ def read_checkpoint_info(path: str | os.PathLike[str], *, verify: bool = True) -
     """
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"path={path!r} must be a str or os.PathLike, got {type(path).__name__}")
+    if not isinstance(verify, bool):  # None or 0 from a caller's own option must not mean "unchecked"
+        raise TypeError(f"verify={verify!r} must be True or False, got {type(verify).__name__}: only "
+                        f"verify=False reads a checkpoint without {MANIFEST_FILE}, unchecked")
     directory = Path(path)
     check_is_checkpoint(directory)
     info_path = directory / INFO_FILE
