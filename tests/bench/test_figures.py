@@ -165,24 +165,53 @@ def test_a_pinned_head_is_never_changed_nor_an_artifact_removed(tmp_path):
     assert_line_names(str(refused.value), "2026-01-01-box", "HEADS")
 
 
-def test_no_head_in_git_history_was_ever_changed():
-    """Every head HEADS ever pinned, in every commit that touched it, is still pinned as it was."""
-    git = ["git", "-C", str(ROOT)]
+def heads_history(root: Path) -> list[tuple[str, str]]:
+    """``(commit, HEADS as it was then)`` for every commit that touched ``root``'s
+    benchmarks/results/HEADS. Skips outside a git checkout; fails in a shallow clone, whose cut
+    history would hide a head changed in the one commit it shows."""
+    git = ["git", "-C", str(root)]
     try:
+        shallow = subprocess.run([*git, "rev-parse", "--is-shallow-repository"], capture_output=True,
+                                 text=True, check=True).stdout.strip()
         commits = subprocess.run([*git, "log", "--format=%H", "--", "benchmarks/results/HEADS"],
                                  capture_output=True, text=True, check=True).stdout.split()
     except (OSError, subprocess.CalledProcessError):
         pytest.skip("not a git checkout")
+    if shallow == "true":
+        pytest.fail(f"{root} is a shallow clone: the history of benchmarks/results/HEADS is cut, so a "
+                    "head changed in its newest commit would pass unseen; fetch the whole history "
+                    "(git fetch --unshallow)")
+    return [(commit, subprocess.run([*git, "show", f"{commit}:benchmarks/results/HEADS"],
+                                    capture_output=True, text=True, check=True).stdout)
+            for commit in commits]
+
+
+def test_no_head_in_git_history_was_ever_changed():
+    """Every head HEADS ever pinned, in every commit that touched it, is still pinned as it was."""
     now = read_heads(ROOT / "benchmarks" / "results")
     changed = []
-    for commit in commits:
-        text = subprocess.run([*git, "show", f"{commit}:benchmarks/results/HEADS"],
-                              capture_output=True, text=True, check=True).stdout
+    for commit, text in heads_history(ROOT):
         for line in text.splitlines():
             head, _, name = line.partition("  ")
             if now.get(name) != head:
                 changed.append(f"{commit[:12]}: {name} pinned {head[:16]}, now {now.get(name)}")
     assert changed == []
+
+
+def test_the_history_check_refuses_a_shallow_clone(tmp_path):
+    """A re-pinned head committed alone, cloned with --depth 1, shows no older HEADS to differ from."""
+    repo, git = tmp_path / "repo", ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
+    (repo / "benchmarks" / "results").mkdir(parents=True)
+    for head in ("a", "b"):
+        (repo / "benchmarks" / "results" / "HEADS").write_text(f"{head * 64}  2026-01-01-box\n")
+        subprocess.run([*git, "init", "-q", str(repo)], check=True)
+        subprocess.run([*git, "-C", str(repo), "add", "-A"], check=True)
+        subprocess.run([*git, "-C", str(repo), "commit", "-qm", head], check=True)
+    assert len(heads_history(repo)) == 2
+    subprocess.run(["git", "clone", "-q", "--depth", "1", f"file://{repo}", str(tmp_path / "shallow")],
+                   check=True)
+    with pytest.raises(pytest.fail.Exception, match="shallow clone"):
+        heads_history(tmp_path / "shallow")
 
 
 def _quick_artifact(results: Path, name: str, *, cores: int = 2, load: float = 0.5,
@@ -297,3 +326,10 @@ def test_record_keeps_a_bench_run_from_its_own_ledger(tmp_path, monkeypatch):
     assert not (out / "ledger.sqlite").exists() and len((out / "ledger.jsonl").read_text().splitlines()) == 7
     (artifact,) = load_artifacts(tmp_path)
     assert artifact.verified == "6 ledger rows" and len(artifact.rows) == 2
+
+
+def test_figures_outside_a_checkout_is_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--check", "--root", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert_names(" ".join(capsys.readouterr().err.split()), repr(str(tmp_path)), "--root")

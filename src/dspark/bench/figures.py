@@ -376,6 +376,9 @@ def main(argv: list[str] | None = None) -> int:
                              f"its head in benchmarks/results/{HEADS_FILE}; then render as usual")
     args = parser.parse_args(argv)
     results_dir = args.root / "benchmarks" / "results"
+    if not results_dir.is_dir() or not (args.root / "README.md").is_file():
+        parser.error(f"{str(args.root)!r} holds no benchmarks/results/ and README.md: run it from the "
+                     "repository's root, or pass --root ROOT")
     if args.pin:
         print(f"pinned {args.pin}: head {pin_artifact(results_dir, args.pin)}")
     try:
@@ -387,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 1
     for artifact in artifacts:
-        print(f"verified {artifact.name}: {artifact.verified}, head {artifact.head[:16]}")
+        print(f"verified {artifact.name}: {artifact.verified}, head {artifact.head}")
     figures_path, readme_path = args.root / "docs" / "figures.md", args.root / "README.md"
     figures = render_figures(artifacts)
     readme = replace_headline(readme_path.read_text(), headline_block(artifacts))
