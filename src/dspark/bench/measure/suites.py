@@ -2,8 +2,8 @@
 
 * ``quick`` (the default): the CPU presets on 1 and 2 devices, batch sharded, each preset's own
   batch, in its own precision where this CPU runs that faster than fp32, else fp32
-  (:mod:`dspark.bench.measure.cpu_precision`). Sized to finish in under 2 minutes on a 2-core machine,
-  start-up included.
+  (:mod:`dspark.bench.measure.cpu_precision`). Sized to be the short check ``make bench`` runs on a
+  2-core machine, start-up included.
 * ``seed``: the article's table. Per workload: 1 device; N devices with the batch *replicated*
   (the seed's bug, on purpose); N devices sharded. On CPU the presets; with 2 or more GPUs the
   real ResNet-50 and GPT-2 124M, whose defaults are the article's (global batch 256, fp16).
