@@ -23,7 +23,7 @@ from dspark.bench.figures import (
     replace_headline,
     unsupported_numbers,
 )
-from tests.messages import assert_line_names
+from tests.messages import assert_line_names, assert_names
 
 ROOT = Path(__file__).resolve().parents[2]
 
