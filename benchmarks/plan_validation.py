@@ -148,21 +148,30 @@ def _row(name: str, precision: str, strategy: str, ranks: int, predicted: Any, g
 
 
 def validate(models: list[str], precisions: list[str], steps: int, size: str,
-             measured: dict[str, Any] | None = None) -> dict[str, Any]:
+             measured: dict[str, Any] | None = None, strategies: tuple[str, ...] = STRATEGY_NAMES,
+             ranks_wanted: tuple[int, ...] = RANKS) -> dict[str, Any]:
     """Plan and measure each configuration; with ``measured`` (an earlier artifact), plan only and
     take the measured values (and the link) from it (``--replan``: the current planner against kept
-    measurements)."""
+    measurements). ``strategies`` and ``ranks_wanted`` keep only those configurations (on 1 rank the
+    one measured configuration is replicate's)."""
     kept = {(r["model"], r["precision"], r["strategy"], r["ranks"]): r for r in (measured or {}).get("rows", [])}
     link_data = measured["link"] if measured is not None else _run_ranks(2, "--link-worker")
     link = link_from_dict(link_data)
     print(f"link: {link}", flush=True)
-    rows = []
+    rows: list[dict[str, Any]] = []
+    failed: list[dict[str, Any]] = []
     for name in models:
         for precision in precisions:
-            plan = plan_for(name, precision, link, size)
+            try:
+                plan = plan_for(name, precision, link, size)
+            except Exception as error:  # one model's failure is kept, the zoo goes on
+                failed.append({"model": name, "precision": precision, "strategy": "plan", "ranks": 0,
+                               "error": repr(error)[-2000:]})
+                print(f"FAILED plan of {name} {precision}: {error!r}", flush=True)
+                continue
             print(plan, flush=True)
-            for ranks in RANKS:
-                for strategy in (("replicate",) if ranks == 1 else STRATEGY_NAMES):
+            for ranks in ranks_wanted:
+                for strategy in (("replicate",) if ranks == 1 else strategies):
                     key = (name, precision, strategy, ranks)
                     if measured is not None:
                         if key not in kept:
@@ -172,8 +181,14 @@ def validate(models: list[str], precisions: list[str], steps: int, size: str,
                                "process_peak_bytes": old["measured_process_peak_bytes"],
                                "model_state_bytes": old["measured_state_bytes"]}
                     else:
-                        got = _run_ranks(ranks, "--worker", name, precision, strategy,
-                                         str(steps if ranks < 3 else 1), size)
+                        try:
+                            got = _run_ranks(ranks, "--worker", name, precision, strategy,
+                                             str(steps if ranks < 3 else 1), size)
+                        except RuntimeError as error:  # kept as failed, never as a row
+                            failed.append({"model": name, "precision": precision, "strategy": strategy,
+                                           "ranks": ranks, "error": str(error)[-2000:]})
+                            print(f"FAILED {key}: {error}", flush=True)
+                            continue
                     rows.append(_row(name, precision, strategy, ranks, plan.row(strategy, ranks), got))
                     print(json.dumps(rows[-1]), flush=True)
     now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
@@ -181,7 +196,7 @@ def validate(models: list[str], precisions: list[str], steps: int, size: str,
         return {**measured, "rows": rows, "replanned": now}
     return {"command": "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/plan_validation.py",
             "machine": f"{os.cpu_count()} CPU cores shared with other work; torch {torch.__version__}",
-            "size": size, "steps": steps, "link": link_data, "timestamp": now, "rows": rows}
+            "size": size, "steps": steps, "link": link_data, "timestamp": now, "rows": rows, "failed": failed}
 
 
 COLUMNS = ("model", "precision", "strategy", "ranks", "tensor peak predicted MB", "measured MB", "ratio",
@@ -214,9 +229,11 @@ def summary(data: dict[str, Any]) -> str:
         ratios = [p / m for p, m in pairs if p is not None and m]
         return f"{min(ratios):.2f} to {max(ratios):.2f} over {len(ratios)} rows" if ratios else "none"
     rows = data["rows"]
+    failed = "; failed (no row): " + ", ".join(
+        f"{f['model']} {f['precision']} {f['strategy']} {f['ranks']} ranks" for f in data["failed"]) if data.get("failed") else ""
     return (f"tensor peak {spread([(r['predicted_peak_bytes'], r['measured_peak_bytes']) for r in rows])}; "
             f"process peak {spread([(r.get('predicted_process_peak_bytes'), r.get('measured_process_peak_bytes') or 0) for r in rows])}; "
-            f"step {spread([(r['predicted_step_ms'], r['measured_step_ms']) for r in rows if r['step_compared']])}")
+            f"step {spread([(r['predicted_step_ms'], r['measured_step_ms']) for r in rows if r['step_compared']])}{failed}")
 
 
 def table(data: dict[str, Any]) -> str:
@@ -247,6 +264,9 @@ def main() -> None:
     parser.add_argument("--link-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--models", default=",".join(ZOO))
     parser.add_argument("--precisions", default=",".join(PRECISIONS))
+    parser.add_argument("--strategies", default=",".join(STRATEGY_NAMES),
+                        help="only these strategies on 2 and 3 ranks (1 rank measures replicate)")
+    parser.add_argument("--ranks", default=",".join(map(str, RANKS)), help="only these rank counts")
     parser.add_argument("--size", default="bench", help="the zoo's size: bench (default) or tiny")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path("plan-validation.json"),
@@ -266,7 +286,8 @@ def main() -> None:
         print(table(json.loads(Path(args.table).read_text())))
         return
     measured = json.loads(Path(args.replan).read_text()) if args.replan else None
-    data = validate(args.models.split(","), args.precisions.split(","), args.steps, args.size, measured)
+    data = validate(args.models.split(","), args.precisions.split(","), args.steps, args.size, measured,
+                    tuple(args.strategies.split(",")), tuple(int(r) for r in args.ranks.split(",")))
     write_artifact(data, args.out)
     print(table(data))
 
