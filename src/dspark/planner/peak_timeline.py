@@ -16,7 +16,8 @@ own rules:
 * zero2 and zero3 pack each complete gradient into its bucket's send buffer and free it ([Note:
   packed as they arrive]); send buffers come from a pool of two per dtype, which grows to the
   largest bucket that used it and stays until the reduction ends; a bucket of one parameter whose
-  rows split evenly sends its gradient as it is; a bucket's shard buffer is allocated when it
+  rows split evenly sends its gradient as it is, but takes its turn in the pool all the same (the
+  turn's holder is collected and its gradient freed: two buckets in flight); a bucket's shard buffer is allocated when it
   launches (buckets launch in order) and kept through the optimizer step; a parameter accumulated
   twice (a tied head) holds its whole gradient between the two;
 * zero3 holds its root unit gathered until the root's gradients are complete, the unit computing
@@ -128,6 +129,7 @@ class _Replay:
         self.count = {i: events.count(i) for i in set(events)}
         self.unit_of = {i: u for u, members in enumerate(units) for i in members}
         self.unit_bytes = list(unit_bytes)
+        self.last_block_event = max((k for k, i in enumerate(events) if self.unit_of.get(i, 0)), default=-1)
         self.moments: list[tuple[float, int, int]] = []
         """``(bytes beyond what is resident, interval, buffers held)`` per moment; interval -1: no
         activations (after the step)."""
@@ -155,11 +157,14 @@ class _Replay:
             best = max(best, size + sum(ahead))
         return root + best
 
-    def gathered_backward(self, param: int, root_live: int) -> int:
+    def gathered_backward(self, k: int, root_live: int) -> int:
+        """zero3's gathered bytes at accumulation ``k``: the root, the unit computing, those ahead."""
         if not self.shard_params or not self.unit_bytes:
             return 0
-        unit = self.unit_of.get(param, 0)
+        unit = self.unit_of.get(self.events[k], 0) if k < len(self.events) else 0
         blocks = list(range(len(self.unit_bytes) - 1, 0, -1))  # backward runs the blocks reversed
+        if unit == 0 and k > self.last_block_event:
+            return root_live  # the root's last gradients (an embedding): every block is done
         at = blocks.index(unit) + 1 if unit in blocks else 0
         ahead = blocks[at: at + 2] if (len(blocks) > at + 1 and self.unit_bytes[blocks[at + 1]]
                                        <= SECOND_PREFETCH_MAX_BYTES) else blocks[at: at + 1]
@@ -212,18 +217,18 @@ class _Replay:
         grads = 0  # whole gradients in buckets (replicate, zero1), held between uses, shards
         pool: dict[tuple[torch.dtype, int], int] = {}
         turn: dict[torch.dtype, int] = {}
-        adopted = 0  # send buffers that are a gradient autograd made (zero2, zero3)
+        adopted = 0  # send buffers that are a gradient autograd made (zero2, zero3), in flight
+        owner: dict[tuple[torch.dtype, int], int] = {}  # each turn's holder: its adopted bytes
         started: set[int] = set()
         arrivals: dict[int, int] = {}
         pending = [len(g) for g in self.groups]
         launched = 0
         root = {i for i, u in self.unit_of.items() if u == 0}
         root_live = self.unit_bytes[0] if self.unit_bytes else 0  # frozen ones stay to the end
-        first = self.events[0] if self.events else -1
-        gathered = self.gathered_backward(first, root_live)
+        gathered = self.gathered_backward(0, root_live)
         self.moment(at[2] + gathered, 2, gathered)
         for k, param in enumerate(self.events):
-            gathered = self.gathered_backward(param, root_live)
+            gathered = self.gathered_backward(k, root_live)
             arrivals[param] = arrivals.get(param, 0) + 1
             complete = arrivals[param] == self.count[param]
             b = self.bucket_of[param]
@@ -246,13 +251,16 @@ class _Replay:
                 if b not in started:
                     started.add(b)
                     need = self.n * self.seg_bytes(b)
+                    dtype = self.specs[param][1]
+                    t = turn.get(dtype, 0)
+                    turn[dtype] = (t + 1) % 2
+                    # taking the turn collects its holder: a gradient it sent as it is is freed
+                    adopted -= owner.pop((dtype, t), 0)
                     if self.adopts(b):
                         adopted += need
+                        owner[(dtype, t)] = need
                         same = need
                     else:
-                        dtype = self.specs[param][1]
-                        t = turn.get(dtype, 0)
-                        turn[dtype] = (t + 1) % 2
                         pool[(dtype, t)] = max(pool.get((dtype, t), 0), need)
                 pending[b] -= 1
                 while launched < len(pending) and pending[launched] == 0:
@@ -267,7 +275,7 @@ class _Replay:
                             buffers + gathered)
             if complete and param in root:
                 root_live -= _padded(self.specs[param], self.n)
-            following = self.gathered_backward(self.events[k + 1], root_live) if k + 1 < len(self.events) else 0
+            following = self.gathered_backward(k + 1, root_live) if k + 1 < len(self.events) else 0
             self.moment(grads + buffers + following + at[k + 3], k + 3, buffers + following)
 
 
