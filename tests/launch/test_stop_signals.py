@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from dspark.launch.process_tree import descendants, is_running
+from dspark.launch.torchrun_entry import redeliver_lost_signals
 from tests.messages import assert_line_names
 
 GRACE_S = 3.0
@@ -336,3 +337,38 @@ def test_workers_die_with_their_launcher_when_dspark_run_dies_too(tmp_path: Path
         for p in tree:
             if is_running(p.pid, p.started_at):
                 os.kill(p.pid, signal.SIGKILL)
+
+
+def test_a_stop_signal_raised_in_a_finalizer_is_sent_again() -> None:
+    # torchrun's handler raised its SignalException inside a Popen's __del__ on a busy machine:
+    # Python printed it as an ignored exception and the stop was lost
+    class Stopped(Exception):
+        def __init__(self, sigval: int) -> None:
+            super().__init__(sigval)
+            self.sigval = sigval
+
+    class DiesWithASignal:
+        def __del__(self) -> None:
+            raise Stopped(signal.SIGUSR1)
+
+    received: list[int] = []
+    others: list[BaseException | None] = []
+    handler, hook = signal.signal(signal.SIGUSR1, lambda signum, frame: received.append(signum)), sys.unraisablehook
+    sys.unraisablehook = lambda unraisable: others.append(unraisable.exc_value)
+    try:
+        redeliver_lost_signals(Stopped)
+        DiesWithASignal()
+        deadline = time.monotonic() + 5
+        while not received and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert received == [signal.SIGUSR1] and others == []
+
+        class DiesOtherwise:
+            def __del__(self) -> None:
+                raise ValueError("not a signal")
+
+        DiesOtherwise()
+        assert [type(e) for e in others] == [ValueError]  # reported as before
+    finally:
+        signal.signal(signal.SIGUSR1, handler)
+        sys.unraisablehook = hook

@@ -26,6 +26,14 @@ had reported the job over. Each worker is started with the kernel's parent-death
 (:mod:`dspark.launch.parent_death`), SIGKILL: with its launcher gone nobody can restart, stop or
 report on the job, and a checkpoint written now would race the job's relaunch.
 
+[Note: a signal raised in a finalizer] torchrun's handler raises ``SignalException`` wherever its
+main thread is when the signal lands. On a busy machine that can be inside an object's ``__del__``
+(a ``subprocess.Popen`` collected while torchrun polls its workers), where Python cannot propagate
+an exception: it printed "Exception ignored in ... Traceback" and dropped the signal, so torchrun
+went on restarting workers that were being stopped. :func:`redeliver_lost_signals` installs an
+unraisable-exception hook that sends such a signal to this process again, so the handler raises it
+once more where it can propagate; every other unraisable exception is reported as before.
+
 [Note: a failed worker] When a worker fails (after any restarts), torchrun raises
 ``ChildFailedError`` out of ``run``: its traceback (torchrun's own frames) and a block without the
 worker's error came last on the screen, under the worker's own traceback, and the job exited 1
@@ -46,7 +54,7 @@ from typing import Any
 from dspark.launch import rank_logs
 from dspark.launch.parent_death import stop_with_parent
 
-__all__ = ["describe_failure", "main", "split_argv"]
+__all__ = ["describe_failure", "main", "redeliver_lost_signals", "split_argv"]
 
 _log = logging.getLogger(__name__)
 _closed_exit_codes: dict[int, int | None] = {}
@@ -100,6 +108,26 @@ def _start_workers_our_way() -> bool:
 
     handler_module.Popen = popen_armed  # type: ignore[assignment,misc]
     return True
+
+
+def redeliver_lost_signals(signal_exception: type[BaseException]) -> None:
+    """Send a stop signal that ``signal_exception`` carried out of a finalizer, where Python drops it,
+    to this process again (see [Note: a signal raised in a finalizer]).
+
+    Example::
+
+        redeliver_lost_signals(SignalException)   # torchrun's exception type
+    """
+    previous = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        exc = unraisable.exc_value
+        if isinstance(exc, signal_exception) and isinstance(getattr(exc, "sigval", None), int):
+            os.kill(os.getpid(), int(exc.sigval))  # type: ignore[attr-defined]
+            return
+        previous(unraisable)
+
+    sys.unraisablehook = hook
 
 
 def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -168,6 +196,7 @@ def main(argv: list[str] | None = None) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     watching = _remember_exit_codes()
+    redeliver_lost_signals(SignalException)
     if not _start_workers_our_way():
         if os.environ.get(rank_logs.LOG_DIR_ENV):
             raise SystemExit("dspark run --log-dir: this PyTorch starts its workers in a way DSpark "
