@@ -5,12 +5,13 @@ without, on a benchmark workload, plus the check's two parts timed alone.
 
 Two engines train the same model side by side, one checking every step (``batch_check_every=1``,
 the worst case) and one with the check off; their steps take turns (A B, B A, ...) so that
-machine noise, and the cost of stepping first after a new batch, fall on both alike. Rank 0 prints one JSON line: the median step of each, the difference, and the median
-time of a fingerprint of this rank's batch and of the all-gather that compares them. With the
-default ``batch_check_every=1000`` the per-step cost is one check (fingerprint and all-gather)
-divided by 1000: the steps' difference is printed too, but a check's cost is far below a step's
-noise, so that difference is noise of either sign. ``--out DIR``
-writes the same figures as ``DIR/table.json`` for docs/figures.md (see [Note: table artifacts]).
+machine noise, and the cost of stepping first after a new batch, fall on both alike. Rank 0 prints
+one JSON line: the median step of each, the difference, and the median time of a fingerprint of this
+rank's batch and of the all-gather that compares them. With the default ``batch_check_every=1000``
+the per-step cost is one check (fingerprint and all-gather) divided by 1000: the steps' difference
+is printed too, but a check's cost is far below a step's noise, so that difference is noise of
+either sign. ``--out DIR`` writes the same figures as ``DIR/table.json`` for docs/figures.md (see
+[Note: table artifacts]).
 """
 
 from __future__ import annotations

@@ -9,10 +9,10 @@ One process (world size 1, CPU). The model is a stack of 4096x4096 linear layers
 trained one step with AdamW, so that parameters and optimizer state make ``--gb`` of checkpoint. "Without" loads a
 twin of the checkpoint that has no manifest (format 2: its files hard links to the same bytes,
 so both read the same page cache), which DSpark loads unverified, with a warning, when told so
-(``engine.load(path, verify=False)``): the code path is the same but for the check. ``--sha256`` adds a third twin whose manifest holds sha256 digests
-of the same files, as checkpoints saved before BLAKE3 have. ``--cache cold`` evicts the files from
-the page cache before every load (``posix_fadvise(DONTNEED)``), so each load reads from the disk,
-as a resumed job does.
+(``engine.load(path, verify=False)``): the code path is the same but for the check. ``--sha256``
+adds a third twin whose manifest holds sha256 digests of the same files, as checkpoints saved before
+BLAKE3 have. ``--cache cold`` evicts the files from the page cache before every load
+(``posix_fadvise(DONTNEED)``), so each load reads from the disk, as a resumed job does.
 
 Prints one line per page-cache mode and hash: median load seconds with and without the check, the
 difference as a share of the load without it, and the CPU seconds of the loading thread and of the
@@ -181,7 +181,8 @@ def main() -> None:
     dspark.shutdown()
     load_after = os.getloadavg()
     rates = ", ".join(f"{name} {_hash_rate_gb_s(name):.2f} GB/s" for name in digest.HASH_NAMES)
-    conditions = (f"{size / 1e9:.2f} GB checkpoint ({layers} linear layers of {args.width}x{args.width} with AdamW state), "
+    conditions = (f"{size / 1e9:.2f} GB checkpoint ({layers} linear layers of {args.width}x{args.width} "
+                  "with AdamW state), "
                   f"one process, {os.cpu_count()} cores, {digest.spare_threads()} hash thread(s) beside "
                   f"the load; {args.repeats} loads of each kind interleaved, medians; hash on one core: "
                   f"{rates}; load average {load_before[0]:.2f} before, {load_after[0]:.2f} after")

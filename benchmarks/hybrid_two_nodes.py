@@ -127,7 +127,8 @@ def two_launches(*args: str, timeout_s: float = 900.0) -> dict[str, Any]:
              for node in range(NODES)]
     outputs = [proc.communicate(timeout=timeout_s)[0] for proc in procs]
     if any(proc.returncode for proc in procs):
-        raise RuntimeError(f"{args}: exit codes {[p.returncode for p in procs]}\n{outputs[0][-3000:]}\n{outputs[1][-3000:]}")
+        raise RuntimeError(f"{args}: exit codes {[p.returncode for p in procs]}\n"
+                           f"{outputs[0][-3000:]}\n{outputs[1][-3000:]}")
     for line in outputs[0].splitlines():
         if line.startswith("RESULT "):
             return dict(json.loads(line[len("RESULT "):]))

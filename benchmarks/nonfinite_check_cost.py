@@ -146,7 +146,8 @@ def main() -> None:
                                 f"reduced gradients in {BUCKET_MB:g} MB buckets: the plain scaling pass "
                                 f"and the fused scale-and-check pass that replaces it, taking turns, and "
                                 f"(zero2/zero3) the one-element flag's all-reduce (the mean of "
-                                f"{FLAG_REPEATS} in a row); check per step = fused - plain + all-reduce. Steps: two engines, skip_nonfinite on and off, "
+                                f"{FLAG_REPEATS} in a row); check per step = fused - plain + all-reduce. "
+                                "Steps: two engines, skip_nonfinite on and off, "
                                 f"taking turns (A B, B A, ...) after {args.warmup} warm-up steps; their "
                                 f"difference is within their noise. Medians of {args.steps}, the "
                                 f"slowest rank's, milliseconds.")

@@ -172,7 +172,8 @@ def main() -> None:
                     rows=rows,
                     caption=f"Strategy {args.strategy}, AdamW, {world.world_size} rank(s), one thread "
                             f"each; tiny is the script's small MLP in fp32, any other workload is dspark "
-                            f"bench's at its default global batch and precision. Direct: the observer's calls for one step (as many phases and waits "
+                            "bench's at its default global batch and precision. Direct: the observer's "
+                            "calls for one step (as many phases and waits "
                             f"as a real step of the workload makes) and the fingerprint of this rank's "
                             f"batch, each the mean of {_DIRECT_REPEATS} repeats, microseconds; % of the "
                             f"median step with the observer off. A/B: {timed} timed steps after 2 "

@@ -43,9 +43,12 @@ train_data, val_data = data[: int(0.9 * len(data))], data[int(0.9 * len(data)):]
 train_loader = dspark.DataLoader(Windows(train_data, args.block_size), global_batch_size=step_rows, seed=1337)
 # evaluation reads the same windows at every evaluation and at any world size: eval_iters steps' worth
 # of evenly spaced windows, one whole pass each time, every rank evaluating its rows of each batch
-eval_sets = {split: torch.utils.data.Subset(windows, torch.linspace(0, len(windows) - 1, args.eval_iters * step_rows).long().tolist())
-             for split, windows in (("train", Windows(train_data, args.block_size)), ("val", Windows(val_data, args.block_size)))}
-eval_loaders = {split: dspark.DataLoader(subset, global_batch_size=step_rows, shuffle=False) for split, subset in eval_sets.items()}
+eval_sets = {split: torch.utils.data.Subset(
+                 windows, torch.linspace(0, len(windows) - 1, args.eval_iters * step_rows).long().tolist())
+             for split, windows in (("train", Windows(train_data, args.block_size)),
+                                    ("val", Windows(val_data, args.block_size)))}
+eval_loaders = {split: dspark.DataLoader(subset, global_batch_size=step_rows, shuffle=False)
+                for split, subset in eval_sets.items()}
 micro_batches = (micro for batch in itertools.chain.from_iterable(itertools.repeat(train_loader))  # epoch after epoch
                  for micro in zip(*(t.chunk(accum) for t in batch), strict=True))
 
@@ -56,8 +59,10 @@ def get_batch():
 
 
 model = GPT(GPTConfig(block_size=args.block_size))
-optimizer = functools.partial(torch.optim.AdamW, lr=args.learning_rate, betas=(args.beta1, args.beta2), weight_decay=args.weight_decay)
-model = dspark.Engine(model, optimizer=optimizer, param_groups=lambda name, p: {} if p.dim() >= 2 else {"weight_decay": 0.0},
+optimizer = functools.partial(torch.optim.AdamW, lr=args.learning_rate, betas=(args.beta1, args.beta2),
+                              weight_decay=args.weight_decay)
+model = dspark.Engine(model, optimizer=optimizer,
+                      param_groups=lambda name, p: {} if p.dim() >= 2 else {"weight_decay": 0.0},
                       precision=args.dtype, clip_grad_norm=args.grad_clip or None, grad_accum_steps=accum)
 extra = {"train_loader": train_loader, "best": {"val_loss": 1e9}}  # restored in place by model.load
 iter_num = 0

@@ -80,9 +80,12 @@ ALLOWED: tuple[tuple[str, str, str], ...] = (
     ("docs/pretrained.md", "1354 MiB in fp32", "the model's size: parameters x 4 bytes"),
     ("docs/pretrained.md", "474.70 MiB (497,759,232 bytes)", "the model's size: parameters x 4 bytes"),
     # src: examples of what a function returns for its argument, arguments, and config values
-    ("src/dspark/bench/present/formatting.py", '(280.0)   # "280 ms"', "a formatter's example: the text its argument gives"),
-    ("src/dspark/bench/present/formatting.py", '(2.456)   # "2.46 ms"', "a formatter's example: the text its argument gives"),
-    ("src/dspark/bench/present/formatting.py", '(25_000_000)  # "25.0 MB"', "a formatter's example: the text its argument gives"),
+    ("src/dspark/bench/present/formatting.py", '(280.0)   # "280 ms"',
+     "a formatter's example: the text its argument gives"),
+    ("src/dspark/bench/present/formatting.py", '(2.456)   # "2.46 ms"',
+     "a formatter's example: the text its argument gives"),
+    ("src/dspark/bench/present/formatting.py", '(25_000_000)  # "25.0 MB"',
+     "a formatter's example: the text its argument gives"),
     ("src/dspark/bench/present/formatting.py", '(result)   # "1.88x (1.80-1.95)"', "a formatter's example: the text "
                                                                          "its argument gives"),
     ("src/dspark/bench/analyse/anomalies.py", "2.0x a 1/2 share", "the audit's words for a replicated batch"),

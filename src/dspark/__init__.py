@@ -16,8 +16,9 @@ Example::
 from its module on first use (PEP 562's module ``__getattr__``). The ``dspark`` command is in
 this package, so everything its package imports, every ``dspark run`` pays before the job starts:
 PyTorch alone takes seconds (docs/figures.md#startup-time), paid again by PyTorch's launcher and by
-each worker, and a Ctrl-C in that time came out as a traceback. Add a public name to ``_PUBLIC`` (and to the ``TYPE_CHECKING``
-imports, for type checkers), never as an import at the top: tests/test_import_cost.py fails on that.
+each worker, and a Ctrl-C in that time came out as a traceback. Add a public name to ``_PUBLIC``
+(and to the ``TYPE_CHECKING`` imports, for type checkers), never as an import at the top:
+tests/test_import_cost.py fails on that.
 """
 
 from __future__ import annotations

@@ -50,7 +50,8 @@ def test_the_lines_are_found_where_the_strategy_makes_them_wrong(body: str, foun
     "model = dspark.Engine(model, optimizer=opt)\noptimizer = model.optimizer\nsd = optimizer.state_dict()\n",
     # not the engine's optimizer or module
     "engine = dspark.Engine(m, optimizer=opt, strategy='zero2')\nplain = torch.optim.SGD(p)\nsd = plain.state_dict()\n",
-    "engine = dspark.Engine(m, optimizer=opt, strategy='zero2')\ntorch.nn.utils.clip_grad_norm_(other.parameters(), 1)\n",
+    "engine = dspark.Engine(m, optimizer=opt, strategy='zero2')\n"
+    "torch.nn.utils.clip_grad_norm_(other.parameters(), 1)\n",
     # no engine built here: nothing to read the strategy from
     "optimizer = torch.optim.AdamW(m.parameters())\nsd = optimizer.state_dict()\n",
     "engine.optimizer.state_dict()\n",
@@ -61,7 +62,8 @@ def test_right_lines_are_not_flagged(body: str) -> None:
 
 def test_the_messages_name_the_strategy_and_the_fix() -> None:
     clip, state = (check_source(_HEAD + body, "train.py")[0] for body in (
-        "engine = dspark.Engine(raw, optimizer=o, strategy='zero2')\ntorch.nn.utils.clip_grad_norm_(raw.parameters(), 1)\n",
+        "engine = dspark.Engine(raw, optimizer=o, strategy='zero2')\n"
+        "torch.nn.utils.clip_grad_norm_(raw.parameters(), 1)\n",
         "engine = dspark.Engine(m, optimizer=o, strategy='zero1')\nsd = engine.optimizer.state_dict()\n"))
     assert "strategy='zero2'" in clip.message and "clips nothing" in clip.message
     assert "clip_grad_norm=c" in clip.message and "engine.clip_grad_norm_(c)" in clip.message

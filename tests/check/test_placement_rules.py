@@ -88,7 +88,8 @@ def test_rule_details(source: str, codes: list[str]) -> None:
 @pytest.mark.parametrize(("source", "codes"), [
     # what reaches the call, not every value the name ever holds (these were false errors)
     ("def f(t, dim=None):\n    if dim is None:\n        dim = 0\n    return dspark.distribute_tensor(t, dim)\n", []),
-    ("def f(t, dim=None):\n    if dim is None:\n        raise ValueError\n    return dspark.distribute_tensor(t, dim)\n", []),
+    ("def f(t, dim=None):\n    if dim is None:\n        raise ValueError\n"
+     "    return dspark.distribute_tensor(t, dim)\n", []),
     ("def f(t, dim=None):\n    if dim is not None:\n        return dspark.distribute_tensor(t, dim)\n", []),
     ("def f(t, dim=None):\n    dim = dim or 0\n    return dspark.distribute_tensor(t, dim)\n", []),
     ("def f(t, flag):\n    dim = None\n    if flag:\n        dim = 0\n    else:\n        dim = 1\n"

@@ -11,7 +11,8 @@ from dspark.engine.hyperparams import differences, fingerprint, hyperparameters
 
 def _adamw(**options: object) -> torch.optim.Optimizer:
     w, b = torch.zeros(3, requires_grad=True), torch.zeros(1, requires_grad=True)
-    return torch.optim.AdamW([{"params": [w]}, {"params": [b], "weight_decay": 0.0}], **options)  # type: ignore[arg-type]
+    groups = [{"params": [w]}, {"params": [b], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, **options)  # type: ignore[arg-type]
 
 
 def test_every_entry_of_every_group_but_params_counts() -> None:

@@ -1,9 +1,10 @@
 """Models nobody here wrote: HuggingFace ``transformers`` models from small configs (no downloads,
 dropout off), trained on 2 ranks under every strategy. GPT-2 (tied head), BERT (masked LM, tied
-decoder) and BERT fine-tuned as a binary classifier (its head's bias one element per rank) must end with the parameters of single-process training, with SGD and with AdamW, and the
-trained engine's module must evaluate (eval mode, no_grad) like the reference. ResNet has BatchNorm, so
-in training mode each rank normalises with its own batch: PyTorch's DDP on the same slices is the
-reference there (parameters and running statistics); with ``sync_batchnorm=True``, one process again."""
+decoder) and BERT fine-tuned as a binary classifier (its head's bias one element per rank) must end
+with the parameters of single-process training, with SGD and with AdamW, and the trained engine's
+module must evaluate (eval mode, no_grad) like the reference. ResNet has BatchNorm, so in training
+mode each rank normalises with its own batch: PyTorch's DDP on the same slices is the reference
+there (parameters and running statistics); with ``sync_batchnorm=True``, one process again."""
 
 from __future__ import annotations
 

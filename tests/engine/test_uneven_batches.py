@@ -31,7 +31,8 @@ def _rows_loss(forward: Callable[..., torch.Tensor], batch: tuple[torch.Tensor, 
     return F.mse_loss(forward(x), y), x.shape[0]  # mean over this batch's rows (NaN for none)
 
 
-def _ignore_index_loss(forward: Callable[..., torch.Tensor], batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, int]:
+def _ignore_index_loss(forward: Callable[..., torch.Tensor],
+                       batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, int]:
     """PyTorch's mean over the targets that are not ``ignore_index`` (NaN when there is none; its
     gradient is then zero)."""
     tokens, targets = batch
@@ -39,7 +40,8 @@ def _ignore_index_loss(forward: Callable[..., torch.Tensor], batch: tuple[torch.
     return loss, int((targets != IGNORE).sum())
 
 
-def _masked_tokens_loss(forward: Callable[..., torch.Tensor], batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, int]:
+def _masked_tokens_loss(forward: Callable[..., torch.Tensor],
+                        batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, int]:
     """The same mean as custom loops write it: per-token losses times a mask, summed, over the count.
     With no valid token it is 0/0, and so is its gradient: NaN everywhere on that rank."""
     tokens, targets = batch

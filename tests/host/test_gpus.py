@@ -33,7 +33,8 @@ NVLINK_STATUS = (
     "GPU 1: NVIDIA H100 80GB HBM3 (UUID: GPU-bbbb)\n"
     "\t Link 0: <inactive>\n"
 )
-SMI_QUERY = "GPU 00000009:01:00.0\n    Product Name : NVIDIA GH200 480GB\n    Addressing Mode                       : ATS\n"
+SMI_QUERY = ("GPU 00000009:01:00.0\n    Product Name : NVIDIA GH200 480GB\n"
+             "    Addressing Mode                       : ATS\n")
 
 
 def test_parsers_read_canned_nvidia_smi_output() -> None:

@@ -3,9 +3,10 @@
 Runs real collectives across the two launches: an all-reduce of each rank's ``rank + 1``, then
 two ZeRO-2 training steps (reduce-scatter of gradients, all-gather of parameters) on its half of
 a fixed global batch, and the same two steps under hybrid-zero2, whose shard groups come from the
-node layout (one rank per launch: the gradients cross between the launches in the replica group). Writes what it saw to ``OUT_DIR/rank<R>.json`` for the test to compare.
-The model and batches are built here from seeds, and by the test for its plain-PyTorch
-reference, with :func:`make_model` and :func:`global_batch`.
+node layout (one rank per launch: the gradients cross between the launches in the replica group).
+Writes what it saw to ``OUT_DIR/rank<R>.json`` for the test to compare. The model and batches are
+built here from seeds, and by the test for its plain-PyTorch reference, with :func:`make_model` and
+:func:`global_batch`.
 """
 
 from __future__ import annotations

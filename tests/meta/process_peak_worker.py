@@ -1,7 +1,8 @@
 """Run by ``test_process_peak.py`` under ``dspark run --nproc 2``: DSpark's documented path for a
 pretrained model (``meta_init()`` + ``from_config``, ``Engine(strategy="zero3")``,
 ``load_pretrained``), each rank reporting what it holds with the libraries loaded (``VmRSS``, the
-collectives' shared memory touched) and its whole-process peak (``VmHWM``) after each phase. Rank 0 writes ``{"phases": [[(name, VmHWM bytes), ...] per rank]}`` to ``OUT``."""
+collectives' shared memory touched) and its whole-process peak (``VmHWM``) after each phase. Rank 0
+writes ``{"phases": [[(name, VmHWM bytes), ...] per rank]}`` to ``OUT``."""
 
 from __future__ import annotations
 

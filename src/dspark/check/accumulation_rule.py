@@ -183,7 +183,8 @@ def _is_number(node: ast.expr) -> bool:
 
 def _reciprocal(node: ast.expr, counts: _Counts) -> ast.expr | None:
     """The count in ``1 / k`` or ``k ** -1`` (a factor that divides by it), or None."""
-    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div) and _is_number(node.left) and counts.uses(node.right):
+    if (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div) and _is_number(node.left)
+            and counts.uses(node.right)):
         return node.right
     if (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Pow) and counts.uses(node.left)
             and isinstance(node.right, ast.UnaryOp) and isinstance(node.right.op, ast.USub) and _is_number(node.right)):

@@ -371,7 +371,10 @@ class _Checker(ast.NodeVisitor):
             # why, for the one outcome found ("": the argument's own); unparsed for it alone
             if found is None:
                 return None
-            return "" if found[0] is None else f"{value.id!r} is {ast.unparse(found[0])} here (assigned at line {found[1]})"  # type: ignore[attr-defined]
+            if found[0] is None:
+                return ""
+            name = value.id  # type: ignore[attr-defined]
+            return f"{name!r} is {ast.unparse(found[0])} here (assigned at line {found[1]})"
 
         none = because(next((found for leaf, found in [
             *((leaf, (None, 0)) for leaf in _outcomes(value, as_none=True)),

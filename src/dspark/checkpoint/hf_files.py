@@ -146,7 +146,8 @@ class ShardWriter:
 
         tensors = self._pending.pop(index)
         ordered = {name: tensors[name] for name in self.plan[index]}
-        path = self.single_file if self.single_file is not None else self.directory / shard_file_names(len(self.plan))[index]
+        path = (self.single_file if self.single_file is not None
+                else self.directory / shard_file_names(len(self.plan))[index])
         path.parent.mkdir(parents=True, exist_ok=True)
         save_file(ordered, str(path), metadata=_METADATA)
         self._total_bytes += sum(t.numel() * t.element_size() for t in ordered.values())

@@ -6,8 +6,9 @@ JSON lacks tuples, non-finite floats and tensors; they are written as one-key ob
 kept in DCP's files, see :mod:`dspark.checkpoint.extra_state`), and every dict as
 ``{"__dict__": {...}}`` so that a user's dict can never be read back as a tag; a dict with keys
 other than strings (numbers, None, tuples of them) as ``{"__items__": [[key, value], ...]}``, and a
-``collections.Counter`` (``MultiStepLR``'s milestones) as ``{"__counter__": [...]}``, read back as one. Decoding builds only
-these plain values: JSON text cannot name a function, so reading it runs nothing.
+``collections.Counter`` (``MultiStepLR``'s milestones) as ``{"__counter__": [...]}``, read back as
+one. Decoding builds only these plain values: JSON text cannot name a function, so reading it runs
+nothing.
 
 Example::
 

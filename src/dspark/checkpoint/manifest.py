@@ -52,8 +52,8 @@ from dspark.checkpoint.plain_files import (
 )
 from dspark.errors import CheckpointError, CheckpointIntegrityError
 
-__all__ = ["MANIFEST_FILE", "MAX_MANIFEST_FILES", "SUMMARY_FIELDS", "FileEntry", "Manifest", "build_manifest", "check_bytes",
-           "file_chunks", "hash_files",
+__all__ = ["MANIFEST_FILE", "MAX_MANIFEST_FILES", "SUMMARY_FIELDS", "FileEntry", "Manifest", "build_manifest",
+           "check_bytes", "file_chunks", "hash_files",
            "id_tensor", "read_manifest", "read_verified", "save_id_key", "write_manifest"]
 
 log = logging.getLogger(__name__)

@@ -20,7 +20,8 @@ from typing import Any
 
 from dspark.errors import CheckpointError
 
-__all__ = ["DCP_METADATA", "DSPARK_JSON", "HF_INDEX", "MANIFEST", "MODEL_CONFIG", "SAFETENSORS_HEADER", "TRAINING_STATE",
+__all__ = ["DCP_METADATA", "DSPARK_JSON", "HF_INDEX", "MANIFEST", "MODEL_CONFIG", "SAFETENSORS_HEADER",
+           "TRAINING_STATE",
            "Bound", "check_plain_file", "check_values", "read_plain_file", "write_json"]
 
 

@@ -6,8 +6,9 @@
     dspark plan --probe plan.json --model mypkg.models:build --devices 8,64,512 --interconnect nvlink
 
 ``--model module:factory`` (imported as from the current directory) or ``path/to/file.py:factory``
-names a callable returning ``(model, sample_batch)`` or ``(model, sample_batch, loss_fn)``. ``--probe`` reuses the measurement kept in an earlier ``--json`` (measure
-on the target device once, plan anywhere). The thin layer over :func:`dspark.plan`.
+names a callable returning ``(model, sample_batch)`` or ``(model, sample_batch, loss_fn)``.
+``--probe`` reuses the measurement kept in an earlier ``--json`` (measure on the target device once,
+plan anywhere). The thin layer over :func:`dspark.plan`.
 """
 
 from __future__ import annotations

@@ -8,8 +8,9 @@ ranks' regions where they are, in a fraction of gloo's time for the same bytes (
 See [Note: the shared-memory transport].
 
 Only :mod:`dspark.comm.shm_setup` builds a transport, for the default group of a gloo job whose
-ranks all run on this machine (:mod:`dspark.comm.collectives` runs the group's collectives on it) (x86-64: its stores reach other cores in program order, which is what
-publishing a sequence number after the data relies on). ``DSPARK_SHM=0`` turns it off.
+ranks all run on this machine (:mod:`dspark.comm.collectives` runs the group's collectives on it)
+(x86-64: its stores reach other cores in program order, which is what publishing a sequence number
+after the data relies on). ``DSPARK_SHM=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ def label_text(words: Sequence[int]) -> str:
 # offset, dtype, and the caller's label), then publish arrived[r] = k. That is the launch; it never
 # waits for another rank unless r's region or header ring is full. wait() spins until every rank
 # has arrived at k, checks that their headers describe the same collective (a mismatch is a
-# CollectiveError naming both sides, labels included, where gloo would hang or mix the bytes), reads the regions it needs (an all-reduce sums
+# CollectiveError naming both sides, labels included, where gloo would hang or mix the bytes), reads
+# the regions it needs (an all-reduce sums
 # every rank's input in rank order, so every rank gets the same bits), then publishes
 # consumed[r] = k. Collectives complete in launch order: waiting on k first completes those before
 # it, so "consumed k" means every collective up to k. A rank whose region is full completes its own

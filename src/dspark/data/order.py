@@ -169,7 +169,8 @@ def check_global_batch_size(global_batch_size: int, world_size: int, *, allow_un
         raise ValueError(
             f"global_batch_size={global_batch_size} on world size {world_size}: split as evenly as "
             f"possible ({_sizes_text(global_batch_size, world_size)}) rank(s) "
-            f"{', '.join(map(str, range(global_batch_size, world_size)))} would get no rows in every step. Use a global "
+            f"{', '.join(map(str, range(global_batch_size, world_size)))} would get no rows in every step. "
+            "Use a global "
             f"batch of {valid}")
 
 

@@ -16,8 +16,9 @@ parts. Resuming at global batch ``k`` reads and skips the first ``k*G`` samples.
 
 A last, partial global batch (``drop_last=False``) is split by the even split rule of its own size,
 which is known only when the stream ends (a rank with no rows of it gets the batch's first sample as
-padding, see [Note: padding batches] in :mod:`dspark.data.padding`); so with ``drop_last=False`` a worker holds the raw samples
-of the global batch it is assembling (not collated), and with ``drop_last=True`` only its rows.
+padding, see [Note: padding batches] in :mod:`dspark.data.padding`); so with ``drop_last=False`` a
+worker holds the raw samples of the global batch it is assembling (not collated), and with
+``drop_last=True`` only its rows.
 """
 
 from __future__ import annotations

@@ -73,7 +73,8 @@ class AdapterLayout:
 
         Example::
 
-            layout.sources()["lm_head.weight"]   # [".. lm_head.original_module.weight", ".. modules_to_save.default.weight"]
+            layout.sources()["lm_head.weight"]   # [".. lm_head.original_module.weight", "..
+            modules_to_save.default.weight"]
         """
         out: dict[str, list[str]] = {}
         for name, base in self.base_name.items():

@@ -258,7 +258,8 @@ def build_parts(model: nn.Module, factory: OptimizerFactory, *, config: EngineCo
         check_elementwise(optimizer, strategy=strategy.name, after_step=False)
     sharded = strategy.shard_grads
     collective = SHARDED_REDUCE.get(world.backend, "all_reduce") if sharded else "all_reduce"
-    check_finite = checks.skip_nonfinite or loss_scaler is not None  # see [Note: non-finite gradients found in the reduction]
+    # see [Note: non-finite gradients found in the reduction]
+    check_finite = checks.skip_nonfinite or loss_scaler is not None
     reducer = LocalReducer(slots, sharded=sharded, check_finite=check_finite) if n == 1 else GradReducer(
         slots, sharded=sharded, collective=collective, bucket_mb=comm_config.bucket_mb,
         wire_dtype=comm_config.reduce_dtype, rank=rank, num_ranks=n, device=world.device,
@@ -278,8 +279,9 @@ def build_parts(model: nn.Module, factory: OptimizerFactory, *, config: EngineCo
                     defer_host_reads=defer_host_reads, after_optimizer=after_optimizer,
                     skip_nonfinite=checks.skip_nonfinite, max_nonfinite_skips=checks.max_nonfinite_skips)
     frozen_slots = [s for s in all_slots if not s.requires_grad]
+    # see [Note: a rank's optimizer state dict]
     optimizer_guard = (ShardedOptimizerGuard(optimizer, rank=rank, world_size=shard.size, strategy=strategy.name)
-                       if strategy.splits_optimizer_on(shard.size) else None)  # see [Note: a rank's optimizer state dict]
+                       if strategy.splits_optimizer_on(shard.size) else None)
     states = StateDicts(model, slots, frozen_slots, optimizer, strategy=strategy, precision=precision,
                         loss_scaler=loss_scaler, zero3=zero3, guard=zero3_guard, world=world,
                         rank_groups=rank_groups, optimizer_guard=optimizer_guard)

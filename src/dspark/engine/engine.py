@@ -332,7 +332,8 @@ class Engine(NotTheModule):
             engine.load_pretrained("/models/gpt2")        # config.json + model.safetensors
         """
         self._check_between_steps("load_pretrained")
-        return IncompatibleKeys(*load_pretrained(*self._parts.states.load_targets(), path, key_map=key_map, strict=strict))
+        return IncompatibleKeys(*load_pretrained(*self._parts.states.load_targets(), path, key_map=key_map,
+                                                 strict=strict))
 
     def save_pretrained(self, directory: str | os.PathLike[str], max_shard_size: int | str = "5GB", *,
                         merged: bool = False) -> Path:
@@ -410,7 +411,8 @@ class Engine(NotTheModule):
         # imported here: DCP is heavy to import and most runs never checkpoint
         from dspark.checkpoint import save_checkpoint
 
-        return save_checkpoint(self, path, async_save=async_save, extra=extra, model_config=self._parts.states.hf_config())
+        return save_checkpoint(self, path, async_save=async_save, extra=extra,
+                               model_config=self._parts.states.hf_config())
 
     def load(self, path: str | os.PathLike[str], *, extra: Mapping[str, Any] | None = None,
              optimizer: bool = True, verify: bool = True) -> CheckpointInfo:

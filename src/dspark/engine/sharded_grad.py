@@ -69,7 +69,8 @@ class ShardedGrad(torch.Tensor):
         raise _refusal(getattr(func, "__name__", str(func)), args)
 
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]
+    def __torch_dispatch__(  # type: ignore[override]
+            cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         raise _refusal(str(func), args)  # reached only from C++ (no torch function on the way)
 
 

@@ -153,7 +153,8 @@ def check_no_sync_batchnorm_on_cpu(model: nn.Module, device: torch.device) -> No
     first = next((name for name, m in model.named_modules() if isinstance(m, nn.SyncBatchNorm)), None)
     if first is not None:
         raise ValueError(
-            f"{'module ' + repr(first) if first else 'the model'} is an nn.SyncBatchNorm, which trains on GPUs only (its forward "
+            f"{'module ' + repr(first) if first else 'the model'} is an nn.SyncBatchNorm, which trains on "
+            "GPUs only (its forward "
             "refuses CPU tensors): on CPU ranks keep the model's plain BatchNorm layers (leave out "
             "nn.SyncBatchNorm.convert_sync_batchnorm) and pass sync_batchnorm=True to dspark.Engine "
             "for statistics over the global batch")

@@ -1,6 +1,7 @@
-"""How many workers this node can give a device of its own: one GPU each, or one CPU core each. Read without importing torch (``dspark run`` starts before any worker, and
-PyTorch's import would cost it a second or two): the NVIDIA driver lists its GPUs under
-``/proc/driver/nvidia/gpus``, and ``CUDA_VISIBLE_DEVICES`` narrows what a process sees.
+"""How many workers this node can give a device of its own: one GPU each, or one CPU core each. Read
+without importing torch (``dspark run`` starts before any worker, and PyTorch's import would cost it
+a second or two): the NVIDIA driver lists its GPUs under ``/proc/driver/nvidia/gpus``, and
+``CUDA_VISIBLE_DEVICES`` narrows what a process sees.
 
 ``dspark run --nproc N`` above that count is an error unless ``--oversubscribe``: ``--nproc 100000``
 once started some ten thousand processes, and workers that time-share a core or a GPU give step

@@ -379,7 +379,8 @@ class _Scratch:
         num_bytes = span * target.element_size()
         if self._flat is None or self._flat.numel() < num_bytes:
             self._flat = None  # the old one goes first: never two buffers at once
-            self._flat = torch.empty(max(num_bytes, 1), dtype=torch.uint8, device="cpu")  # not meta: see __torch_function__
+            # not meta: see __torch_function__
+            self._flat = torch.empty(max(num_bytes, 1), dtype=torch.uint8, device="cpu")
         return self._flat[:num_bytes].view(target.dtype).as_strided(target.shape, target.stride())
 
     def release(self) -> None:

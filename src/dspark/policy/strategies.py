@@ -38,8 +38,9 @@ class ShardingPolicy:
         return self.name
 
     def splits_optimizer_on(self, num_ranks: int) -> bool:
-        """Whether optimizer state is really split on ``num_ranks`` ranks (hybrid: its shard group's): a sharding strategy on more
-        than one (on one rank every strategy holds everything, and has no peer to check or gather).
+        """Whether optimizer state is really split on ``num_ranks`` ranks (hybrid: its shard
+        group's): a sharding strategy on more than one (on one rank every strategy holds everything,
+        and has no peer to check or gather).
 
         Example::
 

@@ -118,13 +118,14 @@ def distribute_batch(batch: B, shard_dim: Any = 0, *, allow_uneven: bool = False
     nested).
 
     Every rank passes the same global batch; all tensors must have the same size along
-    ``shard_dim`` (a negative one counts from each tensor's own end). That size must divide by the world size, so that every rank's loss weighs the
-    same number of samples; ``allow_uneven=True`` accepts any size and follows the uneven split
-    rule of :mod:`dspark.tensor.shard_math` (first ranks get one more sample). numpy arrays are
-    split as tensors are; a list or tuple of plain values (strings, numbers) as long as the batch
-    (its raw texts, its ids) is split along with it when ``shard_dim`` is the batch's dim 0; other
-    non-tensor values (scalars, a shorter list) pass through. ``shard_dim=dspark.REPLICATE`` keeps the whole batch on every rank (each rank
-    then does all the work: only for comparisons). ``None`` raises :class:`dspark.PlacementError`.
+    ``shard_dim`` (a negative one counts from each tensor's own end). That size must divide by the
+    world size, so that every rank's loss weighs the same number of samples; ``allow_uneven=True``
+    accepts any size and follows the uneven split rule of :mod:`dspark.tensor.shard_math` (first
+    ranks get one more sample). numpy arrays are split as tensors are; a list or tuple of plain
+    values (strings, numbers) as long as the batch (its raw texts, its ids) is split along with it
+    when ``shard_dim`` is the batch's dim 0; other non-tensor values (scalars, a shorter list) pass
+    through. ``shard_dim=dspark.REPLICATE`` keeps the whole batch on every rank (each rank then does
+    all the work: only for comparisons). ``None`` raises :class:`dspark.PlacementError`.
 
     Example::
 

@@ -276,8 +276,8 @@ def _with_gathered(result: BenchResult) -> str:
 def memory_above_expected(result: BenchResult,
                           baseline: BenchResult | None) -> list[dict[str, Any]]:
     """A rank holds more than its strategy needs: (a) model state, found by walking the module and
-    the optimizer, above the ZeRO formula, or (b) activations above :data:`ACTIVATION_TOLERANCE` times a 1/N share of the
-    1-device run's although the batch reached the ranks split.
+    the optimizer, above the ZeRO formula, or (b) activations above :data:`ACTIVATION_TOLERANCE`
+    times a 1/N share of the 1-device run's although the batch reached the ranks split.
 
     Example::
 

@@ -229,7 +229,8 @@ def pin_artifact(results_dir: Path, name: str) -> str:
         with Ledger(directory / meta["ledger"], create=False) as ledger:
             report = ledger.verify()
         if not report.ok or report.seals:
-            raise ArtifactRefused(f"{name}: its ledger rows do not verify ({(report.faults or report.bad or report.seals)[0]})")
+            first = (report.faults or report.bad or report.seals)[0]
+            raise ArtifactRefused(f"{name}: its ledger rows do not verify ({first})")
         head = report.head
     else:
         head = chain_kept_files(directory, meta)

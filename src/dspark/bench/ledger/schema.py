@@ -19,9 +19,10 @@ Schema history:
 Within schema 2, a measurement's JSON gains keys without a layout change: ``hosts_by_rank``,
 ``profiled``, ``phase_ms_by_rank`` (``dspark bench --profile``), ``audit_by_rank``,
 ``optimizer_kernel`` and ``micro_batches``. A row written before them reads back without them (empty
-breakdown, no audit, no kernel, one pass a step); an older DSpark reading a newer row drops the keys it does not know. No version bump, so neither side refuses the other's
-file: the raw figures of a launch belong in its one ``measurement_json``, and a column or side
-table for them would only repeat it.
+breakdown, no audit, no kernel, one pass a step); an older DSpark reading a newer row drops the keys
+it does not know. No version bump, so neither side refuses the other's file: the raw figures of a
+launch belong in its one ``measurement_json``, and a column or side table for them would only repeat
+it.
 3. ``prev_hash`` and ``row_hash`` on every measurement: a hash chain (see [Note: hash chain] in
    :mod:`dspark.bench.ledger.chain`). The schema-1 ``results`` table, kept by the migration to 2,
    is never read.

@@ -10,11 +10,11 @@ how many it pinned, and the result records it.
 [Note: load over the timed window] On CPU one device is one core, so any other process that runs on
 a rank's core during its timed steps takes time from it. Each rank reads, right before and right
 after its timed steps, the kernel's counters of its own core (``cpuN`` in ``/proc/stat``, read
-through psutil: busy and steal time) and its own CPU time (all its threads, which are pinned to that core). What the core
-was busy with beyond the rank's own time was someone else's work (another process, or the
-hypervisor's ``steal``). The whole machine's counters give the same figure across all cores. The
-kernel counts in ticks of ``1 / SC_CLK_TCK`` seconds, so a window under a second says little; the
-timed steps of a configuration take longer.
+through psutil: busy and steal time) and its own CPU time (all its threads, which are pinned to that
+core). What the core was busy with beyond the rank's own time was someone else's work (another
+process, or the hypervisor's ``steal``). The whole machine's counters give the same figure across
+all cores. The kernel counts in ticks of ``1 / SC_CLK_TCK`` seconds, so a window under a second says
+little; the timed steps of a configuration take longer.
 """
 
 from __future__ import annotations

@@ -2,12 +2,13 @@
 moment it is measured, then the analysis of what the run recorded.
 
 Every launch gets its own job through :mod:`dspark.launch.launcher` (PyTorch's launcher underneath; a
-1-device launch is its one worker process alone, ``agent=False``): one process per device, so no state (allocator caches, process groups, warm kernels) leaks from one
-measurement into the next. The launches of a configuration alternate with its 1-device baseline's
-(see [Note: rounds] in :mod:`dspark.bench.ledger.measurement`), so a slow spell of the machine hits both
-sides of a speedup. A configuration that fails is reported with the tail of its stderr and not
-launched again; what its earlier rounds measured stays recorded, as does everything else: a suite
-that dies half-way keeps every finished measurement in the ledger.
+1-device launch is its one worker process alone, ``agent=False``): one process per device, so no
+state (allocator caches, process groups, warm kernels) leaks from one measurement into the next. The
+launches of a configuration alternate with its 1-device baseline's (see [Note: rounds] in
+:mod:`dspark.bench.ledger.measurement`), so a slow spell of the machine hits both sides of a
+speedup. A configuration that fails is reported with the tail of its stderr and not launched again;
+what its earlier rounds measured stays recorded, as does everything else: a suite that dies half-way
+keeps every finished measurement in the ledger.
 """
 
 from __future__ import annotations

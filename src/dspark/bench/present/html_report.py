@@ -77,9 +77,13 @@ def _peer_section(results: Sequence[BenchResult]) -> str:
             f"<p class='note'>{html.escape(PEER_NOTE)}</p>")
 
 
+def _row_label(r: BenchResult) -> str:
+    return f"{r.workload}, {devices(r.num_devices)}, {r.strategy}, {r.precision}, batch {r.batch_placement}"
+
+
 def _anomaly_list(results: Sequence[BenchResult]) -> str:
     items = [f'<li class="anomaly"><span class="kind">{html.escape(str(a.get("kind")))}</span> '
-             f"[{html.escape(f'{r.workload}, {devices(r.num_devices)}, {r.strategy}, {r.precision}, batch {r.batch_placement}')}]"
+             f"[{html.escape(_row_label(r))}]"
              f" {html.escape(str(a.get('message', '')))}</li>"
              for r in results for a in r.anomalies]
     return f"<ul>{''.join(items)}</ul>" if items else "<p>No anomalies.</p>"
