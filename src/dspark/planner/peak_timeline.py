@@ -185,12 +185,17 @@ class _Replay:
     def moment(self, value: float, k: int, buffers: int) -> None:
         self.moments.append((value, k, buffers))
 
-    def run(self, at: Sequence[float], instants: Sequence[float], grads_after: int) -> None:
+    def run(self, at: Sequence[float], instants: Sequence[float], grads_after: int,
+            loss_backward: float | None = None) -> None:
         """Every moment of the step on this rank (see [Note: the step's timeline]). ``at``: the
         interval bytes (the model's forward, the loss, backward to the first accumulation, one per
         accumulation, the optimizer step); ``instants``: at the end of the model's forward and of the
-        loss, at each accumulation, at the end of backward."""
+        loss, at each accumulation, at the end of backward; ``loss_backward``: the loss's own
+        backward where it was measured apart (every strategy holds nothing of its own then: zero3
+        gathers the root when the gradient reaches the model's output)."""
         last = len(at) - 1
+        if loss_backward is not None:
+            self.moment(loss_backward, LOSS_BACKWARD, 0)
         if self.one_process:  # one process's step, every strategy: nothing to reduce
             held, seen = 0, set()
             for k, value in enumerate(at):
@@ -279,6 +284,10 @@ class _Replay:
             self.moment(grads + buffers + following + at[k + 3], k + 3, buffers + following)
 
 
+LOSS_BACKWARD = -2
+"""The interval index of the moment in the loss's own backward (``Probe.loss_backward_bytes``)."""
+
+
 def step_peak(*, trainable: Sequence[ParamSpec], units: Sequence[Sequence[int]], unit_bytes: Sequence[int],
               probe: Probe, strategy: str, num_ranks: int, micro_batch: int, bucket_mb: float,
               resident_bytes: int, grads_bytes: int, split: int | None = None) -> PeakParts:
@@ -297,11 +306,13 @@ def step_peak(*, trainable: Sequence[ParamSpec], units: Sequence[Sequence[int]],
     events, lines, instants = _events_and_lines(probe, len(trainable))
     replay = _Replay(trainable, units, unit_bytes, strategy, num_ranks if split is None else split, events,
                      bucket_mb, one_process=num_ranks == 1)
+    loss_line = probe.loss_backward_bytes if probe.interval_bytes else None
     replay.run([line.at(micro_batch) for line in lines], [line.at(micro_batch) for line in instants],
-               grads_bytes)
+               grads_bytes, loss_line.at(micro_batch) if loss_line is not None else None)
     top, k, buffers = max(replay.moments)
-    beyond = max(0.0, lines[k].at(micro_batch)) if k >= 0 else 0.0
-    fixed = max(0.0, lines[k].fixed) if k >= 0 else 0.0
+    line = loss_line if k == LOSS_BACKWARD and loss_line is not None else lines[k] if k >= 0 else None
+    beyond = max(0.0, line.at(micro_batch)) if line is not None else 0.0
+    fixed = max(0.0, line.fixed) if line is not None else 0.0
     return PeakParts(peak_bytes=max(0, round(resident_bytes + top)),
                      activation_bytes=max(0, round(beyond - fixed)),
                      runtime_bytes=round(min(fixed, beyond)), comm_buffer_bytes=max(0, buffers))

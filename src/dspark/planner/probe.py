@@ -33,11 +33,19 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
 from dspark.meta.materialize import has_meta_tensors, materialize
 from dspark.planner.peak_memory import PeakMarks, measure_interval_peaks
-from dspark.planner.probe_record import Line, Probe, beyond_held_gradients, fit_line, interval_lines
+from dspark.planner.probe_record import (
+    OUTPUT_GRAD,
+    Line,
+    Probe,
+    beyond_held_gradients,
+    fit_line,
+    interval_lines,
+    split_loss_backward,
+)
 from dspark.planner.probe_timing import time_rounds
 from dspark.planner.process_memory import HEAP_SHARE, library_baseline_bytes, model_modules
 from dspark.policy.optimizer_kernel import prefer_fused_kernel
@@ -159,6 +167,16 @@ class _Runner:
     def _forward_then_mark(self, *args: Any, **kwargs: Any) -> Any:
         out = self.model(*args, **kwargs)
         self._phase_mark()  # the model's forward ends
+        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        fired = [False]
+
+        def output_grad(_: torch.Tensor) -> None:
+            if not fired[0]:  # the loss's own backward ends (see Probe.loss_backward_bytes)
+                fired[0] = True
+                self.events.append(OUTPUT_GRAD)
+                self.marks.mark()
+        for t in outputs:
+            t.register_hook(output_grad)
         return out
 
     def step(self, batch: Any, loss_fn: LossFn | None) -> tuple[float, float, float, float]:
@@ -215,7 +233,7 @@ def measure_probe(model: nn.Module, sample_batch: Any, *, loss_fn: LossFn | None
     modules = dict(work.named_modules())
     runner = _Runner(work, optimizer, precision, device, [modules[name] for name in units])
     peaks: list[tuple[int, float]] = []
-    intervals: list[tuple[int, tuple[int, ...], list[float], list[float]]] = []
+    intervals: list[tuple[int, tuple[int, ...], list[float], list[float], float | None]] = []
     ready: list[float] = [1.0] * len(runner.params)
     shares: list[float] = [0.0] * len(units)
     state: tuple[int, bool] = (0, False)
@@ -235,9 +253,9 @@ def measure_probe(model: nn.Module, sample_batch: Any, *, loss_fn: LossFn | None
             peaks.append((rows, float(max(by_interval) - state_bytes - caller_bytes)))
             grad_bytes = [p.numel() * p.element_size() for p in runner.params]
             held = state_bytes - sum(grad_bytes) + caller_bytes
-            intervals.append((rows, tuple(e for e in runner.events if e >= 0),
-                              beyond_held_gradients(by_interval, runner.events, grad_bytes, held),
-                              beyond_held_gradients(runner.marks.levels, runner.events, grad_bytes, held)))
+            intervals.append((rows, tuple(e for e in runner.events if e >= 0), *split_loss_backward(
+                beyond_held_gradients(by_interval, runner.events, grad_bytes, held),
+                beyond_held_gradients(runner.marks.levels, runner.events, grad_bytes, held), runner.events)))
         timing = time_rounds(lambda rows: runner.step(prepared[rows], loss_fn)[:3], batches, ROUND_STEPS)
     finally:
         runner.close()

@@ -94,6 +94,11 @@ class Probe:
     accumulation of ``grad_events``
     (the new gradient among them: where the engine allocates its buckets) and at the end of
     backward."""
+    loss_backward_bytes: Line | None = None
+    """The same bytes at their highest in the loss's own backward, from the loss's mark until the
+    gradient reaches the model's output (a language model's logits and their gradients), where
+    zero3 holds no unit gathered; ``interval_bytes``' third interval then starts at the model's
+    output. None: not measured (the third interval includes it)."""
 
     def activation_bytes(self, batch: float) -> int:
         """Bytes of a step's activations at ``batch`` (without the runtime's fixed part)."""
@@ -157,7 +162,9 @@ class Probe:
                        forward_ms_rounds=tuple(Line(**line) for line in data.get("forward_ms_rounds", ())),
                        backward_ms_rounds=tuple(Line(**line) for line in data.get("backward_ms_rounds", ())),
                        optimizer_ms_rounds=tuple(map(float, data.get("optimizer_ms_rounds", ()))),
-                       refused_fits=tuple(map(str, data.get("refused_fits", ()))))
+                       refused_fits=tuple(map(str, data.get("refused_fits", ()))),
+                       loss_backward_bytes=Line(**data["loss_backward_bytes"])
+                       if data.get("loss_backward_bytes") else None)
         except (KeyError, TypeError, IndexError) as exc:
             raise ValueError(f"not a probe written by dspark.plan: {exc!r} (keys: {sorted(data)})") from None
 
@@ -177,16 +184,39 @@ def beyond_held_gradients(peaks: Sequence[int], events: Sequence[int], grad_byte
     return out
 
 
-def interval_lines(measured: Sequence[tuple[int, tuple[int, ...], list[float], list[float]]]) -> dict[str, Any]:
+OUTPUT_GRAD = -2
+"""The probe's mark where the gradient reaches the model's output (see ``Probe.loss_backward_bytes``)."""
+
+
+def split_loss_backward(by_interval: list[float], levels: list[float],
+                        events: Sequence[int]) -> tuple[list[float], list[float], float | None]:
+    """The intervals and mark levels without the :data:`OUTPUT_GRAD` mark, and the loss's own
+    backward's bytes (the interval that mark ends); None where it did not fire (no output needs a
+    gradient).
+
+    Example::
+
+        split_loss_backward([5.0, 9.0, 7.0, 3.0], [4.0, 6.0, 2.0], [-1, -2, -1])   # ([5, 7, 3], [4, 2], 9)
+    """
+    if OUTPUT_GRAD not in events:
+        return by_interval, levels, None
+    at = list(events).index(OUTPUT_GRAD)
+    return by_interval[:at] + by_interval[at + 1:], levels[:at] + levels[at + 1:], by_interval[at]
+
+
+def interval_lines(measured: Sequence[tuple[int, tuple[int, ...], list[float], list[float], float | None]]
+                   ) -> dict[str, Any]:
     """``grad_events``, ``interval_bytes`` and ``accumulation_bytes`` of a :class:`Probe` from
-    ``(batch, events, bytes by interval, bytes at each accumulation)`` at each batch size; none where
+    ``(batch, events, bytes by interval, bytes at each accumulation, the loss's own backward's bytes or
+    None)`` at each batch size (and ``loss_backward_bytes``); none where
     the batch sizes saw different accumulations (a graph that changes with the batch: the planner
     then holds every interval to ``step_bytes``)."""
     if not measured or len({m[1] for m in measured}) != 1 or any(
             len(m[2]) != len(m[1]) + 4 or len(m[3]) != len(m[1]) + 3 for m in measured):
         return {}
-    (b0, events, first, first_at), (b1, _, last, last_at) = measured[0], measured[-1]
-    return {"grad_events": events,
+    (b0, events, first, first_at, loss0), (b1, _, last, last_at, loss1) = measured[0], measured[-1]
+    loss_backward = fit_line([(b0, loss0), (b1, loss1)]) if loss0 is not None and loss1 is not None else None
+    return {"grad_events": events, "loss_backward_bytes": loss_backward,
             "interval_bytes": tuple(fit_line([(b0, y0), (b1, y1)]) for y0, y1 in zip(first, last, strict=True)),
             "accumulation_bytes": tuple(fit_line([(b0, y0), (b1, y1)])
                                         for y0, y1 in zip(first_at, last_at, strict=True))}
