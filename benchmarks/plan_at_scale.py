@@ -1,7 +1,8 @@
 """What ``dspark plan`` predicts at scale, from one H200's measured step (kept artifacts): ResNet-50
 and GPT-2 124M at the seed's global batch 256 in fp16 with AdamW, on 2 and 16 DGX Spark boxes (one
-GPU each, 200 Gb/s RoCE), on 8 to 256 H100/H200-class GPUs (NVLink in a node of 8, InfiniBand NDR
-across) and on 16 boxes of 8 such GPUs joined by 200 Gb/s RoCE; every strategy, hybrid sharding's
+GB10 each, 200 Gb/s RoCE; the H200's step read for a GB10 by the datasheet rates of
+:data:`dspark.planner.DEVICES`, see [Note: device profiles]), on 8 to 256 H200 GPUs (NVLink in a
+node of 8, InfiniBand NDR across) and on 16 boxes of 8 H200s joined by 200 Gb/s RoCE; every strategy, hybrid sharding's
 included (shard groups of one node: a box's GPUs, or one GPU per DGX Spark).
 
     .venv/bin/python benchmarks/plan_at_scale.py            # the plans, printed
@@ -30,7 +31,8 @@ from typing import Any
 from dspark.engine import STRATEGIES
 from dspark.engine.for_the_lab import HYBRID_STRATEGIES, hybrid_group, needed_bytes
 from dspark.models import get_workload
-from dspark.planner import Plan, PlanRow, Probe, get_interconnect, model_shape, row_cost
+from dspark.planner import DEVICES, Plan, PlanRow, Probe, get_interconnect, model_shape, row_cost
+from dspark.planner.device_profile import scale_probe
 
 ARTIFACTS = Path(__file__).parent / "results" / "2026-12-04-h200" / "final"
 H200_BYTES = 143771 * 2**20
@@ -59,10 +61,16 @@ def _numel(shape: tuple[int, ...]) -> int:
     return out
 
 
-def plan_at(workload: str, counts: list[int], interconnect: str, budget: int, group: int | None) -> Plan:
-    """Every strategy on each count; hybrid rows in shard groups of ``group`` ranks (None: one node of
-    the interconnect), where that makes several groups."""
+def plan_at(workload: str, counts: list[int], interconnect: str, device: str, group: int | None) -> Plan:
+    """Every strategy on each count, each rank a ``device`` (a profile of
+    :data:`dspark.planner.DEVICES`: the H200's measured step read for it, see [Note: device profiles]);
+    hybrid rows in shard groups of ``group`` ranks (None: one node of the interconnect), where that
+    makes several groups."""
     probe, max_micro = _probe(workload)
+    target = DEVICES[device]
+    if target is not DEVICES["h200"]:
+        probe = scale_probe(probe, DEVICES["h200"], target)
+    budget = int((H200_BYTES if device == "h200" else target.memory_bytes) * 0.9)
     shape = model_shape(get_workload(workload).build_model(device="meta"))
     link = get_interconnect(interconnect)
     rows = []
@@ -81,19 +89,21 @@ def plan_at(workload: str, counts: list[int], interconnect: str, budget: int, gr
                 memory_budget_bytes=budget, probe=probe)
 
 
-LINKS = (("roce-200g", "2 and 16 DGX Spark boxes (roce-200g), H200 compute; a box is one GPU: hybrid's "
-                       "shard group is one rank", [1, 2, 16], 1),
-         ("nvlink", "8 to 256 GPUs (nvlink: NVLink inside 8, InfiniBand NDR across)",
+LINKS = (("roce-200g", "gb10", "2 and 16 DGX Spark boxes (roce-200g), each a GB10: the H200's step read "
+                               "for it by datasheet rates; a box is one GPU: hybrid's shard group is one rank",
+          [1, 2, 16], 1),
+         ("nvlink", "h200", "8 to 256 H200 GPUs (nvlink: NVLink inside 8, InfiniBand NDR across)",
           [1, 8, 16, 64, 128, 256], None),
-         ("nvlink+roce-200g", "16 boxes of 8 GPUs (NVLink inside a box, 200 Gb/s RoCE between boxes)",
+         ("nvlink+roce-200g", "h200", "16 boxes of 8 H200 GPUs (NVLink inside a box, 200 Gb/s RoCE between boxes)",
           [1, 8, 128], None))
+"""``(interconnect, device profile, heading, device counts, shard group)`` of each table."""
 
 
-def table_rows(workload: str, interconnect: str, plan: Plan) -> list[list[Any]]:
+def table_rows(workload: str, interconnect: str, device: str, plan: Plan) -> list[list[Any]]:
     """One published row per plan row: what docs/figures.md shows of the prediction."""
     base = {r.strategy: r.step_ms for r in plan.rows if r.devices == 1}
     base.update({name: base[policy.stage] for name, policy in HYBRID_STRATEGIES.items()})  # vs its stage
-    return [[workload, interconnect, r.devices, r.label, f"{r.micro_batch} x {r.passes}",
+    return [[workload, DEVICES[device].name, interconnect, r.devices, r.label, f"{r.micro_batch} x {r.passes}",
              round(r.peak_bytes / 1e9, 2), r.compute_ms, r.comm_exposed_ms, r.optimizer_ms,
              r.step_ms, f"{base[r.strategy] / r.step_ms:.2f}x"] for r in plan.rows]
 
@@ -102,23 +112,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, help="also write the predictions as DIR/table.json")
     args = parser.parse_args()
-    budget = int(H200_BYTES * 0.9)
     rows: list[list[Any]] = []
     for workload in ("resnet50", "gpt2-124m"):
         print(f"## {workload}, global batch 256, fp16, AdamW\n")
-        for interconnect, heading, counts, group in LINKS:
-            plan = plan_at(workload, counts, interconnect, budget, group)
+        for interconnect, device, heading, counts, group in LINKS:
+            plan = plan_at(workload, counts, interconnect, device, group)
             print(f"### {heading}\n\n```\n{plan}\n```\n")
-            rows += table_rows(workload, interconnect, plan)
+            rows += table_rows(workload, interconnect, device, plan)
     if args.out is not None:
         from dspark.bench.artifacts.table import write_table
 
         write_table(args.out, rows=rows, columns=[
-            "workload", "link", "devices", "strategy", "micro-batch x passes", "peak GB per rank",
+            "workload", "device", "link", "devices", "strategy", "micro-batch x passes", "peak GB per rank",
             "compute ms", "exposed comm ms", "optimizer ms", "step ms", "speedup vs 1 device"],
             caption="Predicted by dspark.plan, not measured: one H200's measured step (the "
-                    "2026-12-04-h200 artifact) and the planner's arithmetic (docs/plan.md); global "
-                    "batch 256, fp16, AdamW; nothing ran on more than one GPU.")
+                    "2026-12-04-h200 artifact), read for the GB10 of a DGX Spark by the datasheet "
+                    "rates of dspark.planner.DEVICES where the device column says so, and the "
+                    "planner's arithmetic (docs/plan.md); global batch 256, fp16, AdamW; nothing ran "
+                    "on more than one GPU, nor on a GB10.")
 
 
 if __name__ == "__main__":

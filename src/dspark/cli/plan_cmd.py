@@ -82,7 +82,7 @@ def _interconnect(text: str) -> str:
 def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Register ``dspark plan``."""
     from dspark.models import WORKLOADS
-    from dspark.planner import INTERCONNECTS
+    from dspark.planner import DEVICES, INTERCONNECTS
 
     parser = subparsers.add_parser(
         "plan", help="predict each strategy's peak memory and step per rank on 1 to N devices",
@@ -108,6 +108,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
                         help=f"link profile: {', '.join(sorted(INTERCONNECTS))}, or INSIDE+ACROSS for a "
                              "two-level fabric (nvlink+roce-200g); default: loopback-gloo on a CPU, nvlink "
                              "on a GPU")
+    parser.add_argument("--target-device", choices=sorted(DEVICES), default=None, metavar="NAME",
+                        help=f"read the probe for another device ({', '.join(sorted(DEVICES))}): compute and "
+                             "memory times scaled by datasheet rates, its memory as the budget (docs/plan.md)")
     parser.add_argument("--shard-group-size", type=int, default=None, metavar="S",
                         help="hybrid rows: ranks per shard group (default: the interconnect's node)")
     parser.add_argument("--strategies", default="all", help="comma-separated, or all (default)")
@@ -222,7 +225,7 @@ def run(args: argparse.Namespace) -> int:
                        precision=precision, global_batch=global_batch,
                        memory_budget=args.memory_budget, interconnect=args.interconnect,
                        max_micro_batch=max_micro_batch, probe=probe, trace=args.trace,
-                       shard_group_size=args.shard_group_size)
+                       shard_group_size=args.shard_group_size, target_device=args.target_device)
     if probe is None:
         sys.stderr.write(f"dspark plan: probed in {time.perf_counter() - started:.1f} s\n")
     sys.stdout.write(f"{plan}\n")

@@ -24,6 +24,7 @@ from torch import nn
 
 from dspark.host.cpu_memory import memory_info
 from dspark.planner.cost import ModelShape, RowCost, row_cost, state_bytes
+from dspark.planner.device_profile import DeviceProfile, get_device_profile, profile_of, scale_probe
 from dspark.planner.fake_trace import fake_activation_bytes, fake_probe
 from dspark.planner.interconnect import Interconnect, get_interconnect
 from dspark.planner.probe import LossFn, Probe, batch_size, measure_probe, optimizer_state_of
@@ -308,7 +309,8 @@ def plan(model: nn.Module, sample_batch: Any, loss_fn: LossFn | None = None, *,
          bucket_mb: float = 25.0, max_micro_batch: int | None = None,
          device: torch.device | str | None = None, probe: Probe | None = None,
          trace: str = "auto", shard_group_size: int | None = None,
-         process_baseline_bytes: int | None = None) -> Plan:
+         process_baseline_bytes: int | None = None,
+         target_device: str | DeviceProfile | None = None) -> Plan:
     """Predict every strategy's peak memory and step per rank on each device count, from one short
     probe of ``model`` on one device (see :mod:`dspark.planner.probe` and :mod:`dspark.planner.cost`).
 
@@ -330,6 +332,11 @@ probe's larger batch would not fit on the device (a model larger than this machi
 ``process_baseline_bytes``: what a rank's process holds besides its tensors, where the caller
 measured it in the process that will train (``strategy="auto"`` does); None: a new probe measures a
 fresh process's libraries (see [Note: process memory]).
+
+``target_device``: read the probe for another device (a name of
+:data:`dspark.planner.device_profile.DEVICES`, or a :class:`DeviceProfile`): its compute and memory
+times scaled by the two devices' rates, the default budget that device's memory, no process peak
+(see [Note: device profiles]); the plan's header names both devices and the ratios.
 
     Example::
 
@@ -371,10 +378,15 @@ fresh process's libraries (see [Note: process memory]).
                            batches=(smallest, largest) if smallest != largest else (largest, largest))
     if process_baseline_bytes is not None:
         probe = dataclasses.replace(probe, process_baseline_bytes=process_baseline_bytes, baseline_in_rank=True)
+    target = get_device_profile(target_device) if isinstance(target_device, str) else target_device
+    if target is not None:
+        probe = scale_probe(probe, profile_of(probe.device), target)
     shape = model_shape(model, probe.optimizer_state)
     rows = []
     for n in counts:
         budget = memory_budget
+        if budget is None and target is not None:
+            budget = int(target.memory_bytes * (1 - MEMORY_MARGIN))
         if budget is None:
             budget = default_memory_budget(where, local_ranks=1 if where.type == "cuda" else n)
         for strategy in names:
