@@ -31,8 +31,16 @@ from typing import Any
 from dspark.engine import STRATEGIES
 from dspark.engine.for_the_lab import HYBRID_STRATEGIES, hybrid_group, needed_bytes
 from dspark.models import get_workload
-from dspark.planner import DEVICES, Plan, PlanRow, Probe, get_interconnect, model_shape, row_cost
-from dspark.planner.device_profile import scale_probe
+from dspark.planner import (
+    DEVICES,
+    Plan,
+    PlanRow,
+    Probe,
+    get_interconnect,
+    model_shape,
+    row_cost,
+    scale_probe,
+)
 
 ARTIFACTS = Path(__file__).parent / "results" / "2026-12-04-h200" / "final"
 H200_BYTES = 143771 * 2**20

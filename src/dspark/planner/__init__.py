@@ -17,7 +17,7 @@ Example::
 
 from dspark.planner.auto_choice import AutoChoice, AutoRequest, auto_choice
 from dspark.planner.cost import ModelShape, RowCost, row_cost
-from dspark.planner.device_profile import DEVICES, DeviceProfile, get_device_profile
+from dspark.planner.device_profile import DEVICES, DeviceProfile, get_device_profile, scale_probe
 from dspark.planner.interconnect import INTERCONNECTS, Interconnect, get_interconnect
 from dspark.planner.probe import Probe
 from dspark.planner.table import (
@@ -30,4 +30,4 @@ from dspark.planner.table import (
 )
 
 __all__ = ["DEVICES", "INTERCONNECTS", "AutoChoice", "AutoRequest", "DeviceProfile", "Interconnect", "ModelShape", "Plan", "PlanRow",
-           "Probe", "RowCost", "auto_choice", "default_memory_budget", "format_plan", "get_device_profile", "get_interconnect", "model_shape", "plan", "row_cost"]
+           "Probe", "RowCost", "auto_choice", "default_memory_budget", "format_plan", "get_device_profile", "get_interconnect", "model_shape", "plan", "row_cost", "scale_probe"]
