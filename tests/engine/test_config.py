@@ -168,3 +168,27 @@ def test_the_readme_table_names_every_option_and_nothing_else() -> None:
 def test_groups_hold_what_their_names_say() -> None:
     assert {name: group.__name__ for name, group in GROUPS.items()} == {
         "communication": "CommunicationConfig", "checks": "ChecksConfig", "observation": "ObservationConfig"}
+
+
+def test_engine_signature_names_every_option_with_its_default() -> None:
+    import inspect
+
+    parameters = inspect.signature(dspark.Engine).parameters
+    for name, value in EngineConfig().options().items():
+        assert parameters[name].kind is inspect.Parameter.KEYWORD_ONLY and parameters[name].default == value, name
+    assert list(parameters)[:2] == ["model", "optimizer"]
+
+
+def test_a_single_class_as_zero3_units_is_refused_naming_the_list() -> None:
+    with pytest.raises(TypeError) as caught:
+        EngineConfig().replace(zero3_units=torch.nn.Linear)  # a class is callable: it was taken as a predicate
+    assert_names(str(caught.value), "zero3_units=", "Linear", "[Linear]")
+    assert EngineConfig().replace(zero3_units=[torch.nn.Linear]).communication.zero3_units == [torch.nn.Linear]
+
+
+def test_a_loss_scaler_round_trips_and_from_dict_takes_only_a_mapping() -> None:
+    config = EngineConfig(precision="fp16", loss_scaler=LossScaler(scale=1024.0, growth_interval=10))
+    assert EngineConfig.from_dict(config.to_dict()) == config
+    with pytest.raises(TypeError) as caught:
+        EngineConfig.from_dict([("strategy", "zero2")])  # type: ignore[arg-type]
+    assert_names(str(caught.value), "from_dict", "list")

@@ -18,12 +18,13 @@ import copy
 import dataclasses
 import difflib
 import functools
+import inspect
 import itertools
 import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -35,8 +36,9 @@ from dspark.policy.strategies import PRECISIONS, all_strategies
 from dspark.policy.units import UnitPolicy
 
 __all__ = ["GROUPS", "ChecksConfig", "CommunicationConfig", "EngineConfig", "ObservationConfig", "loss_scaler_for",
-           "option", "option_docs", "options_table"]
+           "option", "option_docs", "options_table", "spells_out_options"]
 
+_Init = TypeVar("_Init", bound=Callable[..., None])
 Check = Callable[[str, Any], None]
 """``check(name, value)`` raises ``ValueError``/``TypeError`` naming the value and the fix."""
 
@@ -109,6 +111,9 @@ def _function(shape: str) -> Check:
 
 
 def _unit_policy(name: str, value: Any) -> None:
+    if isinstance(value, type):  # a class is callable too, but as a predicate it would be built, not asked
+        raise TypeError(f"{name}={value!r} must be a list of nn.Module classes, e.g. [{value.__name__}], or a "
+                        "function (name, module) -> bool")
     if value is None or callable(value):
         return
     classes = value if isinstance(value, (list, tuple)) else None
@@ -309,6 +314,9 @@ class EngineConfig:
 
             EngineConfig.from_dict({"strategy": "zero2", "communication": {"bucket_mb": 50}})
         """
+        if not isinstance(values, Mapping):
+            raise TypeError(f"EngineConfig.from_dict takes a mapping of options by name (a TOML table, a JSON "
+                            f"object), got {type(values).__name__}")
         flat: dict[str, Any] = {}
         for key, value in values.items():
             if key in GROUPS and isinstance(value, Mapping):
@@ -321,6 +329,8 @@ class EngineConfig:
                 flat[key] = value
         if isinstance(flat.get("reduce_dtype"), str):
             flat["reduce_dtype"] = _dtype_named(flat["reduce_dtype"])
+        if isinstance(flat.get("loss_scaler"), Mapping):  # as to_dict writes it
+            flat["loss_scaler"] = LossScaler(**flat["loss_scaler"])
         if isinstance(flat.get("trace_steps"), list):
             flat["trace_steps"] = tuple(flat["trace_steps"])
         return cls().replace(**flat)
@@ -409,6 +419,24 @@ def _plain(value: Any) -> Any:
     if isinstance(value, type) or callable(value):
         return f"<{getattr(value, '__qualname__', type(value).__name__)}>"
     return repr(value)
+
+
+def spells_out_options(init: _Init) -> _Init:
+    """``init``, whose ``**options`` are the options of :class:`EngineConfig`, with a signature that
+    names each (keyword-only, with its default and type), so that ``inspect.signature``, ``help()``
+    and editors list them; ``init`` itself is unchanged.
+
+    Example::
+
+        @spells_out_options
+        def __init__(self, model, *, optimizer, config=None, **options): ...
+    """
+    signature = inspect.signature(init)
+    kept = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    named = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=value, annotation=f.type)
+             for name, (f, value) in _walk(EngineConfig())]
+    init.__signature__ = signature.replace(parameters=[*kept, *named])  # type: ignore[attr-defined]
+    return init
 
 
 def loss_scaler_for(config: EngineConfig) -> LossScaler | None:

@@ -24,7 +24,7 @@ from dspark.engine.audit import audit_rows
 from dspark.engine.auto_strategy import strategy_and_plan
 from dspark.engine.buffer_sync import broadcast_tensors
 from dspark.engine.build import EngineParts, OptimizerFactory, build_parts
-from dspark.engine.config import EngineConfig, loss_scaler_for
+from dspark.engine.config import EngineConfig, loss_scaler_for, spells_out_options
 from dspark.engine.host_read import defers_host_reads
 from dspark.engine.memory_report import frozen_held, memory_report
 from dspark.engine.not_a_module import NotTheModule
@@ -74,6 +74,7 @@ class Engine(NotTheModule):
     ranks in step: docs/engine.md.
     """
 
+    @spells_out_options  # inspect.signature(Engine) and help() list every option of EngineConfig
     def __init__(self, model: nn.Module, *, optimizer: OptimizerFactory, config: EngineConfig | None = None,
                  sample_batch: Any = None, loss_fn: Callable[..., torch.Tensor] | None = None,
                  **options: Any) -> None:
