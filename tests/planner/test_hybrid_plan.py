@@ -72,6 +72,23 @@ def test_the_plan_adds_hybrid_rows_where_nodes_split_the_ranks() -> None:
     assert hybrid_group(get_interconnect("roce-200g"), 2, None, required=False) is None
 
 
+@pytest.mark.parametrize("size", [0, -2, 2.0, "2", True])
+def test_a_shard_group_size_that_is_not_a_count_is_refused_by_name(size: object) -> None:
+    # 0 stopped dspark plan --shard-group-size 0 with ZeroDivisionError from inside the table
+    with pytest.raises(ValueError) as info:
+        dspark.plan(_model(), torch.zeros(32, 512), probe=_probe(), devices=[8], interconnect="nvlink",
+                    shard_group_size=size)  # type: ignore[arg-type]
+    assert_names(str(info.value), f"shard_group_size={size!r}", "int >= 1")
+
+
+def test_a_stated_shard_group_larger_than_the_world_is_refused_as_the_engine_refuses_it() -> None:
+    # it was cut down to the world in silence: hybrid-zero3 (1x8) planned for a size the engine refuses
+    with pytest.raises(ValueError) as info:
+        dspark.plan(_model(), torch.zeros(32, 512), probe=_probe(), devices=[8], interconnect="nvlink",
+                    strategies=["hybrid-zero3"], shard_group_size=16)
+    assert_names(str(info.value), "world_size(8) % shard_group_size(16) != 0", "1, 2, 4, 8")
+
+
 def test_two_profiles_make_a_two_level_fabric() -> None:
     boxes = get_interconnect("nvlink+roce-200g")
     assert boxes.link_for(8).bytes_per_s == get_interconnect("nvlink").bytes_per_s
@@ -79,6 +96,10 @@ def test_two_profiles_make_a_two_level_fabric() -> None:
     with pytest.raises(ValueError) as info:
         get_interconnect("pcie+roce-200g")
     assert_names(str(info.value), "'pcie'", "nvlink")
+    for three in ("nvlink+roce-200g+pcie", "nvlink+nvlink+roce-200g"):  # the second was taken as a 3-level fabric
+        with pytest.raises(ValueError) as info:
+            get_interconnect(three)
+        assert_names(str(info.value), repr(three), "3 profiles", "INSIDE+ACROSS")
 
 
 def test_auto_chooses_hybrid_where_the_link_between_nodes_is_the_bottleneck() -> None:

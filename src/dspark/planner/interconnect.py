@@ -182,7 +182,11 @@ def get_interconnect(name: str) -> Interconnect:
         get_interconnect("nvlink+roce-200g").link_for(16).name   # "roce-200g": 8-GPU boxes on RoCE
     """
     if "+" in name:
-        inside, across = (get_interconnect(part) for part in name.split("+", 1))
+        parts = name.split("+")
+        if len(parts) != 2:
+            raise ValueError(f"interconnect={name!r} names {len(parts)} profiles: a two-level fabric is two, "
+                             "INSIDE+ACROSS (e.g. nvlink+roce-200g)")
+        inside, across = (get_interconnect(part) for part in parts)
         if inside.ranks_per_node is None:
             raise ValueError(f"interconnect={name!r}: {inside.name!r} has no node size (ranks_per_node), so it "
                              f"cannot be the link inside a node; use one that has: "

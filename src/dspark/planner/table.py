@@ -28,6 +28,7 @@ from dspark.planner.device_profile import DeviceProfile, get_device_profile, pro
 from dspark.planner.fake_trace import fake_activation_bytes, fake_probe
 from dspark.planner.interconnect import Interconnect, get_interconnect
 from dspark.planner.probe import LossFn, Probe, batch_size, measure_probe, optimizer_state_of
+from dspark.policy.rank_groups import GroupLayout
 from dspark.policy.strategies import HYBRID_STRATEGIES, STRATEGIES, all_strategies, precision_policy
 from dspark.policy.units import unit_modules
 
@@ -354,6 +355,10 @@ times scaled by the two devices' rates, the default budget that device's memory,
         raise ValueError(f"strategies={strategies!r}: each must be one of {', '.join(all_strategies())} "
                          "(or 'all')")
     precision_policy(precision)  # validates
+    if shard_group_size is not None and (isinstance(shard_group_size, bool) or not isinstance(shard_group_size, int)
+                                         or shard_group_size < 1):
+        raise ValueError(f"shard_group_size={shard_group_size!r} must be an int >= 1 (ranks per shard group), "
+                         "or None for one node of the interconnect")
     if memory_budget is not None and memory_budget <= 0:
         raise ValueError(f"memory_budget={memory_budget!r} must be bytes > 0 (or None)")
     where = torch.device(device) if device is not None else (
@@ -456,17 +461,20 @@ def hybrid_group(link: Interconnect, num_ranks: int, shard_group_size: int | Non
         hybrid_group(get_interconnect("nvlink"), 64, None)   # 8: eight nodes of 8
         hybrid_group(get_interconnect("nvlink"), 8, None, required=False)   # None: one node
     """
-    size = shard_group_size if shard_group_size is not None else link.ranks_per_node
-    if size is None:
+    if shard_group_size is not None:
         if required:
-            raise ValueError(f"interconnect {link.name!r} has no node size: pass shard_group_size= for a "
-                             "hybrid strategy (the ranks of one node)")
+            GroupLayout(world_size=num_ranks, shard_group_size=shard_group_size)  # the refusal, with divisors
+        size = shard_group_size
+    elif link.ranks_per_node is not None:
+        size = min(link.ranks_per_node, num_ranks)  # fewer ranks than a node: one group
+    elif required:
+        raise ValueError(f"interconnect {link.name!r} has no node size: pass shard_group_size= for a "
+                         "hybrid strategy (the ranks of one node)")
+    else:
         return None
-    size = min(size, num_ranks)
     if num_ranks % size:
         if required:
-            raise ValueError(f"shard_group_size={size} does not divide the world: world_size({num_ranks}) % "
-                             f"shard_group_size({size}) != 0")
+            GroupLayout(world_size=num_ranks, shard_group_size=size)  # raises: a node size that does not divide
         return None
     if not required and not 1 < size < num_ranks:
         return None
