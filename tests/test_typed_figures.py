@@ -63,6 +63,7 @@ ALLOWED: tuple[tuple[str, str, str], ...] = (
     ("docs/plan.md", "less 10%", "the default memory budget's margin and auto's tie rule, constants"),
     ("docs/plan.md", "at most 16 MiB, the engine's", "the prefetch rule's threshold"),
     ("docs/plan.md", "### Interconnect profiles", "datasheet rates and the profiles' constants"),
+    ("docs/plan.md", "### Device profiles", "datasheet rates, the constants of dspark.planner.DEVICES"),
     ("docs/plan.md", "typically 70-90% of that", "what NCCL reaches of a link's nominal rate, a rule "
                                                  "of thumb NVIDIA publishes, not DSpark's measurement"),
     ("docs/plan.md", "200 Gb/s RoCE", "a NIC's datasheet rate"),
