@@ -114,8 +114,8 @@ class MissingExtraError(DSparkError, ImportError):
     """
 
     def __init__(self, package: str, *, extra: str, needed_for: str) -> None:
-        super().__init__(f"{needed_for} needs {package}, which is not installed: "
-                         f"pip install 'dspark[{extra}]'", name=package)
+        super().__init__(f"{package} (for {needed_for}) is not installed: pip install 'dspark[{extra}]'",
+                         name=package)
         self.extra = extra
         """The extra that installs the package."""
 

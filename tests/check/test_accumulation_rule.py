@@ -58,6 +58,11 @@ def test_the_nanogpt_line_is_flagged_where_the_fix_goes() -> None:
     ("import dspark\nsteps = cfg.micro\nj = steps * 1\ntrainer = dspark.Engine(m, grad_accum_steps=steps)\n"
      "trainer.backward(loss / j)\n", [5]),
     ("import dspark\ne = dspark.Engine(m, grad_accum_steps=4)\ne.backward(loss / 4)\n", [3]),
+    # or to the engine's config (dspark.EngineConfig, or a config's replace)
+    ("import dspark\ncfg = dspark.EngineConfig(grad_accum_steps=4)\ne = dspark.Engine(m, config=cfg)\n"
+     "e.backward(loss / 4)\n", [4]),
+    ("from dspark import EngineConfig\nk = 8\ncfg = EngineConfig(strategy='zero2').replace(grad_accum_steps=k)\n"
+     "e = dspark.Engine(m, config=cfg)\nloss = f(x) / k\ne.backward(loss)\n", [5]),
     ("class Trainer:\n    def step(self, loss):\n        loss = loss / self.grad_accum_steps\n"
      "        self.engine.backward(loss)\n", [3]),
     # in place, a power, a product with the reciprocal (issue 37)

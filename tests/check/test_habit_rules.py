@@ -34,6 +34,10 @@ def _found(body: str) -> list[tuple[int, str]]:
      [(3, "DSP010")]),
     ("engine = dspark.Engine(m, optimizer=opt, strategy='auto')\nsd = engine.optimizer.state_dict()\n",
      [(3, "DSP011")]),
+    # the strategy in a config (from a file, say): not read here, so a warning, not silence
+    ("engine = dspark.Engine(m, optimizer=opt, config=dspark.EngineConfig(strategy='zero3'))\n"
+     "sd = engine.optimizer.state_dict()\n", [(3, "DSP011")]),
+    ("engine = dspark.Engine(m, optimizer=opt, **options)\nsd = engine.optimizer.state_dict()\n", [(3, "DSP011")]),
     # nanoGPT's own spelling: model = DDP(model) became the engine, which has no parameters()
     ("model = dspark.Engine(model, optimizer=opt)\n"
      "torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)\n", [(3, "DSP009")]),

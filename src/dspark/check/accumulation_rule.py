@@ -9,7 +9,8 @@ times more, with no error anywhere. This rule finds that division before anythin
 
 What counts as the accumulation count: a name or attribute whose last part contains ``accum``
 (``gradient_accumulation_steps``, ``args.grad_accum_steps``, ``accum_iter``), the value passed as
-``Engine(grad_accum_steps=...)`` (a name, an attribute, or an int literal above 1), and any name
+``Engine(grad_accum_steps=...)``, ``EngineConfig(grad_accum_steps=...)`` or a config's
+``.replace(grad_accum_steps=...)`` (a name, an attribute, or an int literal above 1), and any name
 assigned from an expression that uses one of those (``k = cfg.accum // world_size``). A division
 by it (``/``, ``/=``, ``.div(k)``, ``torch.div(x, k)``, in place ``loss.div_(k)``) or a product
 with its reciprocal (``x * (1 / k)``, ``x * k ** -1``, ``x *= 1 / k``, ``loss.mul_(1.0 / k)``) that
@@ -106,8 +107,9 @@ class CountSources:
         """The counts and engines, once every run was added; ``origin`` maps a function to its
         dotted import origin."""
         counts = _Counts()
-        for func, value in self._engine_kwargs:
-            if (origin(func) or "").split(".")[-1] == "Engine":
+        for func, value in self._engine_kwargs:   # the engine's count, given to it or to its config
+            replaced = isinstance(func, ast.Attribute) and func.attr == "replace"
+            if replaced or (origin(func) or "").split(".")[-1] in ("Engine", "EngineConfig"):
                 counts.note_engine_value(value)
         counts.engines.update(self._engine_keys)
         for name, targets in self._called_names.items():

@@ -16,7 +16,8 @@ before anything runs, where the strategy can be read:
   :mod:`dspark.engine.not_a_module`);
 - the engine's optimizer: ``<engine>.optimizer``, or a name assigned from it;
 - the strategy: each ``dspark.Engine(...)`` call of the file, its ``strategy=`` a string, a name
-  the module assigns one string only, or left out (``"replicate"``).
+  the module assigns one string only, or left out (``"replicate"``; beside ``config=`` or
+  ``**options``, the config's: not read).
 
 A strategy read that says zero2/zero3 (the clip) or zero1-3 (the state dict) is an error (DSP009,
 DSP010); one that cannot be read (a variable, ``"auto"``) a warning (DSP011) saying under which
@@ -39,6 +40,10 @@ IsEngine = Callable[[ast.expr], bool]
 _CLIPS = ("clip_grad_norm_", "clip_grad_value_")
 _NO_GRADIENT = ("zero2", "zero3")   # the module's parameters hold no gradient
 _SHARDED_STATE = ("zero1", "zero2", "zero3")   # the optimizer holds this rank's rows
+
+
+_UNREAD = ast.Constant(value=None)
+"""The strategy of an engine built from a config: one that cannot be read (DSP011)."""
 
 
 class HabitSources:
@@ -64,7 +69,9 @@ class HabitSources:
                     text = value.value if isinstance(value, ast.Constant) and isinstance(value.value, str) else None
                     self._strings.setdefault(target, set()).add(text)
             if isinstance(value, ast.Call) and (dotted_key(value.func) or "").split(".")[-1] == "Engine":
-                strategy = next((kw.value for kw in value.keywords if kw.arg == "strategy"), None)
+                given = {kw.arg: kw.value for kw in value.keywords}   # None: **options
+                # no strategy= beside config= or **options: the config's, which this file does not fix
+                strategy = given.get("strategy", _UNREAD if {"config", None} & given.keys() else None)
                 model = dotted_key(value.args[0]) if value.args else None
                 self._engines.append((value.func, strategy, model, targets))
             elif isinstance(value, ast.Attribute) and value.attr in ("module", "optimizer"):
