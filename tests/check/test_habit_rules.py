@@ -9,6 +9,7 @@ import pytest
 
 from dspark.check import check_paths
 from dspark.check.placement_rules import CODES, check_source
+from dspark.policy import all_strategies
 
 _HEAD = "import dspark, torch\n"
 
@@ -44,6 +45,15 @@ def _found(body: str) -> list[tuple[int, str]]:
 ])
 def test_the_lines_are_found_where_the_strategy_makes_them_wrong(body: str, found: list[tuple[int, str]]) -> None:
     assert _found(body) == found
+
+
+@pytest.mark.parametrize("strategy", sorted(all_strategies()))
+def test_every_strategy_that_shards_gradients_or_state_is_known_to_the_rules(strategy: str) -> None:
+    # hybrid-zero1/2/3 shard as their stage does; dspark check passed both lines under them
+    body = (f"engine = dspark.Engine(raw_model, optimizer=opt, strategy={strategy!r})\n"
+            "torch.nn.utils.clip_grad_norm_(raw_model.parameters(), 1.0)\nsd = engine.optimizer.state_dict()\n")
+    policy = all_strategies()[strategy]
+    assert _found(body) == [(3, "DSP009")] * policy.shard_grads + [(4, "DSP010")] * policy.shard_optimizer
 
 
 @pytest.mark.parametrize("body", [

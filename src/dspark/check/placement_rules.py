@@ -43,15 +43,15 @@ DSP008 (error) a loss divided by the gradient accumulation count (``loss = loss 
     come out K times too small, silently. Fix: drop the division, ``engine.backward(loss)``. The
     rule and what counts as the count: :mod:`dspark.check.accumulation_rule`.
 DSP009 (error) ``torch.nn.utils.clip_grad_norm_(model.parameters(), c)`` over the engine's module
-    under ``strategy="zero2"`` or ``"zero3"``: each rank holds only its rows of each gradient, inside
-    the engine, so the clip would clip nothing (the engine raises ``ShardedGradError`` at run time);
-    under any strategy, a clip of the engine's own ``parameters()`` (nanoGPT's ``model.parameters()``
-    where ``model = DDP(model)`` became the engine, which has none). Fix: ``Engine(clip_grad_norm=c)``
-    or ``engine.clip_grad_norm_(c)``.
+    under ``strategy="zero2"`` or ``"zero3"`` (or their hybrid forms): each rank holds only its rows
+    of each gradient, inside the engine, so the clip would clip nothing (the engine raises
+    ``ShardedGradError`` at run time); under any strategy, a clip of the engine's own
+    ``parameters()`` (nanoGPT's ``model.parameters()`` where ``model = DDP(model)`` became the
+    engine, which has none). Fix: ``Engine(clip_grad_norm=c)`` or ``engine.clip_grad_norm_(c)``.
 DSP010 (error) ``optimizer.state_dict()`` (or ``load_state_dict``) of the engine's optimizer under
-    ``strategy="zero1"``, ``"zero2"`` or ``"zero3"``: it holds only this rank's rows, so a saved state
-    would be part of the state (the engine raises ``ShardedOptimizerStateError``). Fix:
-    ``engine.save(path)`` / ``engine.load(path)``.
+    ``strategy="zero1"``, ``"zero2"`` or ``"zero3"`` (or ``"hybrid-zero1/2/3"``): it holds only this
+    rank's rows, so a saved state would be part of the state (the engine raises
+    ``ShardedOptimizerStateError``). Fix: ``engine.save(path)`` / ``engine.load(path)``.
 DSP011 (warning) either of those lines where the file's strategy cannot be read (a variable,
     ``"auto"``): right under ``replicate`` (the clip under ``zero1`` too), wrong under the others.
     How the rules read the module, the optimizer and the strategy: :mod:`dspark.check.habit_rules`.
