@@ -22,13 +22,15 @@ import torch
 
 import dspark
 from dspark import comm
-from dspark.engine import PRECISIONS, STRATEGIES
+from dspark.engine import PRECISIONS
 from dspark.models import GPT, GPTConfig, synthetic_tokens
+from dspark.policy import all_strategies
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--strategy", default="replicate", choices=[*sorted(STRATEGIES), "auto"])
+    parser.add_argument("--strategy", default="replicate", choices=[*all_strategies(), "auto"],
+                        help="hybrid-zero1/2/3: the stage inside each node's ranks, replicas across nodes")
     parser.add_argument("--memory-budget-mib", type=float, default=None,
                         help="--strategy auto: MiB per rank to fit in (default: the device's memory)")
     parser.add_argument("--precision", default="fp32", choices=sorted(PRECISIONS))
