@@ -76,8 +76,7 @@ class Engine(NotTheModule):
 
     @spells_out_options  # inspect.signature(Engine) and help() list every option of EngineConfig
     def __init__(self, model: nn.Module, *, optimizer: OptimizerFactory, config: EngineConfig | None = None,
-                 sample_batch: Any = None, loss_fn: Callable[..., torch.Tensor] | None = None,
-                 **options: Any) -> None:
+                 sample_batch: Any = None, loss_fn: Callable[..., torch.Tensor] | None = None, **options: Any) -> None:
         if config is not None and not isinstance(config, EngineConfig):
             raise TypeError(f"config must be a dspark.EngineConfig, got {type(config).__name__}")
         # keyword options apply on top of config (see [Note: options declared once])
@@ -215,8 +214,7 @@ class Engine(NotTheModule):
 
     def _apply_update(self) -> bool:
         if not self._window.has_grads:
-            log.warning("rank %d: every rank gave weight=0: nothing to average, step skipped",
-                        self.world.rank)
+            log.warning("rank %d: every rank gave weight=0: nothing to average, step skipped", self.world.rank)
             return False
         reducer = self._parts.reducer
         applied = self._parts.update.apply(nonfinite_loss=reducer.nonfinite_loss, found_inf=reducer.found_inf)
@@ -482,8 +480,7 @@ class Engine(NotTheModule):
                           params_sharded=parts.shard_params, buckets=parts.reducer.buckets,
                           optimizer=self.optimizer, batch=parts.inputs.last, rank=self.world.rank,
                           num_ranks=self.world.world_size, device=self.world.device,
-                          shard_rank=parts.rank_groups.shard_rank,
-                          shard_group_size=parts.rank_groups.shard_size)
+                          shard_rank=parts.rank_groups.shard_rank, shard_group_size=parts.rank_groups.shard_size)
 
     def close(self) -> None:
         """Remove the engine's hooks (the module keeps working as a plain module unless zero3) and stop
