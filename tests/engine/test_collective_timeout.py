@@ -8,6 +8,7 @@ failed] in dspark.comm.failures)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -16,7 +17,11 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
+import dspark
+from dspark.engine.zero3_units import Zero3Scheduler
+from dspark.errors import CollectiveTimeoutError
 from tests.messages import assert_names
 
 TIMEOUT_S = 3.0
@@ -76,3 +81,42 @@ def test_the_timeout_fires_once_at_the_stated_time_and_names_the_step(tmp_path: 
     assert got["missing"] == [1], got
     assert_names(got["message"], "rank 0: ", "engine step 1", "backward", "dspark.bucket0.all_reduce",
                  "bytes", f"after {TIMEOUT_S:g} s", "rank(s) 1 never joined")
+
+
+
+class _TimesOut(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise CollectiveTimeoutError("rank 0: all_gather of 64 bytes (dspark.gather.1) timed out after 3 s",
+                                     missing_ranks=(1,))
+
+
+def _refused(self: Zero3Scheduler) -> None:
+    raise CollectiveTimeoutError("rank 0: all_gather not run: the group stopped at an earlier timeout")
+
+
+def _zero3_forward_timing_out() -> tuple[str, str, tuple[int, ...] | None]:
+    engine = dspark.Engine(_TimesOut(), optimizer=functools.partial(torch.optim.SGD, lr=0.1), strategy="zero3")
+    real = Zero3Scheduler.end_backward
+    Zero3Scheduler.end_backward = _refused  # type: ignore[method-assign]
+    try:
+        engine(torch.randn(2, 4))
+    except CollectiveTimeoutError as exc:
+        return type(exc).__name__, str(exc), exc.missing_ranks
+    finally:
+        Zero3Scheduler.end_backward = real  # type: ignore[method-assign]
+        engine.close()
+    return "no error", "", None
+
+
+def test_a_zero3_forward_that_times_out_raises_its_own_timeout(pool) -> None:
+    # the failed forward's cleanup (finishing launched gathers) is refused on the timed-out group:
+    # that refusal ("not run: the group stopped at an earlier timeout") used to be what the user's
+    # code caught, the forward's own timeout only quoted inside it
+    for kind, message, missing in pool.run(_zero3_forward_timing_out):
+        assert kind == "CollectiveTimeoutError", (kind, message)
+        assert_names(message, "dspark.gather.1", "after 3 s")
+        assert "not run" not in message and missing == (1,), message

@@ -55,6 +55,7 @@ from dspark.engine.zero3_gather import PURPOSES, Gather, GatherTags
 from dspark.engine.zero3_generate import SyncedGenerate
 from dspark.engine.zero3_plan import Zero3Unit, loose_modules, plan_units
 from dspark.engine.zero3_saved import SavedParams
+from dspark.errors import CollectiveTimeoutError
 from dspark.policy.units import (
     MIN_NESTED_UNIT_BYTES,
     SECOND_PREFETCH_MAX_BYTES,
@@ -294,7 +295,12 @@ class Zero3Scheduler:
         """A forward failed: free what it left half-gathered, and explain a shape error that an empty
         (freed) parameter read outside its unit causes; None when ``exc`` is not one."""
         freed = [s.name for s in self._slots if s.requires_grad and not s.gathered]
-        self.end_backward()  # a failed forward leaves units half-gathered: start clean
+        try:
+            self.end_backward()  # a failed forward leaves units half-gathered: start clean
+        except CollectiveTimeoutError:
+            if not isinstance(exc, CollectiveTimeoutError):
+                raise
+            return None  # the forward's own timeout is the error; the cleanup's refusal only repeats it
         if "shape" not in str(exc) and "size" not in str(exc):
             return None
         return RuntimeError(
