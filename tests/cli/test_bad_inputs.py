@@ -64,6 +64,9 @@ def _cases(tmp: Path) -> list[tuple[list[str], list[str]]]:
     big_manifest = _damaged(good, "manifest.json", size_bytes=200 * 2**20)
     garbage_info = _damaged(good, "dspark.json", b"garbage")
     deep_state = _damaged(good, "training_state.json", b"[" * 100_000 + b"]" * 100_000)
+    fifo_info = _damaged(good, "dspark.json")
+    (fifo_info / "dspark.json").unlink()
+    os.mkfifo(fifo_info / "dspark.json")  # was "the directory has no dspark.json": not found, not damaged
     (tmp / "loop1").symlink_to(tmp / "loop2")
     (tmp / "loop2").symlink_to(tmp / "loop1")
     raising = tmp / "models.py"
@@ -81,6 +84,8 @@ def _cases(tmp: Path) -> list[tuple[list[str], list[str]]]:
         (["ckpt", "info", "--json", str(big_manifest)], ["manifest.json", f"{200 * 2**20} bytes"]),
         (["ckpt", "info", str(garbage_info)], ["dspark.json", "damaged"]),
         (["ckpt", "info", str(deep_state)], ["training_state.json"]),  # within its bounds, too deep
+        (["ckpt", "info", str(fifo_info)], [str(fifo_info / "dspark.json"), "not a regular file"]),
+        (["ckpt", "export", str(fifo_info), str(out)], [str(fifo_info / "dspark.json"), "not a regular file"]),
         (["ckpt", "verify", str(tmp / "missing")], [str(tmp / "missing")]),
         (["ckpt", "verify", str(big_manifest)], ["manifest.json", f"{200 * 2**20} bytes"]),
         (["ckpt", "verify", str(no_manifest)], [str(no_manifest), "no manifest.json"]),

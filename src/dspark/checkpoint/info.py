@@ -197,7 +197,7 @@ def check_is_checkpoint(directory: Path) -> None:
         raise CheckpointNotFoundError(f"no checkpoint at {str(directory)!r}: it is a file, a checkpoint "
                                       "is a directory")
     info_path = directory / INFO_FILE
-    if not info_path.is_file() and not info_path.is_symlink():
+    if not info_path.exists() and not info_path.is_symlink():  # a FIFO or a directory there: refused as one
         raise CheckpointNotFoundError(
             f"no checkpoint at {str(directory)!r}: the directory has no {INFO_FILE} (a DSpark checkpoint "
             f"is written by engine.save(path); it holds {_listing(directory)})")
