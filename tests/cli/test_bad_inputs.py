@@ -103,6 +103,8 @@ def _cases(tmp: Path) -> list[tuple[list[str], list[str]]]:
         (["plan", "--workload", "gpt2-cpu", "--probe", str(a_file)], [str(a_file)]),
         (["plan", "--workload", "gpt2-cpu", "--probe", str(probe)], [str(probe)]),
         (["plan", "--workload", "gpt2-cpu", "--devices", "two"], ["'two'"]),
+        (["plan", "--model", "tests.planner.factories:small_mlp", "--devices", "1,2", "--trace", "fake",
+          "--plot", str(out)], ["--trace fake", "--trace measure"]),  # was a ZeroDivisionError traceback
         (["plan", "--workload", "gpt2-cpu", "--memory-budget", "lots"], ["'lots'"]),
         # dspark check
         (["check", str(tmp / "missing.py")], ["missing.py", "does not exist"]),
@@ -159,14 +161,14 @@ def test_bad_input_to_any_subcommand_is_one_line_naming_it(
     assert not (tmp_path / "out").exists()  # nothing half-written by the refused exports
 
 
-_EXPORT_EACH = """
+_EACH = """
 import contextlib, io, json, sys
 from dspark.cli.main import main
 results = []
-for out in sys.argv[2:]:
+for out, argv in json.loads(sys.argv[1]):
     err = io.StringIO()
-    with contextlib.redirect_stderr(err):
-        code = main(["ckpt", "export", sys.argv[1], out, "--max-shard-size", "20KB"])
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = main(argv)
     results.append([out, code, err.getvalue()])
 print(json.dumps(results))
 """
@@ -177,14 +179,19 @@ def test_ckpt_export_on_a_full_disk_is_one_line_and_leaves_nothing(single_proces
                                                                    tmp_path: Path) -> None:
     good = _save(tmp_path / "ckpt", width=64)  # 50 KB of weights: over the 8 KB a file may have
     outs = [str(tmp_path / out) for out in ("hf", "model.safetensors", "model.pt")]
+    commands = [(out, ["ckpt", "export", str(good), out, "--max-shard-size", "20KB"]) for out in outs]
+    plot = str(tmp_path / "plan.png")  # a plot of some 30 KB (its error named no file before)
+    commands.append((plot, ["plan", "--model", "tests.planner.factories:small_mlp", "--devices", "2",
+                            "--plot", plot]))
     hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
-    done = subprocess.run([sys.executable, "-c", _EXPORT_EACH, str(good), *outs], capture_output=True,
+    done = subprocess.run([sys.executable, "-c", _EACH, json.dumps(commands)], capture_output=True,
                           text=True, timeout=120,  # ulimit -f 8: files of at most 8 KB
                           preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (8192, hard)))
     assert done.returncode == 0, done.stderr
     for out, code, err in json.loads(done.stdout):
         assert code == 1, (out, err)
-        assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
-        assert out in err and "ulimit -f" in err, err
+        last = err.strip().splitlines()[-1]  # plan's progress lines come first
+        assert "Traceback" not in err and (out == plot or len(err.strip().splitlines()) == 1), err
+        assert out in last and ("ulimit -f" in last or out == plot), err
     assert sorted(os.listdir(tmp_path)) == ["ckpt"], os.listdir(tmp_path)  # nothing left behind
     assert json.loads((good / "dspark.json").read_text())["format"] == "dspark-checkpoint"

@@ -15,6 +15,7 @@ from dspark.planner.cost import buckets, state_bytes
 from dspark.planner.table import needed_bytes
 from dspark.policy.state_bytes import expected_state_bytes
 from dspark.policy.strategies import STRATEGIES
+from tests.messages import assert_names
 
 
 def _mlp() -> nn.Module:
@@ -173,3 +174,15 @@ def test_the_fake_trace_is_within_15_percent_of_the_measured_activations() -> No
     fake_line = dspark.plan(_mlp(), _batch(256), F.cross_entropy, devices=[1], precision=precision,
                             trace="fake").probe.step_bytes
     assert fake_line.per_sample == pytest.approx(measured.step_bytes.per_sample, rel=0.15)
+
+
+def test_a_plan_from_a_fake_trace_has_no_speedup_to_plot() -> None:
+    # its rows' steps are the communication alone: the speedup divided by a zero step (a
+    # ZeroDivisionError), or drew the communication's where every row had some
+    pytest.importorskip("matplotlib")
+    from dspark.planner.plot import speedup_figure
+
+    plan = dspark.plan(_mlp(), _batch(), F.cross_entropy, devices=[1, 2], trace="fake")
+    with pytest.raises(ValueError) as refused:
+        speedup_figure(plan)
+    assert_names(str(refused.value), "'fake:cpu'", "--trace measure")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import io
 import json
 import os
 import sys
@@ -200,6 +201,9 @@ def run(args: argparse.Namespace) -> int:
     probe = _read_probe(args.probe) if args.probe else None  # before anything is built: fail fast
     if args.plot:
         import dspark.planner.plot  # raises MissingExtraError without matplotlib, before the probe
+        if args.trace == "fake" and probe is None:
+            raise ValueError(f"--plot {args.plot} draws the predicted speedup, and --trace fake predicts "
+                             "memory and no compute time: drop --plot, or probe with --trace measure")
     max_micro_batch = None
     if args.workload:
         from dspark.models import get_workload
@@ -232,7 +236,9 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         write_whole(Path(args.json), plan.to_json() + "\n")
     if args.plot:
-        from dspark.planner.plot import save_speedup_plot
+        from dspark.planner.plot import speedup_figure
 
-        save_speedup_plot(plan, args.plot)
+        image = io.BytesIO()  # the format from the suffix (.png, .svg, .pdf), written whole like --json
+        speedup_figure(plan).savefig(image, format=Path(args.plot).suffix.lstrip(".") or None)
+        write_whole(Path(args.plot), image.getvalue())
     return 0

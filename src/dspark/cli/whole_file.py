@@ -1,4 +1,4 @@
-"""Files the command line writes (``--json``): whole or not at all.
+"""Files the command line writes (``--json``, ``--plot``): whole or not at all.
 
 A write that fails half-way (a full disk, a file size limit) used to leave a truncated file where a
 later step would read it as the command's output. The text goes into a hidden sibling first, renamed
@@ -19,12 +19,12 @@ from pathlib import Path
 __all__ = ["write_whole"]
 
 
-def write_whole(path: Path, text: str) -> None:
-    """Write ``text`` at ``path``, all of it or nothing (see the module docstring)."""
+def write_whole(path: Path, text: str | bytes) -> None:
+    """Write ``text`` (or bytes: a plot) at ``path``, all of it or nothing (see the module docstring)."""
     staging = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:12]}")
     try:
-        with open(staging, "w", encoding="utf-8") as out:
-            out.write(text)
+        with open(staging, "wb") as out:
+            out.write(text if isinstance(text, bytes) else text.encode("utf-8"))
             out.flush()
             os.fsync(out.fileno())
         os.replace(staging, path)

@@ -25,6 +25,11 @@ def speedup_figure(plan: Plan) -> Figure:
 
         speedup_figure(plan).savefig("plan.png")
     """
+    if plan.probe.device.startswith("fake:"):  # its steps are only the communication: no speedup
+        raise ValueError(
+            f"the plan's probe ({plan.probe.device!r}) traced the model on fake tensors (--trace fake, or "
+            "auto where a measured step would not fit), which predicts memory and no compute time, so "
+            "the plan has no speedup to draw; plot a plan whose probe measured steps (--trace measure)")
     ones = [r.step_ms for r in plan.rows if r.devices == 1]
     base = min(ones) if ones else min(r.step_ms * r.devices for r in plan.rows)
     counts = sorted({r.devices for r in plan.rows})
