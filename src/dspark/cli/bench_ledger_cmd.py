@@ -46,10 +46,12 @@ def list_results(args: argparse.Namespace) -> int:
                       format_speedup(r),
                       _flags(r, chain))
     console().print(table)
-    if not chain.ok:
+    if chain.bad:
         console(stderr=True).print(
             f"[bold red]TAMPERED[/]: {len(chain.bad)} row(s) fail the hash chain and are left out, "
             f"first {chain.first_bad}; `dspark bench verify` lists them", highlight=False)
+    for fault in chain.faults:  # the file as a whole (a missing trigger): no row fails, none is left out
+        console(stderr=True).print(f"[bold red]TAMPERED[/]: {fault}", highlight=False)
     return 0
 
 

@@ -298,3 +298,17 @@ def test_require_intact_names_only_the_runs_asked_for(tmp_path: Path) -> None:
         ledger.require_intact(report, ["another-run"])
         with pytest.raises(LedgerTampered, match="row 2"):
             ledger.require_intact(report, ["run-a"])
+
+
+def test_list_names_a_dropped_trigger(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # it said "0 row(s) fail the hash chain and are left out, first None" where a trigger was missing
+    db = tmp_path / "ledger.db"
+    Ledger(db).close()
+    conn = sqlite3.connect(db)
+    conn.execute("DROP TRIGGER measurements_no_update")
+    conn.commit()
+    conn.close()
+    assert main(["bench", "list", "--db", str(db)]) == 0
+    err = " ".join(capsys.readouterr().err.split())
+    assert_names(err, "TAMPERED", "'measurements_no_update'")
+    assert "None" not in err and "0 row(s)" not in err, err
