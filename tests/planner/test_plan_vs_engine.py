@@ -87,15 +87,15 @@ def test_a_hybrid_rows_state_is_memory_report_in_groups_of_one(pool, strategy: s
     assert HYBRID_BAND[0] <= row.peak_bytes / rank0["peak"] <= HYBRID_BAND[1], (row.peak_bytes, rank0["peak"])
 
 
-@pytest.mark.parametrize("name", ["embed-untied", "embed-tied"])
-def test_buckets_that_send_their_own_gradient_are_two_in_flight(pool, name: str) -> None:
+@pytest.mark.parametrize(("name", "strategy"), [("embed-untied", "zero2"), ("embed-tied", "zero3")])
+def test_buckets_that_send_their_own_gradient_are_two_in_flight(pool, name: str, strategy: str) -> None:
     """Small buckets make every large parameter a bucket of one, sent as its gradient is: they take
-    turns in the send pool, so only two are in flight at once (the replay freed none of them, and
-    zero2/zero3 read high by most of a layer's gradients per bucket)."""
+    turns in the send pool, so only two are in flight at once (the replay freed none of them: zero2
+    read 12% high on the untied model); zero3 gathers no block for the tied embedding's last
+    gradient, after every block (it counted two: 18% high with the first)."""
     model, batch, loss_fn = build(name, size="tiny")
-    strategies = ("zero2", "zero3")
-    plan = dspark.plan(model, batch, loss_fn, optimizer=ADAMW, devices=[2], strategies=list(strategies),
+    plan = dspark.plan(model, batch, loss_fn, optimizer=ADAMW, devices=[2], strategies=[strategy],
                        global_batch=_rows(batch), process_baseline_bytes=1, bucket_mb=0.05)
-    ranks = pool.run(_every_strategy, name, "fp32", strategies, bucket_mb=0.05)
-    ratios = {s: plan.row(s, 2).peak_bytes / max(r[s]["peak"] for r in ranks) for s in strategies}
-    assert all(abs(r - 1) <= TOLERANCE for r in ratios.values()), ratios
+    ranks = pool.run(_every_strategy, name, "fp32", (strategy,), bucket_mb=0.05)
+    ratio = plan.row(strategy, 2).peak_bytes / max(r[strategy]["peak"] for r in ranks)
+    assert abs(ratio - 1) <= TOLERANCE, ratio
