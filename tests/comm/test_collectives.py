@@ -105,6 +105,17 @@ def test_world_size_one_stand_in_is_noop(single_process) -> None:
     comm.barrier()
 
 
+def test_stats_of_a_group_name_no_group_has_is_refused(single_process) -> None:
+    # stats(group="replicas") gave {}, as if nothing had crossed the nodes
+    comm.reset_stats()
+    assert comm.stats(group="replica") == {} and comm.stats(group="world") == {}  # known, nothing counted
+    with pytest.raises(ValueError) as caught:
+        comm.stats(group="replicas")
+    assert_names(str(caught.value), "group='replicas'", "'replica'", "'shard'", "'world'")
+    comm.new_group(name="pipeline")   # a group's own name is known before its first collective
+    assert comm.stats(group="pipeline") == {}
+
+
 def test_unknown_backend_lists_choices() -> None:
     with pytest.raises(ValueError, match="'auto', 'gloo', 'nccl', 'mpi'"):
         dspark.init(backend="tcp")

@@ -83,6 +83,7 @@ def new_group(ranks: Sequence[int] | None = None, *, timeout: float | None = Non
     same order; a rank outside ``ranks`` gets a group with ``rank == -1`` that it must not use."""
     world = get_world()
     timeout_s = world.timeout_s if timeout is None else float(timeout)
+    _stats.name_group(name)
     if not world.is_distributed:
         return Group(pg=None, rank=0, size=1, timeout_s=timeout_s, name=name)
     if backend not in (None, "gloo", world.backend):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-__all__ = ["CollectiveStats", "record", "reset_stats", "stats", "wire_bytes"]
+__all__ = ["CollectiveStats", "name_group", "record", "reset_stats", "stats", "wire_bytes"]
 
 
 @dataclass(slots=True)
@@ -33,6 +33,7 @@ class CollectiveStats:
 _lock = threading.Lock()
 _stats: dict[str, CollectiveStats] = {}
 _by_group: dict[str, dict[str, CollectiveStats]] = {}
+_group_names = {"world", "shard", "replica"}   # the names stats(group=) knows, counted on or not
 
 
 def wire_bytes(kind: str, payload_bytes: int, num_ranks: int) -> int:
@@ -53,6 +54,7 @@ def record(kind: str, payload_bytes: int, num_ranks: int, group: str = "world") 
     sent = payload_bytes if num_ranks > 1 else 0
     wire = wire_bytes(kind, sent, num_ranks)
     with _lock:
+        _group_names.add(group)
         for table in (_stats, _by_group.setdefault(group, {})):
             entry = table.setdefault(kind, CollectiveStats())
             entry.calls += 1
@@ -69,8 +71,17 @@ def stats(group: str | None = None) -> dict[str, CollectiveStats]:
         comm.stats(group="replica")["all_reduce"].wire_bytes   # what crossed the nodes
     """
     with _lock:
+        if group is not None and group not in _group_names:
+            raise ValueError(f"group={group!r} names no group of DSpark's comm layer: pass one of "
+                             f"{', '.join(map(repr, sorted(_group_names)))} (a new_group's name=), or None for all")
         table = _stats if group is None else _by_group.get(group, {})
         return {k: CollectiveStats(v.calls, v.bytes, v.wire_bytes) for k, v in table.items()}
+
+
+def name_group(name: str) -> None:
+    """Make ``name`` known to :func:`stats` before any collective is counted under it."""
+    with _lock:
+        _group_names.add(name)
 
 
 def reset_stats() -> None:
