@@ -164,3 +164,40 @@ def test_rows_kept_over_a_pass_that_ended_on_padding_are_refused(pool) -> None:
         assert_names(out["reduce"], "rank 1's weight (11)", "loader.batch_info.local_size")
     for out in pool.run(_kept_over_the_pass, True):
         assert out == {"gather": list(range(21)), "reduce": 10.0}
+
+
+class _Labels:
+    """Records each collective's label (a timeout's message names it: see dspark.comm.failures)."""
+
+    def __init__(self) -> None:
+        self.seen: list[str | None] = []
+
+    def launch(self, kind, label, start):
+        self.seen.append(label)
+        return start()
+
+    def wait(self, kind, label, wait) -> None:
+        wait()
+
+    def where(self) -> None:
+        return None
+
+
+def _labels_of_the_metric_calls() -> list[str | None]:
+    from dspark.comm.observer import set_observer
+
+    labels = _Labels()
+    previous = set_observer(labels)
+    try:
+        dspark.reduce_metrics({"loss": torch.tensor(1.0)})
+        dspark.gather_for_metrics(torch.ones(2))
+    finally:
+        set_observer(previous)
+    return labels.seen
+
+
+def test_each_metric_collective_has_a_dspark_label(pool) -> None:
+    # a rank that never arrives at an evaluation timed out as "all_gather_object of 8 bytes": no
+    # DSpark operation named
+    for seen in pool.run(_labels_of_the_metric_calls):
+        assert seen and all(label and label.startswith("dspark.") for label in seen), seen

@@ -61,7 +61,8 @@ def gather_for_metrics(x: T) -> T:
         leaves = [leaf[:0] for leaf in leaves]
     pass_rows = rows_with_padding()
     kept_padding = pass_rows if pass_rows is not None and all(leaf.shape[0] == pass_rows for leaf in leaves) else None
-    described = comm.all_gather_object((str(spec), [_describe(leaf) for leaf in leaves], kept_padding))
+    described = comm.all_gather_object((str(spec), [_describe(leaf) for leaf in leaves], kept_padding),
+                                       label="dspark.gather_for_metrics.layout")
     _refuse_kept_padding("gather_for_metrics", "rows", [kept for _, _, kept in described])
     _check_alike([(spec_r, parts) for spec_r, parts, _ in described])
     gathered = []
@@ -71,7 +72,7 @@ def gather_for_metrics(x: T) -> T:
         padded = leaf.new_zeros((longest, *leaf.shape[1:]))
         padded[: leaf.shape[0]] = leaf.detach()
         out = leaf.new_empty((world.world_size, longest, *leaf.shape[1:]))
-        comm.all_gather_into_tensor(out, padded.contiguous(), label="gather_for_metrics")
+        comm.all_gather_into_tensor(out, padded.contiguous(), label="dspark.gather_for_metrics.all_gather")
         gathered.append(torch.cat([out[r, :n] for r, n in enumerate(counts)]))
     result: T = pytree.tree_unflatten(gathered, spec)
     return result
@@ -139,14 +140,14 @@ def reduce_metrics(metrics: Mapping[str, Any], *, weight: float | int | torch.Te
     kept_padding = pass_rows if pass_rows is not None and w == pass_rows else None
     # metrics that differ in names or shapes between ranks would misalign the sums silently
     described = comm.all_gather_object(([(name, tuple(v.shape)) for name, v in zip(names, values, strict=True)],
-                                        kept_padding))
+                                        kept_padding), label="dspark.reduce_metrics.layout")
     _refuse_kept_padding("reduce_metrics", "weight", [kept for _, kept in described])
     layouts = [layout for layout, _ in described]
     if any(layout != layouts[0] for layout in layouts):
         raise ValueError("reduce_metrics: the ranks passed different metrics ("
                          + "; ".join(f"rank {r}: {layout}" for r, layout in enumerate(layouts))
                          + "); pass the same names and shapes on every rank")
-    comm.all_reduce(packed, label="reduce_metrics")
+    comm.all_reduce(packed, label="dspark.reduce_metrics.all_reduce")
     total = packed.to("cpu")
     total_weight = float(total[1])
     if total_weight <= 0.0:
