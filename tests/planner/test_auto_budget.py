@@ -8,6 +8,8 @@ in fresh processes: ``benchmarks/auto_budget.py``."""
 from __future__ import annotations
 
 import functools
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,9 +19,27 @@ import dspark
 from dspark.bench.measure.memory import peak_rss_bytes, reset_peak_rss
 from dspark.models.plan_zoo import build
 from dspark.planner.process_memory import this_process_baseline_bytes
-from dspark.planner.table import needed_bytes
+from dspark.planner.table import PEAK_MARGIN, needed_bytes
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-4)
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+
+
+def test_the_margin_covers_the_plans_largest_shortfall_on_the_kept_zoo() -> None:
+    """PEAK_MARGIN is what keeps a budget when the predicted process peak is low: it must cover the
+    largest measured / predicted process peak of the newest kept validation zoo (the artifact
+    docs/figures.md#plan-validation renders), or auto can choose a row that breaks its budget."""
+    kept = sorted(p.parent for p in RESULTS.glob("*/artifact.json")
+                  if json.loads(p.read_text()).get("anchor") == "plan-validation"
+                  and (p.parent / "plan-validation.json").is_file())
+    assert kept, "no kept plan-validation artifact"
+    rows = json.loads((kept[-1] / "plan-validation.json").read_text())["rows"]
+    ratios = {(r["model"], r["precision"], r["strategy"], r["ranks"]):
+              r["measured_process_peak_bytes"] / r["predicted_process_peak_bytes"]
+              for r in rows if r.get("predicted_process_peak_bytes")}
+    assert len(ratios) > 100, kept[-1]
+    worst = max(ratios, key=ratios.__getitem__)
+    assert 1 + PEAK_MARGIN >= ratios[worst], (kept[-1].name, worst, ratios[worst], PEAK_MARGIN)
 SLACK = 16 << 20
 """How far above and below a strategy's need the budgets are: about 4% of a rank's process (a
 rank's baseline moves by a few MB between the task's start and the plan, after the probe)."""

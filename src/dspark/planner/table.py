@@ -41,10 +41,11 @@ DEFAULT_OPTIMIZER = functools.partial(torch.optim.AdamW, lr=3e-4)
 """What :func:`plan` plans for when given no optimizer: AdamW (two fp32 moments per element)."""
 MEMORY_MARGIN = 0.10
 """The default budget keeps this share of the memory free (other processes, the system)."""
-PEAK_MARGIN = 0.15
+PEAK_MARGIN = 0.25
 """A row fits its budget when its predicted process peak (the tensor peak where the process's is
 not known) plus this share is within it: the largest shortfall of a predicted process peak on the
-validation zoo (docs/figures.md#plan-validation) stays inside it (see :func:`needed_bytes`)."""
+validation zoo (docs/figures.md#plan-validation) stays inside it (see :func:`needed_bytes`;
+``tests/planner/test_auto_budget.py`` holds it to the newest kept zoo)."""
 
 
 def describe_need(row: PlanRow) -> str:
