@@ -92,7 +92,8 @@ def plan_at(workload: str, counts: list[int], interconnect: str, device: str, gr
                             passes=local // micro, bucket_mb=25.0, link=link, shard_group_size=shard_group)
             fields = {k: getattr(cost, k) for k in cost.__dataclass_fields__}
             rows.append(PlanRow(strategy=strategy, devices=n, micro_batch=micro, passes=local // micro,
-                                budget_bytes=budget, fits=needed_bytes(cost) <= budget, shard_group_size=shard_group, **fields))
+                                budget_bytes=budget, fits=needed_bytes(cost) <= budget,
+                                shard_group_size=shard_group, **fields))
     return Plan(rows=tuple(rows), global_batch=256, precision="fp16", interconnect=interconnect,
                 memory_budget_bytes=budget, probe=probe)
 

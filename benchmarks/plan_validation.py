@@ -230,10 +230,13 @@ def summary(data: dict[str, Any]) -> str:
         return f"{min(ratios):.2f} to {max(ratios):.2f} over {len(ratios)} rows" if ratios else "none"
     rows = data["rows"]
     failed = "; failed (no row): " + ", ".join(
-        f"{f['model']} {f['precision']} {f['strategy']} {f['ranks']} ranks" for f in data["failed"]) if data.get("failed") else ""
-    return (f"tensor peak {spread([(r['predicted_peak_bytes'], r['measured_peak_bytes']) for r in rows])}; "
-            f"process peak {spread([(r.get('predicted_process_peak_bytes'), r.get('measured_process_peak_bytes') or 0) for r in rows])}; "
-            f"step {spread([(r['predicted_step_ms'], r['measured_step_ms']) for r in rows if r['step_compared']])}{failed}")
+        f"{f['model']} {f['precision']} {f['strategy']} {f['ranks']} ranks"
+        for f in data["failed"]) if data.get("failed") else ""
+    tensor = spread([(r["predicted_peak_bytes"], r["measured_peak_bytes"]) for r in rows])
+    process = spread([(r.get("predicted_process_peak_bytes"), r.get("measured_process_peak_bytes") or 0)
+                      for r in rows])
+    step = spread([(r["predicted_step_ms"], r["measured_step_ms"]) for r in rows if r["step_compared"]])
+    return f"tensor peak {tensor}; process peak {process}; step {step}{failed}"
 
 
 def table(data: dict[str, Any]) -> str:

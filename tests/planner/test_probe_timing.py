@@ -85,7 +85,8 @@ def test_the_table_says_how_sure_the_probe_is() -> None:
     import dspark
     from tests.planner.test_planner import _batch
 
-    busy = _probe(forward_ms_rounds=(Line(fixed=0.0, per_sample=1.0),), backward_ms_rounds=(Line(fixed=0.0, per_sample=2.0),),
+    busy = _probe(forward_ms_rounds=(Line(fixed=0.0, per_sample=1.0),),
+                  backward_ms_rounds=(Line(fixed=0.0, per_sample=2.0),),
                   optimizer_ms_rounds=(2.0,), timing_rounds=8, steady=False, step_spread=0.4,
                   refused_fits=("forward",))
     plan = dspark.plan(_mlp(), _batch(), probe=busy, devices=[1, 2], process_baseline_bytes=1)

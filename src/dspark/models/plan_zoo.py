@@ -220,7 +220,8 @@ ZOO: dict[str, ZooModel] = {z.name: z for z in (
 """The validation zoo, by name."""
 
 
-def build(name: str, *, size: str = "bench", seed: int = 0) -> tuple[nn.Module, Any, Callable[..., torch.Tensor] | None]:
+def build(name: str, *, size: str = "bench",
+          seed: int = 0) -> tuple[nn.Module, Any, Callable[..., torch.Tensor] | None]:
     """``(model, global batch, loss_fn or None)`` of zoo entry ``name`` at ``size``, the same for the
     same ``seed`` (weights and batch).
 

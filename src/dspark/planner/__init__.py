@@ -29,5 +29,6 @@ from dspark.planner.table import (
            plan,
 )
 
-__all__ = ["DEVICES", "INTERCONNECTS", "AutoChoice", "AutoRequest", "DeviceProfile", "Interconnect", "ModelShape", "Plan", "PlanRow",
-           "Probe", "RowCost", "auto_choice", "default_memory_budget", "format_plan", "get_device_profile", "get_interconnect", "model_shape", "plan", "row_cost", "scale_probe"]
+__all__ = ["DEVICES", "INTERCONNECTS", "AutoChoice", "AutoRequest", "DeviceProfile", "Interconnect", "ModelShape",
+           "Plan", "PlanRow", "Probe", "RowCost", "auto_choice", "default_memory_budget", "format_plan",
+           "get_device_profile", "get_interconnect", "model_shape", "plan", "row_cost", "scale_probe"]

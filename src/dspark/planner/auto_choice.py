@@ -5,15 +5,15 @@ current world, pick the fastest strategy that fits the memory budget, the same o
 [Note: what auto knows] At construction the engine has a model and an optimizer but no batch:
 activations and compute cannot be measured yet. What differs between strategies can: model state
 (exact), communication buffers (the engine's real sizes) and the communication each strategy
-adds, over the link measured here by a short probe of each collective ([Note: the link probe]). So auto plans with activations and
-compute left out (the table says so) and ranks the strategies that fit by their communication
-and optimizer time; with compute the same for every strategy, that order is the step's order.
-Ties (within :data:`TIE_SHARE` of the step, or :data:`TIE_MS`) go to the less sharded strategy:
-on a small model the strategies differ by a collective's latency or two, less than the link
-probe resolves, and a measured difference that small is noise, not a reason to shard. Rank 0 measures and decides,
-and broadcasts its choice, so every rank builds the same engine. Given ``sample_batch=`` (one
-step's batch on a rank) the engine has what :func:`dspark.plan` needs, and auto plans activations,
-compute and the micro-batch too (see [Note: auto with a batch]).
+adds, over the link measured here by a short probe of each collective ([Note: the link probe]). So
+auto plans with activations and compute left out (the table says so) and ranks the strategies that
+fit by their communication and optimizer time; with compute the same for every strategy, that order
+is the step's order. Ties (within :data:`TIE_SHARE` of the step, or :data:`TIE_MS`) go to the less
+sharded strategy: on a small model the strategies differ by a collective's latency or two, less than
+the link probe resolves, and a measured difference that small is noise, not a reason to shard. Rank
+0 measures and decides, and broadcasts its choice, so every rank builds the same engine. Given
+``sample_batch=`` (one step's batch on a rank) the engine has what :func:`dspark.plan` needs, and
+auto plans activations, compute and the micro-batch too (see [Note: auto with a batch]).
 """
 
 from __future__ import annotations

@@ -23,8 +23,8 @@ import math
 from dataclasses import dataclass, replace
 from types import MappingProxyType
 
-__all__ = ["COLLECTIVES", "INTERCONNECTS", "Interconnect", "LinkCost", "all_gather_s", "all_reduce_s", "get_interconnect",
-           "reduce_scatter_s"]
+__all__ = ["COLLECTIVES", "INTERCONNECTS", "Interconnect", "LinkCost", "all_gather_s", "all_reduce_s",
+           "get_interconnect", "reduce_scatter_s"]
 
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")

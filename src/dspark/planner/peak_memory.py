@@ -22,7 +22,8 @@ in (1); blocks allocated before the profiler started and freed during the second
 allocations on threads the profiler does not follow, are not in (2). A training step starts with no
 graph alive, and on CPU the autograd engine runs backward on the calling thread, so for a step all
 three are small, but not zero. The process's peak resident memory is
-recorded beside it by the lab (:mod:`dspark.bench.measure.memory`) and covers everything, PyTorch's own libraries included.
+recorded beside it by the lab (:mod:`dspark.bench.measure.memory`) and covers everything, PyTorch's
+own libraries included.
 """
 
 from __future__ import annotations

@@ -17,9 +17,9 @@ own rules:
   packed as they arrive]); send buffers come from a pool of two per dtype, which grows to the
   largest bucket that used it and stays until the reduction ends; a bucket of one parameter whose
   rows split evenly sends its gradient as it is, but takes its turn in the pool all the same (the
-  turn's holder is collected and its gradient freed: two buckets in flight); a bucket's shard buffer is allocated when it
-  launches (buckets launch in order) and kept through the optimizer step; a parameter accumulated
-  twice (a tied head) holds its whole gradient between the two;
+  turn's holder is collected and its gradient freed: two buckets in flight); a bucket's shard buffer
+  is allocated when it launches (buckets launch in order) and kept through the optimizer step; a
+  parameter accumulated twice (a tied head) holds its whole gradient between the two;
 * zero3 holds its root unit gathered until the root's gradients are complete, the unit computing
   and the units gathered ahead of it ([Note: prefetch depth] in :mod:`dspark.engine.zero3_units`);
   through forward, the root and the largest unit with those ahead of it;

@@ -9,7 +9,8 @@ local batch sizes, so that each cost is a line ``fixed + per_sample * batch``:
 * the tensor peak of one step (:func:`dspark.planner.peak_memory.measure_peak_bytes`) less the model
   state one device holds (parameters, whole gradients, optimizer state) and less the caller's own
   parameters and buffers where they sit on the same device (held while the copy runs, absent from a
-  real run): the step's *activations* (at the batch) and the *runtime* (the fixed part: scratch that does not shrink with the batch);
+  real run): the step's *activations* (at the batch) and the *runtime* (the fixed part: scratch that
+  does not shrink with the batch);
 * when, in backward, each parameter's gradient is complete (a fraction of the backward time):
   where each gradient bucket becomes ready, for the overlap of its reduction with backward;
 * each top-level unit's share of the forward time, for zero3's gathers ahead of use;

@@ -3,8 +3,9 @@ linear speed-up, and the spread the rounds leave as each prediction's interval.
 
 [Note: steady steps] One short measurement of a step moves with whatever else the machine runs:
 the same probe minutes apart predicted one MLP's 2-rank step at more than twice its own earlier
-figure on a shared 2-core machine. So the probe times in *rounds*: each round runs ``steps`` steps at each of its two batch
-sizes, in turn (the two sizes see the same machine), and keeps their medians. After
+figure on a shared 2-core machine. So the probe times in *rounds*: each round runs ``steps`` steps
+at each of its two batch sizes, in turn (the two sizes see the same machine), and keeps their
+medians. After
 :data:`MIN_ROUNDS` rounds it stops as soon as the last :data:`MIN_ROUNDS` rounds' step at the larger
 batch lies within :data:`STEADY_SPREAD` of their median (range over median); else it goes on, to
 :data:`MAX_ROUNDS` or :data:`MAX_SECONDS`, and then says it is not steady, with the spread it
