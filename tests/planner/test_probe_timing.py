@@ -81,6 +81,16 @@ def test_every_step_prediction_carries_the_rounds_interval() -> None:
     assert Probe.from_dict(json.loads(json.dumps(dataclasses.asdict(probe)))) == probe
 
 
+def test_a_round_whose_line_falls_with_the_batch_predicts_no_negative_step() -> None:
+    # dspark plan printed step ranges such as -3.8-0.5 on a busy machine
+    probe = _probe(forward_ms_rounds=(Line(fixed=4.0, per_sample=-1.0), Line(fixed=0.0, per_sample=1.0)),
+                   backward_ms_rounds=(Line(fixed=8.0, per_sample=-2.0), Line(fixed=0.0, per_sample=2.0)),
+                   optimizer_ms_rounds=(0.0, 0.0), timing_rounds=8, steady=False, step_spread=0.9)
+    cost = row_cost(shape=model_shape(_mlp()), probe=probe, strategy="replicate", num_ranks=1, micro_batch=8,
+                    passes=1, bucket_mb=25.0, link=get_interconnect("loopback-gloo"))
+    assert cost.step_ms_low is not None and cost.step_ms_low >= 0.0, cost
+
+
 def test_the_table_says_how_sure_the_probe_is() -> None:
     import dspark
     from tests.planner.test_planner import _batch

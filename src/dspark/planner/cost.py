@@ -284,7 +284,9 @@ def _step_interval(probe: Probe, micro_batch: int, passes: int, exposed_ms: floa
     if not rounds:
         return {}
     share = optimizer_ms / probe.optimizer_ms if probe.optimizer_ms > 0 else 0.0
-    steps = [passes * (f.at(micro_batch) + b.at(micro_batch)) + exposed_ms + o * share for f, b, o in rounds]
+    # a noisy round's line may fall with the batch; no round predicts a compute time below zero
+    steps = [passes * (max(f.at(micro_batch), 0.0) + max(b.at(micro_batch), 0.0)) + exposed_ms + o * share
+             for f, b, o in rounds]
     return {"step_ms_low": min(steps), "step_ms_high": max(steps)}
 
 
