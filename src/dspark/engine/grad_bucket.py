@@ -147,6 +147,7 @@ class GradBucket:
         self._gathering = False  # the collective in flight is the all-gather of updated rows
         self._send: torch.Tensor | None = None  # sharded: the (N, seg) send buffer being filled or in flight
         self._packed: set[int] = set()  # sharded: slots whose gradient is in _send already
+        self._adopted = False  # sharded: _send is the gradient itself, no pooled buffer
         # This window's storage (see [Note: gradients live in buckets]): allocated when the first
         # gradient arrives (whole) or the bucket launches (shards), freed after the optimizer step.
         self.shard_buffer: torch.Tensor | None = None  # sharded: the reduced shards
@@ -158,8 +159,9 @@ class GradBucket:
 
     @property
     def filling(self) -> bool:
-        """Sharded: gradients are being packed into this bucket's send buffer (it has not launched)."""
-        return self._send is not None and not self.launched
+        """Sharded: gradients are being packed into this bucket's pooled send buffer (it has not
+        launched). A bucket that sends its own gradient holds no pooled buffer: the turn's buffer is free."""
+        return self._send is not None and not self.launched and not self._adopted
 
     @property
     def numel(self) -> int:
@@ -274,6 +276,7 @@ class GradBucket:
             return False
         send_pool.wait_turn(self, self.wire_dtype)  # in flight with the pooled buffers, not beside them
         self._send = memory_order_flat(slot, grad).view(n, self.seg)
+        self._adopted = True
         slot.param.grad = None
         self._packed.add(id(slot))
         return True
@@ -374,6 +377,7 @@ class GradBucket:
         self._handle = None
         self._wire = None
         self._send = None
+        self._adopted = False
         self._collected = True
 
     def finish(self, post_scale: float, used_anywhere: Sequence[bool], found_inf: torch.Tensor | None = None) -> None:
@@ -429,6 +433,7 @@ class GradBucket:
         self._handle = None
         self._wire = None
         self._send = None
+        self._adopted = False
         self._packed.clear()
         self._collected = True
 
