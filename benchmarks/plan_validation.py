@@ -125,13 +125,13 @@ def _run_ranks(ranks: int, *args: str) -> dict[str, Any]:
     raise RuntimeError(f"{args} on {ranks}: no result\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
 
 
-def plan_for(name: str, precision: str, link: Any, size: str) -> Any:
-    """The plan of zoo model ``name`` on 1, 2 and 3 ranks, as a user would make it."""
+def plan_for(name: str, precision: str, link: Any, size: str, ranks: tuple[int, ...] = RANKS) -> Any:
+    """The plan of zoo model ``name`` on ``ranks`` (1, 2 and 3 by default), as a user would make it."""
     import dspark
 
     torch.set_num_threads(1)
     model, batch, loss_fn = build(name, size=size)
-    return dspark.plan(model, batch, loss_fn, optimizer=OPTIMIZER, devices=list(RANKS), precision=precision,
+    return dspark.plan(model, batch, loss_fn, optimizer=OPTIMIZER, devices=sorted(set(ranks)), precision=precision,
                        global_batch=_rows(batch), interconnect=link)
 
 
@@ -163,7 +163,7 @@ def validate(models: list[str], precisions: list[str], steps: int, size: str,
     for name in models:
         for precision in precisions:
             try:
-                plan = plan_for(name, precision, link, size)
+                plan = plan_for(name, precision, link, size, ranks_wanted)
             except Exception as error:  # one model's failure is kept, the zoo goes on
                 failed.append({"model": name, "precision": precision, "strategy": "plan", "ranks": 0,
                                "error": repr(error)[-2000:]})
@@ -269,7 +269,8 @@ def main() -> None:
     parser.add_argument("--precisions", default=",".join(PRECISIONS))
     parser.add_argument("--strategies", default=",".join(STRATEGY_NAMES),
                         help="only these strategies on 2 and 3 ranks (1 rank measures replicate)")
-    parser.add_argument("--ranks", default=",".join(map(str, RANKS)), help="only these rank counts")
+    parser.add_argument("--ranks", default=",".join(map(str, RANKS)),
+                        help="these rank counts (default 1,2,3; more than the cores oversubscribe them)")
     parser.add_argument("--size", default="bench", help="the zoo's size: bench (default) or tiny")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path("plan-validation.json"),

@@ -17,7 +17,9 @@
   zero1/zero2 gather the updated rows through two buckets in flight (a send shard and a receive
   buffer each); activations are gone by then, so that gather sets the peak only when it is larger
   than the activations and runtime scratch it replaces. Replicate and zero1 reduce in place (gradients live in their
-  buckets): no buffer.
+  buckets): no buffer. Where the collectives go through a process group rather than shared memory
+  (:func:`row_transport`), zero3's gathers in flight and gloo's reduce-scatters hold a copy more
+  (see [Note: the step's timeline] in :mod:`dspark.planner.peak_timeline`).
 
 [Note: predicted step] ``compute`` is the probe's forward + backward at the micro-batch, times the
 passes per step; ``optimizer`` is the probe's step where optimizer state is whole, and where it is
@@ -77,7 +79,7 @@ from dspark.policy.strategies import ShardingPolicy, all_strategies
 from dspark.policy.units import TAG_BYTES  # see [Note: gather tags]
 from dspark.tensor.shard_math import chunk_size
 
-__all__ = ["ModelShape", "RowCost", "row_cost"]
+__all__ = ["ModelShape", "RowCost", "row_cost", "row_transport"]
 
 ParamSpec = tuple[tuple[int, ...], torch.dtype]
 
@@ -290,6 +292,24 @@ def _step_interval(probe: Probe, micro_batch: int, passes: int, exposed_ms: floa
     return {"step_ms_low": min(steps), "step_ms_high": max(steps)}
 
 
+def row_transport(device: str, link: Interconnect, num_ranks: int, split: int) -> str:
+    """How a row's sharded collectives travel (see :data:`dspark.planner.peak_timeline.TRANSPORTS`):
+    ``"nccl"`` on a GPU; on a CPU ``"shm"`` where they run in the default group of one machine's
+    ranks (``dspark.comm``'s shared-memory transport), else ``"gloo"``: a world over several nodes
+    (more ranks than ``link.ranks_per_node``), or a hybrid shard group smaller than the world (a
+    subgroup).
+
+    Example::
+
+        row_transport("cpu", get_interconnect("loopback-gloo"), 4, 4)   # "shm"
+        row_transport("cpu", get_interconnect("loopback-gloo"), 4, 2)   # "gloo": hybrid shard groups of 2
+    """
+    if "cuda" in device:
+        return "nccl"
+    over_nodes = link.ranks_per_node is not None and num_ranks > link.ranks_per_node
+    return "gloo" if over_nodes or split < num_ranks else "shm"
+
+
 def row_cost(*, shape: ModelShape, probe: Probe, strategy: str, num_ranks: int, micro_batch: int,
              passes: int, bucket_mb: float, link: Interconnect, shard_group_size: int | None = None) -> RowCost:
     """One rank's predicted memory and step for ``strategy`` on ``num_ranks`` ranks running
@@ -310,10 +330,11 @@ def row_cost(*, shape: ModelShape, probe: Probe, strategy: str, num_ranks: int, 
         raise ValueError(f"shard_group_size={split} does not divide the world: world_size({n}) % "
                          f"shard_group_size({split}) != 0")
     state = state_bytes(shape, strategy, split)
+    transport = row_transport(probe.device, link, n, split)
     peak = step_peak(trainable=shape.trainable, units=shape.units, unit_bytes=shape.unit_bytes(split),
                      probe=probe, strategy=strategy, num_ranks=n, split=split, micro_batch=micro_batch,
                      bucket_mb=bucket_mb, resident_bytes=state["params"] + state["optimizer"],
-                     grads_bytes=state["grads"])
+                     grads_bytes=state["grads"], transport=transport)
     grouped = buckets(shape, probe.grad_ready, bucket_mb)
 
     forward_ms = probe.forward_ms.at(micro_batch)

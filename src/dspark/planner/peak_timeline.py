@@ -23,7 +23,13 @@ own rules:
 * zero3 holds its root unit gathered until the root's gradients are complete, the unit computing
   and the units gathered ahead of it ([Note: prefetch depth] in :mod:`dspark.engine.zero3_units`);
   through forward, the root and the largest unit with those ahead of it;
-* after the step zero1 and zero2 gather the updated rows through two buckets in flight.
+* after the step zero1 and zero2 gather the updated rows through two buckets in flight;
+* collectives that go through a process group rather than shared memory (``transport`` "gloo" or
+  "nccl": a GPU, a world over several nodes, a hybrid shard group) hold more: a zero3 gather packs
+  every rank's shards in one buffer of the unit's size (and its own shards in one more) until it is
+  waited on, so each unit gathered ahead is held twice; on gloo a reduce-scatter runs as an
+  all-to-all into a scratch of its bucket's size, held until the bucket's pool turn is taken or the
+  reduction ends ([Note: reduce-scatter on gloo] in :mod:`dspark.comm.collectives`).
 
 Each moment is the sum of what is held then; the peak is the highest. On one rank every strategy
 is one process's step: the probe's own peak. A probe that did not measure intervals (from a lab
@@ -45,7 +51,11 @@ from dspark.policy.strategies import all_strategies
 from dspark.policy.units import SECOND_PREFETCH_MAX_BYTES
 from dspark.tensor.shard_math import chunk_size
 
-__all__ = ["PeakParts", "bucket_groups", "step_peak"]
+__all__ = ["TRANSPORTS", "PeakParts", "bucket_groups", "step_peak"]
+
+TRANSPORTS = ("shm", "gloo", "nccl")
+"""How a row's collectives travel (the names of ``dspark.comm.transport()``): shared memory lands
+them in place; a process group packs zero3's gathers, and gloo reduce-scatters through a scratch."""
 
 ParamSpec = tuple[tuple[int, ...], torch.dtype]
 
@@ -116,8 +126,10 @@ class _Replay:
 
     def __init__(self, shape_trainable: Sequence[ParamSpec], units: Sequence[Sequence[int]],
                  unit_bytes: Sequence[int], strategy: str, n: int, events: Sequence[int],
-                 bucket_mb: float, one_process: bool) -> None:
+                 bucket_mb: float, one_process: bool, transport: str = "shm") -> None:
         self.specs, self.n, self.events, self.one_process = shape_trainable, n, events, one_process
+        self.packs_gathers = transport != "shm"  # a gather in flight: its packed copy beside it
+        self.scratch_scatters = transport == "gloo"  # a reduce-scatter in flight: its all-to-all's output
         self.policy = all_strategies()[strategy]
         self.shard_grads = self.policy.shard_grads
         self.shard_params = self.policy.splits_params_on(n)
@@ -146,15 +158,21 @@ class _Replay:
             return False
         return not self.shard_grads or _rows(self.specs[group[0]])[0] % self.n == 0
 
+    def ahead_bytes(self, units: Sequence[int]) -> int:
+        """What the units gathered ahead (launched, not yet waited on) hold: their storage, and on a
+        process group the packed buffer and the shards sent (``unit * (1 + 1/N)``) as well."""
+        held = sum(self.unit_bytes[u] for u in units)
+        return held + (held + held // self.n if self.packs_gathers else 0)
+
     def gathered_forward(self) -> int:
         if not self.shard_params or not self.unit_bytes:
             return 0
         root, blocks = self.unit_bytes[0], self.unit_bytes[1:]
         best = 0
         for k, size in enumerate(blocks):
-            ahead = blocks[k + 1: k + 3] if (len(blocks) > k + 2 and blocks[k + 2] <= SECOND_PREFETCH_MAX_BYTES) \
-                else blocks[k + 1: k + 2]
-            best = max(best, size + sum(ahead))
+            ahead = range(k + 2, k + 4) if (len(blocks) > k + 2 and blocks[k + 2] <= SECOND_PREFETCH_MAX_BYTES) \
+                else range(k + 2, min(k + 3, len(blocks) + 1))
+            best = max(best, size + self.ahead_bytes(ahead))
         return root + best
 
     def gathered_backward(self, k: int, root_live: int) -> int:
@@ -168,7 +186,7 @@ class _Replay:
         at = blocks.index(unit) + 1 if unit in blocks else 0
         ahead = blocks[at: at + 2] if (len(blocks) > at + 1 and self.unit_bytes[blocks[at + 1]]
                                        <= SECOND_PREFETCH_MAX_BYTES) else blocks[at: at + 1]
-        return root_live + (self.unit_bytes[unit] if unit else 0) + sum(self.unit_bytes[u] for u in ahead)
+        return root_live + (self.unit_bytes[unit] if unit else 0) + self.ahead_bytes(ahead)
 
     def row_gather_bytes(self) -> int:
         pool: dict[tuple[torch.dtype, int], int] = {}
@@ -224,6 +242,8 @@ class _Replay:
         turn: dict[torch.dtype, int] = {}
         adopted = 0  # send buffers that are a gradient autograd made (zero2, zero3), in flight
         owner: dict[tuple[torch.dtype, int], int] = {}  # each turn's holder: its adopted bytes
+        turn_of: dict[int, tuple[torch.dtype, int]] = {}
+        scratch: dict[tuple[torch.dtype, int], int] = {}  # each turn's holder: its all-to-all's output
         started: set[int] = set()
         arrivals: dict[int, int] = {}
         pending = [len(g) for g in self.groups]
@@ -241,6 +261,7 @@ class _Replay:
             # bytes) unless it is that gradient (adopted, or kept as .grad): the same storage
             same = 0
             launch = 0
+            sent: list[int] = []
             if not sharded:
                 if b not in started:
                     started.add(b)
@@ -261,6 +282,8 @@ class _Replay:
                     turn[dtype] = (t + 1) % 2
                     # taking the turn collects its holder: a gradient it sent as it is is freed
                     adopted -= owner.pop((dtype, t), 0)
+                    scratch.pop((dtype, t), None)
+                    turn_of[b] = (dtype, t)
                     if self.adopts(b):
                         adopted += need
                         owner[(dtype, t)] = need
@@ -270,9 +293,14 @@ class _Replay:
                 pending[b] -= 1
                 while launched < len(pending) and pending[launched] == 0:
                     launch += self.seg_bytes(launched)  # its shard buffer, kept through the step
+                    if self.scratch_scatters and launched in turn_of:
+                        sent.append(launched)
                     launched += 1
-            buffers = sum(pool.values()) + adopted
+            buffers = sum(pool.values()) + adopted + sum(scratch.values())
             self.moment(grads + buffers + gathered - same + instants[k + 2], k + 2, buffers + gathered)
+            for done in sent:  # launched: each reduce-scatter's scratch, until its turn is taken
+                scratch[turn_of[done]] = self.n * self.seg_bytes(done)
+            buffers = sum(pool.values()) + adopted + sum(scratch.values())
             if launch:  # after packing: the new gradient is freed (or is the send buffer)
                 grads += launch
                 fresh = _whole(self.specs[param])
@@ -290,11 +318,13 @@ LOSS_BACKWARD = -2
 
 def step_peak(*, trainable: Sequence[ParamSpec], units: Sequence[Sequence[int]], unit_bytes: Sequence[int],
               probe: Probe, strategy: str, num_ranks: int, micro_batch: int, bucket_mb: float,
-              resident_bytes: int, grads_bytes: int, split: int | None = None) -> PeakParts:
+              resident_bytes: int, grads_bytes: int, split: int | None = None,
+              transport: str = "shm") -> PeakParts:
     """The highest moment of one step on a rank (see [Note: the step's timeline]).
     ``resident_bytes``: what the rank holds throughout (its parameters and optimizer state);
     ``grads_bytes``: its gradients after backward (the strategy's model state); ``split``: the
-    ranks that split the rows (a hybrid strategy's shard group; default ``num_ranks``).
+    ranks that split the rows (a hybrid strategy's shard group; default ``num_ranks``);
+    ``transport``: how the collectives travel (one of :data:`TRANSPORTS`).
 
     Example::
 
@@ -305,7 +335,7 @@ def step_peak(*, trainable: Sequence[ParamSpec], units: Sequence[Sequence[int]],
     """
     events, lines, instants = _events_and_lines(probe, len(trainable))
     replay = _Replay(trainable, units, unit_bytes, strategy, num_ranks if split is None else split, events,
-                     bucket_mb, one_process=num_ranks == 1)
+                     bucket_mb, one_process=num_ranks == 1, transport=transport)
     loss_line = probe.loss_backward_bytes if probe.interval_bytes else None
     replay.run([line.at(micro_batch) for line in lines], [line.at(micro_batch) for line in instants],
                grads_bytes, loss_line.at(micro_batch) if loss_line is not None else None)
