@@ -13,7 +13,7 @@ import dspark
 from dspark.planner import Interconnect, get_interconnect, model_shape
 from dspark.planner.auto_choice import auto_plan, choose
 from dspark.planner.cost import row_cost
-from dspark.planner.table import hybrid_group
+from dspark.planner.hybrid_rows import hybrid_group
 from tests.messages import assert_names
 from tests.planner.test_auto import ADAMW
 from tests.planner.test_cost import _model, _probe
@@ -112,3 +112,18 @@ def test_auto_chooses_hybrid_where_the_link_between_nodes_is_the_bottleneck() ->
     flat = auto_plan(_mlp(), optimizer=ADAMW, precision="fp32", bucket_mb=25.0, num_ranks=4, bus_bytes_per_s=1e9,
                      backend="nccl", memory_budget=1 << 40, link=slow)
     assert not any(r.strategy.startswith("hybrid-") for r in flat.rows)  # one node: no hybrid rows
+
+
+@pytest.mark.parametrize(("devices", "size", "names"), [
+    ([8], 3, ("shard_group_size=3", "devices=8", "8 % 3 = 2", "1, 2, 4, 8")),  # the rows were left out silently
+    ([1, 2, 8], 16, ("shard_group_size=16", "devices=[1, 2, 8]", "2, 4")),  # no count has several groups
+    ([1, 2], 2, ("shard_group_size=2", "devices=[1, 2]", "(e.g. 4)")),
+])
+def test_a_shard_group_size_that_leaves_the_hybrid_rows_out_is_refused_by_name(devices, size, names) -> None:
+    with pytest.raises(ValueError) as info:
+        dspark.plan(_model(), torch.zeros(48, 512), probe=_probe(), devices=devices, interconnect="nvlink",
+                    shard_group_size=size)
+    assert_names(str(info.value), *names)
+    kept = dspark.plan(_model(), torch.zeros(48, 512), probe=_probe(), devices=[1, 2, 8], interconnect="nvlink",
+                       shard_group_size=4)  # 1 and 2 devices are fewer than two groups: no hybrid row, no error
+    assert {r.devices for r in kept.rows if r.shard_group_size is not None} == {8}

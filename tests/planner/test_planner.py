@@ -186,3 +186,13 @@ def test_a_plan_from_a_fake_trace_has_no_speedup_to_plot() -> None:
     with pytest.raises(ValueError) as refused:
         speedup_figure(plan)
     assert_names(str(refused.value), "'fake:cpu'", "--trace measure")
+
+
+def test_a_plan_from_a_fake_trace_prints_no_speedup() -> None:
+    # its 1-device step is 0 ms (no compute timed): every row with communication printed "0.00x"
+    plan = dspark.plan(_mlp(), _batch(), F.cross_entropy, devices=[1, 2], strategies="replicate", trace="fake")
+    text = str(plan)
+    assert plan.row("replicate", 2).step_ms > 0 and "0.00x" not in text
+    two = next(line for line in text.splitlines() if line.startswith("replicate") and line.split()[1] == "2")
+    assert two.split()[-2] == "-", two
+    assert_names(text, "a fake trace times no compute", "--trace measure")

@@ -53,10 +53,11 @@ from dspark.engine.inputs import ForwardInputs
 from dspark.engine.loss_graph import accum_scaling
 from dspark.engine.sharded_grad import ShardedGradMarks
 from dspark.engine.step_observer import StepObserver
+from dspark.planner.hybrid_rows import hybrid_group
 from dspark.planner.interconnect import LinkCost
 from dspark.planner.link_probe import measure_link
 from dspark.planner.peak_memory import held_tensor_bytes, measure_peak_bytes, peak_of_running_sum
-from dspark.planner.table import hybrid_group, needed_bytes
+from dspark.planner.table import needed_bytes
 from dspark.policy import (
     HYBRID_STRATEGIES,
     expected_state_bytes,

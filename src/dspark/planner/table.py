@@ -26,13 +26,13 @@ from dspark.host.cpu_memory import memory_info
 from dspark.planner.cost import ModelShape, RowCost, row_cost, state_bytes
 from dspark.planner.device_profile import DeviceProfile, get_device_profile, profile_of, scale_probe
 from dspark.planner.fake_trace import fake_activation_bytes, fake_probe
+from dspark.planner.hybrid_rows import check_shard_group_size, hybrid_group
 from dspark.planner.interconnect import Interconnect, get_interconnect
 from dspark.planner.probe import LossFn, Probe, batch_size, measure_probe, optimizer_state_of
-from dspark.policy.rank_groups import GroupLayout
 from dspark.policy.strategies import HYBRID_STRATEGIES, STRATEGIES, all_strategies, precision_policy
 from dspark.policy.units import unit_modules
 
-__all__ = ["PEAK_MARGIN", "Plan", "PlanRow", "default_memory_budget", "describe_need", "format_plan", "hybrid_group",
+__all__ = ["PEAK_MARGIN", "Plan", "PlanRow", "default_memory_budget", "describe_need", "format_plan",
            "loop_advice", "model_shape", "needed_bytes", "plan", "probe_notes"]
 
 log = logging.getLogger(__name__)
@@ -198,7 +198,7 @@ def format_plan(plan: Plan) -> str:
                       *(f"{t:.1f}" for t in (r.compute_ms, r.comm_exposed_ms, r.optimizer_ms, r.step_ms)),
                       "-" if r.step_ms_low is None or r.step_ms_high is None
                       else f"{r.step_ms_low:.1f}-{r.step_ms_high:.1f}",
-                      "-" if ref is None or r.step_ms <= 0 else f"{ref / r.step_ms:.2f}x",
+                      "-" if ref is None or ref <= 0 or r.step_ms <= 0 else f"{ref / r.step_ms:.2f}x",
                       "yes" if r.fits else "NO"])
     widths = [max(len(row[i]) for row in table) for i in range(len(_COLUMNS))]
     for row in table:
@@ -208,6 +208,9 @@ def format_plan(plan: Plan) -> str:
                  "communication buffers and runtime scratch at the step's peak); peak: the tensors' "
                  "highest moment; process: the process at that moment, libraries and allocator "
                  f"included; fits: process peak + {PEAK_MARGIN:.0%} within the budget; times in ms per step")
+    if plan.probe.device.startswith("fake:"):  # no compute timed: no 1-device step to divide
+        lines.append("step ms: the communication alone (a fake trace times no compute); speedup: - "
+                     "(measure the probe for one: --trace measure)")
     if any(r.shard_group_size is not None for r in plan.rows):
         lines.append("hybrid-zeroN (R x S): the stage inside shard groups of S ranks, R groups replicating "
                      "it; a rank holds 1/S of what the stage shards")
@@ -360,6 +363,8 @@ times scaled by the two devices' rates, the default budget that device's memory,
                                          or shard_group_size < 1):
         raise ValueError(f"shard_group_size={shard_group_size!r} must be an int >= 1 (ranks per shard group), "
                          "or None for one node of the interconnect")
+    if every and shard_group_size is not None:
+        check_shard_group_size(counts, shard_group_size)
     if memory_budget is not None and memory_budget <= 0:
         raise ValueError(f"memory_budget={memory_budget!r} must be bytes > 0 (or None)")
     where = torch.device(device) if device is not None else (
@@ -448,38 +453,6 @@ def _check_probe_fits(model: nn.Module, device: torch.device) -> None:
                          f"({_mb(state)}) exceeds the {_mb(room)} there; probe it on a device where it "
                          "fits and pass probe= (dspark plan --probe PATH), or build one with "
                          "Probe.from_one_step from a measured step, or pass trace='fake' for its memory")
-
-
-def hybrid_group(link: Interconnect, num_ranks: int, shard_group_size: int | None, *,
-                 required: bool = True) -> int | None:
-    """The shard group size a hybrid row on ``num_ranks`` ranks is planned with: ``shard_group_size``,
-    else one node of ``link`` (its ``ranks_per_node``; ``nvlink``: 8). With ``required`` (a hybrid
-    strategy asked for by name) a size that does not fit is a ``ValueError``; without (``"all"``),
-    None where the ranks would not make several groups of several ranks.
-
-    Example::
-
-        hybrid_group(get_interconnect("nvlink"), 64, None)   # 8: eight nodes of 8
-        hybrid_group(get_interconnect("nvlink"), 8, None, required=False)   # None: one node
-    """
-    if shard_group_size is not None:
-        if required:
-            GroupLayout(world_size=num_ranks, shard_group_size=shard_group_size)  # the refusal, with divisors
-        size = shard_group_size
-    elif link.ranks_per_node is not None:
-        size = min(link.ranks_per_node, num_ranks)  # fewer ranks than a node: one group
-    elif required:
-        raise ValueError(f"interconnect {link.name!r} has no node size: pass shard_group_size= for a "
-                         "hybrid strategy (the ranks of one node)")
-    else:
-        return None
-    if num_ranks % size:
-        if required:
-            GroupLayout(world_size=num_ranks, shard_group_size=size)  # raises: a node size that does not divide
-        return None
-    if not required and not 1 < size < num_ranks:
-        return None
-    return size
 
 
 def _fit_row(shape: ModelShape, probe: Probe, strategy: str, n: int, local: int, budget: int,
