@@ -32,9 +32,11 @@ lint: $(STAMP)
 # The whole suite, what CI runs: two pytest workers, each with its own rank pool, a test file to a
 # worker (files share module-level fixtures); then the tests that measure this machine's timing
 # (straggler, busy machine, linear time, a CPU hog), alone, so that the other worker cannot skew them.
+# --no-loadscope-reorder: the files go out in the order tests/conftest.py gives them, the ones that
+# launch processes first (see [Note: long files first] there).
 test: lint
 	$(PY) -m compileall -q src/dspark
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile -m "not serial"
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not serial"
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m serial
 
 # The edit-test loop: pure logic only, no rank pool and no launched process (about 2 minutes).

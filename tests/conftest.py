@@ -75,6 +75,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "pool" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.pool)
+    # [Note: long files first] `make test` hands its two workers a file at a time, in this order
+    # (xdist's own reorder, by test count, is off): the files that launch processes take tens of
+    # seconds each, and one of them handed out last left the other worker idle for a minute. Given
+    # out first, they are evened out by the many short files after them. The sort is stable.
+    launching = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in launching)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA devices")

@@ -33,7 +33,8 @@ class Smoke:
     args: tuple[str, ...]
     where: str = "both"
     """``both``: on both ranks, in one process group; ``rank0`` or ``rank1``: in one process (DSpark's
-    world of one), that rank's, after the two-rank scripts (the long ones shared out evenly);
+    world of one), that rank's, after the two-rank scripts (the long ones shared out evenly: the launch
+    lasts as long as the slower rank's list, and rank 0 also writes the ``first`` weights);
     ``first``: in one process on rank 0 before the two-rank scripts (what they read)."""
     script: str = ""
     """The script, when it is not the entry's name (a script run twice)."""
@@ -95,7 +96,7 @@ SMOKE: dict[str, Smoke] = {
                                "--out", "{out}"), where="rank1"),
     "cpu_malloc": Smoke(("--choices", "tuned", "--workload", "gpt2-cpu", "--batch", "1",
                          "--precision", "fp32", "--rounds", "1", "--warmup", "0", "--steps", "1",
-                         "--out", "{out}"), where="rank0"),
+                         "--out", "{out}"), where="rank1"),
     "examples_on_real_data": Smoke(("--nproc", "1", "--char-gpt-steps", "2", "--digits-epochs", "1",
                                     "--out", "{out}"), where="rank0"),
     "one_device_vs_pytorch": Smoke(("--workloads", "gpt2-cpu", "--global-batch", "2",
