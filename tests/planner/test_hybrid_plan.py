@@ -124,6 +124,14 @@ def test_a_shard_group_size_that_leaves_the_hybrid_rows_out_is_refused_by_name(d
         dspark.plan(_model(), torch.zeros(48, 512), probe=_probe(), devices=devices, interconnect="nvlink",
                     shard_group_size=size)
     assert_names(str(info.value), *names)
+    assert_names(_refusal([8], 4, ["zero3"]), "shard_group_size=4", "['zero3']", "hybrid-zero3")  # it was ignored
     kept = dspark.plan(_model(), torch.zeros(48, 512), probe=_probe(), devices=[1, 2, 8], interconnect="nvlink",
                        shard_group_size=4)  # 1 and 2 devices are fewer than two groups: no hybrid row, no error
     assert {r.devices for r in kept.rows if r.shard_group_size is not None} == {8}
+
+
+def _refusal(devices: list[int], size: int, strategies: list[str]) -> str:
+    with pytest.raises(ValueError) as info:
+        dspark.plan(_model(), torch.zeros(48, 512), probe=_probe(), devices=devices, interconnect="nvlink",
+                    shard_group_size=size, strategies=strategies)
+    return str(info.value)

@@ -363,8 +363,8 @@ times scaled by the two devices' rates, the default budget that device's memory,
                                          or shard_group_size < 1):
         raise ValueError(f"shard_group_size={shard_group_size!r} must be an int >= 1 (ranks per shard group), "
                          "or None for one node of the interconnect")
-    if every and shard_group_size is not None:
-        check_shard_group_size(counts, shard_group_size)
+    if shard_group_size is not None:
+        check_shard_group_size(counts, shard_group_size, names, every=every)
     if memory_budget is not None and memory_budget <= 0:
         raise ValueError(f"memory_budget={memory_budget!r} must be bytes > 0 (or None)")
     where = torch.device(device) if device is not None else (
