@@ -27,7 +27,8 @@ own rules:
 * collectives that go through a process group rather than shared memory (``transport`` "gloo" or
   "nccl": a GPU, a world over several nodes, a hybrid shard group) hold more: a zero3 gather packs
   every rank's shards in one buffer of the unit's size (and its own shards in one more) until it is
-  waited on, so each unit gathered ahead is held twice; on gloo a reduce-scatter runs as an
+  waited on, so each unit gathered ahead is held twice (the root's too, from where the gradient
+  reaches the model's output, beside what the loss's backward leaves); on gloo a reduce-scatter runs as an
   all-to-all into a scratch of its bucket's size, held until the bucket's pool turn is taken or the
   reduction ends ([Note: reduce-scatter on gloo] in :mod:`dspark.comm.collectives`).
 
@@ -214,6 +215,11 @@ class _Replay:
         last = len(at) - 1
         if loss_backward is not None:
             self.moment(loss_backward, LOSS_BACKWARD, 0)
+            if self.packs_gathers and self.shard_params and self.unit_bytes and not self.one_process:
+                # the root's gather for backward starts where the gradient reaches the model's output,
+                # beside what the loss's backward leaves: its storage, packed buffer and shards sent
+                regather = self.ahead_bytes([0])
+                self.moment(loss_backward + regather, LOSS_BACKWARD, regather)
         if self.one_process:  # one process's step, every strategy: nothing to reduce
             held, seen = 0, set()
             for k, value in enumerate(at):
