@@ -28,6 +28,19 @@ What each choice costs in step time, page faults and peak resident memory is mea
 processes, interleaved) and published from its kept artifact in docs/figures.md#cpu-malloc.
 ``lean`` is for a run that must fit a memory budget, never a default.
 
+[Note: the heap ratchet] With the heap keeping every tensor up to 32 MiB, a step whose large
+transients live and die in an order that shifts from step to step (zero3's gathered embedding and
+its gradients beside a language model's logits, on two ranks) leaves holes a little too small for
+the next step's tensors: glibc extends the heap instead, every step. The memory in use stays flat
+while the heap's free memory, resident, grows without end (tens of MB a step: a rank that trains long
+runs out of memory). :class:`dspark.engine.heap_guard.HeapGuard` reads the process after each
+optimizer step (:func:`heap_usage`) and, when its resident memory has grown past what the first
+steps settled at by more than the memory in use explains, gives the heap's free memory back to the
+kernel (:func:`release_freed`), saying so the first time: the memory holds within a margin of the
+settled value, and a trim costs page faults only as often as the heap ratchets.
+``DSPARK_HEAP_GUARD=off`` turns the guard off; it watches only under ``tuned`` (``heap``, ``lean``
+and ``default`` are the user's own choice).
+
 glibc's own thresholds are a matter of luck: in one process they settle well (no fault), in the
 next they do not. GPT-2 124M's largest tensors (the embedding gradient, the logits and their
 gradient) are above 32 MiB: only ``heap`` keeps them, faster for more peak memory, which is why it
@@ -50,12 +63,16 @@ import platform
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["ENV_VAR", "CpuMalloc", "current", "mmap_threshold_bytes", "release_freed", "tune_for_training"]
+__all__ = ["ENV_VAR", "GUARD_ENV_VAR", "CpuMalloc", "HeapUsage", "current", "guard_wanted", "heap_usage",
+           "mmap_threshold_bytes", "release_freed", "tune_for_training"]
 
 log = logging.getLogger(__name__)
 
 ENV_VAR = "DSPARK_CPU_MALLOC"
 """``tuned`` (the default), ``heap``, ``lean`` or ``default`` (see [Note: why the thresholds])."""
+
+GUARD_ENV_VAR = "DSPARK_HEAP_GUARD"
+"""``on`` (the default) or ``off``: the engine's heap guard (see [Note: the heap ratchet])."""
 
 _M_TRIM_THRESHOLD = -1  # glibc's <malloc.h>
 _M_MMAP_THRESHOLD = -3
@@ -82,6 +99,20 @@ class CpuMalloc:
         if self.mode == "default":
             return f"default ({self.reason})"
         return "dspark" if self.mode == "tuned" else f"dspark {self.mode}"
+
+
+@dataclass(frozen=True, slots=True)
+class HeapUsage:
+    """The C library's memory now (glibc's ``mallinfo2``) and the process's resident memory."""
+
+    in_use_bytes: int
+    """Bytes in the heap's allocated blocks."""
+    free_bytes: int
+    """Bytes free in the heap: holes and its free top, resident until trimmed or reused."""
+    mapped_bytes: int
+    """Bytes of the blocks mapped apart from the heap (each unmapped when freed)."""
+    resident_bytes: int
+    """The whole process's resident memory (``/proc/self/statm``)."""
 
 
 _state: CpuMalloc | None = None
@@ -179,6 +210,52 @@ def release_freed() -> None:
         ctypes.CDLL(path).malloc_trim(0)
     except (OSError, AttributeError):  # no malloc_trim in this C library: nothing to give back
         return
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def heap_usage() -> HeapUsage | None:
+    """This process's heap and resident memory now (see :class:`HeapUsage`); None where the C
+    library has no ``mallinfo2`` (not glibc, or glibc before 2.33) or there is no ``/proc``. A few
+    microseconds: it walks the heap's free lists.
+
+    Example::
+
+        usage = heap_usage()   # HeapUsage(in_use_bytes=..., free_bytes=..., ...)
+    """
+    try:
+        mallinfo2 = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallinfo2
+    except (OSError, AttributeError):
+        return None
+    mallinfo2.restype = _MallInfo2
+    info = mallinfo2()
+    try:
+        with open("/proc/self/statm") as statm:
+            resident = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+    return HeapUsage(in_use_bytes=int(info.uordblks), free_bytes=int(info.fordblks),
+                     mapped_bytes=int(info.hblkhd), resident_bytes=resident)
+
+
+def guard_wanted(env: Mapping[str, str] | None = None) -> bool:
+    """Whether the engine should run its heap guard in this process: ``DSPARK_HEAP_GUARD`` is not
+    ``off`` and DSpark set the thresholds to ``tuned`` (see [Note: the heap ratchet]). Raises
+    ``ValueError`` on a value other than ``on`` or ``off``.
+
+    Example::
+
+        guard_wanted({"DSPARK_HEAP_GUARD": "off"})   # False
+    """
+    env = os.environ if env is None else env
+    value = env.get(GUARD_ENV_VAR, "").strip().lower() or "on"
+    if value not in ("on", "off"):
+        raise ValueError(f"{GUARD_ENV_VAR}={env.get(GUARD_ENV_VAR)!r}: expected 'on' (the default: stop the "
+                         "heap growing without end, see dspark.cpu_malloc) or 'off'")
+    return value == "on" and _state is not None and _state.mode == "tuned"
 
 
 def _set_thresholds(mmap_threshold: int, trim_threshold: int) -> str | None:

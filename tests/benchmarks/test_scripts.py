@@ -58,6 +58,8 @@ SMOKE: dict[str, Smoke] = {
                                        table=False),
     "hybrid_two_nodes --link-worker": Smoke(("--link-worker",), script="hybrid_two_nodes",
                                             table=False),
+    "heap_ratchet --worker": Smoke(("--worker", "embed-tied", "zero3", "4", "on", "tiny"), script="heap_ratchet",
+                                   table=False),
     "meta_zero3_rss": Smoke(("--layers", "2", "--width", "64", "--steps", "1", "--out", "{out}")),
     "nonfinite_check_cost": Smoke(("--workload", "gpt2-cpu", "--precision", "fp32", "--global-batch", "2",
                                    "--strategies", "replicate,zero2", "--steps", "1", "--warmup", "0",

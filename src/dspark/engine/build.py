@@ -23,6 +23,7 @@ from dspark.engine.config import EngineConfig
 from dspark.engine.failure_agreement import agreed
 from dspark.engine.global_batchnorm import convert_batchnorm, restore_batchnorm
 from dspark.engine.grad_reducer import GradReducer, LocalReducer
+from dspark.engine.heap_guard import HeapGuard
 from dspark.engine.inputs import ForwardInputs, InputRecorder, Reader
 from dspark.engine.loss_scaler import LossScaler
 from dspark.engine.optimizer_guard import ShardedOptimizerGuard, check_elementwise
@@ -265,8 +266,14 @@ def build_parts(model: nn.Module, factory: OptimizerFactory, *, config: EngineCo
         wire_dtype=comm_config.reduce_dtype, rank=rank, num_ranks=n, device=world.device,
         check_finite=check_finite, shard=shard, replica=rank_groups.replica)
 
+    heap_guard = (HeapGuard(read=cpu_malloc.heap_usage, trim=cpu_malloc.release_freed, rank=rank)
+                  if world.device.type == "cpu" and cpu_malloc.guard_wanted() else None)
+
     def after_optimizer() -> None:
-        """zero1/zero2: check the sharded optimizer's state once, and all-gather the updated rows."""
+        """zero1/zero2: check the sharded optimizer's state once, and all-gather the updated rows;
+        on a CPU, the heap guard's look (see [Note: the heap ratchet] in dspark.cpu_malloc)."""
+        if heap_guard is not None:
+            heap_guard.after_step()
         if step_count() == 0 and strategy.splits_optimizer_on(shard.size):
             agreed("checking the optimizer's state after its first step",  # one small gather, once
                    lambda: check_elementwise(optimizer, strategy=strategy.name, after_step=True))

@@ -1,0 +1,91 @@
+"""The engine's guard against a CPU heap that grows without end (see [Note: the heap ratchet] in
+:mod:`dspark.cpu_malloc`): after each optimizer step it reads the process, and when its resident
+memory has grown past what the first steps settled at by more than the memory in use explains, it
+gives the heap's free memory back to the kernel, saying so the first time.
+
+[Note: when the guard trims] A training process's memory grows over its first steps (the optimizer's
+state, then the step's transients finding their places in the heap) and then stays: the guard
+leaves ``SETTLE_STEPS`` steps for that and takes the reading after them as the baseline. After each
+later step, the growth it cannot explain is the resident memory's growth less the growth of what
+is allocated (the heap's blocks in use and the blocks mapped apart): memory a program keeps on
+purpose, a list of outputs or a cache, is allocated and never counts. When that exceeds
+``max(GROWTH_FLOOR_BYTES, baseline resident * GROWTH_SHARE)``, the guard trims the heap
+(``malloc_trim``): the holes the ratchet left go back to the kernel. The heap may ratchet on, and
+the guard trims again each time the margin is reached: a rank's memory stays within the margin of
+its settled value, and the page faults a trim costs (the free memory the next step reuses comes back
+zeroed) are paid as often as the heap grows, never on a heap that does not.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from dspark.cpu_malloc import HeapUsage
+
+__all__ = ["GROWTH_FLOOR_BYTES", "GROWTH_SHARE", "SETTLE_STEPS", "HeapGuard"]
+
+log = logging.getLogger(__name__)
+
+SETTLE_STEPS = 3
+"""Optimizer steps before the baseline is read (see [Note: when the guard trims])."""
+GROWTH_FLOOR_BYTES = 64 << 20
+"""Unexplained growth past the baseline that is never trimmed, however small the process."""
+GROWTH_SHARE = 0.10
+"""... and as a share of the baseline's resident memory: the larger of the two is the margin."""
+
+
+class HeapGuard:
+    """Reads the process with ``read`` after each optimizer step (:meth:`after_step`) and calls
+    ``trim()`` whenever its heap has ratcheted past the margin (see [Note: when the guard trims]).
+    Reads nothing more once ``read`` gives None (not glibc, no ``/proc``).
+
+    Example::
+
+        guard = HeapGuard(read=cpu_malloc.heap_usage, trim=cpu_malloc.release_freed, rank=0)
+        guard.after_step()   # after each optimizer step
+    """
+
+    def __init__(self, *, read: Callable[[], HeapUsage | None], trim: Callable[[], None], rank: int) -> None:
+        self._read = read
+        self._trim = trim
+        self._rank = rank
+        self._steps = 0
+        self._baseline: HeapUsage | None = None
+        self.trims = 0
+        """How many times the guard gave the heap's free memory back."""
+        self.off = False
+        """True once ``read`` gave None: the guard reads no more."""
+
+    def after_step(self) -> None:
+        """One optimizer step ended: read the process, and trim the heap if it ratcheted."""
+        if self.off:
+            return
+        self._steps += 1
+        if self._steps < SETTLE_STEPS:
+            return
+        usage = self._read()
+        if usage is None:
+            self.off = True
+            return
+        if self._baseline is None:
+            self._baseline = usage
+            return
+        base = self._baseline
+        allocated = (max(0, usage.in_use_bytes - base.in_use_bytes)
+                     + max(0, usage.mapped_bytes - base.mapped_bytes))
+        unexplained = usage.resident_bytes - base.resident_bytes - allocated
+        if unexplained <= max(GROWTH_FLOOR_BYTES, base.resident_bytes * GROWTH_SHARE):
+            return
+        self._trim()
+        self.trims += 1
+        if self.trims > 1:
+            log.info("rank %d: the heap grew %.0f MB past what allocated memory explains after step %d: trimmed it "
+                     "(%d times so far)", self._rank, unexplained / 1e6, self._steps, self.trims)
+        else:
+            log.warning("rank %d: resident memory grew from %.0f MB after step %d to %.0f MB after step %d, "
+                        "%.0f MB more than the memory allocated: freed tensors were not reused (glibc's heap "
+                        "fragmenting, see dspark.cpu_malloc); DSpark gave the heap's free memory back and will "
+                        "each time it grows so again (DSPARK_CPU_MALLOC=lean avoids the growth, "
+                        "DSPARK_HEAP_GUARD=off lets it grow)", self._rank, base.resident_bytes / 1e6,
+                        SETTLE_STEPS, usage.resident_bytes / 1e6, self._steps, unexplained / 1e6)

@@ -1,0 +1,104 @@
+"""The heap guard (dspark.engine.heap_guard): it trims a heap that ratchets, within its margin, and
+never a process whose growth is memory it allocated; the engine runs it after each optimizer step."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from dspark import cpu_malloc
+from dspark.cpu_malloc import HeapUsage
+from dspark.engine.heap_guard import GROWTH_FLOOR_BYTES, GROWTH_SHARE, SETTLE_STEPS, HeapGuard
+
+MB = 1 << 20
+
+
+def _run(readings: list[HeapUsage | None]) -> tuple[HeapGuard, list[int]]:
+    """The guard over one reading per step from the step it first reads (SETTLE_STEPS); the steps
+    after which it trimmed."""
+    trimmed: list[int] = []
+    feed = iter(readings)
+    step = [0]
+    guard = HeapGuard(read=lambda: next(feed), trim=lambda: trimmed.append(step[0]), rank=0)
+    for step[0] in range(1, SETTLE_STEPS + len(readings)):
+        guard.after_step()
+    return guard, trimmed
+
+
+def _usage(resident_mb: int, in_use_mb: int = 200, mapped_mb: int = 10) -> HeapUsage:
+    return HeapUsage(in_use_bytes=in_use_mb * MB, free_bytes=100 * MB, mapped_bytes=mapped_mb * MB,
+                     resident_bytes=resident_mb * MB)
+
+
+def test_a_heap_that_ratchets_is_trimmed_each_time_it_passes_the_margin() -> None:
+    # 600 MB settled; +60 MB a step unexplained; a trim gives it back (down to 450), and it grows again
+    residents = [600, 660, 720, 450, 510, 570, 630, 690]
+    guard, trimmed = _run([_usage(r) for r in residents])
+    margin = max(GROWTH_FLOOR_BYTES, 600 * MB * GROWTH_SHARE) / MB   # 64 MiB
+    first = next(i for i, r in enumerate(residents) if r - 600 > margin)
+    assert trimmed[0] == SETTLE_STEPS + first      # 720: the first reading past the margin
+    assert trimmed == [SETTLE_STEPS + 2, SETTLE_STEPS + 7]
+    assert guard.trims == 2
+
+
+@pytest.mark.parametrize("grows", ["in_use", "mapped"])
+def test_growth_the_process_allocated_is_never_trimmed(grows: str) -> None:
+    readings = [_usage(600 + 80 * k, in_use_mb=200 + (80 * k if grows == "in_use" else 0),
+                       mapped_mb=10 + (80 * k if grows == "mapped" else 0)) for k in range(8)]
+    guard, trimmed = _run(readings)
+    assert trimmed == [] and guard.trims == 0
+
+
+def test_the_margin_is_the_larger_of_the_floor_and_the_share() -> None:
+    big = 2000  # MB: 10% of it (200 MB) is above the 64 MiB floor
+    _, trimmed = _run([_usage(big), _usage(big + 150), _usage(big + 190)])
+    assert trimmed == []
+    _, trimmed = _run([_usage(big), _usage(big + 210)])
+    assert trimmed == [SETTLE_STEPS + 1]
+    _, trimmed = _run([_usage(300), _usage(300 + 60)])   # 10% is 30 MB: the floor holds
+    assert trimmed == []
+
+
+def test_no_reading_turns_the_guard_off() -> None:
+    calls = [0]
+
+    def read() -> HeapUsage | None:
+        calls[0] += 1
+        return None
+
+    guard = HeapGuard(read=read, trim=lambda: pytest.fail("trimmed"), rank=0)
+    for _ in range(10):
+        guard.after_step()
+    assert guard.off and calls[0] == 1
+
+
+@pytest.mark.parametrize("value", ["on", "off", "yes"])
+def test_dspark_heap_guard_chooses(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    monkeypatch.setattr(cpu_malloc, "_state", cpu_malloc.CpuMalloc("tuned"))
+    if value == "yes":
+        with pytest.raises(ValueError, match="DSPARK_HEAP_GUARD='yes'"):
+            cpu_malloc.guard_wanted({"DSPARK_HEAP_GUARD": value})
+        return
+    assert cpu_malloc.guard_wanted({"DSPARK_HEAP_GUARD": value}) is (value == "on")
+    assert cpu_malloc.guard_wanted({}) is True
+    for mode in ("heap", "lean"):   # the user's own choice: no guard
+        monkeypatch.setattr(cpu_malloc, "_state", cpu_malloc.CpuMalloc(mode))
+        assert cpu_malloc.guard_wanted({}) is False
+
+
+def test_the_engine_runs_the_guard_after_each_optimizer_step(single_process: object,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    import dspark
+
+    residents = iter([600, 610, 700, 605, 605])   # MB read after steps 3..7: past the margin after step 5
+    trimmed: list[int] = []
+    monkeypatch.setattr(cpu_malloc, "guard_wanted", lambda env=None: True)
+    monkeypatch.setattr(cpu_malloc, "heap_usage", lambda: _usage(next(residents)))
+    monkeypatch.setattr(cpu_malloc, "release_freed", lambda: trimmed.append(engine.step_count))
+    engine = dspark.Engine(torch.nn.Linear(4, 4), optimizer=functools.partial(torch.optim.SGD, lr=0.1))
+    for _ in range(7):
+        engine.backward(engine(torch.ones(2, 4)).sum())
+        engine.step()
+    assert trimmed == [4]   # release_freed runs inside step 5, before step_count counts it
