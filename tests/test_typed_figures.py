@@ -53,6 +53,7 @@ ALLOWED: tuple[tuple[str, str, str], ...] = (
     ("docs/engine-internals.md", "32 MiB stay in the heap", "glibc's mmap threshold, a config value"),
     ("docs/engine-internals.md", "tensors above 32 MiB", "glibc's mmap threshold, a config value"),
     ("docs/engine-internals.md", "the larger of 64 MiB", "the heap guard's floor, GROWTH_FLOOR_BYTES"),
+    ("docs/plan.md", "the larger of 64 MiB", "the heap guard's floor, GROWTH_FLOOR_BYTES"),
     ("docs/engine-internals.md", "(1 MiB and up mapped", "the lean choice's threshold, a config value"),
     ("docs/engine-internals.md", "region (16 MiB per rank", "the shared-memory region's default size"),
     ("docs/engine-internals.md", "(2 x 16 MiB on 2", "the shared-memory region's default size"),
