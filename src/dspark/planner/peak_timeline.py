@@ -28,7 +28,8 @@ own rules:
   "nccl": a GPU, a world over several nodes, a hybrid shard group) hold more: a zero3 gather packs
   every rank's shards in one buffer of the unit's size (and its own shards in one more) until it is
   waited on, so each unit gathered ahead is held twice (the root's too, from where the gradient
-  reaches the model's output, beside what the loss's backward leaves); on gloo a reduce-scatter runs as an
+  reaches the model's output, beside what the loss's backward leaves), on gloo three times (its
+  all-gather allocates an output of its own while it runs); on gloo a reduce-scatter runs as an
   all-to-all into a scratch of its bucket's size, held until the bucket's pool turn is taken or the
   reduction ends ([Note: reduce-scatter on gloo] in :mod:`dspark.comm.collectives`).
 
@@ -131,6 +132,7 @@ class _Replay:
         self.specs, self.n, self.events, self.one_process = shape_trainable, n, events, one_process
         self.packs_gathers = transport != "shm"  # a gather in flight: its packed copy beside it
         self.scratch_scatters = transport == "gloo"  # a reduce-scatter in flight: its all-to-all's output
+        self.gather_copy = transport == "gloo"  # gloo's all-gather lands in an output of its own first
         self.policy = all_strategies()[strategy]
         self.shard_grads = self.policy.shard_grads
         self.shard_params = self.policy.splits_params_on(n)
@@ -161,9 +163,10 @@ class _Replay:
 
     def ahead_bytes(self, units: Sequence[int]) -> int:
         """What the units gathered ahead (launched, not yet waited on) hold: their storage, and on a
-        process group the packed buffer and the shards sent (``unit * (1 + 1/N)``) as well."""
+        process group the packed buffer and the shards sent (``unit * (1 + 1/N)``) as well, and on
+        gloo the output its all-gather allocates for itself (one more unit)."""
         held = sum(self.unit_bytes[u] for u in units)
-        return held + (held + held // self.n if self.packs_gathers else 0)
+        return held + (held + held // self.n if self.packs_gathers else 0) + (held if self.gather_copy else 0)
 
     def gathered_forward(self) -> int:
         if not self.shard_params or not self.unit_bytes:
