@@ -142,6 +142,7 @@ def _row(name: str, precision: str, strategy: str, ranks: int, predicted: Any, g
             "measured_process_peak_bytes": got["process_peak_bytes"],
             "predicted_state_bytes": predicted.model_state_bytes, "measured_state_bytes": got["model_state_bytes"],
             "predicted_step_ms": predicted.step_ms, "measured_step_ms": got["step_ms"],
+            "predicted_step_ms_low": predicted.step_ms_low, "predicted_step_ms_high": predicted.step_ms_high,
             "predicted_step_parts_ms": {"compute": predicted.compute_ms, "comm": predicted.comm_exposed_ms,
                                         "optimizer": predicted.optimizer_ms},
             "step_compared": ranks < 3}
@@ -225,17 +226,25 @@ def table_rows(data: dict[str, Any]) -> list[list[str]]:
 
 def summary(data: dict[str, Any]) -> str:
     """The range of each ratio over the artifact's rows."""
-    def spread(pairs: list[tuple[float | None, float]]) -> str:
+    def spread(pairs: list[tuple[float | None, float]], within: float) -> str:
         ratios = [p / m for p, m in pairs if p is not None and m]
-        return f"{min(ratios):.2f} to {max(ratios):.2f} over {len(ratios)} rows" if ratios else "none"
+        inside = sum(abs(r - 1) <= within for r in ratios)
+        return (f"{min(ratios):.2f} to {max(ratios):.2f} over {len(ratios)} rows ({inside} within "
+                f"{within:.0%})" if ratios else "none")
     rows = data["rows"]
     failed = "; failed (no row): " + ", ".join(
         f"{f['model']} {f['precision']} {f['strategy']} {f['ranks']} ranks"
         for f in data["failed"]) if data.get("failed") else ""
-    tensor = spread([(r["predicted_peak_bytes"], r["measured_peak_bytes"]) for r in rows])
+    tensor = spread([(r["predicted_peak_bytes"], r["measured_peak_bytes"]) for r in rows], 0.10)
     process = spread([(r.get("predicted_process_peak_bytes"), r.get("measured_process_peak_bytes") or 0)
-                      for r in rows])
-    step = spread([(r["predicted_step_ms"], r["measured_step_ms"]) for r in rows if r["step_compared"]])
+                      for r in rows], 0.10)
+    timed = [r for r in rows if r["step_compared"]]
+    step = spread([(r["predicted_step_ms"], r["measured_step_ms"]) for r in timed], 0.15)
+    ranged = [r for r in timed if r.get("predicted_step_ms_low") is not None]
+    if ranged:  # artifacts kept before the interval was recorded have none
+        inside = sum(r["predicted_step_ms_low"] <= r["measured_step_ms"] <= r["predicted_step_ms_high"]
+                     for r in ranged)
+        step += f", {inside} of {len(ranged)} inside the plan's interval"
     return f"tensor peak {tensor}; process peak {process}; step {step}{failed}"
 
 
