@@ -8,7 +8,10 @@ state, then the step's transients finding their places in the heap) and then sta
 leaves ``SETTLE_STEPS`` steps for that and takes the reading after them as the baseline. After each
 later step, the growth it cannot explain is the resident memory's growth less the growth of what
 is allocated (the heap's blocks in use and the blocks mapped apart): memory a program keeps on
-purpose, a list of outputs or a cache, is allocated and never counts. When that exceeds
+purpose, a list of outputs or a cache, is allocated and never counts; nor does growth outside the
+heap (Python's arenas of small objects are mapped apart from malloc, a memory-mapped file's pages are
+resident once read), which the heap's free memory does not show. When both that growth and the
+heap's free memory's growth past the baseline exceed
 ``max(GROWTH_FLOOR_BYTES, baseline resident * GROWTH_SHARE)``, the guard trims the heap
 (``malloc_trim``): the holes the ratchet left go back to the kernel. The heap may ratchet on, and
 the guard trims again each time the margin is reached: a rank's memory stays within the margin of
@@ -75,7 +78,10 @@ class HeapGuard:
         allocated = (max(0, usage.in_use_bytes - base.in_use_bytes)
                      + max(0, usage.mapped_bytes - base.mapped_bytes))
         unexplained = usage.resident_bytes - base.resident_bytes - allocated
-        if unexplained <= max(GROWTH_FLOOR_BYTES, base.resident_bytes * GROWTH_SHARE):
+        # Only the heap's free memory is the ratchet's (and all a trim gives back): resident growth
+        # outside the heap, Python's own arenas of small objects or a file's pages read, is not.
+        heap_free_growth = usage.free_bytes - base.free_bytes
+        if min(unexplained, heap_free_growth) <= max(GROWTH_FLOOR_BYTES, base.resident_bytes * GROWTH_SHARE):
             return
         self._trim()
         self.trims += 1
