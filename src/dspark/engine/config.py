@@ -13,17 +13,13 @@ communication, checks, observation; what every user sets stays at the top.
 
 from __future__ import annotations
 
-import ast
 import copy
 import dataclasses
 import difflib
-import functools
 import inspect
-import itertools
 import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -35,8 +31,8 @@ from dspark.engine.param_groups import ParamGroupsFn
 from dspark.policy.strategies import PRECISIONS, all_strategies
 from dspark.policy.units import UnitPolicy
 
-__all__ = ["GROUPS", "ChecksConfig", "CommunicationConfig", "EngineConfig", "ObservationConfig", "loss_scaler_for",
-           "option", "option_docs", "options_table", "spells_out_options"]
+__all__ = ["GROUPS", "GROUP_OF", "ChecksConfig", "CommunicationConfig", "EngineConfig", "ObservationConfig",
+           "loss_scaler_for", "option", "spells_out_options"]
 
 _Init = TypeVar("_Init", bound=Callable[..., None])
 Check = Callable[[str, Any], None]
@@ -290,16 +286,7 @@ class EngineConfig:
 
             EngineConfig(strategy="zero2").replace(precision="bf16", batch_check_every=None)
         """
-        top: dict[str, Any] = {}
-        grouped: dict[str, dict[str, Any]] = {}
-        for name, value in options.items():
-            if name not in _GROUP_OF:
-                raise TypeError(_unknown(name))
-            group = _GROUP_OF[name]
-            if group is None:
-                top[name] = value
-            else:
-                grouped.setdefault(group, {})[name] = value
+        top, grouped = _by_group(options)
         for group, values in grouped.items():
             top[group] = dataclasses.replace(top.get(group, getattr(self, group)), **values)
         return dataclasses.replace(self, **top)
@@ -321,7 +308,7 @@ class EngineConfig:
         for key, value in values.items():
             if key in GROUPS and isinstance(value, Mapping):
                 for name, inner in value.items():
-                    if _GROUP_OF.get(name) != key:
+                    if GROUP_OF.get(name) != key:
                         raise ValueError(f"{key}.{name}: {key} has no option {name!r}; its options: "
                                          f"{', '.join(f.name for f in fields(GROUPS[key]))}")
                     flat[name] = inner
@@ -382,18 +369,47 @@ def _walk(config: EngineConfig) -> Iterator[tuple[str, tuple[dataclasses.Field[A
             yield f.name, (f, value)
 
 
-_GROUP_OF: dict[str, str | None] = {
+GROUP_OF: dict[str, str | None] = {
     **{f.name: None for f in fields(EngineConfig)},
     **{g.name: name for name, group in GROUPS.items() for g in fields(group)},
 }
 """Every name :meth:`EngineConfig.replace` takes: an option's group (None: the top), or a group."""
 
 
+def _by_group(options: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """``options`` split by where each lives: the top's (and whole groups), and each group's."""
+    top: dict[str, Any] = {}
+    grouped: dict[str, dict[str, Any]] = {}
+    for name, value in options.items():
+        if name not in GROUP_OF:
+            raise TypeError(_unknown(name))
+        if (group := GROUP_OF[name]) is None:
+            top[name] = value
+        else:
+            grouped.setdefault(group, {})[name] = value
+    return top, grouped
+
+
+_fields_init = EngineConfig.__init__
+
+
+def _init_by_option_names(self: EngineConfig, **options: Any) -> None:
+    """``EngineConfig(bucket_mb=50.0)`` as ``EngineConfig().replace(bucket_mb=50.0)``: every option by
+    its own name, as the engine takes it, an unknown one named with the nearest."""
+    top, grouped = _by_group(options)
+    _fields_init(self, **top)
+    for group, values in grouped.items():
+        object.__setattr__(self, group, dataclasses.replace(getattr(self, group), **values))
+
+
+setattr(EngineConfig, "__init__", _init_by_option_names)  # noqa: B010 (mypy forbids assigning a method)
+
+
 def _unknown(name: str) -> str:
-    near = difflib.get_close_matches(name, list(_GROUP_OF), n=1)
+    near = difflib.get_close_matches(name, list(GROUP_OF), n=1)
     hint = f"; did you mean {near[0]!r}?" if near else ""
     return (f"dspark.Engine got an unexpected option {name!r}{hint} Its options: "
-            f"{', '.join(n for n, g in _GROUP_OF.items() if n not in GROUPS)}")
+            f"{', '.join(n for n, g in GROUP_OF.items() if n not in GROUPS)}")
 
 
 def _dtype_named(name: str) -> torch.dtype:
@@ -446,44 +462,3 @@ def loss_scaler_for(config: EngineConfig) -> LossScaler | None:
     if config.precision != "fp16":
         return None
     return LossScaler() if config.loss_scaler is None else copy.copy(config.loss_scaler)
-
-
-@functools.cache
-def option_docs() -> dict[str, tuple[str | None, str, str]]:
-    """Every option as the docs show it: ``name -> (group or None, default as code, one-line doc)``,
-    the doc read from the docstring under its field.
-
-    Example::
-
-        option_docs()["bucket_mb"]   # ("communication", "25.0", "Gradient bucket size in MiB: ...")
-    """
-    tree = ast.parse(Path(__file__).read_text(encoding="utf-8"))
-    docs: dict[str, str] = {}
-    for node in tree.body:
-        if isinstance(node, ast.ClassDef):
-            for here, after in itertools.pairwise(node.body):
-                if (isinstance(here, ast.AnnAssign) and isinstance(here.target, ast.Name)
-                        and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)):
-                    text = " ".join(str(after.value.value).split())
-                    docs[f"{node.name}.{here.target.id}"] = text.replace("``", "`")
-    out: dict[str, tuple[str | None, str, str]] = {}
-    for name, group in _GROUP_OF.items():
-        if name in GROUPS:
-            continue
-        owner = EngineConfig if group is None else GROUPS[group]
-        (f,) = [f for f in fields(owner) if f.name == name]
-        out[name] = (group, repr(f.default), docs.get(f"{owner.__name__}.{name}", ""))
-    return out
-
-
-def options_table() -> str:
-    """docs/engine.md's options table, generated from the fields (see [Note: options declared once]).
-
-    Example::
-
-        print(options_table())   # | option | group | default | meaning | ...
-    """
-    lines = ["| option | group | default | meaning |", "|---|---|---|---|"]
-    for name, (group, default, doc) in option_docs().items():
-        lines.append(f"| `{name}` | {group or ''} | `{default}` | {doc} |")
-    return "\n".join(lines)
