@@ -58,6 +58,17 @@ def pytest_configure(config: pytest.Config) -> None:
     if (threading.current_thread() is threading.main_thread()
             and signal.getsignal(signal.SIGINT) is signal.SIG_IGN):
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    # `nohup make test` inherits SIGHUP ignored in the same way, and a job started with it ignored
+    # rightly outlives a hang-up, so the tests of a hang-up would see their jobs run on. A handler
+    # that does nothing keeps this run alive through a hang-up (what nohup asked for) while the
+    # processes the tests start begin with SIGHUP at its default, as a terminal's job would.
+    if (threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGHUP) is signal.SIG_IGN):
+        signal.signal(signal.SIGHUP, _outlive_hang_up)
+
+
+def _outlive_hang_up(signum: int, frame: object) -> None:
+    """SIGHUP in a test run started under nohup: nothing (see pytest_configure)."""
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
