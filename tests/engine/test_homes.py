@@ -19,6 +19,7 @@ HOMES: dict[str, tuple[str, ...]] = {
     "buffer_sync": ("engine/test_batchnorm.py", "engine/test_safety.py"),
     "build": ("engine/test_safety.py", "engine/test_training_loops.py", "engine/test_rank_disagreement.py"),
     "clocks": ("engine/test_step_stats.py", "engine/test_observe_gpu.py"),
+    "config_docs": ("engine/test_config.py",),  # the options table it generates, against docs/engine.md
     "engine": ("engine/test_parity.py", "engine/test_modes.py", "engine/test_single_process.py"),
     "failure_agreement": ("engine/test_rank_disagreement.py",),
     "finite_check": ("engine/test_nonfinite.py", "engine/test_fp16.py"),
