@@ -131,6 +131,6 @@ def test_release_freed_trims_only_where_dspark_set_the_thresholds(monkeypatch: p
             return 1
 
     monkeypatch.setattr(cpu_malloc, "_state", state)
-    monkeypatch.setattr(cpu_malloc.ctypes, "CDLL", lambda path: Libc())
+    monkeypatch.setattr(cpu_malloc, "_libc", lambda: Libc())
     cpu_malloc.release_freed()
     assert calls == ([0] if trims else [])

@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import os
 import platform
@@ -205,11 +206,9 @@ def release_freed() -> None:
     """
     if _state is None or _state.mode == "default":
         return
-    path = ctypes.util.find_library("c") or "libc.so.6"
-    try:
-        ctypes.CDLL(path).malloc_trim(0)
-    except (OSError, AttributeError):  # no malloc_trim in this C library: nothing to give back
-        return
+    trim = getattr(_libc(), "malloc_trim", None)
+    if trim is not None:  # else no malloc_trim in this C library: nothing to give back
+        trim(0)
 
 
 class _MallInfo2(ctypes.Structure):
@@ -226,9 +225,8 @@ def heap_usage() -> HeapUsage | None:
 
         usage = heap_usage()   # HeapUsage(in_use_bytes=..., free_bytes=..., ...)
     """
-    try:
-        mallinfo2 = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallinfo2
-    except (OSError, AttributeError):
+    mallinfo2 = getattr(_libc(), "mallinfo2", None)
+    if mallinfo2 is None:
         return None
     mallinfo2.restype = _MallInfo2
     info = mallinfo2()
@@ -258,12 +256,19 @@ def guard_wanted(env: Mapping[str, str] | None = None) -> bool:
     return value == "on" and _state is not None and _state.mode == "tuned"
 
 
-def _set_thresholds(mmap_threshold: int, trim_threshold: int) -> str | None:
-    path = ctypes.util.find_library("c") or "libc.so.6"
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    """The C library, loaded once: ``find_library`` starts a program, too slow for every step."""
     try:
-        mallopt = ctypes.CDLL(path).mallopt
-    except (OSError, AttributeError) as err:
-        return f"no mallopt in {path}: {err}"
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+
+
+def _set_thresholds(mmap_threshold: int, trim_threshold: int) -> str | None:
+    mallopt = getattr(_libc(), "mallopt", None)
+    if mallopt is None:
+        return "no mallopt in the C library"
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     mallopt.restype = ctypes.c_int
     # The mmap threshold first: a refused value changes nothing, while an accepted one (either) also
