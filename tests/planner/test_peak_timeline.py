@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 
 from dspark.planner.cost import row_transport
@@ -64,9 +65,13 @@ def test_collectives_through_a_process_group_hold_a_copy_more() -> None:
     assert gloo == 2_350_000 + 1_500_000 > shm, (shm, gloo)
 
 
-def test_a_row_knows_how_its_collectives_travel() -> None:
+def test_a_row_knows_how_its_collectives_travel(monkeypatch: pytest.MonkeyPatch) -> None:
     one_machine, two_nodes = get_interconnect("loopback-gloo"), get_interconnect("nvlink+roce-200g")
+    monkeypatch.delenv("DSPARK_SHM", raising=False)
     assert row_transport("cpu", one_machine, 4, 4) == "shm"  # dspark run --nproc 4: shared memory
+    monkeypatch.setenv("DSPARK_SHM", "0")  # the run's own switch: gloo for everything
+    assert row_transport("cpu", one_machine, 4, 4) == "gloo"
+    monkeypatch.delenv("DSPARK_SHM")
     assert row_transport("cpu", one_machine, 4, 2) == "gloo"  # hybrid shard groups: subgroups
     assert row_transport("cpu", two_nodes, 16, 16) == "gloo"  # a world over two nodes of 8
     assert row_transport("cpu", two_nodes, 8, 8) == "shm"

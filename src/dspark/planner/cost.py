@@ -69,6 +69,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dspark.comm.shm_setup import shm_wanted
 from dspark.cpu_malloc import mmap_threshold_bytes
 from dspark.planner.interconnect import Interconnect, all_gather_s, all_reduce_s, reduce_scatter_s
 from dspark.planner.peak_timeline import bucket_groups, step_peak
@@ -295,9 +296,10 @@ def _step_interval(probe: Probe, micro_batch: int, passes: int, exposed_ms: floa
 def row_transport(device: str, link: Interconnect, num_ranks: int, split: int) -> str:
     """How a row's sharded collectives travel (see :data:`dspark.planner.peak_timeline.TRANSPORTS`):
     ``"nccl"`` on a GPU; on a CPU ``"shm"`` where they run in the default group of one machine's
-    ranks (``dspark.comm``'s shared-memory transport), else ``"gloo"``: a world over several nodes
-    (more ranks than ``link.ranks_per_node``), or a hybrid shard group smaller than the world (a
-    subgroup).
+    ranks and ``dspark.comm`` would give that group its shared-memory transport (its own rule,
+    :func:`dspark.comm.shm_setup.shm_wanted`: ``DSPARK_SHM``, the machine), else ``"gloo"``: a
+    world over several nodes (more ranks than ``link.ranks_per_node``), a hybrid shard group smaller
+    than the world (a subgroup), or shared memory turned off.
 
     Example::
 
@@ -306,8 +308,11 @@ def row_transport(device: str, link: Interconnect, num_ranks: int, split: int) -
     """
     if "cuda" in device:
         return "nccl"
-    over_nodes = link.ranks_per_node is not None and num_ranks > link.ranks_per_node
-    return "gloo" if over_nodes or split < num_ranks else "shm"
+    if num_ranks == 1:
+        return "shm"  # nothing travels: no process group's copies either
+    per_node = num_ranks if link.ranks_per_node is None else min(num_ranks, link.ranks_per_node)
+    one_group = split == num_ranks and shm_wanted(num_ranks, per_node, "gloo", "cpu")
+    return "shm" if one_group else "gloo"
 
 
 def row_cost(*, shape: ModelShape, probe: Probe, strategy: str, num_ranks: int, micro_batch: int,
