@@ -46,6 +46,9 @@ class SavedParams:
     def __init__(self, gather: Callable[[list[ParamSlot]], None]) -> None:
         self._gather = gather
         self.installed: dict[int, ParamSlot] = {}  # storage pointer -> slot gathered into it
+        self.packed: set[int] = set()
+        """``id`` of each slot a saved tensor was packed from since the owner last cleared it: the
+        parameters backward reads (see [Note: frozen parameters in backward])."""
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         """The context a forward runs in so that autograd does not keep freed parameters alive."""
@@ -61,6 +64,7 @@ class SavedParams:
         base = slot.param.detach()
         if base.untyped_storage().data_ptr() != ptr:  # a stale entry: that storage was freed
             return tensor
+        self.packed.add(id(slot))
         return SavedParamView(slot, tuple(tensor.shape), tuple(tensor.stride()),
                               int(tensor.storage_offset()) - int(base.storage_offset()))
 

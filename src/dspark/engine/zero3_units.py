@@ -14,6 +14,14 @@ Lifecycle of one unit in a step:
                      (for the root: the last unit, which backward reaches next)
   post-accumulate    each trainable parameter is freed as soon as its gradient is complete
   post-backward      (units with frozen parameters) free them once the unit's inputs got their gradients
+
+[Note: frozen parameters in backward] Backward reads a frozen parameter only through what autograd
+saved of it (a frozen layer between trainable ones: the gradient of its input needs its weight); a
+frozen parameter nothing saved (an embedding, or any layer whose inputs need no gradient) is not
+read at all. So backward regathers a unit's trainable parameters and the frozen ones a saved tensor
+was packed from (:attr:`dspark.engine.zero3_saved.SavedParams.packed`), and no other: a frozen
+embedding in the root was otherwise gathered a second time at the start of every backward, for
+nothing (the zoo's ``frozen`` model: its embedding is most of the model).
 [Note: the root after forward] The root frees its own parameters after forward like every unit,
 and regathers them when the gradient reaches its outputs, which is after the loss's own backward. A
 language model's activation peak is that loss backward (the logits, their log-softmax and its
@@ -155,34 +163,38 @@ class Zero3Scheduler:
         return max((sum(s.numel * s.param.element_size() for s in u.slots) for u in self.units), default=0)
 
     # -- gathering -------------------------------------------------------------------------------
-    def _start(self, slots: Iterable[ParamSlot], *, prefetch: bool = False,
+    def _start(self, slots: Iterable[ParamSlot], *, prefetch: bool = False, backward: bool = False,
                label: str = "dspark.gather") -> None:
         """Launch one all-gather per dtype for the slots that are neither gathered nor in flight (a
-        prefetch also skips those whose gradient is complete: backward needs them no more)."""
+        prefetch also skips those whose gradient is complete: backward needs them no more; for
+        ``backward``, frozen ones nothing saved: see [Note: frozen parameters in backward])."""
         by_dtype: dict[torch.dtype, list[ParamSlot]] = {}
         for s in slots:
             if s.gathered or s.pending is not None or (prefetch and id(s) in self._grad_done):
+                continue
+            # the parameter's own flag, not the slot's: one unfrozen since must reach its check whole
+            if backward and not s.param.requires_grad and id(s) not in self.saved.packed:
                 continue
             by_dtype.setdefault(s.dtype, []).append(s)
         for group in by_dtype.values():
             Gather(group, label, self.saved.installed, self.tags.tag(group), self.tags.check, self._group)
 
-    def _gather(self, slots: Iterable[ParamSlot], label: str = "dspark.gather") -> None:
+    def _gather(self, slots: Iterable[ParamSlot], label: str = "dspark.gather", *, backward: bool = False) -> None:
         slots = list(slots)
-        self._start(slots, label=label)
+        self._start(slots, label=label, backward=backward)
         for slot in slots:
             if slot.pending is not None:
                 slot.pending.finish()
 
-    def _prefetch(self, unit_index: int | None, after: int | None = None) -> None:
+    def _prefetch(self, unit_index: int | None, after: int | None = None, *, backward: bool = False) -> None:
         """Start gathering unit ``unit_index``, and unit ``after`` (the one that runs next after it)
         too when it is small (see [Note: prefetch depth])."""
         if unit_index is not None:
             unit = self.units[unit_index]
-            self._start(unit.slots, prefetch=True, label=unit.label)
+            self._start(unit.slots, prefetch=True, backward=backward, label=unit.label)
         if after is not None and self.units[after].whole_bytes <= SECOND_PREFETCH_MAX_BYTES:
             unit = self.units[after]
-            self._start(unit.slots, prefetch=True, label=unit.label)
+            self._start(unit.slots, prefetch=True, backward=backward, label=unit.label)
 
     def _next_two(self, unit: Zero3Unit, step: int) -> tuple[int | None, int | None]:
         """The units that run next after ``unit`` in the previous forward's order (``step=+1``) or
@@ -248,15 +260,15 @@ class Zero3Scheduler:
                 def pre_backward(grad: torch.Tensor) -> None:
                     if not fired[0]:
                         fired[0] = True
-                        self._gather(unit.slots, unit.label)
+                        self._gather(unit.slots, unit.label, backward=True)
                         # backward reaches the root's own parameters (the head) first, then the
                         # last unit; every other unit, then the one that ran before it
                         if unit.index == 0:
                             order = self._order
                             self._prefetch(order[-1] if order else None,
-                                           order[-2] if len(order) > 2 else None)
+                                           order[-2] if len(order) > 2 else None, backward=True)
                         else:
-                            self._prefetch(*self._next_two(unit, -1))
+                            self._prefetch(*self._next_two(unit, -1), backward=True)
 
                 for leaf in batch_leaves(output):
                     if leaf.requires_grad:
@@ -289,6 +301,7 @@ class Zero3Scheduler:
                 self._holders[id(slot)] = 0
             self._grad_done.clear()
             self.saved.installed.clear()  # every storage it named is freed now
+            self.saved.packed.clear()
         self.tags.verify_deferred()
 
     def after_failed_forward(self, exc: RuntimeError) -> RuntimeError | None:
