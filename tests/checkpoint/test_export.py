@@ -21,6 +21,7 @@ from dspark.checkpoint.hf_files import SafetensorsSource, parse_size, plan_shard
 from dspark.cli.main import main
 from tests.checkpoint.ranks import train
 from tests.engine import tiny_models as tm
+from tests.messages import assert_names
 
 MODEL_ARGS = {"n_layer": 2, "dropout": 0.0, "name": "tiny", "sizes": [3, 4]}
 
@@ -95,6 +96,49 @@ def test_export_refuses_to_overwrite(saved: Any, tmp_path: Path) -> None:
     (tmp_path / "m.pt").write_text("x")
     with pytest.raises(FileExistsError, match=r"m\.pt"):
         export_checkpoint(saved["mlp"][0], tmp_path / "m.pt")
+
+
+def test_export_into_a_checkpoint_or_below_it_is_refused(saved: Any) -> None:
+    path, _ = saved["mlp"]
+    before = sorted(p.name for p in path.iterdir())
+    for out in (path, path / "hf", path / "m.safetensors", path / "sub" / "m.pt"):
+        with pytest.raises(ValueError) as refused:
+            export_checkpoint(path, out)
+        assert_names(str(refused.value), repr(str(out)), repr(str(path.parent / f"{path.name}-")[:-1]))
+    assert sorted(p.name for p in path.iterdir()) == before  # nothing written into it
+
+
+def _write_inside(path: str, beside: str) -> list[tuple[str, str]]:
+    """Every way an engine writes into a checkpoint or below it, and engine.save onto an export."""
+    engine = dspark.Engine(tm.make("mlp"), optimizer=functools.partial(torch.optim.AdamW, lr=1e-2),
+                           strategy="zero3")
+    engine.save_pretrained(beside)   # an export's directory, for the last case
+    out = []
+    for write in (lambda: engine.save_pretrained(path), lambda: engine.save_pretrained(f"{path}/hf"),
+                  lambda: engine.save(f"{path}/inner"), lambda: engine.save(beside)):
+        try:
+            write()
+            out.append(("accepted", ""))
+        except Exception as exc:
+            out.append((type(exc).__name__, str(exc)))
+    engine.load(path, optimizer=False)   # the checkpoint is as it was
+    engine.close()
+    return out
+
+
+def test_an_engine_refuses_to_write_inside_a_checkpoint_on_every_rank(pool, saved: Any, tmp_path: Path) -> None:
+    path, _ = saved["mlp"]
+    beside = tmp_path / "exported"
+    before = sorted(p.name for p in path.iterdir())
+    for rank, results in enumerate(pool.run(_write_inside, str(path), str(beside))):
+        for (kind, message), inside in zip(results[:3], (path, path / "hf", path / "inner"), strict=True):
+            # rank 0 checks the path; another rank learns of it in the agreement that follows
+            assert kind in (("ValueError",) if rank == 0 else ("ValueError", "OtherRankError")), message
+            assert_names(message, repr(str(inside)), "checkpoint")
+        kind, message = results[3]   # the reverse: a checkpoint onto an export's directory
+        assert kind == "ValueError", message
+        assert_names(message, repr(str(beside)), "not a DSpark checkpoint")
+    assert sorted(p.name for p in path.iterdir()) == before
 
 
 def test_read_extra_before_anything_is_built(saved: Any) -> None:

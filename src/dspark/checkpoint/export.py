@@ -34,7 +34,7 @@ import torch
 
 from dspark.checkpoint import layout, storage
 from dspark.checkpoint.hf_files import ShardWriter, parse_size, plan_shards, tensor_bytes
-from dspark.checkpoint.info import read_checkpoint_info
+from dspark.checkpoint.info import check_outside_checkpoint, read_checkpoint_info
 from dspark.checkpoint.manifest import read_manifest, read_verified
 from dspark.checkpoint.offline import ModelTensor, model_tensors, read_extra
 from dspark.checkpoint.plain_files import MODEL_CONFIG
@@ -57,8 +57,8 @@ def export_checkpoint(path: str | os.PathLike[str], out: str | os.PathLike[str],
     ``extra``: a ``.pt`` becomes ``{"model": state_dict, key: read_extra(path, key) for each key}``,
     the layout nanoGPT's ``sample.py`` reads (``extra=["model_args"]``). No process group is
     needed. Returns the files written. Raises ``FileExistsError`` when ``out`` is a file or a
-    non-empty directory. ``verify=False`` reads a checkpoint without a manifest (see
-    :func:`~dspark.checkpoint.read_checkpoint_info`).
+    non-empty directory, ``ValueError`` when it is a checkpoint or inside one. ``verify=False``
+    reads a checkpoint without a manifest (see :func:`~dspark.checkpoint.read_checkpoint_info`).
 
     Example::
 
@@ -78,6 +78,7 @@ def export_checkpoint(path: str | os.PathLike[str], out: str | os.PathLike[str],
         raise ValueError(f"extra={list(extra)!r} goes beside the weights in a .pt file only; {str(target)!r} "
                          "is not one (give a path ending in .pt)")
     extras = _read_extras(directory, extra, verify=verify)  # a missing key fails before anything is written
+    check_outside_checkpoint(target, what="export")
     _check_free(target, kind)
 
     def out_dtype(t: ModelTensor) -> torch.dtype:

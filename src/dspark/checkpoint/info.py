@@ -28,7 +28,7 @@ from dspark.errors import (
 )
 
 __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "INFO_FILE", "CheckpointInfo", "check_is_checkpoint",
-           "is_checkpoint", "read_checkpoint_info", "write_info"]
+           "check_outside_checkpoint", "is_checkpoint", "read_checkpoint_info", "write_info"]
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +113,38 @@ def is_checkpoint(path: str | os.PathLike[str]) -> bool:
             engine.load("ckpt")
     """
     return (Path(path) / INFO_FILE).is_file()
+
+
+def check_outside_checkpoint(path: str | os.PathLike[str], *, what: str, may_be_one: bool = False) -> None:
+    """Raise ``ValueError`` when ``path`` (where ``what`` is about to write) is a DSpark checkpoint
+    directory (unless ``may_be_one``: engine.save replaces one) or lies inside one (see [Note:
+    nothing is written inside a checkpoint]).
+
+    Example::
+
+        check_outside_checkpoint("ckpt/latest/hf", what="save_pretrained")
+        # ValueError: save_pretrained into '.../ckpt/latest/hf': it is inside the checkpoint ...
+    """
+    here = Path(path).absolute()
+    candidates = here.parents if may_be_one else (here, *here.parents)
+    holder = next((d for d in candidates if is_checkpoint(d)), None)
+    if holder is None:
+        return
+    where = "is the checkpoint" if holder == here else f"is inside the checkpoint {str(holder)!r}"
+    beside = holder.parent / f"{holder.name}-{'export' if holder == here else here.name}"
+    raise ValueError(f"{what} into {str(here)!r}: it {where}, whose files a load checks and whose "
+                     "directory the next engine.save there replaces whole (what was written inside "
+                     f"is lost): write it beside the checkpoint instead, e.g. "
+                     f"{str(beside)!r}")
+
+
+# [Note: nothing is written inside a checkpoint] A checkpoint directory belongs to engine.save: a
+# save publishes a new directory in its place (see [Note: atomic save]), so an export, a
+# save_pretrained or another checkpoint written into it or below it is deleted by the next save, and
+# files of the same names (config.json) would change what a load reads and checks. Each writer
+# refuses such a path before it writes anything; the reverse, engine.save onto an export's
+# directory, is refused because it is not a checkpoint (engine.save replaces only a checkpoint or
+# an empty directory).
 
 
 def write_info(directory: Path, info: CheckpointInfo) -> None:

@@ -32,7 +32,7 @@ from dspark import comm
 from dspark._version import __version__
 from dspark.checkpoint import background, extra_state, json_values, layout, manifest, storage
 from dspark.checkpoint.atomic import claim, publish, remove_stale, staging_dir
-from dspark.checkpoint.info import INFO_FILE, CheckpointInfo, write_info
+from dspark.checkpoint.info import INFO_FILE, CheckpointInfo, check_outside_checkpoint, write_info
 from dspark.checkpoint.target import Checkpointable
 from dspark.checkpoint.training_state import STATE_FILE, TrainingState, write_training_state
 from dspark.errors import CheckpointSaveError
@@ -145,6 +145,10 @@ def _prepare(final: Path) -> tuple[str, str | None, bool]:
     staging directory. Returns (token, problem or None, whether the problem is the caller's) for
     every rank."""
     token = uuid.uuid4().hex   # the save's id (see [Note: checkpoint integrity])
+    try:
+        check_outside_checkpoint(final, what="engine.save", may_be_one=True)
+    except ValueError as exc:
+        return token, str(exc), True
     try:
         if final.exists() and not ((final / INFO_FILE).is_file() or
                                    (final.is_dir() and not any(final.iterdir()))):

@@ -36,6 +36,7 @@ from dspark.checkpoint.hf_files import (
     plan_shards,
     tensor_bytes,
 )
+from dspark.checkpoint.info import check_outside_checkpoint
 from dspark.engine.failure_agreement import agree
 from dspark.engine.param_slot import ParamSlot
 from dspark.engine.weights import (
@@ -306,6 +307,7 @@ def _prepare(out: Path, stale: Sequence[str]) -> Path:
     """Rank 0: the directory, with any weights a previous save left there removed (a save with fewer
     shards would leave stale ones that an index no longer names), and the ``stale`` files of the
     other kind of save."""
+    check_outside_checkpoint(out, what="save_pretrained")
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"{str(out)!r} is a file; save_pretrained writes a directory")
     out.mkdir(parents=True, exist_ok=True)
