@@ -29,6 +29,7 @@ from dspark import comm
 from dspark.checkpoint import background, extra_state, layout, storage
 from dspark.checkpoint.info import CheckpointInfo, read_checkpoint_info
 from dspark.checkpoint.target import Checkpointable
+from dspark.checkpoint.timeouts import is_timeout
 from dspark.checkpoint.training_state import STATE_FILE, TrainingState, read_training_state
 from dspark.errors import CheckpointError, first_line
 from dspark.tensor import Shard
@@ -76,6 +77,8 @@ def load_checkpoint(target: Checkpointable, path: str | os.PathLike[str], *,
         try:
             info = _load_once(target, path, extra=extra, optimizer=optimizer, verify=verify)
         except Exception as exc:  # raised below, once every rank knows whether to load again
+            if is_timeout(exc):  # see [Note: a checkpoint's timeout names the checkpoint]
+                raise
             error = exc
         # A save to the same path published a new checkpoint while this one was read (an evaluator
         # loading ckpt/latest while training saves there): the files read may come from both, so

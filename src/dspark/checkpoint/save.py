@@ -34,6 +34,7 @@ from dspark.checkpoint import background, extra_state, json_values, layout, mani
 from dspark.checkpoint.atomic import claim, publish, remove_stale, staging_dir
 from dspark.checkpoint.info import INFO_FILE, CheckpointInfo, check_outside_checkpoint, write_info
 from dspark.checkpoint.target import Checkpointable
+from dspark.checkpoint.timeouts import is_timeout, naming_the_checkpoint
 from dspark.checkpoint.training_state import STATE_FILE, TrainingState, write_training_state
 from dspark.errors import CheckpointSaveError
 
@@ -113,7 +114,13 @@ def save_checkpoint(target: Checkpointable, path: str | os.PathLike[str], *, asy
     if not async_save:
         return _write_and_publish(job, comm.default_group())
     group = background.side_group()
-    background.submit(final, lambda: _write_and_publish(job, group))
+
+    def write_in_background() -> Path:
+        with naming_the_checkpoint("save", final, step_count=job.training.step_count, rank=world.rank,
+                                   num_ranks=world.world_size):
+            return _write_and_publish(job, group)
+
+    background.submit(final, write_in_background)
     log.info("rank %d: checkpoint %s at step %d staged, writing in the background", world.rank,
              final, job.training.step_count)
     return final
@@ -175,6 +182,10 @@ def _raise_if_any_failed(rank: int, failure: BaseException | None, final: Path, 
                          group: comm.Group) -> None:
     """Collective over ``group``: every rank learns whether any rank failed; if so all raise, and
     the staging directory is removed, so the checkpoint at ``final`` stays as it was."""
+    if failure is not None and is_timeout(failure):  # see [Note: a checkpoint's timeout names the checkpoint]
+        if rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise failure
     mine = None
     if failure is not None:
         # DCP reports every rank's failure on every rank; name the ranks where it happened

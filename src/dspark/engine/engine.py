@@ -406,12 +406,15 @@ class Engine(NotTheModule):
             engine.save("ckpt/latest")
             engine.save("ckpt/step-100", async_save=True)   # training goes on while it is written
         """
-        self._check_between_steps("save")
         # imported here: DCP is heavy to import and most runs never checkpoint
         from dspark.checkpoint import save_checkpoint
+        from dspark.checkpoint.timeouts import naming_the_checkpoint
 
-        return save_checkpoint(self, path, async_save=async_save, extra=extra,
-                               model_config=self._parts.states.hf_config())
+        with naming_the_checkpoint("save", path, step_count=self.step_count, rank=self.world.rank,
+                                   num_ranks=self.world.world_size):
+            self._check_between_steps("save")
+            return save_checkpoint(self, path, async_save=async_save, extra=extra,
+                                   model_config=self._parts.states.hf_config())
 
     def load(self, path: str | os.PathLike[str], *, extra: Mapping[str, Any] | None = None,
              optimizer: bool = True, verify: bool = True) -> CheckpointInfo:
@@ -427,10 +430,13 @@ class Engine(NotTheModule):
             info = engine.load("ckpt/latest", extra={"scheduler": sched, "loader": loader})
             eval_engine.load("ckpt/latest", optimizer=False)   # weights only
         """
-        self._check_between_steps("load")
         from dspark.checkpoint import load_checkpoint
+        from dspark.checkpoint.timeouts import naming_the_checkpoint
 
-        return load_checkpoint(self, path, extra=extra, optimizer=optimizer, verify=verify)
+        with naming_the_checkpoint("load", path, step_count=self.step_count, rank=self.world.rank,
+                                   num_ranks=self.world.world_size):
+            self._check_between_steps("load")
+            return load_checkpoint(self, path, extra=extra, optimizer=optimizer, verify=verify)
 
     def _check_in_step(self, call: str) -> None:
         check_ranks_in_step(self._window, self.step_count, world=self.world, call=call)
