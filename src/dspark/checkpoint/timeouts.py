@@ -5,7 +5,7 @@ that arrived and the fix.
 joins (a rank that skipped ``engine.save``, one still busy elsewhere, one stalled writing its shards)
 times out in the comm layer, whose message knows the collective (``all_gather of 32 bytes``) but not
 that it was part of ``engine.save('ckpt/step-200')`` at step 200; DCP's own collectives time out in
-the backend (gloo: ``Timed out waiting 3000ms ...``) with less still. :func:`naming_the_checkpoint`
+the backend (gloo: ``Timed out waiting ...``) with less still. :func:`naming_the_checkpoint`
 wraps a whole save or load (its step check included) and re-raises either as a
 :class:`~dspark.errors.CollectiveTimeoutError` that says so, keeping the ranks that never joined
 where the transport knows them. A rank whose DCP collective timed out raises at once rather than
@@ -44,7 +44,7 @@ def checkpoint_timeout(exc: BaseException, *, call: str, path: str | os.PathLike
 
         checkpoint_timeout(exc, call="save", path="ckpt", step_count=2, rank=0, num_ranks=2)
         # CollectiveTimeoutError: rank 0: engine.save('/abs/ckpt') at engine step 2 did not complete:
-        # all_gather of 32 bytes ... timed out after 3 s ...: rank(s) 1 never joined it ...
+        # all_gather ... timed out ...: rank(s) 1 never joined it ...
     """
     missing = exc.missing_ranks if isinstance(exc, CollectiveTimeoutError) else None
     what = str(exc).removeprefix(f"rank {rank}: ")
