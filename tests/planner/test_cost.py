@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from torch import nn
 
+from dspark.cpu_malloc import mmap_threshold_bytes
 from dspark.planner import Interconnect, Probe, model_shape
-from dspark.planner.cost import row_cost
+from dspark.planner.cost import fresh_map_ms, row_cost
 
 
 def _model() -> nn.Module:
@@ -68,3 +70,40 @@ def test_sharding_the_optimizer_divides_its_time_but_not_its_fixed_part() -> Non
     fixed = Probe(**{**{f: getattr(base, f) for f in base.__dataclass_fields__}, "optimizer_fixed_ms": 10.0})
     assert _cost("replicate", SERIAL, fixed).optimizer_ms == 40.0
     assert _cost("zero2", SERIAL, fixed).optimizer_ms == pytest.approx(10.0 + 30.0 / 2)
+
+
+class _FrozenTable(nn.Module):
+    """A frozen embedding in the root (no unit of its own) in front of trainable layers."""
+
+    def __init__(self, vocab: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, 256)
+        self.embed.weight.requires_grad_(False)
+        self.body = nn.Sequential(*(nn.Linear(256, 256) for _ in range(2)))
+
+
+def _frozen_cost(vocab: int, **probe_fields: object) -> float:
+    base = _probe()
+    probe = Probe(**{**{f: getattr(base, f) for f in base.__dataclass_fields__}, "unit_forward_share": (0, 1, 1),
+                     **probe_fields})
+    with torch.device("meta"):
+        shape = model_shape(_FrozenTable(vocab), (2, True))
+    return row_cost(shape=shape, probe=probe, strategy="zero3", num_ranks=2, micro_batch=8, passes=1,
+                    bucket_mb=25.0, link=SERIAL).comm_exposed_ms
+
+
+def test_zero3_regathers_for_backward_only_the_frozen_parameters_backward_reads() -> None:
+    table_ms = 1e3 * 0.5 * (4 * 1000 * 256) / 1e9  # one 2-rank gather of the frozen table
+    assert _frozen_cost(1000) - _frozen_cost(1000, frozen_unread=(0,)) == pytest.approx(table_ms, rel=1e-3)
+
+
+def test_a_gathered_storage_above_the_mmap_threshold_costs_its_page_faults_each_time() -> None:
+    assert fresh_map_ms(_probe(), [64 << 20], 32 << 20) == 0.0  # not measured: nothing
+    faulting = Probe(**{**{f: getattr(_probe(), f) for f in Probe.__dataclass_fields__}, "fault_bytes_per_s": 1e9})
+    assert fresh_map_ms(faulting, [64 << 20, 31 << 20], 32 << 20) == pytest.approx(1e3 * (64 << 20) / 1e9)
+    vocab = (mmap_threshold_bytes() // (4 * 256)) + 1000  # the table's whole storage is mapped afresh
+    table_bytes = 4 * vocab * 256
+    for unread, gathers in (((0,), 1), ((), 2)):  # in forward; in backward only where backward reads it
+        extra = (_frozen_cost(vocab, fault_bytes_per_s=1e9, frozen_unread=unread)
+                 - _frozen_cost(vocab, frozen_unread=unread))
+        assert extra == pytest.approx(gathers * 1e3 * table_bytes / 1e9, rel=1e-3)

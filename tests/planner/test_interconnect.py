@@ -7,7 +7,7 @@ import math
 import pytest
 
 from dspark.planner import INTERCONNECTS, Interconnect, get_interconnect
-from dspark.planner.interconnect import all_gather_s, all_reduce_s, reduce_scatter_s
+from dspark.planner.interconnect import LinkCost, all_gather_s, all_reduce_s, reduce_scatter_s
 
 LINK = Interconnect(name="test", bytes_per_s=1e9, latency_s=1e-5, source="by hand")
 
@@ -71,3 +71,20 @@ def test_the_link_probe_fit_reads_the_ring_terms_back() -> None:
         assert (cost.bytes_per_s, cost.latency_s) == (pytest.approx(2e9), pytest.approx(3e-5)), collective
     with pytest.raises(ValueError, match="num_ranks=1"):
         fit_link_cost("all_reduce", 1, ((1, 1.0), (2, 2.0)))
+
+
+def test_a_link_probe_past_the_cache_prices_large_calls_at_the_slower_rate() -> None:
+    from dspark.planner.link_probe import fit_link_cost
+
+    cached = LinkCost(bytes_per_s=1e9, latency_s=1e-4, cached_bytes=2 << 20, cached_bytes_per_s=4e9)
+    link = Interconnect(name="t", bytes_per_s=1e9, latency_s=1e-4, source="by hand",
+                        per_collective=(("all_gather", cached),))
+    # half of 4 MiB moves through the cache; of 24 MiB, 2 MiB does and 10 MiB goes at the memory's rate
+    assert all_gather_s(4 << 20, 2, link) == pytest.approx(1e-4 + (2 << 20) / 4e9)
+    assert all_gather_s(24 << 20, 2, link) == pytest.approx(1e-4 + (2 << 20) / 4e9 + (10 << 20) / 1e9)
+    points = tuple((s, all_gather_s(s, 2, link)) for s in (64 << 10, 4 << 20, 24 << 20))
+    fitted = fit_link_cost("all_gather", 2, points)
+    assert (fitted.bytes_per_s, fitted.cached_bytes_per_s, fitted.latency_s, fitted.cached_bytes) == (
+        pytest.approx(1e9), pytest.approx(4e9), pytest.approx(1e-4), 2 << 20)
+    even = fit_link_cost("all_gather", 2, tuple((s, 1e-4 + s / 2 / 1e9) for s in (1 << 16, 1 << 22, 24 << 20)))
+    assert (even.bytes_per_s, even.cached_bytes) == (pytest.approx(1e9), 0.0)  # no edge: one rate

@@ -196,3 +196,30 @@ def test_a_plan_from_a_fake_trace_prints_no_speedup() -> None:
     two = next(line for line in text.splitlines() if line.startswith("replicate") and line.split()[1] == "2")
     assert two.split()[-2] == "-", two
     assert_names(text, "a fake trace times no compute", "--trace measure")
+
+
+class _PartlyFrozen(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.EmbeddingBag(100, 16)
+        self.first = nn.Linear(16, 16)
+        self.middle = nn.Linear(16, 16)
+        self.last = nn.Linear(16, 4)
+        for p in (*self.embed.parameters(), *self.middle.parameters()):
+            p.requires_grad_(False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.last(torch.relu(self.middle(self.first(self.embed(tokens)))))
+
+
+def test_the_probe_finds_the_frozen_parameters_backward_never_reads() -> None:
+    from dspark.planner.probe import measure_probe
+
+    batch = (torch.randint(0, 100, (8, 5), generator=torch.Generator().manual_seed(0)), torch.arange(8) % 4)
+    probe = measure_probe(_PartlyFrozen(), batch, loss_fn=F.cross_entropy,
+                          optimizer=functools.partial(torch.optim.SGD, lr=0.1), precision="fp32",
+                          device=torch.device("cpu"), batches=(2, 8), units=[""], library_baseline=False)
+    # frozen, in order: embed.weight, middle.weight, middle.bias; the middle layer's input needs a
+    # gradient, so backward reads its weight, never its bias nor the embedding
+    assert probe.frozen_unread == (0, 2)
+    assert probe.fault_bytes_per_s > 0  # a fresh 64 MiB on the CPU is mapped, and its pages faulted in

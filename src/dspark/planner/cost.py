@@ -104,9 +104,16 @@ class ModelShape:
     def unit_bytes(self, num_ranks: int) -> list[int]:
         """Each zero3 unit's padded parameter bytes on ``num_ranks`` ranks (what one gather moves),
         frozen parameters included."""
+        return [sum(unit) for unit in self.unit_param_bytes(num_ranks)]
+
+    def unit_param_bytes(self, num_ranks: int, without_frozen: Sequence[int] = ()) -> list[list[int]]:
+        """Each zero3 unit's gathered storages on ``num_ranks`` ranks: every parameter's padded bytes
+        (a gather lands each parameter in a storage of its own), frozen ones included but those in
+        ``without_frozen`` (indices into ``frozen``: the ones backward does not regather)."""
         frozen = list(self.frozen_units) + [()] * (len(self.units) - len(self.frozen_units))
-        return [sum(_padded_bytes(self.trainable[i], num_ranks) for i in unit)
-                + sum(_padded_bytes(self.frozen[i], num_ranks) for i in still)
+        skip = set(without_frozen)
+        return [[_padded_bytes(self.trainable[i], num_ranks) for i in unit]
+                + [_padded_bytes(self.frozen[i], num_ranks) for i in still if i not in skip]
                 for unit, still in zip(self.units, frozen, strict=True)]
 
 
@@ -239,6 +246,20 @@ def _copy_ms(probe: Probe, nbytes: float) -> float:
     return 1e3 * nbytes / probe.copy_bytes_per_s if probe.copy_bytes_per_s > 0 else 0.0
 
 
+def fresh_map_ms(probe: Probe, storage_bytes: Sequence[int], mmap_threshold: int) -> float:
+    """Milliseconds of the page faults of the storages among ``storage_bytes`` that the C library
+    maps afresh each time (at least ``mmap_threshold``), at the probe's measured first-touch rate
+    (see [Note: predicted step]); 0.0 where the probe measured none (a GPU).
+
+    Example::
+
+        fresh_map_ms(probe, [100 << 20, 1 << 20], 32 << 20)   # the 100 MiB storage's faults only
+    """
+    if probe.fault_bytes_per_s <= 0:
+        return 0.0
+    return 1e3 * sum(b for b in storage_bytes if b >= mmap_threshold) / probe.fault_bytes_per_s
+
+
 def _exposed_comm_ms(shape: ModelShape, probe: Probe, policy: ShardingPolicy, n: int,
                      grouped: Sequence[tuple[float, int]], passes: int, forward_ms: float,
                      backward_ms: float, link: Interconnect, split: int) -> float:
@@ -266,17 +287,23 @@ def _exposed_comm_ms(shape: ModelShape, probe: Probe, policy: ShardingPolicy, n:
     if not policy.splits_params_on(split):
         wire = _serial_exposed(items, backward_ms) if hidden else sum(d + t for _, d, t in items)
         return wire + local_ms + after_ms
-    unit_bytes = [b + TAG_BYTES for b in shape.unit_bytes(split)]
-    gathers = [1e3 * all_gather_s(b, split, link) for b in unit_bytes]
+    threshold = mmap_threshold_bytes()
+
+    def gathers_ms(units: list[list[int]]) -> list[float]:
+        return [1e3 * all_gather_s(sum(unit) + TAG_BYTES, split, link) + fresh_map_ms(probe, unit, threshold)
+                for unit in units]
+
+    gathers = gathers_ms(shape.unit_param_bytes(split))  # forward's
+    regathers = gathers_ms(shape.unit_param_bytes(split, probe.frozen_unread))  # backward's
     if not hidden:
-        return sum(d + t for _, d, t in items) + passes * 2 * sum(gathers) + local_ms + after_ms
+        return sum(d + t for _, d, t in items) + passes * (sum(gathers) + sum(regathers)) + local_ms + after_ms
     shares = list(probe.unit_forward_share) or [1.0]
     fwd_units = [s * forward_ms for s in shares]
     bwd_units = [s * backward_ms for s in shares]
     # forward: root first, then the blocks in order; backward: root, then blocks reversed
     stalls = passes * (_gather_stalls(fwd_units, gathers)
-                       + _gather_stalls([bwd_units[0], *bwd_units[:0:-1]], [gathers[0], *gathers[:0:-1]]))
-    return max(stalls, _serial_exposed(items + [(0.0, g, 0.0) for g in gathers], backward_ms)) + local_ms + after_ms
+                       + _gather_stalls([bwd_units[0], *bwd_units[:0:-1]], [regathers[0], *regathers[:0:-1]]))
+    return max(stalls, _serial_exposed(items + [(0.0, g, 0.0) for g in regathers], backward_ms)) + local_ms + after_ms
 
 
 def _step_interval(probe: Probe, micro_batch: int, passes: int, exposed_ms: float,

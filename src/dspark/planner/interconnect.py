@@ -39,11 +39,31 @@ class LinkCost:
     """Per-rank bandwidth ``B`` in one direction, as the ring formula counts it."""
     latency_s: float
     """Per-hop latency ``a``: a 2-rank ring's fixed time is ``2a`` for an all-reduce, ``a`` for the others."""
+    cached_bytes: float = 0.0
+    """The first bytes a rank moves in one call (as the ring formula counts them: ``(N-1)/N * S``
+    for an all-gather) that go at ``cached_bytes_per_s`` instead of ``B``: a CPU's shared-memory
+    collective moves a call of a few MiB through its cache, several times faster than one larger than
+    the cache, whose bytes go at the memory's rate (see [Note: the link probe]). 0: one rate."""
+    cached_bytes_per_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not (self.bytes_per_s > 0 and self.latency_s >= 0):
             raise ValueError(f"LinkCost: bytes_per_s={self.bytes_per_s!r} must be > 0 and "
                              f"latency_s={self.latency_s!r} >= 0")
+        if self.cached_bytes < 0 or (self.cached_bytes > 0 and self.cached_bytes_per_s <= 0):
+            raise ValueError(f"LinkCost: cached_bytes={self.cached_bytes!r} must be >= 0, and "
+                             f"cached_bytes_per_s={self.cached_bytes_per_s!r} > 0 where it is not 0")
+
+    def transfer_s(self, nbytes: float) -> float:
+        """Seconds to move ``nbytes`` (a ring's bytes per rank): the cached part at its own rate,
+        the rest at ``bytes_per_s``.
+
+        Example::
+
+            LinkCost(bytes_per_s=1e9, latency_s=0, cached_bytes=1e6, cached_bytes_per_s=4e9).transfer_s(3e6)
+        """
+        cached = min(nbytes, self.cached_bytes)
+        return (cached / self.cached_bytes_per_s if cached > 0 else 0.0) + (nbytes - cached) / self.bytes_per_s
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -115,8 +135,8 @@ def all_reduce_s(nbytes: int, num_ranks: int, link: Interconnect) -> float:
         return 0.0
     hop = link.link_for(num_ranks).cost_of("all_reduce")
     n = num_ranks
-    ring = 2 * (n - 1) * hop.latency_s + 2 * (n - 1) / n * nbytes / hop.bytes_per_s
-    tree = 2 * math.ceil(math.log2(n)) * hop.latency_s + 2 * nbytes / hop.bytes_per_s
+    ring = 2 * (n - 1) * hop.latency_s + hop.transfer_s(2 * (n - 1) / n * nbytes)
+    tree = 2 * math.ceil(math.log2(n)) * hop.latency_s + hop.transfer_s(2 * nbytes)
     return min(ring, tree)
 
 
@@ -146,7 +166,7 @@ def _ring_half(collective: str, nbytes: int, num_ranks: int, link: Interconnect)
     if num_ranks == 1 or nbytes == 0:
         return 0.0
     hop = link.link_for(num_ranks).cost_of(collective)
-    return (num_ranks - 1) * hop.latency_s + (num_ranks - 1) / num_ranks * nbytes / hop.bytes_per_s
+    return (num_ranks - 1) * hop.latency_s + hop.transfer_s((num_ranks - 1) / num_ranks * nbytes)
 
 
 _IB_NDR = Interconnect(

@@ -2,14 +2,18 @@
 
 [Note: the link probe] Every rank runs the same short program through :mod:`dspark.comm` (the
 functions, transport and dtype the engine's buckets and zero3 gathers use): all-reduce,
-reduce-scatter and all-gather, each at a small and a large size, ``repeats`` times after a warm-up,
-a barrier before each call so that a call's time is its own and not the wait for a late rank. The
-time of one call is the slowest rank's (a collective ends when its last rank does), the median over
-the repeats (a probe under load keeps its typical call, not its luckiest). Two sizes give each
-collective a line ``fixed + per_byte * S``, read back through [Note: collective time]'s ring terms
-for this ``N``: an all-reduce's fixed time is ``2 (N-1) a`` and its bytes ``2 (N-1)/N * S / B``,
-the others' ``(N-1) a`` and ``(N-1)/N * S / B``. The all-gather's output is allocated for each
-call, as a zero3 gather's is. Rank 0's answer is broadcast, so every rank plans alike.
+reduce-scatter and all-gather, each at the sizes of :data:`SIZES`, ``repeats`` times after a
+warm-up, a barrier before each call so that a call's time is its own and not the wait for a late
+rank. The time of one call is the slowest rank's (a collective ends when its last rank does), the
+median over the repeats (a probe under load keeps its typical call, not its luckiest). The two
+smallest sizes give each collective a line ``fixed + per_byte * S``, read back through [Note:
+collective time]'s ring terms for this ``N``: an all-reduce's fixed time is ``2 (N-1) a`` and its
+bytes ``2 (N-1)/N * S / B``, the others' ``(N-1) a`` and ``(N-1)/N * S / B``. The largest size,
+past a CPU core's cache, gives the rate of the bytes beyond the middle size's where it is slower:
+through shared memory a bucket of 25 MB moves at the memory's rate, and a line through a small and
+a cached size alone priced it several times too fast (a short step's buckets and zero3's large
+gathers were planned low). The all-gather's output is allocated for each call, as a zero3 gather's
+is. Rank 0's answer is broadcast, so every rank plans alike.
 """
 
 from __future__ import annotations
@@ -23,32 +27,55 @@ import torch
 from dspark import comm
 from dspark.planner.interconnect import COLLECTIVES, Interconnect, LinkCost
 
-__all__ = ["SIZES", "fit_link_cost", "measure_link"]
+__all__ = ["CACHE_EDGE", "SIZES", "fit_link_cost", "measure_link"]
 
-SIZES = (64 << 10, 8 << 20)
-"""Bytes per call (the whole buffer, as the formulas count ``S``): one latency-bound, one bucket-like."""
+SIZES = (64 << 10, 4 << 20, 24 << 20)
+"""Bytes per call (the whole buffer, as the formulas count ``S``): one latency-bound, one that a
+core's cache holds, and one the size of a bucket (the engine's default is 25 MB), larger than the
+cache, so that its bytes move at the memory's rate as a step's buckets and large gathers do, and
+below the mmap threshold of :mod:`dspark.cpu_malloc`, so that the all-gather's fresh output costs no
+page faults (the plan counts those apart: :func:`dspark.planner.cost.fresh_map_ms`)."""
+
+CACHE_EDGE = 1.1
+"""How much slower the bytes past the middle size must move for :func:`fit_link_cost` to keep two
+rates: closer than that, the three points are one line's, up to a probe's noise."""
 
 
-def fit_link_cost(collective: str, num_ranks: int, points: tuple[tuple[int, float], tuple[int, float]]) -> LinkCost:
-    """``collective``'s ``(B, a)`` from two measured ``(bytes, seconds)`` calls on ``num_ranks`` ranks
-    (see [Note: the link probe]); a time that does not grow with the bytes is read as latency only
-    with a bandwidth of 1 TB/s.
+def fit_link_cost(collective: str, num_ranks: int, points: tuple[tuple[int, float], ...]) -> LinkCost:
+    """``collective``'s terms from two or three measured ``(bytes, seconds)`` calls on ``num_ranks``
+    ranks (see [Note: the link probe]): the latency and a rate from the two smallest; with a third,
+    the rate past the middle size's bytes from the two largest where it is slower by more than
+    :data:`CACHE_EDGE` (a cache's edge,
+    :attr:`dspark.planner.interconnect.LinkCost.cached_bytes`). A time that does not grow with the
+    bytes is read as latency only with a bandwidth of 1 TB/s.
 
     Example::
 
         fit_link_cost("all_gather", 2, ((65536, 1e-4), (8388608, 3e-3)))
+        fit_link_cost("all_gather", 2, ((65536, 1e-4), (4 << 20, 1.5e-3), (24 << 20, 2e-2)))
     """
     if collective not in COLLECTIVES or num_ranks < 2:
         raise ValueError(f"collective={collective!r} must be one of {', '.join(COLLECTIVES)} and "
                          f"num_ranks={num_ranks!r} >= 2")
-    (s0, t0), (s1, t1) = sorted(points)
-    if s1 <= s0:
-        raise ValueError(f"points={points!r}: two different sizes are needed")
-    per_byte = max((t1 - t0) / (s1 - s0), 0.0)
-    fixed = max(t1 - per_byte * s1, 0.0)
+    ordered = sorted(points)
+    if len(ordered) not in (2, 3) or len({s for s, _ in ordered}) != len(ordered):
+        raise ValueError(f"points={points!r}: two or three different sizes are needed")
     share = (num_ranks - 1) / num_ranks * (2 if collective == "all_reduce" else 1)
     hops = (num_ranks - 1) * (2 if collective == "all_reduce" else 1)
-    return LinkCost(bytes_per_s=share / per_byte if per_byte > 0 else 1e12, latency_s=fixed / hops)
+    (s0, t0), (s1, t1) = ordered[0], ordered[1]
+    per_byte = max((t1 - t0) / (s1 - s0), 0.0)
+    fixed = max(t1 - per_byte * s1, 0.0)
+    rate = share / per_byte if per_byte > 0 else 1e12
+    if len(ordered) == 3:
+        s2, t2 = ordered[2]
+        beyond = (t2 - t1) / (s2 - s1)
+        if beyond > CACHE_EDGE * per_byte:  # past the cache: slower
+            return LinkCost(bytes_per_s=share / beyond, latency_s=fixed / hops, cached_bytes=share * s1,
+                            cached_bytes_per_s=rate)
+        per_byte = max((t2 - t0) / (s2 - s0), 0.0)  # one rate: the line through the ends
+        fixed = max(t2 - per_byte * s2, 0.0)
+        rate = share / per_byte if per_byte > 0 else 1e12
+    return LinkCost(bytes_per_s=rate, latency_s=fixed / hops)
 
 
 def _time_call(call: Callable[[], object], repeats: int, device: torch.device) -> float:
@@ -82,7 +109,7 @@ def _calls(collective: str, nbytes: int, n: int, device: torch.device,
                                          group=group, label="dspark.link_probe.all_gather")
 
 
-def measure_link(world: comm.World, *, sizes: tuple[int, int] = SIZES, repeats: int = 5,
+def measure_link(world: comm.World, *, sizes: tuple[int, ...] = SIZES, repeats: int = 5,
                  overlaps_compute: bool | None = None, group: comm.Group | None = None) -> Interconnect:
     """This world's link, each collective measured apart (see [Note: the link probe]); call it on
     every rank. ``overlaps_compute`` defaults to False on gloo (the computing core moves the bytes).
@@ -110,4 +137,4 @@ def measure_link(world: comm.World, *, sizes: tuple[int, int] = SIZES, repeats: 
                         latency_s=reduce.latency_s, per_collective=tuple(costs),
                         overlaps_compute=world.backend != "gloo" if overlaps_compute is None else overlaps_compute,
                         source=f"measured on {n} ranks through {transport} ({world.device.type}), "
-                               f"{repeats} calls at {sizes[0]} and {sizes[1]} bytes per collective")
+                               f"{repeats} calls at each of {', '.join(map(str, sizes))} bytes per collective")

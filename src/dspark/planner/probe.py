@@ -29,7 +29,7 @@ import copy
 import functools
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -54,8 +54,8 @@ from dspark.policy.state_bytes import expected_state_bytes, optimizer_state_elem
 from dspark.policy.strategies import STRATEGIES, precision_policy
 from dspark.tensor.storage import storage_bytes
 
-__all__ = ["Line", "LossFn", "Probe", "batch_size", "loss_of", "measure_copy_bytes_per_s", "measure_probe",
-           "optimizer_state_of", "slice_batch"]
+__all__ = ["Line", "LossFn", "Probe", "batch_size", "loss_of", "measure_copy_bytes_per_s", "measure_fault_bytes_per_s",
+           "measure_probe", "optimizer_state_of", "slice_batch"]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 """``loss_fn(output, targets) -> loss`` for a batch ``(inputs, targets)``."""
@@ -240,9 +240,12 @@ def measure_probe(model: nn.Module, sample_batch: Any, *, loss_fn: LossFn | None
     state: tuple[int, bool] = (0, False)
     state_bytes = 0
     prepared = {rows: _to(slice_batch(sample_batch, rows), device) for rows in dict.fromkeys(batches)}
+    frozen = [p for p in dict.fromkeys(work.parameters()) if not p.requires_grad]
+    saved: set[tuple[int, torch.dtype]] = set()
     try:
         for rows, batch in prepared.items():
-            runner.step(batch, loss_fn)  # warm-up: kernels chosen, optimizer state allocated
+            with _recording_saved(saved):  # warm-up: kernels chosen, optimizer state allocated
+                runner.step(batch, loss_fn)
             state = optimizer_state_elements(runner.optimizer)
             state_bytes = _one_device_state_bytes(work, runner.params, state)
             _, b_s, _, b_start = runner.step(batch, loss_fn)
@@ -272,6 +275,9 @@ def measure_probe(model: nn.Module, sample_batch: Any, *, loss_fn: LossFn | None
                  grad_ready=tuple(ready), unit_forward_share=tuple(shares), optimizer_state=state,
                  optimizer_fixed_ms=optimizer_fixed_ms,
                  copy_bytes_per_s=measure_copy_bytes_per_s(device, min(grad_bytes_total, _COPY_MAX_BYTES)),
+                 fault_bytes_per_s=measure_fault_bytes_per_s(device),
+                 frozen_unread=tuple(i for i, p in enumerate(frozen)
+                                     if (p.untyped_storage().data_ptr(), p.dtype) not in saved),
                  timing_rounds=timing.rounds, steady=timing.steady, step_spread=timing.spread,
                  forward_ms_rounds=timing.forward_ms_rounds, backward_ms_rounds=timing.backward_ms_rounds,
                  optimizer_ms_rounds=timing.optimizer_ms_rounds, refused_fits=timing.refused_fits,
@@ -302,6 +308,49 @@ def _quarter_optimizer_ms(params: Sequence[torch.Tensor], optimizer: Callable[..
         _sync(device)
         times.append(time.perf_counter() - start)
     return 1e3 * statistics.median(times)
+
+
+@contextlib.contextmanager
+def _recording_saved(saved: set[tuple[int, torch.dtype]]) -> Iterator[None]:
+    """Record the storage and dtype of every tensor autograd saves for backward meanwhile (what
+    backward reads: see [Note: frozen parameters in backward] in :mod:`dspark.engine.zero3_units`)."""
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.device.type != "meta" and not tensor.is_sparse:
+            saved.add((tensor.untyped_storage().data_ptr(), tensor.dtype))
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        yield
+
+
+FAULT_PROBE_BYTES = 64 << 20
+"""What :func:`measure_fault_bytes_per_s` maps afresh: above any mmap threshold but ``heap``'s."""
+
+
+def measure_fault_bytes_per_s(device: torch.device, nbytes: int = FAULT_PROBE_BYTES, repeats: int = 5) -> float:
+    """Bytes per second of a first touch of ``nbytes`` the C library maps afresh (one page fault per
+    page, see [Note: why the thresholds] in :mod:`dspark.cpu_malloc`): a fresh tensor filled, less the
+    same fill of a tensor already touched, medians of ``repeats``; 0.0 off the CPU or when the fresh
+    fill is no slower (an allocator that keeps the memory: nothing to pay).
+
+    Example::
+
+        measure_fault_bytes_per_s(torch.device("cpu"))
+    """
+    if device.type != "cpu":
+        return 0.0
+    numel = nbytes // 4
+    kept = torch.empty(numel, dtype=torch.float32)
+    kept.fill_(1.0)
+
+    def fill(fresh: bool) -> float:
+        start = time.perf_counter()
+        (torch.empty(numel, dtype=torch.float32) if fresh else kept).fill_(1.0)
+        return time.perf_counter() - start
+
+    fresh_s = statistics.median(fill(True) for _ in range(repeats))
+    kept_s = statistics.median(fill(False) for _ in range(repeats))
+    return 4 * numel / (fresh_s - kept_s) if fresh_s > kept_s else 0.0
 
 
 def measure_copy_bytes_per_s(device: torch.device, nbytes: int, repeats: int = 5) -> float:

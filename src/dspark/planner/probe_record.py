@@ -99,6 +99,14 @@ class Probe:
     gradient reaches the model's output (a language model's logits and their gradients), where
     zero3 holds no unit gathered; ``interval_bytes``' third interval then starts at the model's
     output. None: not measured (the third interval includes it)."""
+    fault_bytes_per_s: float = 0.0
+    """Bytes per second that the first touch of memory the C library maps afresh runs at (a page
+    fault per page: what a CPU allocation above the mmap threshold costs each time it is made, see
+    [Note: why the thresholds] in :mod:`dspark.cpu_malloc`); 0.0: not measured, or not a CPU."""
+    frozen_unread: tuple[int, ...] = ()
+    """Frozen parameters (indices in ``model.parameters()`` order of the frozen ones, tied ones once)
+    that nothing saved for backward: zero3 does not regather them for backward (see [Note: frozen
+    parameters in backward] in :mod:`dspark.engine.zero3_units`). Empty: every one is read."""
 
     def activation_bytes(self, batch: float) -> int:
         """Bytes of a step's activations at ``batch`` (without the runtime's fixed part)."""
@@ -163,6 +171,8 @@ class Probe:
                        backward_ms_rounds=tuple(Line(**line) for line in data.get("backward_ms_rounds", ())),
                        optimizer_ms_rounds=tuple(map(float, data.get("optimizer_ms_rounds", ()))),
                        refused_fits=tuple(map(str, data.get("refused_fits", ()))),
+                       fault_bytes_per_s=float(data.get("fault_bytes_per_s", 0.0)),
+                       frozen_unread=tuple(map(int, data.get("frozen_unread", ()))),
                        loss_backward_bytes=Line(**data["loss_backward_bytes"])
                        if data.get("loss_backward_bytes") else None)
         except (KeyError, TypeError, IndexError) as exc:
