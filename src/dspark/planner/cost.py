@@ -366,7 +366,8 @@ def row_cost(*, shape: ModelShape, probe: Probe, strategy: str, num_ranks: int, 
     peak = step_peak(trainable=shape.trainable, units=shape.units, unit_bytes=shape.unit_bytes(split),
                      probe=probe, strategy=strategy, num_ranks=n, split=split, micro_batch=micro_batch,
                      bucket_mb=bucket_mb, resident_bytes=state["params"] + state["optimizer"],
-                     grads_bytes=state["grads"], transport=transport)
+                     grads_bytes=state["grads"], transport=transport,
+                     backward_unit_bytes=[sum(u) for u in shape.unit_param_bytes(split, probe.frozen_unread)])
     grouped = buckets(shape, probe.grad_ready, bucket_mb)
 
     forward_ms = probe.forward_ms.at(micro_batch)

@@ -128,7 +128,8 @@ class _Replay:
 
     def __init__(self, shape_trainable: Sequence[ParamSpec], units: Sequence[Sequence[int]],
                  unit_bytes: Sequence[int], strategy: str, n: int, events: Sequence[int],
-                 bucket_mb: float, one_process: bool, transport: str = "shm") -> None:
+                 bucket_mb: float, one_process: bool, transport: str = "shm",
+                 backward_unit_bytes: Sequence[int] | None = None) -> None:
         self.specs, self.n, self.events, self.one_process = shape_trainable, n, events, one_process
         self.packs_gathers = transport != "shm"  # a gather in flight: its packed copy beside it
         self.scratch_scatters = transport == "gloo"  # a reduce-scatter in flight: its all-to-all's output
@@ -144,6 +145,9 @@ class _Replay:
         self.count = {i: events.count(i) for i in set(events)}
         self.unit_of = {i: u for u, members in enumerate(units) for i in members}
         self.unit_bytes = list(unit_bytes)
+        # what backward regathers: no frozen parameter it never reads (see [Note: frozen parameters
+        # in backward] in dspark.engine.zero3_units)
+        self.backward_bytes = self.unit_bytes if backward_unit_bytes is None else list(backward_unit_bytes)
         self.last_block_event = max((k for k, i in enumerate(events) if self.unit_of.get(i, 0)), default=-1)
         self.moments: list[tuple[float, int, int]] = []
         """``(bytes beyond what is resident, interval, buffers held)`` per moment; interval -1: no
@@ -161,11 +165,12 @@ class _Replay:
             return False
         return not self.shard_grads or _rows(self.specs[group[0]])[0] % self.n == 0
 
-    def ahead_bytes(self, units: Sequence[int]) -> int:
+    def ahead_bytes(self, units: Sequence[int], backward: bool = False) -> int:
         """What the units gathered ahead (launched, not yet waited on) hold: their storage, and on a
         process group the packed buffer and the shards sent (``unit * (1 + 1/N)``) as well, and on
-        gloo the output its all-gather allocates for itself (one more unit)."""
-        held = sum(self.unit_bytes[u] for u in units)
+        gloo the output its all-gather allocates for itself (one more unit); ``backward``: as
+        backward regathers them."""
+        held = sum((self.backward_bytes if backward else self.unit_bytes)[u] for u in units)
         return held + (held + held // self.n if self.packs_gathers else 0) + (held if self.gather_copy else 0)
 
     def gathered_forward(self) -> int:
@@ -190,7 +195,7 @@ class _Replay:
         at = blocks.index(unit) + 1 if unit in blocks else 0
         ahead = blocks[at: at + 2] if (len(blocks) > at + 1 and self.unit_bytes[blocks[at + 1]]
                                        <= SECOND_PREFETCH_MAX_BYTES) else blocks[at: at + 1]
-        return root_live + (self.unit_bytes[unit] if unit else 0) + self.ahead_bytes(ahead)
+        return root_live + (self.backward_bytes[unit] if unit else 0) + self.ahead_bytes(ahead, backward=True)
 
     def row_gather_bytes(self) -> int:
         pool: dict[tuple[torch.dtype, int], int] = {}
@@ -221,7 +226,7 @@ class _Replay:
             if self.packs_gathers and self.shard_params and self.unit_bytes and not self.one_process:
                 # the root's gather for backward starts where the gradient reaches the model's output,
                 # beside what the loss's backward leaves: its storage, packed buffer and shards sent
-                regather = self.ahead_bytes([0])
+                regather = self.ahead_bytes([0], backward=True)
                 self.moment(loss_backward + regather, LOSS_BACKWARD, regather)
         if self.one_process:  # one process's step, every strategy: nothing to reduce
             held, seen = 0, set()
@@ -258,7 +263,7 @@ class _Replay:
         pending = [len(g) for g in self.groups]
         launched = 0
         root = {i for i, u in self.unit_of.items() if u == 0}
-        root_live = self.unit_bytes[0] if self.unit_bytes else 0  # frozen ones stay to the end
+        root_live = self.backward_bytes[0] if self.unit_bytes else 0  # frozen ones stay to the end
         gathered = self.gathered_backward(0, root_live)
         self.moment(at[2] + gathered, 2, gathered)
         for k, param in enumerate(self.events):
@@ -328,12 +333,14 @@ LOSS_BACKWARD = -2
 def step_peak(*, trainable: Sequence[ParamSpec], units: Sequence[Sequence[int]], unit_bytes: Sequence[int],
               probe: Probe, strategy: str, num_ranks: int, micro_batch: int, bucket_mb: float,
               resident_bytes: int, grads_bytes: int, split: int | None = None,
-              transport: str = "shm") -> PeakParts:
+              transport: str = "shm", backward_unit_bytes: Sequence[int] | None = None) -> PeakParts:
     """The highest moment of one step on a rank (see [Note: the step's timeline]).
     ``resident_bytes``: what the rank holds throughout (its parameters and optimizer state);
     ``grads_bytes``: its gradients after backward (the strategy's model state); ``split``: the
     ranks that split the rows (a hybrid strategy's shard group; default ``num_ranks``);
-    ``transport``: how the collectives travel (one of :data:`TRANSPORTS`).
+    ``transport``: how the collectives travel (one of :data:`TRANSPORTS`); ``backward_unit_bytes``:
+    each unit as backward regathers it, where that is less than ``unit_bytes`` (frozen parameters
+    backward does not read).
 
     Example::
 
@@ -344,7 +351,8 @@ def step_peak(*, trainable: Sequence[ParamSpec], units: Sequence[Sequence[int]],
     """
     events, lines, instants = _events_and_lines(probe, len(trainable))
     replay = _Replay(trainable, units, unit_bytes, strategy, num_ranks if split is None else split, events,
-                     bucket_mb, one_process=num_ranks == 1, transport=transport)
+                     bucket_mb, one_process=num_ranks == 1, transport=transport,
+                     backward_unit_bytes=backward_unit_bytes)
     loss_line = probe.loss_backward_bytes if probe.interval_bytes else None
     replay.run([line.at(micro_batch) for line in lines], [line.at(micro_batch) for line in instants],
                grads_bytes, loss_line.at(micro_batch) if loss_line is not None else None)
