@@ -253,7 +253,7 @@ def fresh_map_ms(probe: Probe, storage_bytes: Sequence[int], mmap_threshold: int
 
     Example::
 
-        fresh_map_ms(probe, [100 << 20, 1 << 20], 32 << 20)   # the 100 MiB storage's faults only
+        fresh_map_ms(probe, [100 << 20, 1 << 20], 32 << 20)   # the first storage's faults only
     """
     if probe.fault_bytes_per_s <= 0:
         return 0.0

@@ -10,8 +10,8 @@ smallest sizes give each collective a line ``fixed + per_byte * S``, read back t
 collective time]'s ring terms for this ``N``: an all-reduce's fixed time is ``2 (N-1) a`` and its
 bytes ``2 (N-1)/N * S / B``, the others' ``(N-1) a`` and ``(N-1)/N * S / B``. The largest size,
 past a CPU core's cache, gives the rate of the bytes beyond the middle size's where it is slower:
-through shared memory a bucket of 25 MB moves at the memory's rate, and a line through a small and
-a cached size alone priced it several times too fast (a short step's buckets and zero3's large
+through shared memory a bucket of the engine's default size moves at the memory's rate, and a line
+through a small and a cached size alone priced it several times too fast (a short step's buckets and zero3's large
 gathers were planned low). The all-gather's output is allocated for each call, as a zero3 gather's
 is. Rank 0's answer is broadcast, so every rank plans alike.
 """
@@ -31,7 +31,7 @@ __all__ = ["CACHE_EDGE", "SIZES", "fit_link_cost", "measure_link"]
 
 SIZES = (64 << 10, 4 << 20, 24 << 20)
 """Bytes per call (the whole buffer, as the formulas count ``S``): one latency-bound, one that a
-core's cache holds, and one the size of a bucket (the engine's default is 25 MB), larger than the
+core's cache holds, and one the size of a bucket (the engine's default ``bucket_mb``), larger than the
 cache, so that its bytes move at the memory's rate as a step's buckets and large gathers do, and
 below the mmap threshold of :mod:`dspark.cpu_malloc`, so that the all-gather's fresh output costs no
 page faults (the plan counts those apart: :func:`dspark.planner.cost.fresh_map_ms`)."""
