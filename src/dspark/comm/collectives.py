@@ -291,10 +291,24 @@ def all_gather_parts(parts: Sequence[torch.Tensor], outputs: Sequence[torch.Tens
         for part, out in zip(parts, outputs, strict=True):
             out.view(g.size, part.numel()).copy_(packed[:, at:at + part.numel()])
             at += part.numel()
+        if packed.device.type == "cpu":  # see [Note: packed buffers are freed at the wait]
+            packed.untyped_storage().resize_(0)
+            send.untyped_storage().resize_(0)
 
     return _run("all_gather", g, nbytes,
                 lambda: _ALL_GATHER(packed.view(-1), send, group=g.pg, async_op=True),
                 async_op, unpack, label)
+
+
+# [Note: packed buffers are freed at the wait] A gather through a process group packs every part
+# into ``send`` and lands every rank's in ``packed`` (a whole unit under zero3, N times this rank's
+# share); both are dead once unpacked. But gloo's work object holds them too, and gloo's worker
+# thread drops its reference only after it has marked the work done: when that thread is not
+# scheduled at once (more ranks than cores), the buffers outlived the wait while this rank gathered
+# and computed the next unit, and one rank in a run held a whole extra root unit at its peak (an
+# embedding-tied zero3 model on 4 gloo ranks: its embedding plus its shard). Their storage is freed
+# at the wait, whoever still holds the tensors: gloo has finished with them when the wait returns.
+# On an accelerator freeing is left to the caching allocator's stream bookkeeping.
 
 
 def all_gather(shard: torch.Tensor, *, group: Group | None = None,
