@@ -7,8 +7,8 @@ after the other.
     python -m dspark.bench.record --name DATE-MACHINE-heap-ratchet --anchor heap-ratchet --title "..." \\
         -- env OMP_NUM_THREADS=1 .venv/bin/python benchmarks/heap_ratchet.py --steps 30
 
-Per run, the largest over its ranks: the resident memory (``VmRSS``) after step 3 (what the guard
-takes as settled) and after the last step, the growth per step between them, the peak (``VmHWM``,
+Per run, the largest over its ranks: the resident memory (``VmRSS``) after step 3 (the guard
+takes its baseline after step 1) and after the last step, the growth per step between them, the peak (``VmHWM``,
 the whole process's life), the median and the mean step (a trim's page faults show in the mean, not
 the median), and how many times the guard trimmed. ``--out DIR`` writes ``DIR/table.json`` for
 docs/figures.md (see [Note: table artifacts]).

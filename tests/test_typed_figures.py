@@ -52,8 +52,10 @@ ALLOWED: tuple[tuple[str, str, str], ...] = (
     ("docs/engine-internals.md", "at most 16 MiB of parameters", "the prefetch rule's threshold"),
     ("docs/engine-internals.md", "32 MiB stay in the heap", "glibc's mmap threshold, a config value"),
     ("docs/engine-internals.md", "tensors above 32 MiB", "glibc's mmap threshold, a config value"),
-    ("docs/engine-internals.md", "the larger of 64 MiB", "the heap guard's floor, GROWTH_FLOOR_BYTES"),
-    ("docs/plan.md", "the larger of 64 MiB", "the heap guard's floor, GROWTH_FLOOR_BYTES"),
+    ("docs/engine-internals.md", "(the larger of 16 MiB and 2%", "the heap guard's floor and share, GROWTH_FLOOR_BYTES "
+                                                                 "and GROWTH_SHARE"),
+    ("docs/plan.md", "the larger of 16 MiB and 2%", "the heap guard's floor and share, GROWTH_FLOOR_BYTES and "
+                                                    "GROWTH_SHARE"),
     ("docs/engine-internals.md", "(1 MiB and up mapped", "the lean choice's threshold, a config value"),
     ("docs/engine-internals.md", "region (16 MiB per rank", "the shared-memory region's default size"),
     ("docs/engine-internals.md", "(2 x 16 MiB on 2", "the shared-memory region's default size"),

@@ -35,9 +35,9 @@ the next step's tensors: glibc extends the heap instead, every step. The memory 
 while the heap's free memory, resident, grows without end (tens of MB a step: a rank that trains long
 runs out of memory). :class:`dspark.engine.heap_guard.HeapGuard` reads the process after each
 optimizer step (:func:`heap_usage`) and, when its resident memory has grown past what the first
-steps settled at by more than the memory in use explains, gives the heap's free memory back to the
-kernel (:func:`release_freed`), saying so the first time: the memory holds within a margin of the
-settled value, and a trim costs page faults only as often as the heap ratchets.
+step took by more than the memory in use explains, gives the heap's free memory back to the
+kernel (:func:`release_freed`), saying so the first time: the memory holds within a small margin of
+the first step's, and a trim costs page faults only as often as the heap ratchets.
 ``DSPARK_HEAP_GUARD=off`` turns the guard off; it watches only under ``tuned`` (``heap``, ``lean``
 and ``default`` are the user's own choice).
 
