@@ -389,6 +389,7 @@ def row_cost(*, shape: ModelShape, probe: Probe, strategy: str, num_ranks: int, 
                        num_ranks=1 if probe.baseline_in_rank else n,
                        baseline_bytes=probe.process_baseline_bytes, allocator_share=probe.allocator_share,
                        mapped_bytes=mapped_state_bytes(shape, policy, split, bucket_mb),
-                       collective_heap_bytes=collective_heap_bytes(shape, bucket_mb)),
+                       collective_heap_bytes=collective_heap_bytes(shape, bucket_mb),
+                       state_bytes=state["params"] + state["grads"] + state["optimizer"]),
                    compute_ms=compute_ms, comm_exposed_ms=exposed, optimizer_ms=optimizer_ms,
                    **_step_interval(probe, micro_batch, passes, exposed, optimizer_ms))

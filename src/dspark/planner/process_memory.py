@@ -8,9 +8,21 @@ moment. What a user budgets for, and what ``memory_budget`` means, is the proces
   model's classes come from), measured by starting a fresh process that imports them, initialises
   DSpark and runs one engine step of a two-parameter model (:func:`library_baseline_bytes`, a few
   seconds, once per process and set of modules); plus the tensor peak; plus what the C library's
-  heap holds beyond the live tensors in it (freed blocks kept for the next step, and the holes
-  activations and gradients of other sizes leave: :data:`HEAP_SHARE` of the tensors below the size
-  it maps apart, :func:`dspark.cpu_malloc.mmap_threshold_bytes`); plus, on a world of several ranks,
+  heap holds beyond the live tensors in it, which depends on how long those tensors live:
+
+  - a step's *transients* (activations, the whole gradients before they are reduced, zero3's
+    gathered parameters, autocast's copies: the tensor peak less the model state) are freed every
+    step, and the next step's land only partly where they were: the holes they leave stay resident
+    (glibc keeps what it frees below the size it maps apart,
+    :func:`dspark.cpu_malloc.mmap_threshold_bytes`), so the heap holds :data:`HEAP_SHARE` of them
+    more. Left alone that grows step after step (the ratchet, [Note: the heap ratchet] in
+    :mod:`dspark.cpu_malloc`); the engine's heap guard trims it back whenever it passes a small
+    margin over the first step's ([Note: when the guard trims] in :mod:`dspark.engine.heap_guard`),
+    so the share describes a short run and a long one alike;
+  - the *model state* (parameters, gradients, optimizer state) is allocated once and kept: it
+    leaves no holes, and its part below that size adds :data:`STATE_HEAP_SHARE` of it;
+
+  plus, on a world of several ranks,
   :data:`RANK_BYTES` (the process group's buffers and threads) and a copy of the two largest
   gradient buckets below that size (gloo's threads reduce through copies in heaps of their own).
 * **GPU**: the device memory the process takes: the caching allocator's reserved peak (the tensor
@@ -18,10 +30,14 @@ moment. What a user budgets for, and what ``memory_budget`` means, is the proces
   context and libraries (the device's used memory beyond the reserved, measured by the probe).
 
 The constants are fitted, not chosen: by least squares over the validation zoo's measured process
-peaks on 1 to 3 CPU ranks (``benchmarks/plan_validation.py``); how close the prediction comes, on
-every row, is in docs/figures.md#plan-validation. The heap's behaviour is the least predictable
-part: configurations of the same tensors differ by tens of MB run to run, which is why
-``strategy="auto"`` keeps a margin (:data:`dspark.planner.table.PEAK_MARGIN`).
+peaks on 1 and 2 CPU ranks (``benchmarks/plan_validation.py``, the guard on), and checked against
+rows the fit did not see (3 and 4 ranks); how close the prediction comes, on every row, is in
+docs/figures.md#plan-validation. The split between transients and state is what the zoo asks for:
+one share of all the tensors in the heap read the activation-heavy rows (one rank of a long
+sequence, a conv net) and zero3's gathered embedding low and the rows of large optimizer state high.
+The heap stays the least predictable part: a rank's first step lays its transients out a little
+differently run to run, which is why ``strategy="auto"`` keeps a margin
+(:data:`dspark.planner.table.PEAK_MARGIN`).
 """
 
 from __future__ import annotations
@@ -37,13 +53,15 @@ from torch import nn
 
 from dspark.planner.peak_memory import held_tensor_bytes
 
-__all__ = ["HEAP_SHARE", "RANK_BYTES", "library_baseline_bytes", "model_modules", "process_peak_bytes",
-           "this_process_baseline_bytes"]
+__all__ = ["HEAP_SHARE", "RANK_BYTES", "STATE_HEAP_SHARE", "library_baseline_bytes", "model_modules",
+           "process_peak_bytes", "this_process_baseline_bytes"]
 
-HEAP_SHARE = 0.35
-"""CPU: the allocator's resident memory beyond the live tensors in its heap, as a share of those
-tensors (see [Note: process memory])."""
-RANK_BYTES = 38 << 20
+HEAP_SHARE = 0.48
+"""CPU: the heap's resident memory beyond a step's live transients, as a share of those transients
+(see [Note: process memory])."""
+STATE_HEAP_SHARE = 0.27
+"""CPU: the same for the model state in the heap, allocated once (see [Note: process memory])."""
+RANK_BYTES = 32 << 20
 """CPU: what a rank of a world of several holds beyond one process (see [Note: process memory])."""
 
 _BASELINE_SCRIPT = """
@@ -96,24 +114,31 @@ def library_baseline_bytes(modules: Iterable[str] = ()) -> int:
 
 
 def process_peak_bytes(tensor_peak_bytes: int, *, device_type: str, num_ranks: int, baseline_bytes: int,
-                       allocator_share: float, mapped_bytes: int = 0, collective_heap_bytes: int = 0) -> int | None:
+                       allocator_share: float, mapped_bytes: int = 0, collective_heap_bytes: int = 0,
+                       state_bytes: int = 0) -> int | None:
     """A rank's process peak from its tensor peak (see [Note: process memory]); None where the
     baseline was not measured. ``mapped_bytes``: the part of the tensor peak in allocations the C
     library maps apart from its heap (on a CPU: each of at least
     :func:`dspark.cpu_malloc.mmap_threshold_bytes`), which the heap's share does not grow;
     ``collective_heap_bytes``: the two largest gradient buckets below that size, which gloo's
-    threads copy into heaps of their own on a world of several.
+    threads copy into heaps of their own on a world of several; ``state_bytes``: the model state
+    (parameters, gradients, optimizer state: allocated once and kept), on a CPU the part of the tensor
+    peak that is not a step's transients (0: all of it is).
 
     Example::
 
         process_peak_bytes(200_000_000, device_type="cpu", num_ranks=2, baseline_bytes=320_000_000,
-                           allocator_share=HEAP_SHARE)
+                           allocator_share=HEAP_SHARE, state_bytes=120_000_000)
     """
     if baseline_bytes <= 0:
         return None
     in_heap = max(0, tensor_peak_bytes - mapped_bytes)
-    extra = RANK_BYTES + collective_heap_bytes if device_type == "cpu" and num_ranks > 1 else 0
-    return round(baseline_bytes + tensor_peak_bytes + in_heap * allocator_share + extra)
+    if device_type != "cpu":
+        return round(baseline_bytes + tensor_peak_bytes + in_heap * allocator_share)
+    transient = min(in_heap, max(0, tensor_peak_bytes - state_bytes))
+    extra = RANK_BYTES + collective_heap_bytes if num_ranks > 1 else 0
+    return round(baseline_bytes + tensor_peak_bytes + transient * allocator_share
+                 + (in_heap - transient) * STATE_HEAP_SHARE + extra)
 
 
 def this_process_baseline_bytes(device: torch.device) -> int:
