@@ -223,3 +223,18 @@ def test_the_probe_finds_the_frozen_parameters_backward_never_reads() -> None:
     # gradient, so backward reads its weight, never its bias nor the embedding
     assert probe.frozen_unread == (0, 2)
     assert probe.fault_bytes_per_s > 0  # a fresh 64 MiB on the CPU is mapped, and its pages faulted in
+
+
+def test_the_fault_probe_holds_one_buffer_just_past_the_mmap_threshold() -> None:
+    """The probe runs in the rank that will train, under its memory_budget: measuring the page-fault
+    rate must not hold more than one buffer of a little past the size the C library maps apart."""
+    from dspark.bench.measure.memory import peak_rss_bytes, reset_peak_rss
+    from dspark.cpu_malloc import mmap_threshold_bytes
+    from dspark.planner.probe import FAULT_PROBE_MARGIN_BYTES, measure_fault_bytes_per_s
+
+    if not reset_peak_rss():
+        pytest.skip("this system cannot reset the peak resident memory")
+    before = peak_rss_bytes()
+    assert measure_fault_bytes_per_s(torch.device("cpu")) >= 0.0
+    buffer_bytes = mmap_threshold_bytes() + FAULT_PROBE_MARGIN_BYTES
+    assert peak_rss_bytes() - before < 1.5 * buffer_bytes

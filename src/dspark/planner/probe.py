@@ -36,6 +36,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from dspark.cpu_malloc import mmap_threshold_bytes
 from dspark.meta.materialize import has_meta_tensors, materialize
 from dspark.planner.peak_memory import PeakMarks, measure_interval_peaks
 from dspark.planner.probe_record import (
@@ -323,15 +324,18 @@ def _recording_saved(saved: set[tuple[int, torch.dtype]]) -> Iterator[None]:
         yield
 
 
-FAULT_PROBE_BYTES = 64 << 20
-"""What :func:`measure_fault_bytes_per_s` maps afresh: above any mmap threshold but ``heap``'s."""
+FAULT_PROBE_MARGIN_BYTES = 4 << 20
+"""How far past the size the C library maps apart :func:`measure_fault_bytes_per_s`'s buffer is."""
 
 
-def measure_fault_bytes_per_s(device: torch.device, nbytes: int = FAULT_PROBE_BYTES, repeats: int = 5) -> float:
+def measure_fault_bytes_per_s(device: torch.device, nbytes: int | None = None, repeats: int = 5) -> float:
     """Bytes per second of a first touch of ``nbytes`` the C library maps afresh (one page fault per
-    page, see [Note: why the thresholds] in :mod:`dspark.cpu_malloc`): a fresh tensor filled, less the
-    same fill of a tensor already touched, medians of ``repeats``; 0.0 off the CPU or when the fresh
-    fill is no slower (an allocator that keeps the memory: nothing to pay).
+    page, see [Note: why the thresholds] in :mod:`dspark.cpu_malloc`): a fresh tensor's first fill
+    less its second, medians of ``repeats``; 0.0 off the CPU or when the first fill is no slower (an
+    allocator that keeps the memory: nothing to pay). ``nbytes`` defaults to just past the size the C
+    library maps apart (:func:`dspark.cpu_malloc.mmap_threshold_bytes`), and one buffer is held at a
+    time: the probe runs in the rank that will train, and what it holds counts against the rank's
+    ``memory_budget`` like the training's own peak.
 
     Example::
 
@@ -339,18 +343,19 @@ def measure_fault_bytes_per_s(device: torch.device, nbytes: int = FAULT_PROBE_BY
     """
     if device.type != "cpu":
         return 0.0
-    numel = nbytes // 4
-    kept = torch.empty(numel, dtype=torch.float32)
-    kept.fill_(1.0)
-
-    def fill(fresh: bool) -> float:
+    numel = (nbytes if nbytes is not None else mmap_threshold_bytes() + FAULT_PROBE_MARGIN_BYTES) // 4
+    fresh_s, kept_s = [], []
+    for _ in range(repeats):
+        buffer = torch.empty(numel, dtype=torch.float32)
         start = time.perf_counter()
-        (torch.empty(numel, dtype=torch.float32) if fresh else kept).fill_(1.0)
-        return time.perf_counter() - start
-
-    fresh_s = statistics.median(fill(True) for _ in range(repeats))
-    kept_s = statistics.median(fill(False) for _ in range(repeats))
-    return 4 * numel / (fresh_s - kept_s) if fresh_s > kept_s else 0.0
+        buffer.fill_(1.0)
+        touched = time.perf_counter()
+        buffer.fill_(1.0)
+        fresh_s.append(touched - start)
+        kept_s.append(time.perf_counter() - touched)
+        del buffer  # mapped apart, so unmapped: the next one faults afresh
+    fresh, kept = statistics.median(fresh_s), statistics.median(kept_s)
+    return 4 * numel / (fresh - kept) if fresh > kept else 0.0
 
 
 def measure_copy_bytes_per_s(device: torch.device, nbytes: int, repeats: int = 5) -> float:
