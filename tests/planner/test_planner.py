@@ -222,7 +222,7 @@ def test_the_probe_finds_the_frozen_parameters_backward_never_reads() -> None:
     # frozen, in order: embed.weight, middle.weight, middle.bias; the middle layer's input needs a
     # gradient, so backward reads its weight, never its bias nor the embedding
     assert probe.frozen_unread == (0, 2)
-    assert probe.fault_bytes_per_s > 0  # a fresh 64 MiB on the CPU is mapped, and its pages faulted in
+    assert probe.fault_bytes_per_s > 0  # a fresh buffer past the mmap threshold: its pages faulted in
 
 
 def test_the_fault_probe_holds_one_buffer_just_past_the_mmap_threshold() -> None:
@@ -238,3 +238,31 @@ def test_the_fault_probe_holds_one_buffer_just_past_the_mmap_threshold() -> None
     assert measure_fault_bytes_per_s(torch.device("cpu")) >= 0.0
     buffer_bytes = mmap_threshold_bytes() + FAULT_PROBE_MARGIN_BYTES
     assert peak_rss_bytes() - before < 1.5 * buffer_bytes
+
+
+_SEEN: list[float] = []
+"""What float32 arithmetic made of a denormal at each forward of a :class:`_SeesDenormals` (the
+probe trains a copy of the model: a list of the module's own would not reach the test)."""
+
+
+class _SeesDenormals(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _SEEN.append((torch.tensor([1e-39], dtype=torch.float32) * 1.0).item())
+        return self.linear(x)
+
+
+def test_the_probe_flushes_denormals_while_it_trains_and_restores_the_setting() -> None:
+    """A model that memorises the probe's one batch slows down on denormal floats that the run never
+    sees (see [Note: denormals in the probe]): the probe's steps flush them, and only its steps."""
+    from dspark.planner.probe import measure_probe
+
+    _SEEN.clear()
+    measure_probe(_SeesDenormals(), (torch.randn(8, 4), torch.arange(8) % 2), loss_fn=F.cross_entropy,
+                  optimizer=functools.partial(torch.optim.SGD, lr=0.1), precision="fp32",
+                  device=torch.device("cpu"), batches=(2, 8), units=[""], library_baseline=False)
+    assert _SEEN and set(_SEEN) == {0.0}
+    assert (torch.tensor([1e-39], dtype=torch.float32) * 1.0).item() != 0.0  # the setting is back

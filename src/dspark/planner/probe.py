@@ -243,7 +243,9 @@ def measure_probe(model: nn.Module, sample_batch: Any, *, loss_fn: LossFn | None
     prepared = {rows: _to(slice_batch(sample_batch, rows), device) for rows in dict.fromkeys(batches)}
     frozen = [p for p in dict.fromkeys(work.parameters()) if not p.requires_grad]
     saved: set[tuple[int, torch.dtype]] = set()
+    stack = contextlib.ExitStack()
     try:
+        stack.enter_context(_denormals_flushed(device))
         for rows, batch in prepared.items():
             with _recording_saved(saved):  # warm-up: kernels chosen, optimizer state allocated
                 runner.step(batch, loss_fn)
@@ -264,6 +266,7 @@ def measure_probe(model: nn.Module, sample_batch: Any, *, loss_fn: LossFn | None
         timing = time_rounds(lambda rows: runner.step(prepared[rows], loss_fn)[:3], batches, ROUND_STEPS)
     finally:
         runner.close()
+        stack.close()
     if len(peaks) == 1:  # one batch size given twice
         peaks.append(peaks[0])
         intervals.append(intervals[0])
@@ -309,6 +312,31 @@ def _quarter_optimizer_ms(params: Sequence[torch.Tensor], optimizer: Callable[..
         _sync(device)
         times.append(time.perf_counter() - start)
     return 1e3 * statistics.median(times)
+
+
+@contextlib.contextmanager
+def _denormals_flushed(device: torch.device) -> Iterator[None]:
+    """CPU arithmetic flushes denormal floats to zero meanwhile, as it was before where it already
+    did (see [Note: denormals in the probe])."""
+    if device.type != "cpu":
+        yield
+        return
+    tiny = torch.tensor([1e-39], dtype=torch.float32)  # a denormal: zero times one where they flush
+    already = bool((tiny * 1.0).item() == 0.0)
+    torch.set_flush_denormal(True)
+    try:
+        yield
+    finally:
+        torch.set_flush_denormal(already)
+
+
+# [Note: denormals in the probe] The probe trains its copy of the model on one batch for dozens of
+# steps (rounds of steps at two sizes, until steady): a model that memorises that batch drives its
+# softmax's smallest probabilities, their gradients and the optimizer's moments below float32's
+# normal range, and x86 arithmetic on denormal floats is many times slower. A tied-embedding model's
+# backward grew round by round from its first step's time to twenty times it, so the probe never
+# became steady and predicted its step several times what the run, whose model has not memorised
+# anything, takes. The probe's steps flush denormals to zero (its model copy is thrown away after).
 
 
 @contextlib.contextmanager
