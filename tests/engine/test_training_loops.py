@@ -241,11 +241,11 @@ def test_zero3_unit_policy_by_predicate(pool) -> None:
         assert result["units"] == ["", "blocks.0", "blocks.1", "blocks.2"]
 
 
-def _frozen_memory(strategy: str) -> dict[str, Any]:
+def _frozen_memory(strategy: str, opt: str = "sgd") -> dict[str, Any]:
     model = lm.build()
     for p in model.blocks.parameters():
         p.requires_grad_(False)  # fine-tuning: most of the model frozen
-    engine = dspark.Engine(model, optimizer=OPTIMIZERS["sgd"], strategy=strategy)
+    engine = dspark.Engine(model, optimizer=OPTIMIZERS[opt], strategy=strategy)
     frozen_held = sum(p.numel() for p in engine.module.blocks.parameters())
     gathers: dict[str, int] = {}
     for slot in engine_parts(engine).frozen_slots:  # how often a step gathers each frozen parameter
@@ -261,13 +261,14 @@ def _frozen_memory(strategy: str) -> dict[str, Any]:
     return {"frozen_held": frozen_held, "frozen_shards": shards, "state": state, "gathers": counts}
 
 
-def test_zero3_shards_frozen_parameters_too(pool) -> None:
+@pytest.mark.parametrize("opt", ["sgd", "adamw"])
+def test_zero3_shards_frozen_parameters_too(pool, opt: str) -> None:
     model = lm.build()
     for p in model.blocks.parameters():
         p.requires_grad_(False)
-    ref = lm.reference(2, OPTIMIZERS["sgd"], model=model)
+    ref = lm.reference(2, OPTIMIZERS[opt], model=model)
     frozen = sum(p.numel() for p in model.blocks.parameters())
-    results = pool.run(_frozen_memory, "zero3")
+    results = pool.run(_frozen_memory, "zero3", opt)
     for result in results:
         assert result["frozen_held"] == 0  # between steps nothing of them is whole
         assert lm.max_rel_error(result["state"], ref) <= TOLERANCE
