@@ -1,6 +1,7 @@
 """``strategy="auto"`` against its budget, in fresh processes: for each zoo model
 (:mod:`dspark.models.plan_zoo`, bench size) on 2 ranks, one launch with a roomy budget gives each
-strategy's need (its predicted process peak plus the margin, ``dspark.planner.table.needed_bytes``);
+strategy's need (its predicted process peak plus the margin, ``dspark.planner.table.needed_bytes``,
+or the peak auto's own probes reached where that is higher: ``Plan.probing_peak_bytes``);
 then one launch per budget just above and just below each need: auto chooses (or refuses), the
 engine trains ``--steps`` steps, and each rank's resident peak (``VmHWM`` of its whole life) is
 measured. A budget is kept when no rank's peak exceeds it. With ``--out DIR``, ``DIR/table.json``
@@ -55,7 +56,9 @@ def worker(name: str, budget: int, steps: int) -> None:
         row = engine.plan.row(engine.strategy.name, dspark.get_world().world_size)
         result = {"strategy": engine.strategy.name, "micro_batch": engine.micro_batch,
                   "predicted_process_bytes": row.process_peak_bytes, "predicted_tensor_bytes": row.peak_bytes,
-                  "needs": {r.strategy: needed_bytes(r) for r in engine.plan.rows}}
+                  "probing_bytes": engine.plan.probing_peak_bytes,
+                  "needs": {r.strategy: max(needed_bytes(r), engine.plan.probing_peak_bytes or 0)
+                            for r in engine.plan.rows}}
         engine.close()
     peaks = comm.all_gather_object(peak_rss_bytes())
     if dspark.get_world().rank == 0:
@@ -74,7 +77,7 @@ def _launch(name: str, budget: int, steps: int) -> dict[str, Any]:
 
 
 COLUMNS = ("model", "budget MB", "against", "choice", "predicted process MB", "predicted tensor MB",
-           "measured process MB", "within budget")
+           "auto's probes MB", "measured process MB", "within budget")
 
 
 def run(models: list[str], steps: int) -> list[list[Any]]:
@@ -90,6 +93,7 @@ def run(models: list[str], steps: int) -> list[list[Any]]:
                 rows.append([name, f"{budget / 1e6:.1f}", f"{side} {strategy}'s need", choice,
                              "-" if "refused" in got else f"{got['predicted_process_bytes'] / 1e6:.1f}",
                              "-" if "refused" in got else f"{got['predicted_tensor_bytes'] / 1e6:.1f}",
+                             "-" if not got.get("probing_bytes") else f"{got['probing_bytes'] / 1e6:.1f}",
                              f"{got['measured_bytes'] / 1e6:.1f}", "yes" if kept else "NO"])
                 print(rows[-1], flush=True)
     return rows

@@ -1,6 +1,8 @@
 """A process baseline pinned for tests of auto's choice: the choice between strategies whose
 tensor peaks differ by a few hundred kilobytes must not depend on how much resident memory a pool
-rank happens to hold (see [Note: process memory]); the baseline's own measurement is tested apart."""
+rank happens to hold (see [Note: process memory]), nor on the high water auto's own probes reach
+in it ([Note: auto's own probes and the budget]); both measurements are tested apart
+(tests/planner/test_auto_budget.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ BASELINE_BYTES = 300 << 20
 
 @contextlib.contextmanager
 def pinned_baseline(nbytes: int = BASELINE_BYTES) -> Iterator[None]:
-    """Inside: ``strategy="auto"`` reads ``nbytes`` as this rank's process baseline."""
-    with mock.patch("dspark.planner.auto_choice.this_process_baseline_bytes", return_value=nbytes):
+    """Inside: ``strategy="auto"`` reads ``nbytes`` as this rank's process baseline, and its probes
+    set no new high water."""
+    with (mock.patch("dspark.planner.auto_choice.this_process_baseline_bytes", return_value=nbytes),
+          mock.patch("dspark.planner.auto_choice.high_water_bytes", return_value=nbytes)):
         yield

@@ -249,8 +249,9 @@ class EngineConfig:
     memory_budget: int | None = option(
         None, _int_at_least(1, "bytes per rank", none="for the device's memory less a margin"), agreed=False)
     """``"auto"`` only: bytes of process memory per rank the choice must fit (its resident peak on a
-    CPU, its device memory on a GPU: libraries, allocator and a margin for the plan's error included;
-    rank 0's count); None: the device's memory less a margin."""
+    CPU, its device memory on a GPU: libraries, allocator, auto's own probes and a margin for the
+    plan's error included; where ranks pass different budgets, the smallest); None: the device's
+    memory less a margin."""
     communication: CommunicationConfig = field(default_factory=CommunicationConfig)
     """Buckets, wire dtype, zero3 units, buffers and BatchNorm statistics."""
     checks: ChecksConfig = field(default_factory=ChecksConfig)

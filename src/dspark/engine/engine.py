@@ -86,6 +86,8 @@ class Engine(NotTheModule):
         check_model_and_optimizer(model, optimizer)
         check_no_outer_profiler(config.observation.trace_dir)
         self.world = comm.get_world()
+        if self.world.device.type == "cpu":  # before auto's probe and the first step allocate: see dspark.cpu_malloc
+            cpu_malloc.tune_for_training()
         choice = strategy_and_plan(config, model=model, optimizer=optimizer, world=self.world,
                                    sample_batch=sample_batch, loss_fn=loss_fn)
         self.plan: Plan | None = choice.plan
@@ -95,10 +97,8 @@ class Engine(NotTheModule):
         self.grad_accum_steps: int = choice.grad_accum_steps or config.grad_accum_steps or 1
         self.strategy = sharding_policy(choice.strategy)
         self.precision = precision_policy(config.precision)
-        if self.world.device.type == "cpu":
-            cpu_malloc.tune_for_training()  # before the first step allocates: see dspark.cpu_malloc
-            if self.precision.compute_dtype == torch.bfloat16 and self.world.rank == 0:
-                warn_emulated_bf16()
+        if self.world.device.type == "cpu" and self.precision.compute_dtype == torch.bfloat16 and self.world.rank == 0:
+            warn_emulated_bf16()
         self.loss_scaler = loss_scaler_for(config)
         self.step_count = 0
         self._window = Window()

@@ -21,8 +21,9 @@ What the lab does with each:
   ``prefer_fused_kernel`` (``STRATEGIES``, ``PRECISIONS`` and ``PrecisionPolicy`` are public names
   of :mod:`dspark.engine`);
 * the measures the planner and the lab share: a step's tensor peak (``measure_peak_bytes``,
-  ``held_tensor_bytes``, ``peak_of_running_sum``), a link's cost (``measure_link``, ``LinkCost``),
-  a hybrid row's groups (``hybrid_group``), what a row needs against a budget (``needed_bytes``),
+  ``held_tensor_bytes``, ``peak_of_running_sum``), a process's high water (``high_water_bytes``), a
+  link's cost (``measure_link``, ``LinkCost``), a hybrid row's groups (``hybrid_group``), what a row
+  needs against a budget (``needed_bytes``),
   the bytes tensors hold (``storage_bytes``) and a collective puts on the wire (``wire_bytes``), a
   batch's leaves and fingerprints (``batch_leaves``, ``batch_fingerprint``, ``identical_ranks``);
 * pieces of the engine timed alone by a benchmark script: the step observer and a forward's recorded
@@ -57,6 +58,7 @@ from dspark.planner.hybrid_rows import hybrid_group
 from dspark.planner.interconnect import LinkCost
 from dspark.planner.link_probe import measure_link
 from dspark.planner.peak_memory import held_tensor_bytes, measure_peak_bytes, peak_of_running_sum
+from dspark.planner.process_memory import high_water_bytes
 from dspark.planner.table import needed_bytes
 from dspark.policy import (
     HYBRID_STRATEGIES,
@@ -89,6 +91,7 @@ __all__ = [
     "expected_state_bytes",
     "group_layout",
     "held_tensor_bytes",
+    "high_water_bytes",
     "hybrid_group",
     "hyperparameter_fingerprint",
     "identical_ranks",

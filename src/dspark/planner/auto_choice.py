@@ -14,6 +14,22 @@ the link probe resolves, and a measured difference that small is noise, not a re
 0 measures and decides, and broadcasts its choice, so every rank builds the same engine. Given
 ``sample_batch=`` (one step's batch on a rank) the engine has what :func:`dspark.plan` needs, and
 auto plans activations, compute and the micro-batch too (see [Note: auto with a batch]).
+
+[Note: auto's own probes and the budget] Before it chooses, auto runs code of its own in the
+processes the budget is for: the link probe on every rank (each collective at up to the largest of
+:data:`dspark.planner.link_probe.SIZES`), and, given a batch, on rank 0 the probe's copy of the
+model trained at two batch sizes and the page-fault probe. Their peak is no row's: on a small model
+it is above every strategy's (a gather of tens of MB and its packed copies, against a model of a few
+MB), and on a large one the probe's whole copy of the model state is more than a sharded row holds.
+``memory_budget`` counts the process from the engine's construction on, so auto reads each rank's
+high water (:func:`dspark.planner.process_memory.high_water_bytes`) before and after measuring,
+never resetting it (that is the program's to do); where the probes set a new high over the budget,
+auto refuses on every rank, naming the rank and the peak (:attr:`Plan.probing_peak_bytes` keeps it
+where it fits). Below the process's earlier high water the probes' own peak is not known, and not
+needed: the process had been there before the engine. What the probes freed goes back to the
+kernel (:func:`dspark.cpu_malloc.release_freed`) before the rows' baseline is read: left resident,
+it varied by up to a hundred MB from run to run on the same model and moved every row's process peak
+with it.
 """
 
 from __future__ import annotations
@@ -30,11 +46,12 @@ from torch import nn
 
 from dspark import comm
 from dspark.comm import World
+from dspark.cpu_malloc import release_freed
 from dspark.planner.cost import row_cost
 from dspark.planner.interconnect import Interconnect
 from dspark.planner.link_probe import measure_link
 from dspark.planner.probe import Probe, batch_size, optimizer_state_of
-from dspark.planner.process_memory import HEAP_SHARE, this_process_baseline_bytes
+from dspark.planner.process_memory import HEAP_SHARE, high_water_bytes, this_process_baseline_bytes
 from dspark.planner.table import (
     Plan,
     PlanRow,
@@ -178,6 +195,7 @@ def auto_choice(request: AutoRequest) -> AutoChoice:
         choice.strategy, choice.plan   # "replicate", Plan(...)
     """
     world = request.world
+    before = high_water_bytes(world.device)  # see [Note: auto's own probes and the budget]
     link = measure_link(world, repeats=3) if world.world_size > 1 else None
     group_size = hybrid_layout(world, request.shard_group_size)
     if link is not None and group_size is not None:  # two levels: the nodes' own links, and the world's
@@ -191,18 +209,22 @@ def auto_choice(request: AutoRequest) -> AutoChoice:
         budget = default_memory_budget(world.device, local_ranks=local)
     with_batch = request.sample_batch is not None
     # the link is rank 0's on every rank already (measure_link broadcasts it); the budget may
-    # differ by host (available memory), and another rank may pass no batch ([Note: auto with a
-    # batch]): rank 0's budget and batch decide, in one broadcast
+    # differ by rank (a host's available memory, or the program's own reading of it): the smallest
+    # holds on every rank; another rank may pass no batch ([Note: auto with a batch]): rank 0's
+    # decides
     if world.world_size > 1:
-        budget, with_batch = comm.broadcast_object((budget, with_batch) if world.rank == 0 else None)
+        everyone = comm.all_gather_object((budget, with_batch), label="dspark.auto.budget")
+        budget, with_batch = min(b for b, _ in everyone), everyone[0][1]
     if with_batch:
-        return _resolve_with_batch(request, budget, link, group_size)
+        return _resolve_with_batch(request, budget, link, group_size, before)
+    release_freed()  # what the link probe freed: see [Note: auto's own probes and the budget]
     table = auto_plan(request.model, optimizer=request.optimizer, precision=request.precision,
                       bucket_mb=request.bucket_mb, num_ranks=world.world_size,
                       bus_bytes_per_s=bandwidth, backend=world.backend, memory_budget=budget, link=link,
                       shard_group_size=group_size,
                       process_baseline_bytes=this_process_baseline_bytes(world.device)
                       if world.device.type == "cpu" else 0)
+    table = _with_probing_peak(table, before, budget, world, "the link probe's collectives")
     chosen = choose(table).strategy
     if world.rank == 0:
         announce(f"strategy='auto' chose {chosen} on {world.world_size} rank(s) (engine.plan); activations "
@@ -241,8 +263,25 @@ def announce(message: str) -> None:
         sys.stderr.flush()
 
 
+def _with_probing_peak(table: Plan, before: int, budget: int, world: World, probes: str) -> Plan:
+    """``table`` with the highest new high water any rank reached since ``before`` while auto
+    measured (``probes`` names what ran); a ``ValueError`` on every rank where that is over
+    ``budget`` (see [Note: auto's own probes and the budget])."""
+    after = high_water_bytes(world.device)
+    mine = after if after > before else 0
+    peaks = comm.all_gather_object(mine, label="dspark.auto.probing_peak") if world.world_size > 1 else [mine]
+    rank = max(range(len(peaks)), key=peaks.__getitem__)
+    if peaks[rank] > budget:
+        raise ValueError(f"strategy='auto' measured this world before choosing, and its own probes ({probes}) "
+                         f"took rank {rank}'s process to {peaks[rank] / 1e6:,.1f} MB, over memory_budget="
+                         f"{budget} ({budget / 1e6:,.1f} MB), which counts the process from the engine's "
+                         "construction on; raise memory_budget, or name the strategy (strategy='zero3') "
+                         "after planning it apart with dspark.plan")
+    return replace(table, probing_peak_bytes=peaks[rank] or None)
+
+
 def _resolve_with_batch(request: AutoRequest, budget: int, link: Interconnect | None,
-                        group_size: int | None) -> AutoChoice:
+                        group_size: int | None, before: int) -> AutoChoice:
     """[Note: auto with a batch] Given one step's batch, auto plans as :func:`dspark.plan` does on
     this world: activations and compute measured by a probe on rank 0's device (the others wait:
     ranks sharing a machine would slow the probe), every strategy at the largest micro-batch that
@@ -269,8 +308,9 @@ def _resolve_with_batch(request: AutoRequest, budget: int, link: Interconnect | 
             with torch.random.fork_rng(devices=cuda):
                 measured = plan(request.model, request.sample_batch, request.loss_fn, **settings,
                                 process_baseline_bytes=0)
-            # the baseline read after the probe ran here: what the probe left resident stays for
-            # the training that follows (see [Note: process memory])
+            # the baseline read after the probe ran here, once the heap has given back what the
+            # probe freed (see [Note: auto's own probes and the budget])
+            release_freed()
             result = plan(request.model, request.sample_batch, request.loss_fn, **settings, probe=measured.probe,
                           process_baseline_bytes=this_process_baseline_bytes(world.device))
         except Exception as exc:  # every rank raises it, not only rank 0
@@ -281,6 +321,8 @@ def _resolve_with_batch(request: AutoRequest, budget: int, link: Interconnect | 
         raise result
     if not isinstance(result, Plan):
         raise AssertionError(f"rank 0 sent {type(result).__name__}, not a plan")
+    result = _with_probing_peak(result, before, budget, world, "the link probe's collectives and, on rank 0, "
+                                "the model's copy trained at two batch sizes")
     rows = result.global_batch // world.world_size
     row = choose(result, micro_batch=None if fixed is None else rows // fixed)
     if world.rank == 0:

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import functools
 import os
+import resource
 import subprocess
 import sys
 from collections.abc import Iterable
@@ -53,8 +54,8 @@ from torch import nn
 
 from dspark.planner.peak_memory import held_tensor_bytes
 
-__all__ = ["HEAP_SHARE", "RANK_BYTES", "STATE_HEAP_SHARE", "library_baseline_bytes", "model_modules",
-           "process_peak_bytes", "this_process_baseline_bytes"]
+__all__ = ["HEAP_SHARE", "RANK_BYTES", "STATE_HEAP_SHARE", "high_water_bytes", "library_baseline_bytes",
+           "model_modules", "process_peak_bytes", "this_process_baseline_bytes"]
 
 HEAP_SHARE = 0.48
 """CPU: the heap's resident memory beyond a step's live transients, as a share of those transients
@@ -160,3 +161,22 @@ def this_process_baseline_bytes(device: torch.device) -> int:
     except (OSError, StopIteration, ValueError):
         return 0
     return max(0, rss - held_tensor_bytes("cpu"))
+
+
+def high_water_bytes(device: torch.device) -> int:
+    """The highest this process's memory has been so far, in the sense ``memory_budget`` counts it:
+    on a CPU its peak resident memory (``VmHWM``, else ``ru_maxrss``), on a GPU the caching
+    allocator's reserved peak plus what the device holds beyond the allocator (the context, the
+    libraries). Read, never reset: resetting it is the program's to do.
+
+    Example::
+
+        high_water_bytes(torch.device("cpu"))   # 412_000_000 for a process that trained a small model
+    """
+    if device.type == "cuda":
+        return torch.cuda.max_memory_reserved(device) + this_process_baseline_bytes(device)
+    try:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # kB on Linux

@@ -122,6 +122,11 @@ class Plan:
     memory_budget_bytes: int | None
     """Per rank; None: each row's device memory less :data:`MEMORY_MARGIN` (see :func:`plan`)."""
     probe: Probe
+    probing_peak_bytes: int | None = None
+    """``strategy="auto"``: the highest any rank's process went while auto measured this world (its
+    link, page-fault and compute probes), where that set a new high for the process; None: not
+    measured, or no new high. A budget must hold it as well as the chosen row's need (see [Note:
+    auto's own probes and the budget] in :mod:`dspark.planner.auto_choice`)."""
 
     def best(self, devices: int | None = None) -> PlanRow:
         """The fastest row that fits (on ``devices`` ranks, or the largest count planned); with none
@@ -154,6 +159,7 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         return {"global_batch": self.global_batch, "precision": self.precision,
                 "interconnect": self.interconnect, "memory_budget_bytes": self.memory_budget_bytes,
+                "probing_peak_bytes": self.probing_peak_bytes,
                 "probe": asdict(self.probe), "rows": [r.to_dict() for r in self.rows]}
 
     def to_json(self) -> str:

@@ -6,10 +6,11 @@ probe measures the same way); its names are re-exported here for the lab's worke
 
 from __future__ import annotations
 
-import resource
 from pathlib import Path
 
-from dspark.engine.for_the_lab import held_tensor_bytes, measure_peak_bytes, peak_of_running_sum
+import torch
+
+from dspark.engine.for_the_lab import held_tensor_bytes, high_water_bytes, measure_peak_bytes, peak_of_running_sum
 
 __all__ = ["held_tensor_bytes", "measure_peak_bytes", "peak_of_running_sum", "peak_rss_bytes",
            "reset_peak_rss"]
@@ -39,10 +40,4 @@ def peak_rss_bytes() -> int:
 
         peak_rss_bytes()   # 412_000_000 for a worker that imported torch and trained a small model
     """
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # kB on Linux
+    return high_water_bytes(torch.device("cpu"))
