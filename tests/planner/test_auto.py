@@ -7,6 +7,7 @@ import functools
 import os
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ import torch
 import dspark
 from dspark.planner.auto_choice import auto_plan, choose
 from dspark.planner.table import needed_bytes
-from tests.messages import assert_line_names
+from tests.messages import assert_line_names, assert_names
 from tests.planner.baseline import BASELINE_BYTES, pinned_baseline
 from tests.planner.test_planner import _mlp
 
@@ -80,6 +81,34 @@ def test_auto_engine_on_two_ranks(pool) -> None:
     tight = pool.run(_auto_engine, budget)
     assert tight[0]["strategy"] == tight[1]["strategy"] != "replicate"
     assert tight[0]["strategy"] in ("zero2", "zero3")
+
+
+def _probed(budgets: list[int], highs: list[tuple[int, int]]) -> str | int | None:
+    """An auto engine whose rank's high water reads ``highs[rank]`` before and after auto measured,
+    with ``budgets[rank]``: the refusal, or the probing peak the plan kept."""
+    rank = dspark.get_world().rank
+    with (mock.patch("dspark.planner.auto_choice.this_process_baseline_bytes", return_value=1 << 20),
+          mock.patch("dspark.planner.auto_choice.high_water_bytes", side_effect=list(highs[rank]))):
+        try:
+            engine = dspark.Engine(_mlp(), optimizer=ADAMW, strategy="auto", memory_budget=budgets[rank])
+        except ValueError as exc:
+            return str(exc)
+    peak = engine.plan.probing_peak_bytes
+    engine.close()
+    return peak
+
+
+def test_auto_refuses_where_its_own_probes_went_over_the_smallest_budget(pool) -> None:
+    """[Note: auto's own probes and the budget]: every row fits 350 MB, but rank 1's probes took its
+    process to 400 MB, a new high, and rank 1 passed the smaller budget: every rank refuses, naming
+    rank 1 and its peak. Where no rank's probes set a new high over the budget, the plan keeps the
+    highest new high (rank 0's; rank 1 was already there)."""
+    refused = pool.run(_probed, [1 << 40, 350_000_000], [(100_000_000, 150_000_000), (100_000_000, 400_000_000)])
+    for message in refused:
+        assert isinstance(message, str), refused
+        assert_names(message, "rank 1", "400.0 MB", "memory_budget=350000000")
+    kept = pool.run(_probed, [1 << 40, 1 << 40], [(100_000_000, 150_000_000), (400_000_000, 400_000_000)])
+    assert kept == [150_000_000, 150_000_000]
 
 
 def test_memory_budget_goes_with_auto_only_and_one_process_gets_replicate(single_process) -> None:

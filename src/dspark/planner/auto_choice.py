@@ -275,8 +275,8 @@ def _with_probing_peak(table: Plan, before: int, budget: int, world: World, prob
         raise ValueError(f"strategy='auto' measured this world before choosing, and its own probes ({probes}) "
                          f"took rank {rank}'s process to {peaks[rank] / 1e6:,.1f} MB, over memory_budget="
                          f"{budget} ({budget / 1e6:,.1f} MB), which counts the process from the engine's "
-                         "construction on; raise memory_budget, or name the strategy (strategy='zero3') "
-                         "after planning it apart with dspark.plan")
+                         "construction on; raise memory_budget, or name the strategy (strategy='zero2', say) "
+                         "after comparing the strategies' needs with dspark.plan in another process")
     return replace(table, probing_peak_bytes=peaks[rank] or None)
 
 
@@ -321,8 +321,9 @@ def _resolve_with_batch(request: AutoRequest, budget: int, link: Interconnect | 
         raise result
     if not isinstance(result, Plan):
         raise AssertionError(f"rank 0 sent {type(result).__name__}, not a plan")
-    result = _with_probing_peak(result, before, budget, world, "the link probe's collectives and, on rank 0, "
-                                "the model's copy trained at two batch sizes")
+    probes = "the model's copy trained at two batch sizes"
+    result = _with_probing_peak(result, before, budget, world, probes if world.world_size == 1 else
+                                f"the link probe's collectives and, on rank 0, {probes}")
     rows = result.global_batch // world.world_size
     row = choose(result, micro_batch=None if fixed is None else rows // fixed)
     if world.rank == 0:
