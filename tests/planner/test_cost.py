@@ -48,20 +48,55 @@ def test_the_count_of_collectives_costs_latency() -> None:
     one_bucket = _cost("replicate", slow_calls).comm_exposed_ms
     many = _cost("replicate", slow_calls, bucket_mb=1.0).comm_exposed_ms  # a bucket per weight
     assert many > one_bucket + 2 * 2 * 1.0 * 0.99  # each extra all-reduce: 2 (N-1) hops of 1 ms
-    # zero3: 5 units gathered twice (1 ms each), a reduce-scatter, the step's small all-reduce
-    assert _cost("zero3", slow_calls).comm_exposed_ms == pytest.approx(10 + 1 + 2, rel=1e-2)
+    # zero3: 5 units gathered twice (1 ms each), a reduce-scatter, the step's small all-reduce and the
+    # non-finite flag's (shards reduced: the engine all-reduces the flag before the step)
+    assert _cost("zero3", slow_calls).comm_exposed_ms == pytest.approx(10 + 1 + 2 + 2, rel=1e-2)
+    assert _cost("zero1", slow_calls).comm_exposed_ms == pytest.approx(2 + 1 + 2, rel=1e-2)  # no flag
 
 
 def test_the_engines_copies_cost_what_the_probe_measured() -> None:
     probe = _probe(copy_bytes_per_s=1e9)
-    assert _cost("replicate", SERIAL, probe).comm_exposed_ms == _cost("replicate", SERIAL).comm_exposed_ms
     grads_ms = 1e3 * 4 * (4 * 512 * 512 + 4 * 512) / 1e9
+    # replicate: each fresh gradient copied into the one bucket's flat buffer; a bucket of one
+    # parameter adopts its gradient as the buffer: no copy
+    extra = _cost("replicate", SERIAL, probe).comm_exposed_ms - _cost("replicate", SERIAL).comm_exposed_ms
+    assert extra == pytest.approx(grads_ms, rel=1e-3)
+    alone = _cost("replicate", SERIAL, probe, bucket_mb=1e-6).comm_exposed_ms
+    assert alone == _cost("replicate", SERIAL, bucket_mb=1e-6).comm_exposed_ms
     extra = _cost("zero2", SERIAL, probe).comm_exposed_ms - _cost("zero2", SERIAL).comm_exposed_ms
     assert extra == pytest.approx(2 * grads_ms, rel=1e-3)  # the send buffer, then the rows' pack and landing
     assert Probe.from_dict({**{f: getattr(probe, f) for f in probe.__dataclass_fields__},
                             "forward_ms": {"fixed": 0.0, "per_sample": 1.0},
                             "backward_ms": {"fixed": 0.0, "per_sample": 1.0},
                             "step_bytes": {"fixed": 0.0, "per_sample": 1.0}}).copy_bytes_per_s == 1e9
+
+
+def test_the_gradient_check_pass_costs_a_ranks_own_gradients_at_the_measured_rate() -> None:
+    base = _probe()
+    probe = Probe(**{**{f: getattr(base, f) for f in base.__dataclass_fields__}, "check_bytes_per_s": 1e9})
+    grads_ms = 1e3 * 4 * (4 * 512 * 512 + 4 * 512) / 1e9
+    shape = model_shape(_model(), (2, True))
+
+    def extra(strategy: str, ranks: int) -> float:
+        def step_ms(p: Probe) -> float:
+            row = row_cost(shape=shape, probe=p, strategy=strategy, num_ranks=ranks, micro_batch=8, passes=1,
+                           bucket_mb=25.0, link=SERIAL)
+            return row.compute_ms + row.comm_exposed_ms + row.optimizer_ms
+        return step_ms(probe) - step_ms(base)
+    assert extra("replicate", 1) == pytest.approx(grads_ms, rel=1e-3)  # one rank checks its gradients too
+    assert extra("zero1", 2) == pytest.approx(grads_ms, rel=1e-3)      # whole gradients reduced
+    assert extra("zero2", 2) == pytest.approx(grads_ms / 2, rel=1e-3)  # its shards only
+    assert extra("zero3", 2) == pytest.approx(grads_ms / 2, rel=1e-3)
+    one_round = Probe(**{**{f: getattr(probe, f) for f in probe.__dataclass_fields__},
+                         "forward_ms_rounds": (probe.forward_ms,), "backward_ms_rounds": (probe.backward_ms,),
+                         "optimizer_ms_rounds": (probe.optimizer_ms,)})
+    row = row_cost(shape=shape, probe=one_round, strategy="zero2", num_ranks=2, micro_batch=8, passes=1,
+                   bucket_mb=25.0, link=SERIAL)
+    assert row.step_ms_high == pytest.approx(row.compute_ms + row.comm_exposed_ms + row.optimizer_ms)  # interval
+    assert Probe.from_dict({**{f: getattr(probe, f) for f in probe.__dataclass_fields__},
+                            "forward_ms": {"fixed": 0.0, "per_sample": 1.0},
+                            "backward_ms": {"fixed": 0.0, "per_sample": 1.0},
+                            "step_bytes": {"fixed": 0.0, "per_sample": 1.0}}).check_bytes_per_s == 1e9
 
 
 def test_sharding_the_optimizer_divides_its_time_but_not_its_fixed_part() -> None:

@@ -24,10 +24,13 @@
 [Note: predicted step] ``compute`` is the probe's forward + backward at the micro-batch, times the
 passes per step; ``optimizer`` is the probe's step where optimizer state is whole, and where it is
 sharded its fixed part (per tensor, measured from a step over a quarter of each parameter) plus
-``1/N`` of the rest. ``exposed communication`` is every collective of [Note: what each strategy sends]
-that compute does not hide, plus the engine's own copies around them (packing a send buffer,
-landing gathered rows: work on the computing device, at the probe's measured copy bandwidth, never
-hidden). On a link that overlaps compute, the gradient buckets are reduced one after another on one
+``1/N`` of the rest, and before it the engine's one pass over the rank's reduced gradients (whole,
+or its shards under zero2/zero3; on one rank too) that scales them and flags a value that is not
+finite, at the probe's measured rate of that kernel (:func:`gradient_check_ms`). ``exposed
+communication`` is every collective of [Note: what each strategy sends] that compute does not hide,
+plus the engine's own copies around them (packing a send buffer, copying a fresh gradient into its
+bucket, landing gathered rows: work on the computing device, at the probe's measured copy
+bandwidth, never hidden). On a link that overlaps compute, the gradient buckets are reduced one after another on one
 channel, each starting when its last gradient is complete (the probe's ready times) or when the one
 before it lands, and what runs past the end of backward is exposed; zero3 gathers each unit while
 the unit before it computes, so a gather longer than that compute stalls by the difference and the
@@ -38,13 +41,15 @@ every collective is exposed, whole.
 [Note: what each strategy sends] Per optimizer step on ``N > 1`` ranks, ``S`` a bucket's whole
 gradient bytes, ``U`` a zero3 unit's padded parameter bytes:
 
-* replicate: one all-reduce of ``S`` per bucket, in place;
+* replicate: one all-reduce of ``S`` per bucket, in place, once each fresh gradient is copied into
+  its bucket (``S`` of copies; none for a bucket of one parameter, whose gradient becomes the buffer);
 * zero1: the same, then one all-gather of ``S`` per bucket for the updated rows (its own rows
   copied into the send buffer, the others' ``(N-1)/N`` copied out: ``S`` of copies);
 * zero2: one reduce-scatter of ``S`` per bucket, after copying the whole gradients into the send
   buffer (``S``), then zero1's row gather;
 * zero3: one reduce-scatter of ``S`` per bucket (with its copy), and two all-gathers of ``U`` (+ an
   8-byte tag) per unit per pass: before its forward and again before its backward;
+* zero2 and zero3: one all-reduce of the non-finite flag (one element) before the step;
 * every strategy: one all-reduce of a small vector per step (the loss weights, the window's
   position, which parameters had gradients).
 
@@ -80,9 +85,12 @@ from dspark.policy.strategies import ShardingPolicy, all_strategies
 from dspark.policy.units import TAG_BYTES  # see [Note: gather tags]
 from dspark.tensor.shard_math import chunk_size
 
-__all__ = ["ModelShape", "RowCost", "row_cost", "row_transport"]
+__all__ = ["ModelShape", "RowCost", "gradient_check_ms", "row_cost", "row_transport"]
 
 ParamSpec = tuple[tuple[int, ...], torch.dtype]
+
+FLAG_BYTES = 4
+"""The non-finite flag zero2/zero3 all-reduce before each step (one float32)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -206,6 +214,11 @@ def buckets(shape: ModelShape, ready: Sequence[float], bucket_mb: float) -> list
     """``(ready fraction of backward, whole bytes)`` per gradient bucket, grouped as the engine does
     (:func:`dspark.engine.grad_bucket.make_buckets`: by dtype, in the order gradients become ready,
     about ``bucket_mb`` MiB each)."""
+    return [(ready_at, nbytes) for ready_at, nbytes, _ in _bucket_rows(shape, ready, bucket_mb)]
+
+
+def _bucket_rows(shape: ModelShape, ready: Sequence[float], bucket_mb: float) -> list[tuple[float, int, int]]:
+    """:func:`buckets` with each bucket's count of parameters."""
     limit = bucket_mb * 2**20
     order = sorted(range(len(shape.trainable)), key=lambda i: ready[i])
     open_: dict[torch.dtype, list[int]] = {}
@@ -219,7 +232,7 @@ def buckets(shape: ModelShape, ready: Sequence[float], bucket_mb: float) -> list
             group = open_[dtype] = []
         group.append(i)
     done.extend(g for g in open_.values() if g)
-    out = [(max(ready[j] for j in g), sum(_whole_bytes(shape.trainable[j]) for j in g)) for g in done]
+    out = [(max(ready[j] for j in g), sum(_whole_bytes(shape.trainable[j]) for j in g), len(g)) for g in done]
     return sorted(out)
 
 
@@ -246,6 +259,22 @@ def _copy_ms(probe: Probe, nbytes: float) -> float:
     return 1e3 * nbytes / probe.copy_bytes_per_s if probe.copy_bytes_per_s > 0 else 0.0
 
 
+def gradient_check_ms(probe: Probe, grad_bytes: int, sharded: bool, split: int) -> float:
+    """Milliseconds of the engine's one pass over a rank's reduced gradients before the optimizer
+    step, which scales them and flags a value that is not finite (see [Note: predicted step]): every
+    gradient byte (``grad_bytes``, whole) on one rank and under replicate/zero1, its ``1/split``
+    shard where the gradients are reduced in shards (``sharded``), at the probe's measured rate; 0.0
+    where the probe measured none.
+
+    Example::
+
+        gradient_check_ms(probe, 64 << 20, sharded=True, split=2)   # a 32 MiB shard's pass
+    """
+    if probe.check_bytes_per_s <= 0:
+        return 0.0
+    return 1e3 * (grad_bytes / split if sharded else grad_bytes) / probe.check_bytes_per_s
+
+
 def fresh_map_ms(probe: Probe, storage_bytes: Sequence[int], mmap_threshold: int) -> float:
     """Milliseconds of the page faults of the storages among ``storage_bytes`` that the C library
     maps afresh each time (at least ``mmap_threshold``), at the probe's measured first-touch rate
@@ -261,8 +290,8 @@ def fresh_map_ms(probe: Probe, storage_bytes: Sequence[int], mmap_threshold: int
 
 
 def _exposed_comm_ms(shape: ModelShape, probe: Probe, policy: ShardingPolicy, n: int,
-                     grouped: Sequence[tuple[float, int]], passes: int, forward_ms: float,
-                     backward_ms: float, link: Interconnect, split: int) -> float:
+                     grouped: Sequence[tuple[float, int]], bucket_counts: Sequence[int], passes: int,
+                     forward_ms: float, backward_ms: float, link: Interconnect, split: int) -> float:
     """The step's communication that compute does not hide, on ``n > 1`` ranks whose rows are split
     over ``split`` (``n``, or a hybrid shard group's size; see [Note: predicted step] and
     [Note: what each strategy sends])."""
@@ -278,9 +307,15 @@ def _exposed_comm_ms(shape: ModelShape, probe: Probe, policy: ShardingPolicy, n:
     # gradient buckets, in backward: (ready ms, wire ms, then across ms); zero2/zero3 first copy the
     # whole gradients into the send buffer (compute-side work: never hidden)
     items = [(ready * backward_ms, *reduce_ms(nbytes)) for ready, nbytes in grouped]
-    local_ms = sum(_copy_ms(probe, nbytes) for _, nbytes in grouped) if policy.shard_grads else 0.0
-    extras_bytes = 8 * (2 + 2 * n + len(shape.trainable))
+    # zero2/zero3 pack every bucket into its send buffer; replicate/zero1 copy each fresh gradient
+    # into its bucket's flat buffer, but for a bucket of one, whose gradient becomes the buffer
+    copied = [nbytes for nbytes, count in zip((b for _, b in grouped), bucket_counts, strict=True)
+              if policy.shard_grads or count > 1]
+    local_ms = sum(_copy_ms(probe, nbytes) for nbytes in copied)
+    extras_bytes = 8 * (2 + 3 * n + len(shape.trainable))
     after_ms = 1e3 * all_reduce_s(extras_bytes, n, link)  # the step's one small vector
+    if policy.shard_grads:  # shards reduced: the non-finite flag is all-reduced before the step
+        after_ms += 1e3 * all_reduce_s(FLAG_BYTES, n, link)
     if policy.splits_optimizer_on(split) and not policy.shard_params:  # the updated rows, after the step
         after_ms += sum(1e3 * all_gather_s(nbytes, split, link) + _copy_ms(probe, nbytes)
                         for _, nbytes in grouped)
@@ -368,7 +403,8 @@ def row_cost(*, shape: ModelShape, probe: Probe, strategy: str, num_ranks: int, 
                      bucket_mb=bucket_mb, resident_bytes=state["params"] + state["optimizer"],
                      grads_bytes=state["grads"], transport=transport,
                      backward_unit_bytes=[sum(u) for u in shape.unit_param_bytes(split, probe.frozen_unread)])
-    grouped = buckets(shape, probe.grad_ready, bucket_mb)
+    rows = _bucket_rows(shape, probe.grad_ready, bucket_mb)
+    grouped = [(ready_at, nbytes) for ready_at, nbytes, _ in rows]
 
     forward_ms = probe.forward_ms.at(micro_batch)
     backward_ms = probe.backward_ms.at(micro_batch)
@@ -378,8 +414,9 @@ def row_cost(*, shape: ModelShape, probe: Probe, strategy: str, num_ranks: int, 
         optimizer_ms = probe.optimizer_fixed_ms + (probe.optimizer_ms - probe.optimizer_fixed_ms) / split
     exposed = 0.0
     if n > 1:
-        exposed = _exposed_comm_ms(shape, probe, policy, n, grouped, passes, forward_ms, backward_ms, link,
-                                   split)
+        exposed = _exposed_comm_ms(shape, probe, policy, n, grouped, [count for _, _, count in rows], passes,
+                                   forward_ms, backward_ms, link, split)
+    check_ms = gradient_check_ms(probe, sum(nbytes for _, nbytes in grouped), policy.shard_grads and n > 1, split)
     return RowCost(params_bytes=state["params"], grads_bytes=state["grads"],
                    optimizer_bytes=state["optimizer"], activation_bytes=peak.activation_bytes,
                    comm_buffer_bytes=peak.comm_buffer_bytes, runtime_bytes=peak.runtime_bytes,
@@ -391,5 +428,5 @@ def row_cost(*, shape: ModelShape, probe: Probe, strategy: str, num_ranks: int, 
                        mapped_bytes=mapped_state_bytes(shape, policy, split, bucket_mb),
                        collective_heap_bytes=collective_heap_bytes(shape, bucket_mb),
                        state_bytes=state["params"] + state["grads"] + state["optimizer"]),
-                   compute_ms=compute_ms, comm_exposed_ms=exposed, optimizer_ms=optimizer_ms,
-                   **_step_interval(probe, micro_batch, passes, exposed, optimizer_ms))
+                   compute_ms=compute_ms, comm_exposed_ms=exposed, optimizer_ms=optimizer_ms + check_ms,
+                   **_step_interval(probe, micro_batch, passes, exposed + check_ms, optimizer_ms))

@@ -17,6 +17,9 @@ local batch sizes, so that each cost is a line ``fixed + per_sample * batch``:
 * the device's copy bandwidth over a buffer the size of the gradients (at most ``_COPY_MAX_BYTES``): the engine
   packs send buffers and lands gathered rows with such copies (see [Note: what each strategy sends]).
 
+On a CPU the probe first sets malloc as the engine will (:func:`dspark.cpu_malloc.tune_for_training`):
+under glibc's own thresholds its larger batch paid page faults the engine's step does not.
+
 A model built on the meta device is materialised on this device first (``reset_parameters()``, as
 the engine does): the probe needs real numbers to run. That needs its one-device state in memory;
 the planner says so and stops where it would not fit (see :func:`dspark.plan`).
@@ -36,7 +39,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from dspark.cpu_malloc import mmap_threshold_bytes
+from dspark.cpu_malloc import mmap_threshold_bytes, tune_for_training
 from dspark.meta.materialize import has_meta_tensors, materialize
 from dspark.planner.peak_memory import PeakMarks, measure_interval_peaks
 from dspark.planner.probe_record import (
@@ -55,8 +58,8 @@ from dspark.policy.state_bytes import expected_state_bytes, optimizer_state_elem
 from dspark.policy.strategies import STRATEGIES, precision_policy
 from dspark.tensor.storage import storage_bytes
 
-__all__ = ["Line", "LossFn", "Probe", "batch_size", "loss_of", "measure_copy_bytes_per_s", "measure_fault_bytes_per_s",
-           "measure_probe", "optimizer_state_of", "slice_batch"]
+__all__ = ["Line", "LossFn", "Probe", "batch_size", "loss_of", "measure_check_bytes_per_s", "measure_copy_bytes_per_s",
+           "measure_fault_bytes_per_s", "measure_probe", "optimizer_state_of", "slice_batch"]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 """``loss_fn(output, targets) -> loss`` for a batch ``(inputs, targets)``."""
@@ -225,6 +228,8 @@ def measure_probe(model: nn.Module, sample_batch: Any, *, loss_fn: LossFn | None
     """
     if steps < 1:
         raise ValueError(f"steps={steps!r} must be >= 1")
+    if device.type == "cpu":  # the step timed as the engine runs it: see [Note: the probe]
+        tune_for_training()
     # the caller's own tensors on this device are held while the copy runs, but a trained model has
     # only one set: not part of the step's peak (they were, as the fixed part: a constant excess)
     caller_bytes = storage_bytes([*model.parameters(), *model.buffers()], device_type=device.type)
@@ -279,6 +284,7 @@ def measure_probe(model: nn.Module, sample_batch: Any, *, loss_fn: LossFn | None
                  grad_ready=tuple(ready), unit_forward_share=tuple(shares), optimizer_state=state,
                  optimizer_fixed_ms=optimizer_fixed_ms,
                  copy_bytes_per_s=measure_copy_bytes_per_s(device, min(grad_bytes_total, _COPY_MAX_BYTES)),
+                 check_bytes_per_s=measure_check_bytes_per_s(device, min(grad_bytes_total, _COPY_MAX_BYTES)),
                  fault_bytes_per_s=measure_fault_bytes_per_s(device),
                  frozen_unread=tuple(i for i, p in enumerate(frozen)
                                      if (p.untyped_storage().data_ptr(), p.dtype) not in saved),
@@ -386,6 +392,24 @@ def measure_fault_bytes_per_s(device: torch.device, nbytes: int | None = None, r
     return 4 * numel / (fresh - kept) if fresh > kept else 0.0
 
 
+def _pass_bytes_per_s(device: torch.device, nbytes: int, repeats: int,
+                      prepare: Callable[[int], Callable[[], Any]]) -> float:
+    """Bytes per second of the pass ``prepare(numel)`` returns over ``nbytes`` of float32 (median of ``repeats``)."""
+    numel = nbytes // 4
+    if numel < 1:
+        return 0.0
+    one_pass = prepare(numel)
+    one_pass()
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        one_pass()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return 4 * numel / max(statistics.median(times), 1e-9)
+
+
 def measure_copy_bytes_per_s(device: torch.device, nbytes: int, repeats: int = 5) -> float:
     """Bytes per second of one copy of ``nbytes`` between two buffers already allocated on
     ``device`` (the median of ``repeats`` after a warm-up; 0.0 for nothing to copy).
@@ -394,20 +418,27 @@ def measure_copy_bytes_per_s(device: torch.device, nbytes: int, repeats: int = 5
 
         measure_copy_bytes_per_s(torch.device("cpu"), 16 << 20)
     """
-    numel = nbytes // 4
-    if numel < 1:
-        return 0.0
-    src = torch.ones(numel, dtype=torch.float32, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        start = time.perf_counter()
-        dst.copy_(src)
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return 4 * numel / max(statistics.median(times), 1e-9)
+    def prepare(numel: int) -> Callable[[], Any]:
+        src = torch.ones(numel, dtype=torch.float32, device=device)
+        dst = torch.empty_like(src)
+        return lambda: dst.copy_(src)
+    return _pass_bytes_per_s(device, nbytes, repeats, prepare)
+
+
+def measure_check_bytes_per_s(device: torch.device, nbytes: int, repeats: int = 5) -> float:
+    """Bytes per second of the engine's scale-and-check pass (PyTorch's fused check-and-unscale
+    kernel, by one half as on two ranks) over ``nbytes`` of float32 gradients in one flat buffer.
+
+    Example::
+
+        measure_check_bytes_per_s(torch.device("cpu"), 16 << 20)
+    """
+    def prepare(numel: int) -> Callable[[], Any]:
+        grads = torch.ones(numel, dtype=torch.float32, device=device)
+        found_inf = torch.zeros(1, dtype=torch.float32, device=device)
+        factor = torch.full((1,), 0.5, dtype=torch.float32, device=device)
+        return lambda: torch._amp_foreach_non_finite_check_and_unscale_([grads], found_inf, factor)
+    return _pass_bytes_per_s(device, nbytes, repeats, prepare)
 
 
 def process_terms(model: nn.Module, device: torch.device, library_baseline: bool) -> dict[str, Any]:

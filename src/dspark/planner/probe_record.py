@@ -55,6 +55,11 @@ class Probe:
     copy_bytes_per_s: float = 0.0
     """Bytes per second one copy between two buffers of this device moves; 0.0: not measured (the
     engine's copies then cost nothing in the plan)."""
+    check_bytes_per_s: float = 0.0
+    """Bytes per second of the engine's pass over the reduced gradients that scales them and flags a
+    value that is not finite (PyTorch's fused check-and-unscale kernel, see [Note: non-finite
+    gradients found in the reduction] in :mod:`dspark.engine.finite_check`); 0.0: not measured (the
+    pass then costs nothing in the plan)."""
     grad_events: tuple[int, ...] = ()
     """The trainable parameter (index, as in ``grad_ready``) of each gradient accumulation of one
     backward, in order; a parameter used twice (a tied head) appears twice. Empty: not measured."""
@@ -158,6 +163,7 @@ class Probe:
                        unit_forward_share=tuple(map(float, data["unit_forward_share"])),
                        optimizer_state=(int(data["optimizer_state"][0]), bool(data["optimizer_state"][1])),
                        copy_bytes_per_s=float(data.get("copy_bytes_per_s", 0.0)),
+                       check_bytes_per_s=float(data.get("check_bytes_per_s", 0.0)),
                        optimizer_fixed_ms=float(data.get("optimizer_fixed_ms", 0.0)),
                        grad_events=tuple(map(int, data.get("grad_events", ()))),
                        interval_bytes=tuple(Line(**line) for line in data.get("interval_bytes", ())),
