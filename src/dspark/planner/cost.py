@@ -268,7 +268,7 @@ def gradient_check_ms(probe: Probe, grad_bytes: int, sharded: bool, split: int) 
 
     Example::
 
-        gradient_check_ms(probe, 64 << 20, sharded=True, split=2)   # a 32 MiB shard's pass
+        gradient_check_ms(probe, 64 << 20, sharded=True, split=2)   # a pass over half of them
     """
     if probe.check_bytes_per_s <= 0:
         return 0.0
