@@ -12,6 +12,12 @@ takes its baseline after step 1) and after the last step, the growth per step be
 the whole process's life), the median and the mean step (a trim's page faults show in the mean, not
 the median), and how many times the guard trimmed. ``--out DIR`` writes ``DIR/table.json`` for
 docs/figures.md (see [Note: table artifacts]).
+
+``--vary-length`` cuts each step's batch along its sequence dimension (dim 1 of every tensor of two
+or more dimensions) to a share of its length from :data:`LENGTH_SHARES` in turn: a workload whose
+transients change size every step, where the guard must tell a longer step that needs its memory
+from a ratchet (it re-baselines on a step that is still past its margin right after a trim) rather
+than trim at every long step.
 """
 
 from __future__ import annotations
@@ -34,6 +40,19 @@ RUNS = ("embed-tied:zero3", "embed-untied:zero3", "hf-gpt2:zero3", "hf-gpt2:repl
 COLUMNS = ("model", "strategy", "guard", "steps", "RSS after step 3 MB", "RSS after last step MB",
            "growth MB/step", "peak RSS MB", "step ms median", "step ms mean", "trims")
 SETTLED_STEP = 3
+LENGTH_SHARES = (0.125, 1.0, 0.25, 0.75, 0.5, 1.0)
+"""``--vary-length``: each step's share of the batch's sequence length, in turn."""
+
+
+def _cut(batch: Any, share: float) -> Any:
+    """``batch`` with every tensor of two or more dimensions cut to ``share`` of its dim 1."""
+    if isinstance(batch, torch.Tensor):
+        return batch[:, :max(1, round(batch.shape[1] * share))] if batch.dim() >= 2 else batch
+    if isinstance(batch, dict):
+        return {k: _cut(v, share) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_cut(v, share) for v in batch)
+    return batch
 
 
 def _status_mb(field: str) -> float:
@@ -53,7 +72,7 @@ class _TrimCounter(logging.Handler):
         self.count += 1
 
 
-def worker(name: str, strategy: str, steps: int, guard: str, size: str) -> None:
+def worker(name: str, strategy: str, steps: int, guard: str, size: str, vary: bool = False) -> None:
     """One run on every rank of ``dspark run``; rank 0 prints one JSON line."""
     os.environ["DSPARK_HEAP_GUARD"] = guard  # read when the engine is built
     import dspark
@@ -70,10 +89,11 @@ def worker(name: str, strategy: str, steps: int, guard: str, size: str) -> None:
     guard_log.setLevel(logging.INFO)  # the first trim warns, the later ones are told at INFO
     guard_log.addHandler(trims)
     rss_mb, step_ms = [], []
-    for _ in range(steps):
+    for step in range(steps):
+        part = _cut(local, LENGTH_SHARES[step % len(LENGTH_SHARES)]) if vary else local
         comm.barrier()
         start = time.perf_counter()
-        loss = engine(**local).loss if loss_fn is None else loss_fn(engine(local[0]), local[1])
+        loss = engine(**part).loss if loss_fn is None else loss_fn(engine(part[0]), part[1])
         engine.backward(loss)
         engine.step()
         step_ms.append((time.perf_counter() - start) * 1e3)
@@ -112,22 +132,24 @@ def row(name: str, strategy: str, guard: str, got: dict[str, Any]) -> list[Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--worker", nargs=5, metavar=("MODEL", "STRATEGY", "STEPS", "GUARD", "SIZE"),
+    parser.add_argument("--worker", nargs=6, metavar=("MODEL", "STRATEGY", "STEPS", "GUARD", "SIZE", "VARY"),
                         help=argparse.SUPPRESS)
+    parser.add_argument("--vary-length", action="store_true",
+                        help="cut each step's batch to a changing share of its sequence length (token models)")
     parser.add_argument("--runs", default=",".join(RUNS), help="MODEL:STRATEGY pairs, comma-separated")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--size", default="bench", help="the zoo's size: bench (default) or tiny")
     parser.add_argument("--out", type=Path, default=None, help="write DIR/table.json")
     args = parser.parse_args()
     if args.worker:
-        name, strategy, steps, guard, size = args.worker
-        worker(name, strategy, int(steps), guard, size)
+        name, strategy, steps, guard, size, vary = args.worker
+        worker(name, strategy, int(steps), guard, size, vary == "1")
         return
     rows = []
     for pair in args.runs.split(","):
         name, strategy = pair.split(":")
         for guard in ("off", "on"):
-            got = _launch(name, strategy, str(args.steps), guard, args.size)
+            got = _launch(name, strategy, str(args.steps), guard, args.size, "1" if args.vary_length else "0")
             rows.append(row(name, strategy, guard, got))
             print(" | ".join(map(str, rows[-1])), flush=True)
     if args.out is not None:
@@ -138,7 +160,9 @@ def main() -> None:
                             "`dspark run` per row; per row the largest over its ranks: resident memory after step "
                             f"{SETTLED_STEP} and after the last step (MB = 2^20 bytes), growth per step between "
                             "them, peak resident memory, step times after step 3, and the heap guard's trims "
-                            "(the most on one rank)")
+                            "(the most on one rank)"
+                            + ("; each step's batch cut to a share of its sequence length, in turn "
+                               f"{', '.join(map(str, LENGTH_SHARES))}" if args.vary_length else ""))
 
 
 if __name__ == "__main__":
