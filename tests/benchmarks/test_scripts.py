@@ -71,6 +71,8 @@ SMOKE: dict[str, Smoke] = {
     "plan_validation --worker": Smoke(("--worker", "mlp-wide", "fp32", "zero2", "1", "tiny"),
                                       script="plan_validation", table=False),
     "plan_validation --link-worker": Smoke(("--link-worker",), script="plan_validation", table=False),
+    "probe_rise --worker": Smoke(("--worker", "mlp-wide", "tiny", "2"), where="rank0", script="probe_rise",
+                                 table=False),
     "pretrained_load_rss": Smoke(("--weights", "{shared}/gpt2", "--method", "load_pretrained",
                                   *TINY_GPT2), table=False),
     "process_peak_rss": Smoke(("--weights", "{shared}/gpt2-peak", "--path", "documented",

@@ -21,7 +21,8 @@ What the lab does with each:
   ``prefer_fused_kernel`` (``STRATEGIES``, ``PRECISIONS`` and ``PrecisionPolicy`` are public names
   of :mod:`dspark.engine`);
 * the measures the planner and the lab share: a step's tensor peak (``measure_peak_bytes``,
-  ``held_tensor_bytes``, ``peak_of_running_sum``), a process's high water (``high_water_bytes``), a
+  ``held_tensor_bytes``, ``peak_of_running_sum``), a process's memory now and at its high water
+  (``process_bytes``, ``high_water_bytes``), what auto's probe is predicted to add (``probe_need``), a
   link's cost (``measure_link``, ``LinkCost``), a hybrid row's groups (``hybrid_group``), what a row
   needs against a budget (``needed_bytes``),
   the bytes tensors hold (``storage_bytes``) and a collective puts on the wire (``wire_bytes``), a
@@ -58,7 +59,8 @@ from dspark.planner.hybrid_rows import hybrid_group
 from dspark.planner.interconnect import LinkCost
 from dspark.planner.link_probe import measure_link
 from dspark.planner.peak_memory import held_tensor_bytes, measure_peak_bytes, peak_of_running_sum
-from dspark.planner.process_memory import high_water_bytes
+from dspark.planner.probe_budget import probe_need
+from dspark.planner.process_memory import high_water_bytes, process_bytes
 from dspark.planner.table import needed_bytes
 from dspark.policy import (
     HYBRID_STRATEGIES,
@@ -104,6 +106,8 @@ __all__ = [
     "peak_of_running_sum",
     "precision_policy",
     "prefer_fused_kernel",
+    "probe_need",
+    "process_bytes",
     "scale_and_check",
     "storage_bytes",
     "unit_modules",

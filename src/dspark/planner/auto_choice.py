@@ -51,7 +51,8 @@ from dspark.planner.cost import row_cost
 from dspark.planner.interconnect import Interconnect
 from dspark.planner.link_probe import measure_link
 from dspark.planner.probe import Probe, batch_size, optimizer_state_of
-from dspark.planner.process_memory import HEAP_SHARE, high_water_bytes, this_process_baseline_bytes
+from dspark.planner.probe_budget import probe_need
+from dspark.planner.process_memory import HEAP_SHARE, high_water_bytes, process_bytes, this_process_baseline_bytes
 from dspark.planner.table import (
     Plan,
     PlanRow,
@@ -280,6 +281,33 @@ def _with_probing_peak(table: Plan, before: int, budget: int, world: World, prob
     return replace(table, probing_peak_bytes=peaks[rank] or None)
 
 
+def _probe_within(request: AutoRequest, rows: int, fixed: int | None, budget: int) -> int | None:
+    """The largest micro-batch rank 0's probe may train within ``budget`` (see [Note: the probe
+    inside the budget] in :mod:`dspark.planner.probe_budget`): the loop's own where it set
+    ``grad_accum_steps``, else the largest equal split of the ``rows`` whose probe is predicted to
+    fit; None where nothing could be predicted (the probe trains the whole batch). A ``ValueError``
+    where not even the smallest fits."""
+    candidates = [rows // fixed] if fixed is not None else [m for m in range(rows, 0, -1) if rows % m == 0]
+    device = request.world.device
+    need = probe_need(request.model, request.sample_batch, loss_fn=request.loss_fn, optimizer=request.optimizer,
+                      precision=request.precision, device=device, rows=candidates[0])
+    if need is None:
+        return None if fixed is None else candidates[0]
+    release_freed()  # what the link probe freed is not the probe's to count
+    now = process_bytes(device)
+    cap = need.largest_within(candidates, budget - now)
+    if cap is None:
+        smallest = candidates[-1]
+        which = "the loop's micro-batch" if fixed is not None else "one row"
+        raise ValueError(f"strategy='auto' probes the model on rank 0 before choosing, and at {which} "
+                         f"({smallest} row(s) per step) its probe is predicted to take this process from "
+                         f"{now / 1e6:,.1f} MB to {(now + need.rise_bytes(smallest)) / 1e6:,.1f} MB, over "
+                         f"memory_budget={budget} ({budget / 1e6:,.1f} MB); raise memory_budget, or name the "
+                         "strategy (strategy='zero2', say) after comparing the strategies' needs with dspark.plan "
+                         "in another process")
+    return cap
+
+
 def _resolve_with_batch(request: AutoRequest, budget: int, link: Interconnect | None,
                         group_size: int | None, before: int) -> AutoChoice:
     """[Note: auto with a batch] Given one step's batch, auto plans as :func:`dspark.plan` does on
@@ -306,6 +334,7 @@ def _resolve_with_batch(request: AutoRequest, budget: int, link: Interconnect | 
                         "device": world.device, "shard_group_size": group_size,
                         "max_micro_batch": None if fixed is None else rows // fixed}
             with torch.random.fork_rng(devices=cuda):
+                settings["max_micro_batch"] = _probe_within(request, rows, fixed, budget)
                 measured = plan(request.model, request.sample_batch, request.loss_fn, **settings,
                                 process_baseline_bytes=0)
             # the baseline read after the probe ran here, once the heap has given back what the

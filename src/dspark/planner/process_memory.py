@@ -55,7 +55,7 @@ from torch import nn
 from dspark.planner.peak_memory import held_tensor_bytes
 
 __all__ = ["HEAP_SHARE", "RANK_BYTES", "STATE_HEAP_SHARE", "high_water_bytes", "library_baseline_bytes",
-           "model_modules", "process_peak_bytes", "this_process_baseline_bytes"]
+           "model_modules", "process_bytes", "process_peak_bytes", "this_process_baseline_bytes"]
 
 HEAP_SHARE = 0.48
 """CPU: the heap's resident memory beyond a step's live transients, as a share of those transients
@@ -153,14 +153,9 @@ def this_process_baseline_bytes(device: torch.device) -> int:
         this_process_baseline_bytes(torch.device("cpu"))   # bytes
     """
     if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        return max(0, total - free - torch.cuda.memory_reserved(device))
-    try:
-        with open("/proc/self/status") as status:
-            rss = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
-    except (OSError, StopIteration, ValueError):
-        return 0
-    return max(0, rss - held_tensor_bytes("cpu"))
+        return max(0, process_bytes(device) - torch.cuda.memory_reserved(device))
+    rss = process_bytes(device)
+    return max(0, rss - held_tensor_bytes("cpu")) if rss else 0
 
 
 def high_water_bytes(device: torch.device) -> int:
@@ -180,3 +175,22 @@ def high_water_bytes(device: torch.device) -> int:
             return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
     except (OSError, StopIteration, ValueError, IndexError):
         return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # kB on Linux
+
+
+def process_bytes(device: torch.device) -> int:
+    """What this process holds now, in the sense ``memory_budget`` counts it: on a CPU its resident
+    memory (``VmRSS``), on a GPU the device memory in use (the allocator's reserved, the context and
+    the libraries). 0 where it cannot be read.
+
+    Example::
+
+        process_bytes(torch.device("cpu"))   # 390_000_000 for a process that imported torch
+    """
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return total - free
+    try:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return 0
