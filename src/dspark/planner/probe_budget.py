@@ -4,10 +4,10 @@
 batch sizes, the larger the local batch itself (see [Note: auto with a batch] in
 :mod:`dspark.planner.auto_choice`), and it does so in the process the budget is for. When the
 whole batch's step does not fit the budget (the reason auto would split the step), a probe at the
-whole batch breaks the budget before auto has chosen anything: a 2-layer GPT with 8 rows of 512
-tokens over a vocabulary of 8192 took its process past 1 GB to learn that micro-batches of 2 fit
-in 1000 MiB. So before probing, auto predicts what the probe would take at each equal micro-batch
-of the local batch, without running it, and lets the probe train only micro-batches that fit:
+whole batch breaks the budget before auto has chosen anything (examples/train_gpt.py at 512 tokens
+over a vocabulary of 8192, whose logits dominate: docs/figures.md#probe-rise, the ``gpt-logits``
+rows). So before probing, auto predicts what the probe would take at each equal micro-batch of the
+local batch, without running it, and lets the probe train only micro-batches that fit:
 
     probe_rise(m) = PROBE_FIXED_BYTES + PROBE_TENSOR_FACTOR * (state + activations(m))
 
