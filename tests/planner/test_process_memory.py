@@ -1,8 +1,16 @@
 """A rank's predicted process peak (dspark.planner.process_memory, [Note: process memory]): on a CPU
 the heap's share grows with a step's transients, not with the model state allocated once; on a GPU
-the allocator's measured ratio applies as before."""
+the allocator's measured ratio applies as before; the heap's share follows what the step's transients
+hold at most in the heap, not those the C library maps apart."""
 
 from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
 
 from dspark.planner.process_memory import HEAP_SHARE, RANK_BYTES, STATE_HEAP_SHARE, process_peak_bytes
 
@@ -47,3 +55,44 @@ def test_a_gpu_keeps_the_allocators_ratio_and_an_unmeasured_baseline_gives_none(
                              state_bytes=900 * MB)
     assert gpu == round(BASE + 1000 * MB * 1.1)
     assert process_peak_bytes(MB, device_type="cpu", num_ranks=1, baseline_bytes=0, allocator_share=0.5) is None
+
+
+def test_transients_mapped_apart_take_no_heap_share() -> None:
+    # 180 MB of transients at the peak, of which the heap held at most 30 MB at once (the rest a
+    # language model's logits, mapped apart): only those 30 MB take the heap's share
+    mapped = process_peak_bytes(200 * MB, device_type="cpu", num_ranks=1, baseline_bytes=BASE,
+                                allocator_share=HEAP_SHARE, state_bytes=20 * MB, heap_transient_bytes=30 * MB)
+    assert mapped is not None
+    assert mapped - BASE - 200 * MB == round(30 * MB * HEAP_SHARE + 20 * MB * STATE_HEAP_SHARE)
+    assert mapped < _cpu(200, state_mb=20)  # not measured: every transient at the peak is in the heap
+
+
+class _WideThenNarrow(nn.Module):
+    """One activation (and its gradient) of 2 MiB at a batch of 128, everything else below 1 MiB."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wide, self.narrow = nn.Linear(16, 4096), nn.Linear(4096, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.narrow(self.wide(x))
+
+
+@pytest.mark.parametrize("malloc, mapped_apart", [("lean", True), ("tuned", False)])
+def test_the_probe_counts_in_the_heap_only_the_allocations_below_the_mmap_threshold(
+        monkeypatch: pytest.MonkeyPatch, malloc: str, mapped_apart: bool) -> None:
+    from dspark.planner.probe import measure_probe
+
+    # lean maps every allocation of 1 MiB and more apart, tuned only those of 32 MiB and more
+    monkeypatch.setenv("DSPARK_CPU_MALLOC", malloc)
+    batch = (torch.randn(128, 16, generator=torch.Generator().manual_seed(0)), torch.arange(128) % 4)
+    probe = measure_probe(_WideThenNarrow(), batch, loss_fn=F.cross_entropy,
+                          optimizer=functools.partial(torch.optim.SGD, lr=0.1), precision="fp32",
+                          device=torch.device("cpu"), batches=(64, 128), units=[""], library_baseline=False)
+    assert probe.heap_step_bytes is not None
+    step, heap = probe.step_bytes.at(128), probe.heap_step_bytes.at(128)
+    assert step > 2 * MB
+    if mapped_apart:
+        assert heap < 0.25 * step, (heap, step)
+    else:
+        assert heap == pytest.approx(step, rel=0.1)

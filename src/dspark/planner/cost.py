@@ -413,6 +413,11 @@ def row_cost(*, shape: ModelShape, probe: Probe, strategy: str, num_ranks: int, 
     if policy.splits_optimizer_on(split):  # each rank steps 1/N of every parameter's rows
         optimizer_ms = probe.optimizer_fixed_ms + (probe.optimizer_ms - probe.optimizer_fixed_ms) / split
     exposed = 0.0
+    state_total = state["params"] + state["grads"] + state["optimizer"]
+    heap_transient = None  # see [Note: process memory]: the probe's heap high-water, and the strategy's own
+    if probe.heap_step_bytes is not None:
+        heap_transient = round(probe.heap_step_bytes.at(micro_batch)
+                               + max(0.0, peak.peak_bytes - state_total - probe.step_bytes.at(micro_batch)))
     if n > 1:
         exposed = _exposed_comm_ms(shape, probe, policy, n, grouped, [count for _, _, count in rows], passes,
                                    forward_ms, backward_ms, link, split)
@@ -427,6 +432,6 @@ def row_cost(*, shape: ModelShape, probe: Probe, strategy: str, num_ranks: int, 
                        baseline_bytes=probe.process_baseline_bytes, allocator_share=probe.allocator_share,
                        mapped_bytes=mapped_state_bytes(shape, policy, split, bucket_mb),
                        collective_heap_bytes=collective_heap_bytes(shape, bucket_mb),
-                       state_bytes=state["params"] + state["grads"] + state["optimizer"]),
+                       state_bytes=state_total, heap_transient_bytes=heap_transient),
                    compute_ms=compute_ms, comm_exposed_ms=exposed, optimizer_ms=optimizer_ms + check_ms,
                    **_step_interval(probe, micro_batch, passes, exposed + check_ms, optimizer_ms))

@@ -29,6 +29,7 @@ own libraries included.
 from __future__ import annotations
 
 import gc
+import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -90,16 +91,25 @@ class PeakMarks:
         measure_interval_peaks(step, torch.device("cpu"), marks)   # one peak per gradient, and one more
     """
 
-    def __init__(self, device: torch.device | str = "cpu") -> None:
+    def __init__(self, device: torch.device | str = "cpu", *, large_from_bytes: int | None = None) -> None:
         self.device = torch.device(device)
+        self.large_from_bytes = large_from_bytes
+        """On a CPU: the size from which an allocation counts as large; the others' high-water is
+        then followed too (``small_peak_bytes``). None: it is not."""
         self.cuda_peaks: list[int] = []
         self.levels: list[int] = []
         """After :func:`measure_interval_peaks`: the bytes held at each mark."""
+        self.small_peak_bytes: int | None = None
+        """After :func:`measure_interval_peaks` on a CPU with ``large_from_bytes``: the most bytes
+        the region's allocations smaller than that held at once (the C library serves those from
+        its heap, the others it maps apart: see [Note: process memory] in
+        :mod:`dspark.planner.process_memory`); None otherwise."""
 
     def start(self) -> None:
         """A new run of the region begins (its marks replace the last run's)."""
         self.cuda_peaks = []
         self.levels = []
+        self.small_peak_bytes = None
 
     def mark(self) -> None:
         if self.device.type == "cuda":
@@ -146,7 +156,8 @@ def _profiled_interval_peaks(fn: Callable[[], object], device: torch.device, mar
     )
     peaks = [0] * (len(bounds) + 1)
     levels = [0] * len(bounds)
-    running, interval = 0, 0
+    large_from = marks.large_from_bytes if marks.large_from_bytes is not None else math.inf
+    running, running_small, small_peak, interval = 0, 0, 0, 0
     for when, nbytes in memory:
         while interval < len(bounds) and when >= bounds[interval]:
             levels[interval] = running
@@ -154,10 +165,15 @@ def _profiled_interval_peaks(fn: Callable[[], object], device: torch.device, mar
             peaks[interval] = running  # held when the interval starts
         running += nbytes
         peaks[interval] = max(peaks[interval], running)
+        if abs(nbytes) < large_from:  # a free reports the size it frees, negative
+            running_small += nbytes
+            small_peak = max(small_peak, running_small)
     for later in range(interval, len(bounds)):
         levels[later] = running
         peaks[later + 1] = running
     marks.levels = [held_bytes + max(0, level) for level in levels]
+    if marks.large_from_bytes is not None:
+        marks.small_peak_bytes = small_peak
     return [held_bytes + max(0, p) for p in peaks]
 
 

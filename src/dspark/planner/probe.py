@@ -11,6 +11,9 @@ local batch sizes, so that each cost is a line ``fixed + per_sample * batch``:
   parameters and buffers where they sit on the same device (held while the copy runs, absent from a
   real run): the step's *activations* (at the batch) and the *runtime* (the fixed part: scratch that
   does not shrink with the batch);
+* on a CPU, the most bytes the step's allocations below the C library's mmap threshold held at
+  once, beyond the gradients of that size: what of the step lives in the heap (see [Note: process
+  memory]);
 * when, in backward, each parameter's gradient is complete (a fraction of the backward time):
   where each gradient bucket becomes ready, for the overlap of its reduction with backward;
 * each top-level unit's share of the forward time, for zero3's gathers ahead of use;
@@ -142,7 +145,8 @@ class _Runner:
             else contextlib.nullcontext)
         self.ready: dict[int, float] = {}
         self.events: list[int] = []  # per mark: the parameter accumulated, or -1 (forward/backward ends)
-        self.marks = PeakMarks(device)
+        # on a CPU, what of the step the C library's heap serves (see [Note: process memory])
+        self.marks = PeakMarks(device, large_from_bytes=mmap_threshold_bytes() if device.type == "cpu" else None)
         self.unit_times: list[tuple[int, float, float]] = []
         self._started: dict[int, float] = {}
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad(i)) for i, p in enumerate(params)]
@@ -240,6 +244,7 @@ def measure_probe(model: nn.Module, sample_batch: Any, *, loss_fn: LossFn | None
     modules = dict(work.named_modules())
     runner = _Runner(work, optimizer, precision, device, [modules[name] for name in units])
     peaks: list[tuple[int, float]] = []
+    heap: list[tuple[int, float]] = []  # the heap's high-water of each step's transients
     intervals: list[tuple[int, tuple[int, ...], list[float], list[float], float | None]] = []
     ready: list[float] = [1.0] * len(runner.params)
     shares: list[float] = [0.0] * len(units)
@@ -264,6 +269,9 @@ def measure_probe(model: nn.Module, sample_batch: Any, *, loss_fn: LossFn | None
                                                  runner.marks)
             peaks.append((rows, float(max(by_interval) - state_bytes - caller_bytes)))
             grad_bytes = [p.numel() * p.element_size() for p in runner.params]
+            if runner.marks.small_peak_bytes is not None:  # the step's own, beyond the gradients kept
+                heap.append((rows, float(max(0, runner.marks.small_peak_bytes - sum(
+                    g for g in grad_bytes if g < mmap_threshold_bytes())))))
             held = state_bytes - sum(grad_bytes) + caller_bytes
             intervals.append((rows, tuple(e for e in runner.events if e >= 0), *split_loss_backward(
                 beyond_held_gradients(by_interval, runner.events, grad_bytes, held),
@@ -275,6 +283,7 @@ def measure_probe(model: nn.Module, sample_batch: Any, *, loss_fn: LossFn | None
     if len(peaks) == 1:  # one batch size given twice
         peaks.append(peaks[0])
         intervals.append(intervals[0])
+        heap *= 2
     grad_bytes_total = sum(p.numel() * p.element_size() for p in runner.params)
     quarter_ms = _quarter_optimizer_ms(runner.params, optimizer, device, steps)
     # full = fixed + per_row_share, quarter = fixed + per_row_share / 4
@@ -291,6 +300,7 @@ def measure_probe(model: nn.Module, sample_batch: Any, *, loss_fn: LossFn | None
                  timing_rounds=timing.rounds, steady=timing.steady, step_spread=timing.spread,
                  forward_ms_rounds=timing.forward_ms_rounds, backward_ms_rounds=timing.backward_ms_rounds,
                  optimizer_ms_rounds=timing.optimizer_ms_rounds, refused_fits=timing.refused_fits,
+                 heap_step_bytes=fit_line(heap) if len(heap) == 2 else None,
                  **interval_lines(intervals), **process_terms(model, device, library_baseline))
 
 

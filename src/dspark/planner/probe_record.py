@@ -108,6 +108,13 @@ class Probe:
     """Bytes per second that the first touch of memory the C library maps afresh runs at (a page
     fault per page: what a CPU allocation above the mmap threshold costs each time it is made, see
     [Note: why the thresholds] in :mod:`dspark.cpu_malloc`); 0.0: not measured, or not a CPU."""
+    heap_step_bytes: Line | None = None
+    """By batch, the most bytes a step's transients held at once in allocations smaller than
+    :func:`dspark.cpu_malloc.mmap_threshold_bytes` (beyond the gradients of that size), which the C
+    library serves from its heap; the larger ones (a language model's logits) it maps apart and
+    unmaps when freed. What the heap keeps beyond the live tensors follows this high-water, not the
+    step's peak (see [Note: process memory]). None: not measured (a GPU, a fake trace, an older
+    plan's JSON: every transient at the peak counts as in the heap)."""
     frozen_unread: tuple[int, ...] = ()
     """Frozen parameters (indices in ``model.parameters()`` order of the frozen ones, tied ones once)
     that nothing saved for backward: zero3 does not regather them for backward (see [Note: frozen
@@ -180,7 +187,9 @@ class Probe:
                        fault_bytes_per_s=float(data.get("fault_bytes_per_s", 0.0)),
                        frozen_unread=tuple(map(int, data.get("frozen_unread", ()))),
                        loss_backward_bytes=Line(**data["loss_backward_bytes"])
-                       if data.get("loss_backward_bytes") else None)
+                       if data.get("loss_backward_bytes") else None,
+                       heap_step_bytes=Line(**data["heap_step_bytes"])
+                       if data.get("heap_step_bytes") else None)
         except (KeyError, TypeError, IndexError) as exc:
             raise ValueError(f"not a probe written by dspark.plan: {exc!r} (keys: {sorted(data)})") from None
 

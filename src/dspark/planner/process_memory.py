@@ -11,14 +11,23 @@ moment. What a user budgets for, and what ``memory_budget`` means, is the proces
   heap holds beyond the live tensors in it, which depends on how long those tensors live:
 
   - a step's *transients* (activations, the whole gradients before they are reduced, zero3's
-    gathered parameters, autocast's copies: the tensor peak less the model state) are freed every
-    step, and the next step's land only partly where they were: the holes they leave stay resident
-    (glibc keeps what it frees below the size it maps apart,
-    :func:`dspark.cpu_malloc.mmap_threshold_bytes`), so the heap holds :data:`HEAP_SHARE` of them
-    more. Left alone that grows step after step (the ratchet, [Note: the heap ratchet] in
-    :mod:`dspark.cpu_malloc`); the engine's heap guard trims it back whenever it passes a small
-    margin over the first step's ([Note: when the guard trims] in :mod:`dspark.engine.heap_guard`),
-    so the share describes a short run and a long one alike;
+    gathered parameters, autocast's copies) are freed every step, and the next step's land only
+    partly where they were: the holes they leave stay resident. Only those below the size the C
+    library maps apart (:func:`dspark.cpu_malloc.mmap_threshold_bytes`) are in its heap: a larger
+    one (a language model's logits, a large batch's activation) is mapped when allocated and
+    unmapped when freed, and leaves no hole. So the heap holds :data:`HEAP_SHARE` more of the most
+    the step's transients held *in the heap* at once, at whatever moment of the step that was (not
+    necessarily its tensor peak: where the logits make the peak, mapped apart, the heap's own
+    high-water may come earlier, from activations below the size). The probe measures it
+    (``Probe.heap_step_bytes``: the running sum of the step's allocations below that size, beyond
+    the gradients of that size, which one device keeps), by batch; a strategy's own transients
+    beyond the one-device step (zero3's gathered units, whole gradients before their reduction,
+    send buffers: the row's tensor peak less its model state less the probe's step) count in the
+    heap as well. A probe that did not measure it (a fake trace, an older plan's JSON) counts every
+    transient at the peak in the heap. Left alone the heap grows step after step (the ratchet,
+    [Note: the heap ratchet] in :mod:`dspark.cpu_malloc`); the engine's heap guard trims it back
+    whenever it passes a small margin over the first step's ([Note: when the guard trims] in
+    :mod:`dspark.engine.heap_guard`), so the share describes a short run and a long one alike;
   - the *model state* (parameters, gradients, optimizer state) is allocated once and kept: it
     leaves no holes, and its part below that size adds :data:`STATE_HEAP_SHARE` of it;
 
@@ -35,6 +44,9 @@ rows the fit did not see (3 and 4 ranks); how close the prediction comes, on eve
 docs/figures.md#plan-validation. The split between transients and state is what the zoo asks for:
 one share of all the tensors in the heap read the activation-heavy rows (one rank of a long
 sequence, a conv net) and zero3's gathered embedding low and the rows of large optimizer state high.
+So is the heap's high-water in place of the transients at the peak: a share of the latter read one
+rank of a long sequence (every activation in the heap) low and one rank of a language model (its
+logits mapped apart) high.
 The heap stays the least predictable part: a rank's first step lays its transients out a little
 differently run to run, which is why ``strategy="auto"`` keeps a margin
 (:data:`dspark.planner.table.PEAK_MARGIN`).
@@ -57,9 +69,9 @@ from dspark.planner.peak_memory import held_tensor_bytes
 __all__ = ["HEAP_SHARE", "RANK_BYTES", "STATE_HEAP_SHARE", "high_water_bytes", "library_baseline_bytes",
            "model_modules", "process_bytes", "process_peak_bytes", "this_process_baseline_bytes"]
 
-HEAP_SHARE = 0.48
-"""CPU: the heap's resident memory beyond a step's live transients, as a share of those transients
-(see [Note: process memory])."""
+HEAP_SHARE = 0.70
+"""CPU: the heap's resident memory beyond a step's live tensors, as a share of the most its
+transients hold at once in the heap (see [Note: process memory])."""
 STATE_HEAP_SHARE = 0.27
 """CPU: the same for the model state in the heap, allocated once (see [Note: process memory])."""
 RANK_BYTES = 32 << 20
@@ -116,7 +128,7 @@ def library_baseline_bytes(modules: Iterable[str] = ()) -> int:
 
 def process_peak_bytes(tensor_peak_bytes: int, *, device_type: str, num_ranks: int, baseline_bytes: int,
                        allocator_share: float, mapped_bytes: int = 0, collective_heap_bytes: int = 0,
-                       state_bytes: int = 0) -> int | None:
+                       state_bytes: int = 0, heap_transient_bytes: int | None = None) -> int | None:
     """A rank's process peak from its tensor peak (see [Note: process memory]); None where the
     baseline was not measured. ``mapped_bytes``: the part of the tensor peak in allocations the C
     library maps apart from its heap (on a CPU: each of at least
@@ -124,12 +136,15 @@ def process_peak_bytes(tensor_peak_bytes: int, *, device_type: str, num_ranks: i
     ``collective_heap_bytes``: the two largest gradient buckets below that size, which gloo's
     threads copy into heaps of their own on a world of several; ``state_bytes``: the model state
     (parameters, gradients, optimizer state: allocated once and kept), on a CPU the part of the tensor
-    peak that is not a step's transients (0: all of it is).
+    peak that is not a step's transients (0: all of it is); ``heap_transient_bytes``: on a CPU the
+    most the step's transients hold at once in the heap (allocations below that size, at any moment
+    of the step: ``Probe.heap_step_bytes``), which the heap's share follows (None: the transients
+    at the peak, all of them in the heap).
 
     Example::
 
         process_peak_bytes(200_000_000, device_type="cpu", num_ranks=2, baseline_bytes=320_000_000,
-                           allocator_share=HEAP_SHARE, state_bytes=120_000_000)
+                           allocator_share=HEAP_SHARE, state_bytes=120_000_000, heap_transient_bytes=50_000_000)
     """
     if baseline_bytes <= 0:
         return None
@@ -137,8 +152,9 @@ def process_peak_bytes(tensor_peak_bytes: int, *, device_type: str, num_ranks: i
     if device_type != "cpu":
         return round(baseline_bytes + tensor_peak_bytes + in_heap * allocator_share)
     transient = min(in_heap, max(0, tensor_peak_bytes - state_bytes))
+    in_heap_transient = transient if heap_transient_bytes is None else max(0, heap_transient_bytes)
     extra = RANK_BYTES + collective_heap_bytes if num_ranks > 1 else 0
-    return round(baseline_bytes + tensor_peak_bytes + transient * allocator_share
+    return round(baseline_bytes + tensor_peak_bytes + in_heap_transient * allocator_share
                  + (in_heap - transient) * STATE_HEAP_SHARE + extra)
 
 
