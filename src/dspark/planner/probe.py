@@ -55,7 +55,7 @@ from dspark.planner.probe_record import (
     split_loss_backward,
 )
 from dspark.planner.probe_timing import time_rounds
-from dspark.planner.process_memory import HEAP_SHARE, library_baseline_bytes, model_modules
+from dspark.planner.process_memory import process_terms
 from dspark.policy.optimizer_kernel import prefer_fused_kernel
 from dspark.policy.state_bytes import expected_state_bytes, optimizer_state_elements
 from dspark.policy.strategies import STRATEGIES, precision_policy
@@ -449,21 +449,6 @@ def measure_check_bytes_per_s(device: torch.device, nbytes: int, repeats: int = 
         factor = torch.full((1,), 0.5, dtype=torch.float32, device=device)
         return lambda: torch._amp_foreach_non_finite_check_and_unscale_([grads], found_inf, factor)
     return _pass_bytes_per_s(device, nbytes, repeats, prepare)
-
-
-def process_terms(model: nn.Module, device: torch.device, library_baseline: bool) -> dict[str, Any]:
-    """``process_baseline_bytes`` and ``allocator_share`` for a probe on ``device`` (see [Note:
-    process memory]): on a CPU a fresh process's libraries and the heap's measured share; on a GPU
-    the context (the device's used memory beyond what the allocator reserved) and the allocator's
-    reserved-to-allocated ratio after the probe's steps."""
-    if device.type != "cuda":
-        baseline = library_baseline_bytes(model_modules(model)) if library_baseline else 0
-        return {"process_baseline_bytes": baseline, "allocator_share": HEAP_SHARE}
-    free, total = torch.cuda.mem_get_info(device)
-    reserved = torch.cuda.memory_reserved(device)
-    allocated = max(1, int(torch.cuda.max_memory_allocated(device)))
-    return {"process_baseline_bytes": max(0, total - free - reserved),
-            "allocator_share": max(0.0, reserved / allocated - 1.0)}
 
 
 def optimizer_state_of(factory: Callable[..., torch.optim.Optimizer]) -> tuple[int, bool]:

@@ -60,6 +60,7 @@ import resource
 import subprocess
 import sys
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -67,7 +68,7 @@ from torch import nn
 from dspark.planner.peak_memory import held_tensor_bytes
 
 __all__ = ["HEAP_SHARE", "RANK_BYTES", "STATE_HEAP_SHARE", "high_water_bytes", "library_baseline_bytes",
-           "model_modules", "process_bytes", "process_peak_bytes", "this_process_baseline_bytes"]
+           "model_modules", "process_bytes", "process_peak_bytes", "process_terms", "this_process_baseline_bytes"]
 
 HEAP_SHARE = 0.70
 """CPU: the heap's resident memory beyond a step's live tensors, as a share of the most its
@@ -156,6 +157,26 @@ def process_peak_bytes(tensor_peak_bytes: int, *, device_type: str, num_ranks: i
     extra = RANK_BYTES + collective_heap_bytes if num_ranks > 1 else 0
     return round(baseline_bytes + tensor_peak_bytes + in_heap_transient * allocator_share
                  + (in_heap - transient) * STATE_HEAP_SHARE + extra)
+
+
+def process_terms(model: nn.Module, device: torch.device, library_baseline: bool) -> dict[str, Any]:
+    """``process_baseline_bytes`` and ``allocator_share`` for a probe on ``device`` (see [Note:
+    process memory]): on a CPU a fresh process's libraries and the heap's measured share; on a GPU
+    the context (the device's used memory beyond what the allocator reserved) and the allocator's
+    reserved-to-allocated ratio after the probe's steps.
+
+    Example::
+
+        process_terms(model, torch.device("cpu"), library_baseline=True)   # {"process_baseline_bytes": ..., ...}
+    """
+    if device.type != "cuda":
+        baseline = library_baseline_bytes(model_modules(model)) if library_baseline else 0
+        return {"process_baseline_bytes": baseline, "allocator_share": HEAP_SHARE}
+    free, total = torch.cuda.mem_get_info(device)
+    reserved = torch.cuda.memory_reserved(device)
+    allocated = max(1, int(torch.cuda.max_memory_allocated(device)))
+    return {"process_baseline_bytes": max(0, total - free - reserved),
+            "allocator_share": max(0.0, reserved / allocated - 1.0)}
 
 
 def this_process_baseline_bytes(device: torch.device) -> int:
