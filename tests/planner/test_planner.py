@@ -225,7 +225,13 @@ def test_the_probe_finds_the_frozen_parameters_backward_never_reads() -> None:
     # frozen, in order: embed.weight, middle.weight, middle.bias; the middle layer's input needs a
     # gradient, so backward reads its weight, never its bias nor the embedding
     assert probe.frozen_unread == (0, 2)
-    assert probe.fault_bytes_per_s > 0  # a fresh buffer past the mmap threshold: its pages faulted in
+    from dspark.cpu_malloc import tune_for_training
+
+    # a fresh buffer past the mmap threshold: its pages faulted in; where this process kept glibc's
+    # own moving threshold (set once per process, by whichever test came first), a freed buffer
+    # raises it and the next one is served from the heap: nothing faults
+    if tune_for_training().mode != "default":
+        assert probe.fault_bytes_per_s > 0
 
 
 def test_the_probe_times_the_step_under_the_engines_malloc(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -83,8 +83,13 @@ def test_the_probe_counts_in_the_heap_only_the_allocations_below_the_mmap_thresh
         monkeypatch: pytest.MonkeyPatch, malloc: str, mapped_apart: bool) -> None:
     from dspark.planner.probe import measure_probe
 
-    # lean maps every allocation of 1 MiB and more apart, tuned only those of 32 MiB and more
+    import dspark.planner.probe as probe_module
+
+    # lean maps every allocation of 1 MiB and more apart, tuned only those of 32 MiB and more; the
+    # probe reads the threshold from the setting, and this process's own thresholds stay as they are
+    # (set once per process: a lean one would slow every later test of this worker)
     monkeypatch.setenv("DSPARK_CPU_MALLOC", malloc)
+    monkeypatch.setattr(probe_module, "tune_for_training", lambda: None)
     batch = (torch.randn(128, 16, generator=torch.Generator().manual_seed(0)), torch.arange(128) % 4)
     probe = measure_probe(_WideThenNarrow(), batch, loss_fn=F.cross_entropy,
                           optimizer=functools.partial(torch.optim.SGD, lr=0.1), precision="fp32",
