@@ -81,9 +81,8 @@ class _WideThenNarrow(nn.Module):
 @pytest.mark.parametrize("malloc, mapped_apart", [("lean", True), ("tuned", False)])
 def test_the_probe_counts_in_the_heap_only_the_allocations_below_the_mmap_threshold(
         monkeypatch: pytest.MonkeyPatch, malloc: str, mapped_apart: bool) -> None:
-    from dspark.planner.probe import measure_probe
-
     import dspark.planner.probe as probe_module
+    from dspark.planner.probe import measure_probe
 
     # lean maps every allocation of 1 MiB and more apart, tuned only those of 32 MiB and more; the
     # probe reads the threshold from the setting, and this process's own thresholds stay as they are
