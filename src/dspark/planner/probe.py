@@ -21,7 +21,7 @@ local batch sizes, so that each cost is a line ``fixed + per_sample * batch``:
   packs send buffers and lands gathered rows with such copies (see [Note: what each strategy sends]).
 
 On a CPU the probe first sets malloc as the engine will (:func:`dspark.cpu_malloc.tune_for_training`):
-under glibc's own thresholds its larger batch paid page faults the engine's step does not.
+glibc's own thresholds move with what the process frees, and a short run paid page faults there.
 
 A model built on the meta device is materialised on this device first (``reset_parameters()``, as
 the engine does): the probe needs real numbers to run. That needs its one-device state in memory;
