@@ -253,9 +253,7 @@ def measure_probe(model: nn.Module, sample_batch: Any, *, loss_fn: LossFn | None
     prepared = {rows: _to(slice_batch(sample_batch, rows), device) for rows in dict.fromkeys(batches)}
     frozen = [p for p in dict.fromkeys(work.parameters()) if not p.requires_grad]
     saved: set[tuple[int, torch.dtype]] = set()
-    stack = contextlib.ExitStack()
     try:
-        stack.enter_context(_denormals_flushed(device))
         for rows, batch in prepared.items():
             with _recording_saved(saved):  # warm-up: kernels chosen, optimizer state allocated
                 runner.step(batch, loss_fn)
@@ -276,10 +274,10 @@ def measure_probe(model: nn.Module, sample_batch: Any, *, loss_fn: LossFn | None
             intervals.append((rows, tuple(e for e in runner.events if e >= 0), *split_loss_backward(
                 beyond_held_gradients(by_interval, runner.events, grad_bytes, held),
                 beyond_held_gradients(runner.marks.levels, runner.events, grad_bytes, held), runner.events)))
-        timing = time_rounds(lambda rows: runner.step(prepared[rows], loss_fn)[:3], batches, ROUND_STEPS)
+        timing = time_rounds(lambda rows: runner.step(prepared[rows], loss_fn)[:3], batches, ROUND_STEPS,
+                             before_round=_weights_restored(runner.params))
     finally:
         runner.close()
-        stack.close()
     if len(peaks) == 1:  # one batch size given twice
         peaks.append(peaks[0])
         intervals.append(intervals[0])
@@ -330,29 +328,29 @@ def _quarter_optimizer_ms(params: Sequence[torch.Tensor], optimizer: Callable[..
     return 1e3 * statistics.median(times)
 
 
-@contextlib.contextmanager
-def _denormals_flushed(device: torch.device) -> Iterator[None]:
-    """CPU arithmetic flushes denormal floats to zero meanwhile, as it was before where it already
-    did (see [Note: denormals in the probe])."""
-    if device.type != "cpu":
-        yield
-        return
-    tiny = torch.tensor([1e-39], dtype=torch.float32)  # a denormal: zero times one where they flush
-    already = bool((tiny * 1.0).item() == 0.0)
-    torch.set_flush_denormal(True)
-    try:
-        yield
-    finally:
-        torch.set_flush_denormal(already)
+def _weights_restored(params: Sequence[torch.Tensor]) -> Callable[[], None]:
+    """What puts ``params`` back to their values now, for each timing round to start from (see
+    [Note: each round starts from the same weights])."""
+    start = [p.detach().clone() for p in params]
+
+    def restore() -> None:
+        with torch.no_grad():
+            for p, value in zip(params, start, strict=True):
+                p.copy_(value)
+    return restore
 
 
-# [Note: denormals in the probe] The probe trains its copy of the model on one batch for dozens of
-# steps (rounds of steps at two sizes, until steady): a model that memorises that batch drives its
-# softmax's smallest probabilities, their gradients and the optimizer's moments below float32's
-# normal range, and x86 arithmetic on denormal floats is many times slower. A tied-embedding model's
-# backward grew round by round from its first step's time to twenty times it, so the probe never
-# became steady and predicted its step several times what the run, whose model has not memorised
-# anything, takes. The probe's steps flush denormals to zero (its model copy is thrown away after).
+# [Note: each round starts from the same weights] The probe trains its copy of the model on one
+# batch, in rounds of steps at two sizes until steady. Left to train on, a model memorises that
+# batch: its softmax's smallest probabilities, their gradients and the optimizer's moments fall
+# below float32's normal range, and x86 arithmetic on denormal floats is many times slower. A
+# tied-embedding model's backward grew round by round to twenty times its first step's, so the probe
+# never became steady and predicted its step several times what the run takes. Each round now starts
+# from the weights the probe's first steps reached, so no round trains further into the batch than
+# the first did. Flushing denormals to zero in the probe's steps (what the probe did before) hid the
+# memorising, but also the denormals a real run meets on every step (a deep MLP's optimizer moments
+# after a few steps): the engine pays those, and the probe timed every model about a sixth fast on
+# one rank (docs/figures.md#plan-validation-quiet).
 
 
 @contextlib.contextmanager

@@ -80,9 +80,9 @@ class StepTiming:
 
 
 def time_rounds(step: Callable[[int], tuple[float, float, float]], batches: tuple[int, int],
-                steps: int) -> StepTiming:
+                steps: int, before_round: Callable[[], None] | None = None) -> StepTiming:
     """Rounds of ``steps`` calls of ``step(rows)`` (seconds of forward, backward, optimizer) at each
-    batch size, until steady (see [Note: steady steps]).
+    batch size, until steady (see [Note: steady steps]); ``before_round()``, untimed, before each.
 
     Example::
 
@@ -93,6 +93,8 @@ def time_rounds(step: Callable[[int], tuple[float, float, float]], batches: tupl
     rounds: list[dict[int, tuple[float, float, float]]] = []
     steady = False
     while len(rounds) < MAX_ROUNDS:
+        if before_round is not None:
+            before_round()
         medians = {}
         for rows in sizes:
             times = [step(rows) for _ in range(steps)]
