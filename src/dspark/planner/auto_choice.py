@@ -331,9 +331,8 @@ def _resolve_with_batch(request: AutoRequest, budget: int, link: Interconnect | 
             settings: dict[str, Any] = {"optimizer": request.optimizer, "devices": [world.world_size],
                         "precision": request.precision, "global_batch": rows * world.world_size,
                         "memory_budget": budget, "interconnect": link, "bucket_mb": request.bucket_mb,
-                        "device": world.device, "shard_group_size": group_size,
-                        "max_micro_batch": None if fixed is None else rows // fixed}
-            with torch.random.fork_rng(devices=cuda):
+                        "device": world.device, "shard_group_size": group_size}
+            with torch.random.fork_rng(devices=cuda):  # the largest micro-batch the probe may train
                 settings["max_micro_batch"] = _probe_within(request, rows, fixed, budget)
                 measured = plan(request.model, request.sample_batch, request.loss_fn, **settings,
                                 process_baseline_bytes=0)

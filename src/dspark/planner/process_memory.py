@@ -207,11 +207,8 @@ def high_water_bytes(device: torch.device) -> int:
     """
     if device.type == "cuda":
         return torch.cuda.max_memory_reserved(device) + this_process_baseline_bytes(device)
-    try:
-        with open("/proc/self/status") as status:
-            return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
-    except (OSError, StopIteration, ValueError, IndexError):
-        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # kB on Linux
+    peak = _status_bytes("VmHWM")
+    return peak if peak is not None else int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # kB
 
 
 def process_bytes(device: torch.device) -> int:
@@ -226,8 +223,13 @@ def process_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         return total - free
+    return _status_bytes("VmRSS") or 0
+
+
+def _status_bytes(field: str) -> int | None:
+    """``field`` of ``/proc/self/status`` (a size in kB there) in bytes; None where it cannot be read."""
     try:
         with open("/proc/self/status") as status:
-            return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
+            return next(int(line.split()[1]) * 1024 for line in status if line.startswith(field + ":"))
     except (OSError, StopIteration, ValueError, IndexError):
-        return 0
+        return None
