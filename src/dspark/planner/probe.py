@@ -350,7 +350,7 @@ def _weights_restored(params: Sequence[torch.Tensor]) -> Callable[[], None]:
 # the first did. Flushing denormals to zero in the probe's steps (what the probe did before) hid the
 # memorising, but also the denormals a real run meets on every step (a deep MLP's optimizer moments
 # after a few steps): the engine pays those, and the probe timed every model about a sixth fast on
-# one rank (docs/figures.md#plan-validation-quiet).
+# one rank (docs/figures.md#2026-12-07-2vcpu-plan-validation-zoo-quiet3).
 
 
 @contextlib.contextmanager
