@@ -102,14 +102,9 @@ def link_worker() -> None:
 
 
 def _link(data: dict[str, Any]) -> Any:
-    from dspark.engine.for_the_lab import LinkCost
     from dspark.planner import Interconnect
 
-    def one(d: dict[str, Any]) -> Interconnect:
-        return Interconnect(**{**d, "inter_node": None, "per_collective": tuple(
-            (name, LinkCost(**cost)) for name, cost in d["per_collective"])})
-
-    inside, across = one(data["inside"]), one(data["across"])
+    inside, across = Interconnect.from_dict(data["inside"]), Interconnect.from_dict(data["across"])
     return dataclasses.replace(inside, name="measured: node pairs + world", ranks_per_node=PER_NODE,
                                inter_node=across)
 

@@ -107,11 +107,9 @@ def link_worker() -> None:
 
 def link_from_dict(data: dict[str, Any]) -> Any:
     """The :class:`dspark.planner.Interconnect` ``dataclasses.asdict`` wrote."""
-    from dspark.engine.for_the_lab import LinkCost
     from dspark.planner import Interconnect
 
-    return Interconnect(**{**data, "inter_node": None,
-                           "per_collective": tuple((name, LinkCost(**cost)) for name, cost in data["per_collective"])})
+    return Interconnect.from_dict(data)
 
 
 def _run_ranks(ranks: int, *args: str) -> dict[str, Any]:
@@ -145,6 +143,8 @@ def _row(name: str, precision: str, strategy: str, ranks: int, predicted: Any, g
             "predicted_step_ms_low": predicted.step_ms_low, "predicted_step_ms_high": predicted.step_ms_high,
             "predicted_step_parts_ms": {"compute": predicted.compute_ms, "comm": predicted.comm_exposed_ms,
                                         "optimizer": predicted.optimizer_ms},
+            "predicted_co_run_factors": {"compute": predicted.co_run_compute_factor,
+                                         "optimizer": predicted.co_run_optimizer_factor},
             "step_compared": ranks < 3}
 
 

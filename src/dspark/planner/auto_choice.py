@@ -202,7 +202,8 @@ def auto_choice(request: AutoRequest) -> AutoChoice:
     if link is not None and group_size is not None:  # two levels: the nodes' own links, and the world's
         inside = measure_link(world, repeats=3, group=comm.partition_groups(
             group_layout(world.world_size, shard_group_size=group_size).shard_groups(), name="shard"))
-        link = replace(inside, name=f"{inside.name}+{link.name}", ranks_per_node=group_size, inter_node=link)
+        link = replace(inside, name=f"{inside.name}+{link.name}", ranks_per_node=group_size, inter_node=link,
+                       co_run=link.co_run)  # measured over the world, every node's ranks at once
     bandwidth = link.bytes_per_s if link is not None else 0.0
     budget = request.memory_budget
     if budget is None:

@@ -36,7 +36,9 @@ before it lands, and what runs past the end of backward is exposed; zero3 gather
 the unit before it computes, so a gather longer than that compute stalls by the difference and the
 root's gathers (start of forward, start of backward) stall whole. On a link that does not overlap
 compute (gloo on one CPU core per rank: the core that computes also moves and sums the bytes)
-every collective is exposed, whole.
+every collective is exposed, whole. With more than one rank on a CPU node, compute and optimizer are
+those the node's ranks pay running at once, over a link that measured it (see [Note: co-run
+slowdown] in :mod:`dspark.planner.co_run`).
 
 [Note: what each strategy sends] Per optimizer step on ``N > 1`` ranks, ``S`` a bucket's whole
 gradient bytes, ``U`` a zero3 unit's padded parameter bytes:
@@ -76,6 +78,7 @@ import torch
 
 from dspark.comm.shm_setup import shm_wanted
 from dspark.cpu_malloc import mmap_threshold_bytes
+from dspark.planner.co_run import CoRunParts, co_run_parts
 from dspark.planner.interconnect import Interconnect, all_gather_s, all_reduce_s, reduce_scatter_s
 from dspark.planner.peak_timeline import bucket_groups, step_peak
 from dspark.planner.probe_record import Probe
@@ -152,6 +155,11 @@ class RowCost:
     :mod:`dspark.planner.probe_timing`); None: the probe kept no rounds."""
     step_ms_high: float | None = None
     """The highest."""
+    co_run_compute_factor: float = 1.0
+    """How much ``compute_ms`` grew for the node's other ranks running theirs at once (see [Note: co-run
+    slowdown] in :mod:`dspark.planner.co_run`); 1.0: not slowed (one rank per node, or not measured)."""
+    co_run_optimizer_factor: float = 1.0
+    """The same for ``optimizer_ms`` (the optimizer step and the scale-and-check pass)."""
 
 
 def _padded_bytes(spec: ParamSpec, num_ranks: int) -> int:
@@ -342,15 +350,17 @@ def _exposed_comm_ms(shape: ModelShape, probe: Probe, policy: ShardingPolicy, n:
 
 
 def _step_interval(probe: Probe, micro_batch: int, passes: int, exposed_ms: float,
-                   optimizer_ms: float) -> dict[str, float]:
+                   optimizer_ms: float, compute_factor: float = 1.0) -> dict[str, float]:
     """The row's step by each of the probe's rounds: their lowest and highest (see [Note: steady
-    steps]); none without rounds."""
+    steps]); none without rounds. ``compute_factor`` scales each round's compute (see [Note: co-run
+    slowdown] in :mod:`dspark.planner.co_run`)."""
     rounds = list(zip(probe.forward_ms_rounds, probe.backward_ms_rounds, probe.optimizer_ms_rounds, strict=False))
     if not rounds:
         return {}
     share = optimizer_ms / probe.optimizer_ms if probe.optimizer_ms > 0 else 0.0
     # a noisy round's line may fall with the batch; no round predicts a compute time below zero
-    steps = [passes * (max(f.at(micro_batch), 0.0) + max(b.at(micro_batch), 0.0)) + exposed_ms + o * share
+    steps = [compute_factor * passes * (max(f.at(micro_batch), 0.0) + max(b.at(micro_batch), 0.0))
+             + exposed_ms + o * share
              for f, b, o in rounds]
     return {"step_ms_low": min(steps), "step_ms_high": max(steps)}
 
@@ -421,7 +431,12 @@ def row_cost(*, shape: ModelShape, probe: Probe, strategy: str, num_ranks: int, 
     if n > 1:
         exposed = _exposed_comm_ms(shape, probe, policy, n, grouped, [count for _, _, count in rows], passes,
                                    forward_ms, backward_ms, link, split)
-    check_ms = gradient_check_ms(probe, sum(nbytes for _, nbytes in grouped), policy.shard_grads and n > 1, split)
+    grad_bytes = sum(nbytes for _, nbytes in grouped)
+    check_sharded = policy.shard_grads and n > 1
+    check_ms = gradient_check_ms(probe, grad_bytes, check_sharded, split)
+    shared = _co_run_row(shape, probe, policy, link, n, split, micro_batch, passes, state["optimizer"],
+                         compute_ms=compute_ms, optimizer_ms=optimizer_ms, check_ms=check_ms,
+                         check_bytes=grad_bytes // split if check_sharded else grad_bytes)
     return RowCost(params_bytes=state["params"], grads_bytes=state["grads"],
                    optimizer_bytes=state["optimizer"], activation_bytes=peak.activation_bytes,
                    comm_buffer_bytes=peak.comm_buffer_bytes, runtime_bytes=peak.runtime_bytes,
@@ -433,5 +448,27 @@ def row_cost(*, shape: ModelShape, probe: Probe, strategy: str, num_ranks: int, 
                        mapped_bytes=mapped_state_bytes(shape, policy, split, bucket_mb),
                        collective_heap_bytes=collective_heap_bytes(shape, bucket_mb),
                        state_bytes=state_total, heap_transient_bytes=heap_transient),
-                   compute_ms=compute_ms, comm_exposed_ms=exposed, optimizer_ms=optimizer_ms + check_ms,
-                   **_step_interval(probe, micro_batch, passes, exposed + check_ms, optimizer_ms))
+                   compute_ms=shared.compute_ms, comm_exposed_ms=exposed,
+                   optimizer_ms=shared.optimizer_ms + shared.check_ms,
+                   co_run_compute_factor=shared.compute_factor, co_run_optimizer_factor=shared.optimizer_factor,
+                   **_step_interval(probe, micro_batch, passes, exposed + shared.check_ms, shared.optimizer_ms,
+                                    shared.compute_factor))
+
+
+def _co_run_row(shape: ModelShape, probe: Probe, policy: ShardingPolicy, link: Interconnect, n: int, split: int,
+                micro_batch: int, passes: int, optimizer_bytes: int, *, compute_ms: float, optimizer_ms: float,
+                check_ms: float, check_bytes: int) -> CoRunParts:
+    """The row's compute, optimizer step and check pass beside the node's other ranks, each by its
+    working set (see [Note: co-run slowdown] in :mod:`dspark.planner.co_run`): only with more than one
+    rank per node, on a CPU, over a link that measured the slowdown."""
+    per_node = n if link.ranks_per_node is None else min(n, link.ranks_per_node)
+    co_run = link.co_run if per_node > 1 and "cuda" not in probe.device else None
+    params = sum(_whole_bytes(spec) for spec in (*shape.trainable, *shape.frozen))
+    grads = sum(_whole_bytes(spec) for spec in shape.trainable)
+    activations = probe.activation_bytes(micro_batch)
+    stepped = grads // split if policy.splits_optimizer_on(split) else grads  # a rank's rows (and their gradients)
+    return co_run_parts(co_run, compute_ms=compute_ms, optimizer_ms=optimizer_ms, check_ms=check_ms,
+                        compute_working_set_bytes=params + activations,
+                        compute_traffic_bytes=passes * (2 * params + grads + 2 * activations),
+                        optimizer_working_set_bytes=optimizer_bytes + 2 * stepped,
+                        check_working_set_bytes=check_bytes)

@@ -22,6 +22,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 from types import MappingProxyType
+from typing import Any
+
+from dspark.planner.co_run import CoRun
 
 __all__ = ["COLLECTIVES", "INTERCONNECTS", "Interconnect", "LinkCost", "all_gather_s", "all_reduce_s",
            "get_interconnect", "reduce_scatter_s"]
@@ -88,6 +91,10 @@ class Interconnect:
     per_collective: tuple[tuple[str, LinkCost], ...] = ()
     """``(collective, its own terms)`` for those measured apart (names from :data:`COLLECTIVES`);
     the others take ``bytes_per_s`` and ``latency_s``."""
+    co_run: CoRun | None = None
+    """How much slower a rank's passes run when every rank of a node runs them at once, measured on
+    the ranks this link was (see [Note: co-run slowdown] in :mod:`dspark.planner.co_run`); None: not
+    measured (a named profile, a GPU's ranks), and the plan prices no slowdown."""
 
     def __post_init__(self) -> None:
         if not (self.bytes_per_s > 0 and self.latency_s >= 0):
@@ -97,6 +104,20 @@ class Interconnect:
         if unknown:
             raise ValueError(f"interconnect {self.name!r}: per_collective names {unknown!r}; each must "
                              f"be one of {', '.join(COLLECTIVES)}")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Interconnect:
+        """The link ``dataclasses.asdict`` wrote (a benchmark's artifact keeps its measured link), its
+        collectives' terms, co-run slowdown and link between nodes included.
+
+        Example::
+
+            Interconnect.from_dict(json.loads(Path("plan-validation.json").read_text())["link"])
+        """
+        co_run, across = data.get("co_run"), data.get("inter_node")  # older artifacts have no co_run
+        costs = tuple((name, LinkCost(**cost)) for name, cost in data.get("per_collective", ()))
+        return cls(**{**data, "inter_node": cls.from_dict(across) if across else None,
+                      "co_run": CoRun.from_dict(co_run) if co_run else None, "per_collective": costs})
 
     def cost_of(self, collective: str) -> LinkCost:
         """``collective``'s ``(B, a)`` on this link: its own where measured apart, else the link's.

@@ -13,7 +13,9 @@ past a CPU core's cache, gives the rate of the bytes beyond the middle size's wh
 through shared memory a bucket of the engine's default size moves at the memory's rate, and a line
 through a small and a cached size alone priced it several times too fast (a short step's buckets and zero3's large
 gathers were planned low). The all-gather's output is allocated for each call, as a zero3 gather's
-is. Rank 0's answer is broadcast, so every rank plans alike.
+is. Rank 0's answer is broadcast, so every rank plans alike. On a CPU the same world also measures
+how much slower a rank's own passes run when every rank runs them at once (:func:`measure_co_run`,
+[Note: co-run slowdown] in :mod:`dspark.planner.co_run`): it travels with the link.
 """
 
 from __future__ import annotations
@@ -25,9 +27,10 @@ from collections.abc import Callable
 import torch
 
 from dspark import comm
+from dspark.planner.co_run import CO_RUN_SIZES, CoRun
 from dspark.planner.interconnect import COLLECTIVES, Interconnect, LinkCost
 
-__all__ = ["CACHE_EDGE", "SIZES", "fit_link_cost", "measure_link"]
+__all__ = ["CACHE_EDGE", "SIZES", "fit_link_cost", "measure_co_run", "measure_link"]
 
 SIZES = (64 << 10, 4 << 20, 24 << 20)
 """Bytes per call (the whole buffer, as the formulas count ``S``): one latency-bound, one that a
@@ -109,13 +112,91 @@ def _calls(collective: str, nbytes: int, n: int, device: torch.device,
                                          group=group, label="dspark.link_probe.all_gather")
 
 
+def _median_s(call: Callable[[], object], repeats: int, together: bool) -> float:
+    """This rank's median seconds of ``call`` over ``repeats``; ``together``: every rank starts each
+    call at a barrier (the others wait at one outside)."""
+    times = []
+    for _ in range(repeats):
+        if together:
+            comm.barrier()
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _alone_and_together_s(world: comm.World, call: Callable[[], object], repeats: int) -> tuple[float, float]:
+    """The slowest rank's median seconds of ``call`` run by one rank at a time while the others wait
+    at a barrier, and run by every rank at once."""
+    call()  # warm-up
+    alone = 0.0
+    for turn in range(world.world_size):
+        comm.barrier()
+        if world.rank == turn:
+            alone = _median_s(call, repeats, together=False)
+        comm.barrier()
+    together = _median_s(call, repeats, together=True)
+    everyone = comm.all_gather_object((alone, together), label="dspark.link_probe.co_run")
+    return max(a for a, _ in everyone), max(t for _, t in everyone)
+
+
+def _copies(nbytes: int, times: int) -> Callable[[], object]:
+    """``times`` copies between two buffers of ``nbytes`` together."""
+    src = torch.ones(max(1, nbytes // 8), dtype=torch.float32)
+    dst = torch.empty_like(src)
+
+    def call() -> None:
+        for _ in range(times):
+            dst.copy_(src)
+    return call
+
+
+def _matmuls(side: int = 384, times: int = 4) -> Callable[[], object]:
+    """``times`` products of two ``side`` x ``side`` float32 matrices: operands a core's cache holds,
+    so the time is the arithmetic's."""
+    a, b = torch.rand(side, side), torch.rand(side, side)
+    out = torch.empty(side, side)
+
+    def call() -> None:
+        for _ in range(times):
+            torch.mm(a, b, out=out)
+    return call
+
+
+def measure_co_run(world: comm.World, *, sizes: tuple[int, ...] = CO_RUN_SIZES, repeats: int = 5) -> CoRun | None:
+    """How much slower a rank's passes run when every rank of the world runs them at once than when
+    one runs alone (see [Note: co-run slowdown] in :mod:`dspark.planner.co_run`): a copy at each
+    working set of ``sizes`` and a matrix multiply, each first one rank at a time, then all at once;
+    the slowest rank's medians. Call it on every rank; every rank gets the same answer. None on one
+    rank or on a GPU (each rank has its own device).
+
+    Example::
+
+        co_run = measure_co_run(dspark.get_world())
+        co_run.pass_factor(64 << 20)   # e.g. 1.4: memory-bound passes past the cache, on every rank at once
+    """
+    if world.world_size < 2 or world.device.type != "cpu" or not sizes:
+        return None
+    points = []
+    for nbytes in sorted(sizes):  # each call long enough that the ranks' calls overlap past a barrier's skew
+        times = max(1, max(sizes) // nbytes)
+        alone, together = _alone_and_together_s(world, _copies(nbytes, times), repeats)
+        points.append((nbytes, alone / times, together / times))
+    compute_alone, compute_together = _alone_and_together_s(world, _matmuls(), repeats)
+    return CoRun(ranks=world.world_size, pass_points=tuple(points), compute_alone_s=compute_alone,
+                 compute_together_s=compute_together)
+
+
 def measure_link(world: comm.World, *, sizes: tuple[int, ...] = SIZES, repeats: int = 5,
-                 overlaps_compute: bool | None = None, group: comm.Group | None = None) -> Interconnect:
+                 overlaps_compute: bool | None = None, group: comm.Group | None = None,
+                 co_run_sizes: tuple[int, ...] = CO_RUN_SIZES) -> Interconnect:
     """This world's link, each collective measured apart (see [Note: the link probe]); call it on
     every rank. ``overlaps_compute`` defaults to False on gloo (the computing core moves the bytes).
     ``group``: measure inside this rank's group of a partition instead (every group at once, e.g.
-    one node's ranks: :func:`dspark.comm.partition_groups`); rank 0's group answers. On one rank
-    there is nothing to measure: ``ValueError``.
+    one node's ranks: :func:`dspark.comm.partition_groups`); rank 0's group answers. On a CPU, and
+    without a ``group``, it measures the ranks' co-run slowdown too (:func:`measure_co_run` at
+    ``co_run_sizes``; empty: not measured): :attr:`Interconnect.co_run`. On one rank there is nothing
+    to measure: ``ValueError``.
 
     Example::
 
@@ -130,11 +211,13 @@ def measure_link(world: comm.World, *, sizes: tuple[int, ...] = SIZES, repeats: 
         points = tuple((nbytes, _time_call(_calls(collective, nbytes, n, world.device, group), repeats, world.device))
                        for nbytes in sizes)
         costs.append((collective, fit_link_cost(collective, n, points)))  # type: ignore[arg-type]
-    costs = comm.broadcast_object(costs, label="dspark.link_probe.result")
+    co_run = measure_co_run(world, sizes=co_run_sizes, repeats=repeats) if group is None else None
+    costs, co_run = comm.broadcast_object((costs, co_run), label="dspark.link_probe.result")
     reduce = dict(costs)["all_reduce"]
     transport = comm.transport()
     return Interconnect(name=f"measured-{transport}-{n}", bytes_per_s=reduce.bytes_per_s,
                         latency_s=reduce.latency_s, per_collective=tuple(costs),
                         overlaps_compute=world.backend != "gloo" if overlaps_compute is None else overlaps_compute,
+                        co_run=co_run,
                         source=f"measured on {n} ranks through {transport} ({world.device.type}), "
                                f"{repeats} calls at each of {', '.join(map(str, sizes))} bytes per collective")

@@ -220,6 +220,12 @@ def format_plan(plan: Plan) -> str:
     if any(r.shard_group_size is not None for r in plan.rows):
         lines.append("hybrid-zeroN (R x S): the stage inside shard groups of S ranks, R groups replicating "
                      "it; a rank holds 1/S of what the stage shards")
+    shared = [r for r in plan.rows if max(r.co_run_compute_factor, r.co_run_optimizer_factor) > 1]
+    if shared:  # see [Note: co-run slowdown] in dspark.planner.co_run
+        lines.append("co-run: compute and optim ms include the node's ranks sharing its cache and memory (the "
+                     "link probe's measure), compute x / optim x: " + ", ".join(
+                         f"{r.label} on {r.devices} x{r.co_run_compute_factor:.2f} / x{r.co_run_optimizer_factor:.2f}"
+                         for r in shared))
     split = sorted({(r.passes, r.micro_batch) for r in plan.rows if r.passes > 1 and r.fits})
     for passes, micro in split:
         lines.append(f"micro {micro} x {passes}: " + loop_advice(passes, micro))
