@@ -41,10 +41,12 @@ from typing import Any
 
 __all__ = ["CO_RUN_SIZES", "CoRun", "CoRunParts", "co_run_parts"]
 
-CO_RUN_SIZES = (1 << 20, 4 << 20, 16 << 20, 32 << 20, 64 << 20)
+CO_RUN_SIZES = (1 << 20, 4 << 20, 16 << 20, 32 << 20, 48 << 20)
 """Working sets (bytes: both buffers of the copy) the memory-bound pass is timed at: from one a
 core's cache holds to some past a CPU's shared cache, where the memory's rate sets the pace. A pass
-beyond the largest takes the largest's slowdown."""
+beyond the largest takes the largest's slowdown. The largest holds no more than the link probe's
+bucket-sized all-gather does (:data:`dspark.planner.link_probe.SIZES`), so that measuring it never
+raises a rank's high water above what auto's link probe took it to."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -85,7 +87,7 @@ class CoRun:
 
         Example::
 
-            co_run.pass_factor(48 << 20)   # between the 32 and 64 MiB measurements
+            co_run.pass_factor(40 << 20)   # between the 32 and 48 MiB measurements
         """
         ratios = [together / alone for _, alone, together in self.pass_points]
         # a larger working set waits on the memory at least as much: a ratio above a larger one's is noise
