@@ -20,15 +20,17 @@ A row with more than one rank per node on a CPU pays it on the parts the probe t
   reads a parameter's rows, gradient and moments and writes three of them back; the check reads and
   writes the gradients): each takes the pass's slowdown at its working set, the rank's stepped rows
   (its shard where the optimizer is sharded) with their gradients and state, or its gradients;
-* forward and backward mix arithmetic and memory: the least their passes must move through memory
-  (the parameters read in forward and again in backward, the gradients written, the activations
-  written in forward and read back in backward) at the pass's measured rate alone is their memory
-  time, capped at the compute time; it takes the pass's slowdown at the working set of the
-  parameters and activations, and the rest of the compute takes the matrix multiply's.
+* forward and backward mix arithmetic and memory: what their passes move through memory, counted
+  once per read or write (the parameters read in forward and again in backward, the gradients
+  written, the activations written in forward and read back in backward), at the pass's measured
+  rate alone, is their memory time, capped at the compute time; it takes the pass's slowdown at the
+  working set of the parameters and activations, and the rest of the compute takes the matrix
+  multiply's. That count is an estimate: an operation that reads its input twice moves more, an
+  embedding's lookup reads only the rows it looks up.
 
-What is left unpriced: the engine's own copies around the collectives (the probe's copy rate alone),
-and any memory traffic of forward and backward beyond that least (an operation that reads its input
-twice): both make a row with a working set past the cache read a little low still. Rows on one rank,
+What is left unpriced: the engine's own copies around the collectives (the probe's copy rate
+alone), and the memory traffic of forward and backward beyond that count: both make a row with a
+working set past the cache read a little low still. Rows on one rank,
 rows with one rank per node, and a GPU's ranks (their own device each) pay nothing.
 """
 
@@ -41,12 +43,13 @@ from typing import Any
 
 __all__ = ["CO_RUN_SIZES", "CoRun", "CoRunParts", "co_run_parts"]
 
-CO_RUN_SIZES = (1 << 20, 4 << 20, 16 << 20, 32 << 20, 48 << 20)
+CO_RUN_SIZES = (1 << 20, 4 << 20, 16 << 20, 32 << 20, 64 << 20)
 """Working sets (bytes: both buffers of the copy) the memory-bound pass is timed at: from one a
 core's cache holds to some past a CPU's shared cache, where the memory's rate sets the pace. A pass
-beyond the largest takes the largest's slowdown. The largest holds no more than the link probe's
-bucket-sized all-gather does (:data:`dspark.planner.link_probe.SIZES`), so that measuring it never
-raises a rank's high water above what auto's link probe took it to."""
+beyond the largest takes the largest's slowdown (which a larger one may exceed: the price is a
+floor). The largest holds about what the link probe's bucket-sized all-gather holds at once (its
+input, its shard and its output: :data:`dspark.planner.link_probe.SIZES`), so that measuring it
+raises a rank's high water hardly above what auto's link probe took it to."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
