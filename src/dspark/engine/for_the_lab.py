@@ -23,7 +23,7 @@ What the lab does with each:
 * the measures the planner and the lab share: a step's tensor peak (``measure_peak_bytes``,
   ``held_tensor_bytes``, ``peak_of_running_sum``), a process's memory now and at its high water
   (``process_bytes``, ``high_water_bytes``), what auto's probe is predicted to add (``probe_need``), a
-  link's cost (``measure_link``, ``LinkCost``), a hybrid row's groups (``hybrid_group``), what a row
+  link's cost (``measure_link``), a hybrid row's groups (``hybrid_group``), what a row
   needs against a budget (``needed_bytes``),
   the bytes tensors hold (``storage_bytes``) and a collective puts on the wire (``wire_bytes``), a
   batch's leaves and fingerprints (``batch_leaves``, ``batch_fingerprint``, ``identical_ranks``);
@@ -56,7 +56,6 @@ from dspark.engine.loss_graph import accum_scaling
 from dspark.engine.sharded_grad import ShardedGradMarks
 from dspark.engine.step_observer import StepObserver
 from dspark.planner.hybrid_rows import hybrid_group
-from dspark.planner.interconnect import LinkCost
 from dspark.planner.link_probe import measure_link
 from dspark.planner.peak_memory import held_tensor_bytes, measure_peak_bytes, peak_of_running_sum
 from dspark.planner.probe_budget import probe_need
@@ -82,7 +81,6 @@ __all__ = [
     "SHARDED_REDUCE",
     "SHM_ENV",
     "ForwardInputs",
-    "LinkCost",
     "ShardedGradMarks",
     "StepObserver",
     "accum_scaling",

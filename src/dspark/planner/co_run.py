@@ -90,7 +90,7 @@ class CoRun:
 
         Example::
 
-            co_run.pass_factor(40 << 20)   # between the 32 and 48 MiB measurements
+            co_run.pass_factor(40 << 20)   # between the two sizes measured around it
         """
         ratios = [together / alone for _, alone, together in self.pass_points]
         # a larger working set waits on the memory at least as much: a ratio above a larger one's is noise

@@ -173,7 +173,7 @@ def measure_co_run(world: comm.World, *, sizes: tuple[int, ...] = CO_RUN_SIZES, 
     Example::
 
         co_run = measure_co_run(dspark.get_world())
-        co_run.pass_factor(48 << 20)   # e.g. 1.4: a memory-bound pass past the cache, every rank at once
+        co_run.pass_factor(48 << 20)   # a memory-bound pass past the cache, every rank at once
     """
     if world.world_size < 2 or world.device.type != "cpu" or not sizes:
         return None
