@@ -134,3 +134,39 @@ def test_release_freed_trims_only_where_dspark_set_the_thresholds(monkeypatch: p
     monkeypatch.setattr(cpu_malloc, "_libc", lambda: Libc())
     cpu_malloc.release_freed()
     assert calls == ([0] if trims else [])
+
+
+def vm_flags(address: int) -> list[str]:
+    """The kernel's flags of the mapping that holds ``address`` (/proc/self/smaps' ``VmFlags``)."""
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.parametrize(("state", "kib", "advised"), [
+    (cpu_malloc.CpuMalloc("tuned"), 64 * 1024, True),  # mapped apart: faulted in afresh every time
+    (cpu_malloc.CpuMalloc("tuned"), 16 * 1024, False),  # in the heap: kept between steps
+    (cpu_malloc.CpuMalloc("lean"), 64 * 1024, True),
+    (cpu_malloc.CpuMalloc("heap"), 64 * 1024, False),
+    (cpu_malloc.CpuMalloc("default", "x"), 64 * 1024, False),
+    (None, 64 * 1024, False),
+])
+@glibc_linux
+def test_a_storage_mapped_apart_is_advised_to_huge_pages(monkeypatch: pytest.MonkeyPatch, state: object,
+                                                         kib: int, advised: bool) -> None:
+    """[Note: huge pages for mapped storages]: the kernel marks the mapping (``hg``), before any page
+    of it is touched; a tensor in the heap, or where DSpark did not set the thresholds, is left alone."""
+    import torch
+
+    monkeypatch.setattr(cpu_malloc, "_state", state)
+    t = torch.empty(kib * 2**8)  # float32: kib KiB, never touched
+    assert cpu_malloc.advise_huge_pages(t.data_ptr(), kib * 2**10) is advised
+    if kib >= 64 * 1024:  # mapped apart whatever glibc's threshold (it moves up to 32 MiB only)
+        assert ("hg" in vm_flags(t.data_ptr() + kib * 2**9)) is advised  # its middle: the ends are partial pages

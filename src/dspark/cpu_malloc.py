@@ -64,8 +64,8 @@ import platform
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["ENV_VAR", "GUARD_ENV_VAR", "CpuMalloc", "HeapUsage", "current", "guard_wanted", "heap_usage",
-           "mmap_threshold_bytes", "release_freed", "tune_for_training"]
+__all__ = ["ENV_VAR", "GUARD_ENV_VAR", "CpuMalloc", "HeapUsage", "advise_huge_pages", "current", "guard_wanted",
+           "heap_usage", "mmap_threshold_bytes", "release_freed", "tune_for_training"]
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +83,8 @@ _GLIBC_TRIM_THRESHOLD = 128 * 2**10  # glibc's starting value
 _THRESHOLDS = {"tuned": (32 * 2**20, _INT_MAX), "heap": (_INT_MAX, _INT_MAX),
                "lean": (2**20, _GLIBC_TRIM_THRESHOLD)}
 _CHOICES = ("tuned", "heap", "lean", "default")
+_MADV_HUGEPAGE = 14  # Linux's <sys/mman.h>
+_HUGE_PAGE_BYTES = 2 << 20
 _OTHER_ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc")
 
 
@@ -209,6 +211,39 @@ def release_freed() -> None:
     trim = getattr(_libc(), "malloc_trim", None)
     if trim is not None:  # else no malloc_trim in this C library: nothing to give back
         trim(0)
+
+
+def advise_huge_pages(address: int, nbytes: int) -> bool:
+    """Ask the kernel to back a fresh allocation of ``nbytes`` at ``address`` that the C library
+    maps apart (at least :func:`mmap_threshold_bytes` under the thresholds DSpark set) with 2 MiB
+    pages, before anything touches it; True when it was asked.
+
+    [Note: huge pages for mapped storages] A storage the C library maps apart is unmapped when it
+    is freed, so one allocated every step (zero3's gathered embedding, a large layer's gathered
+    weight) is faulted in afresh every step, one fault per 4 KiB page: on a virtual machine each
+    fault costs several times the zeroing of its page. ``madvise(MADV_HUGEPAGE)`` over the 2 MiB
+    pages inside the mapping (the kernel's transparent huge pages, on by default in its ``madvise``
+    mode) makes that one fault per 2 MiB: the same bytes resident, the same zeroing, 512 times fewer
+    faults. Only mapped-apart storages are asked: a huge page inside the heap would stay resident
+    after its tensor is freed. Nothing happens where DSpark did not set the thresholds (``heap``
+    keeps every tensor in the heap; ``default``, another allocator), off Linux, or where the kernel
+    refuses (no transparent huge pages: the 4 KiB faults as before).
+
+    Example::
+
+        full = torch.empty(n)   # about to be written whole
+        advise_huge_pages(full.data_ptr(), full.numel() * full.element_size())
+    """
+    if _state is None or _state.mode not in ("tuned", "lean") or nbytes < _THRESHOLDS[_state.mode][0]:
+        return False
+    start = -(-address // _HUGE_PAGE_BYTES) * _HUGE_PAGE_BYTES
+    stop = (address + nbytes) // _HUGE_PAGE_BYTES * _HUGE_PAGE_BYTES
+    madvise = getattr(_libc(), "madvise", None)
+    if stop <= start or madvise is None:  # DSpark set the thresholds: Linux with glibc
+        return False
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    madvise.restype = ctypes.c_int
+    return bool(madvise(start, stop - start, _MADV_HUGEPAGE) == 0)
 
 
 class _MallInfo2(ctypes.Structure):

@@ -6,6 +6,7 @@ SGD (scale-sensitive) and AdamW."""
 from __future__ import annotations
 
 import functools
+import platform
 from typing import Any
 
 import pytest
@@ -125,6 +126,21 @@ def test_a_gather_tag_travels_exactly_in_any_parameter_dtype(dtype: torch.dtype)
     rows = torch.stack([tag_tensor(tag, dtype, torch.device("cpu")) for tag in tags])
     assert rows.dtype == dtype and rows.numel() * rows.element_size() == 2 * 8
     assert tags_of(rows).tolist() == tags
+
+
+@pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc on Linux")
+def test_a_gathered_storage_the_c_library_maps_apart_gets_huge_pages(monkeypatch: pytest.MonkeyPatch) -> None:
+    """zero3 faults each gathered storage of at least the mmap threshold in afresh at every gather:
+    it is advised to huge pages before it is written ([Note: huge pages for mapped storages])."""
+    from dspark import cpu_malloc
+    from dspark.engine.zero3_gather import _fresh_full
+    from tests.test_cpu_malloc import vm_flags
+
+    monkeypatch.setattr(cpu_malloc, "_state", cpu_malloc.CpuMalloc("tuned"))
+    shard = torch.empty(20 << 18)  # 20 MiB of float32 on each of 2 ranks: 40 MiB gathered
+    full = _fresh_full(shard, 2)
+    assert full.numel() == 2 * shard.numel()
+    assert "hg" in vm_flags(full.data_ptr() + full.numel() * 2)  # its middle: the ends are partial 2 MiB pages
 
 
 def _units_started_ahead(max_bytes: int) -> list[int]:

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import torch
 
-from dspark import comm
+from dspark import comm, cpu_malloc
 from dspark.engine.param_slot import ParamSlot, SlotState
 from dspark.errors import CollectiveError
 from dspark.policy.units import TAG_BYTES
@@ -46,7 +46,7 @@ class Gather:
         n = slots[0].num_ranks
         shards = [_shard(s) for s in slots]
         # each parameter's full, padded storage (chunk * N rows, memory order), and every rank's tag
-        self.fulls: list[torch.Tensor] | None = [t.new_empty(n * t.numel()) for t in shards]
+        self.fulls: list[torch.Tensor] | None = [_fresh_full(t, n) for t in shards]
         self.tags = header.new_empty((n, header.numel()))
         self.handle: comm.Handle | None = comm.all_gather_parts(
             [*shards, header], [*self.fulls, self.tags], async_op=True, group=group, label=label)
@@ -71,6 +71,16 @@ class Gather:
             if slot.pending is self:
                 slot.set_full(full)
                 self.installed[slot.param.untyped_storage().data_ptr()] = slot
+
+
+def _fresh_full(shard: torch.Tensor, num_ranks: int) -> torch.Tensor:
+    """Storage for a parameter gathered from ``shard``: on a CPU, one the C library maps apart gets
+    huge pages, since it is faulted in afresh at every gather (see [Note: huge pages for mapped
+    storages] in :mod:`dspark.cpu_malloc`)."""
+    full = shard.new_empty(num_ranks * shard.numel())
+    if full.device.type == "cpu":
+        cpu_malloc.advise_huge_pages(full.data_ptr(), full.numel() * full.element_size())
+    return full
 
 
 @functools.lru_cache(maxsize=4096)

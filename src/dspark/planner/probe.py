@@ -42,7 +42,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from dspark.cpu_malloc import mmap_threshold_bytes, tune_for_training
+from dspark.cpu_malloc import advise_huge_pages, mmap_threshold_bytes, tune_for_training
 from dspark.meta.materialize import has_meta_tensors, materialize
 from dspark.planner.peak_memory import PeakMarks, measure_interval_peaks
 from dspark.planner.probe_record import (
@@ -372,12 +372,14 @@ FAULT_PROBE_MARGIN_BYTES = 4 << 20
 
 def measure_fault_bytes_per_s(device: torch.device, nbytes: int | None = None, repeats: int = 5) -> float:
     """Bytes per second of a first touch of ``nbytes`` the C library maps afresh (one page fault per
-    page, see [Note: why the thresholds] in :mod:`dspark.cpu_malloc`): a fresh tensor's first fill
-    less its second, medians of ``repeats``; 0.0 off the CPU or when the first fill is no slower (an
-    allocator that keeps the memory: nothing to pay). ``nbytes`` defaults to just past the size the C
-    library maps apart (:func:`dspark.cpu_malloc.mmap_threshold_bytes`), and one buffer is held at a
-    time: the probe runs in the rank that will train, and what it holds counts against the rank's
-    ``memory_budget`` like the training's own peak.
+    page, see [Note: why the thresholds] in :mod:`dspark.cpu_malloc`), advised to huge pages as the
+    engine's gathered storages are ([Note: huge pages for mapped storages]): a fresh tensor's
+    allocation and first fill less its second fill, medians of ``repeats``; 0.0 off the CPU or when
+    the first fill is no slower (an allocator that keeps the memory: nothing to pay). ``nbytes``
+    defaults to just past the size the C library maps apart
+    (:func:`dspark.cpu_malloc.mmap_threshold_bytes`), and one buffer is held at a time: the probe
+    runs in the rank that will train, and what it holds counts against the rank's ``memory_budget``
+    like the training's own peak.
 
     Example::
 
@@ -388,8 +390,9 @@ def measure_fault_bytes_per_s(device: torch.device, nbytes: int | None = None, r
     numel = (nbytes if nbytes is not None else mmap_threshold_bytes() + FAULT_PROBE_MARGIN_BYTES) // 4
     fresh_s, kept_s = [], []
     for _ in range(repeats):
-        buffer = torch.empty(numel, dtype=torch.float32)
         start = time.perf_counter()
+        buffer = torch.empty(numel, dtype=torch.float32)
+        advise_huge_pages(buffer.data_ptr(), 4 * numel)  # as zero3's gathered storages are
         buffer.fill_(1.0)
         touched = time.perf_counter()
         buffer.fill_(1.0)
