@@ -111,6 +111,8 @@ ALLOWED: tuple[tuple[str, str, str], ...] = (
     ("src/dspark/cpu_malloc.py", "2 GiB", "the heap choice's threshold, a config value"),
     ("src/dspark/cpu_malloc.py", "1 MiB", "the lean choice's threshold, a config value"),
     ("src/dspark/cpu_malloc.py", "each 4 KiB page", "the kernel's page size"),
+    ("docs/engine-internals.md", "each 4 KiB page", "the kernel's page size"),
+    ("docs/engine-internals.md", "2 MiB pages", "the kernel's huge page size on x86-64"),
     ("src/dspark/cpu_malloc.py", "glibc's starting 128 KiB", "glibc's default trim threshold, a config value"),
     ("src/dspark/planner/link_probe.py", "bandwidth of 1 TB/s", "the probe's stand-in for a time that "
                                                                "does not grow with the bytes, a constant"),

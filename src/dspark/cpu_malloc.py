@@ -215,19 +215,19 @@ def release_freed() -> None:
 
 def advise_huge_pages(address: int, nbytes: int) -> bool:
     """Ask the kernel to back a fresh allocation of ``nbytes`` at ``address`` that the C library
-    maps apart (at least :func:`mmap_threshold_bytes` under the thresholds DSpark set) with 2 MiB
+    maps apart (at least :func:`mmap_threshold_bytes` under the thresholds DSpark set) with huge
     pages, before anything touches it; True when it was asked.
 
     [Note: huge pages for mapped storages] A storage the C library maps apart is unmapped when it
     is freed, so one allocated every step (zero3's gathered embedding, a large layer's gathered
-    weight) is faulted in afresh every step, one fault per 4 KiB page: on a virtual machine each
-    fault costs several times the zeroing of its page. ``madvise(MADV_HUGEPAGE)`` over the 2 MiB
+    weight) is faulted in afresh every step, a fault for each 4 KiB page (on a virtual machine a
+    fault costs more than the zeroing of its page). ``madvise(MADV_HUGEPAGE)`` over the huge
     pages inside the mapping (the kernel's transparent huge pages, on by default in its ``madvise``
-    mode) makes that one fault per 2 MiB: the same bytes resident, the same zeroing, 512 times fewer
-    faults. Only mapped-apart storages are asked: a huge page inside the heap would stay resident
-    after its tensor is freed. Nothing happens where DSpark did not set the thresholds (``heap``
-    keeps every tensor in the heap; ``default``, another allocator), off Linux, or where the kernel
-    refuses (no transparent huge pages: the 4 KiB faults as before).
+    mode) makes that one fault per huge page: the same bytes resident, the same zeroing, 512 times
+    fewer faults. Only mapped-apart storages are asked: a huge page inside the heap would stay
+    resident after its tensor is freed. Nothing happens where DSpark did not set the thresholds
+    (``heap`` keeps every tensor in the heap; ``default``, another allocator), or where the kernel
+    refuses (no transparent huge pages: small pages as before).
 
     Example::
 
