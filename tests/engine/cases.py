@@ -142,6 +142,9 @@ CASES: dict[str, Case] = {
     "two_outputs": Case(build=_seeded(functools.partial(tm.TinyMLP, d_out=2)), batch=_two_target_batch,
                         loss=_mse, evaluate=_out),
     "two_forwards": _mlp_case(functools.partial(tm.make, "mlp"), loss=_two_forwards),
+    # hidden layers of 8 rows split evenly over 2 ranks, the 3-row head and the 0-d scale do not
+    # (see [Note: rows gathered in place] in dspark.engine.row_gather)
+    "even_rows": _mlp_case(_seeded(functools.partial(tm.TinyMLP, hidden=8))),
     "repeated_block": _mlp_case(_seeded(tm.RepeatedBlockNet)),
     "repeated_block_reentrant": _mlp_case(_seeded(functools.partial(tm.RepeatedBlockNet, "reentrant"))),
     "repeated_block_non_reentrant": _mlp_case(

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from dspark.cpu_malloc import mmap_threshold_bytes
-from dspark.planner import Interconnect, Probe, model_shape
+from dspark.planner import Interconnect, Probe, RowCost, model_shape
 from dspark.planner.cost import fresh_map_ms, row_cost
 
 
@@ -54,7 +54,7 @@ def test_the_count_of_collectives_costs_latency() -> None:
     assert _cost("zero1", slow_calls).comm_exposed_ms == pytest.approx(2 + 1 + 2, rel=1e-2)  # no flag
 
 
-def test_the_engines_copies_cost_what_the_probe_measured() -> None:
+def test_the_engines_copies_cost_what_the_probe_measured(monkeypatch: pytest.MonkeyPatch) -> None:
     probe = _probe(copy_bytes_per_s=1e9)
     grads_ms = 1e3 * 4 * (4 * 512 * 512 + 4 * 512) / 1e9
     # replicate: each fresh gradient copied into the one bucket's flat buffer; a bucket of one
@@ -63,12 +63,42 @@ def test_the_engines_copies_cost_what_the_probe_measured() -> None:
     assert extra == pytest.approx(grads_ms, rel=1e-3)
     alone = _cost("replicate", SERIAL, probe, bucket_mb=1e-6).comm_exposed_ms
     assert alone == _cost("replicate", SERIAL, bucket_mb=1e-6).comm_exposed_ms
+    # zero2: the send buffer; through shared memory the updated rows are gathered straight into the
+    # parameters (every one of them splits evenly), through a process group packed and landed
     extra = _cost("zero2", SERIAL, probe).comm_exposed_ms - _cost("zero2", SERIAL).comm_exposed_ms
-    assert extra == pytest.approx(2 * grads_ms, rel=1e-3)  # the send buffer, then the rows' pack and landing
+    assert extra == pytest.approx(grads_ms, rel=1e-3)
+    with monkeypatch.context() as gloo:
+        gloo.setenv("DSPARK_SHM", "0")
+        extra = _cost("zero2", SERIAL, probe).comm_exposed_ms - _cost("zero2", SERIAL).comm_exposed_ms
+        assert extra == pytest.approx(2 * grads_ms, rel=1e-3)
     assert Probe.from_dict({**{f: getattr(probe, f) for f in probe.__dataclass_fields__},
                             "forward_ms": {"fixed": 0.0, "per_sample": 1.0},
                             "backward_ms": {"fixed": 0.0, "per_sample": 1.0},
                             "step_bytes": {"fixed": 0.0, "per_sample": 1.0}}).copy_bytes_per_s == 1e9
+
+
+def test_zero1_gathers_the_rows_of_evenly_split_parameters_in_place_through_shared_memory(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """[Note: rows gathered in place]: no copies and no buffers where every parameter of a bucket
+    splits into equal rows and the collective runs through shared memory; a bucket with a padded
+    parameter (511 rows on 2 ranks) packs and lands, as through a process group."""
+    probe = _probe(copy_bytes_per_s=1e9)
+
+    def row(rows: int) -> RowCost:
+        with torch.device("meta"):
+            shape = model_shape(nn.Sequential(nn.Linear(512, 512), nn.Linear(512, rows)), (2, True))
+        return row_cost(shape=shape, probe=probe, strategy="zero1", num_ranks=2, micro_batch=8, passes=1,
+                        bucket_mb=25.0, link=SERIAL)
+
+    shm_even, shm_odd = row(512), row(511)
+    with monkeypatch.context() as gloo:
+        gloo.setenv("DSPARK_SHM", "0")
+        gloo_even, gloo_odd = row(512), row(511)
+    rows_ms = 1e3 * 4 * (2 * 512 * 512 + 2 * 512) / 1e9  # the pack and landing of every row
+    assert gloo_even.comm_exposed_ms - shm_even.comm_exposed_ms == pytest.approx(rows_ms, rel=1e-3)
+    assert gloo_odd.comm_exposed_ms == pytest.approx(shm_odd.comm_exposed_ms)
+    assert gloo_even.peak_bytes > shm_even.peak_bytes  # the send and receive buffers after the step
+    assert gloo_odd.peak_bytes == shm_odd.peak_bytes
 
 
 def test_the_gradient_check_pass_costs_a_ranks_own_gradients_at_the_measured_rate() -> None:

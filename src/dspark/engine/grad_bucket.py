@@ -46,6 +46,7 @@ one collective, as under zero1.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Sequence
 
@@ -54,6 +55,7 @@ import torch
 from dspark import comm
 from dspark.engine.finite_check import scale_and_check
 from dspark.engine.param_slot import ParamSlot, SlotState
+from dspark.engine.row_gather import in_place_parts, land_packed_rows, lands_in_place
 
 __all__ = ["BufferPool", "GradBucket", "make_buckets", "memory_order_flat"]
 
@@ -329,28 +331,26 @@ class GradBucket:
 
     # -- after the optimizer step (zero1, zero2) ----------------------------------------------------
     def launch_gather(self, send_pool: BufferPool, out_pool: BufferPool) -> None:
-        """Start the all-gather of this rank's updated rows of every parameter (async), laid out as
-        the reduction's shards are (see [Note: send layout]); :meth:`collect` lands the other ranks'
-        rows in the full parameters."""
+        """Start the all-gather of this rank's updated rows of every parameter (async): straight into
+        the parameters where it can (see [Note: rows gathered in place] in
+        :mod:`dspark.engine.row_gather`), else packed as the reduction's shards are (see [Note: send
+        layout]) and landed in the full parameters by :meth:`collect`."""
         n, seg = self.num_ranks, self.seg
+        self._gathering = True
+        self._collected = False
+        direct = in_place_parts(self.slots, self.rank, n) if lands_in_place(self.group, self.device) else None
+        if direct is not None:  # see [Note: rows gathered in place]
+            self._handle = comm.all_gather_parts(*direct, async_op=True, group=self.group,
+                                                 label=f"dspark.bucket{self.index}.all_gather")
+            return
         send = send_pool.take(self, self.dtype, seg, self.device)
         out = out_pool.take(self, self.dtype, n * seg, self.device).view(n, seg)
         for slot, offset in zip(self.slots, self.shard_offsets, strict=True):
             rows = slot.rows_view(slot.param.detach())[slot.start:slot.stop]
             slot.view_rows(send[offset:], slot.local_rows).copy_(rows)  # padding: never read
         self._wire = out
-        self._gathering = True
-        self._collected = False
         self._handle = comm.all_gather_into_tensor(out, send, async_op=True, group=self.group,
                                                    label=f"dspark.bucket{self.index}.all_gather")
-
-    def _land_gather(self, out: torch.Tensor) -> None:
-        for slot, offset in zip(self.slots, self.shard_offsets, strict=True):
-            full = slot.rows_view(slot.param.detach())
-            for r in range(self.num_ranks):
-                start, stop = min(r * slot.chunk, slot.rows), min((r + 1) * slot.chunk, slot.rows)
-                if r != self.rank and stop > start:
-                    full[start:stop].copy_(slot.view_rows(out[r, offset:], stop - start))
 
     # -- after the collective ----------------------------------------------------------------------
     def collect(self) -> None:
@@ -359,13 +359,16 @@ class GradBucket:
         if self._collected:
             return
         self.reduce_across()
-        if self._handle is None or self._wire is None:
+        if self._handle is None:
             raise AssertionError(f"bucket {self.index} collected before it was launched")
         self._handle.wait()
         wire = self._wire
         if self._gathering:
-            self._land_gather(wire)
+            if wire is not None:  # packed: land the other ranks' rows (in place: landed already)
+                land_packed_rows(self.slots, self.shard_offsets, self.rank, wire)
             self._gathering = False
+        elif wire is None:
+            raise AssertionError(f"bucket {self.index}: a reduction without its buffer")
         elif self.sharded:
             shards = self._shards()
             if self.collective == "all_reduce" and not self._across:
@@ -439,11 +442,7 @@ class GradBucket:
 
 
 def _offsets(sizes: Sequence[int]) -> list[int]:
-    out, total = [], 0
-    for size in sizes:
-        out.append(total)
-        total += size
-    return out
+    return list(itertools.accumulate(sizes, initial=0))[:-1]
 
 
 def memory_order_flat(slot: ParamSlot, grad: torch.Tensor) -> torch.Tensor:

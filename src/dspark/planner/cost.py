@@ -46,7 +46,9 @@ gradient bytes, ``U`` a zero3 unit's padded parameter bytes:
 * replicate: one all-reduce of ``S`` per bucket, in place, once each fresh gradient is copied into
   its bucket (``S`` of copies; none for a bucket of one parameter, whose gradient becomes the buffer);
 * zero1: the same, then one all-gather of ``S`` per bucket for the updated rows (its own rows
-  copied into the send buffer, the others' ``(N-1)/N`` copied out: ``S`` of copies);
+  copied into the send buffer, the others' ``(N-1)/N`` copied out: ``S`` of copies; none through
+  shared memory where every parameter of the bucket splits into equal rows, gathered straight into
+  the parameters: [Note: rows gathered in place] in :mod:`dspark.engine.row_gather`);
 * zero2: one reduce-scatter of ``S`` per bucket, after copying the whole gradients into the send
   buffer (``S``), then zero1's row gather;
 * zero3: one reduce-scatter of ``S`` per bucket (with its copy), and two all-gathers of ``U`` (+ an
@@ -222,11 +224,13 @@ def buckets(shape: ModelShape, ready: Sequence[float], bucket_mb: float) -> list
     """``(ready fraction of backward, whole bytes)`` per gradient bucket, grouped as the engine does
     (:func:`dspark.engine.grad_bucket.make_buckets`: by dtype, in the order gradients become ready,
     about ``bucket_mb`` MiB each)."""
-    return [(ready_at, nbytes) for ready_at, nbytes, _ in _bucket_rows(shape, ready, bucket_mb)]
+    return [(ready_at, nbytes) for ready_at, nbytes, _, _ in _bucket_rows(shape, ready, bucket_mb)]
 
 
-def _bucket_rows(shape: ModelShape, ready: Sequence[float], bucket_mb: float) -> list[tuple[float, int, int]]:
-    """:func:`buckets` with each bucket's count of parameters."""
+def _bucket_rows(shape: ModelShape, ready: Sequence[float], bucket_mb: float,
+                 split: int = 1) -> list[tuple[float, int, int, bool]]:
+    """:func:`buckets` with each bucket's count of parameters, and whether each of them splits into
+    equal rows over ``split`` ranks."""
     limit = bucket_mb * 2**20
     order = sorted(range(len(shape.trainable)), key=lambda i: ready[i])
     open_: dict[torch.dtype, list[int]] = {}
@@ -240,7 +244,8 @@ def _bucket_rows(shape: ModelShape, ready: Sequence[float], bucket_mb: float) ->
             group = open_[dtype] = []
         group.append(i)
     done.extend(g for g in open_.values() if g)
-    out = [(max(ready[j] for j in g), sum(_whole_bytes(shape.trainable[j]) for j in g), len(g)) for g in done]
+    out = [(max(ready[j] for j in g), sum(_whole_bytes(shape.trainable[j]) for j in g), len(g),
+            all((shape.trainable[j][0] or (1,))[0] % split == 0 for j in g)) for g in done]
     return sorted(out)
 
 
@@ -299,10 +304,12 @@ def fresh_map_ms(probe: Probe, storage_bytes: Sequence[int], mmap_threshold: int
 
 def _exposed_comm_ms(shape: ModelShape, probe: Probe, policy: ShardingPolicy, n: int,
                      grouped: Sequence[tuple[float, int]], bucket_counts: Sequence[int], passes: int,
-                     forward_ms: float, backward_ms: float, link: Interconnect, split: int) -> float:
+                     forward_ms: float, backward_ms: float, link: Interconnect, split: int,
+                     rows_in_place: Sequence[bool] = ()) -> float:
     """The step's communication that compute does not hide, on ``n > 1`` ranks whose rows are split
     over ``split`` (``n``, or a hybrid shard group's size; see [Note: predicted step] and
-    [Note: what each strategy sends])."""
+    [Note: what each strategy sends]); ``rows_in_place``: per bucket, whether zero1/zero2's row
+    gather lands it straight in the parameters (no copies of the engine's)."""
     hidden = link.link_for(n).overlaps_compute
     across = link.link_for(n)  # a replica group's ring crosses the nodes
 
@@ -325,8 +332,9 @@ def _exposed_comm_ms(shape: ModelShape, probe: Probe, policy: ShardingPolicy, n:
     if policy.shard_grads:  # shards reduced: the non-finite flag is all-reduced before the step
         after_ms += 1e3 * all_reduce_s(FLAG_BYTES, n, link)
     if policy.splits_optimizer_on(split) and not policy.shard_params:  # the updated rows, after the step
-        after_ms += sum(1e3 * all_gather_s(nbytes, split, link) + _copy_ms(probe, nbytes)
-                        for _, nbytes in grouped)
+        in_place = list(rows_in_place) or [False] * len(grouped)
+        after_ms += sum(1e3 * all_gather_s(nbytes, split, link) + (0.0 if landed else _copy_ms(probe, nbytes))
+                        for (_, nbytes), landed in zip(grouped, in_place, strict=True))
     if not policy.splits_params_on(split):
         wire = _serial_exposed(items, backward_ms) if hidden else sum(d + t for _, d, t in items)
         return wire + local_ms + after_ms
@@ -413,8 +421,8 @@ def row_cost(*, shape: ModelShape, probe: Probe, strategy: str, num_ranks: int, 
                      bucket_mb=bucket_mb, resident_bytes=state["params"] + state["optimizer"],
                      grads_bytes=state["grads"], transport=transport,
                      backward_unit_bytes=[sum(u) for u in shape.unit_param_bytes(split, probe.frozen_unread)])
-    rows = _bucket_rows(shape, probe.grad_ready, bucket_mb)
-    grouped = [(ready_at, nbytes) for ready_at, nbytes, _ in rows]
+    rows = _bucket_rows(shape, probe.grad_ready, bucket_mb, split)
+    grouped = [(ready_at, nbytes) for ready_at, nbytes, _, _ in rows]
 
     forward_ms = probe.forward_ms.at(micro_batch)
     backward_ms = probe.backward_ms.at(micro_batch)
@@ -429,8 +437,9 @@ def row_cost(*, shape: ModelShape, probe: Probe, strategy: str, num_ranks: int, 
         heap_transient = round(probe.heap_step_bytes.at(micro_batch)
                                + max(0.0, peak.peak_bytes - state_total - probe.step_bytes.at(micro_batch)))
     if n > 1:
-        exposed = _exposed_comm_ms(shape, probe, policy, n, grouped, [count for _, _, count in rows], passes,
-                                   forward_ms, backward_ms, link, split)
+        exposed = _exposed_comm_ms(shape, probe, policy, n, grouped, [count for _, _, count, _ in rows], passes,
+                                   forward_ms, backward_ms, link, split,
+                                   [transport == "shm" and even for *_, even in rows])
     grad_bytes = sum(nbytes for _, nbytes in grouped)
     check_sharded = policy.shard_grads and n > 1
     check_ms = gradient_check_ms(probe, grad_bytes, check_sharded, split)

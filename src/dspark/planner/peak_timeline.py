@@ -23,7 +23,9 @@ own rules:
 * zero3 holds its root unit gathered until the root's gradients are complete, the unit computing
   and the units gathered ahead of it ([Note: prefetch depth] in :mod:`dspark.engine.zero3_units`);
   through forward, the root and the largest unit with those ahead of it;
-* after the step zero1 and zero2 gather the updated rows through two buckets in flight;
+* after the step zero1 and zero2 gather the updated rows through two buckets in flight, but through
+  shared memory a bucket whose parameters all split into equal rows, which lands in place and
+  holds nothing (see [Note: rows gathered in place] in :mod:`dspark.engine.row_gather`);
 * collectives that go through a process group rather than shared memory (``transport`` "gloo" or
   "nccl": a GPU, a world over several nodes, a hybrid shard group) hold more: a zero3 gather packs
   every rank's shards in one buffer of the unit's size (and its own shards in one more) until it is
@@ -197,10 +199,18 @@ class _Replay:
                                        <= SECOND_PREFETCH_MAX_BYTES) else blocks[at: at + 1]
         return root_live + (self.backward_bytes[unit] if unit else 0) + self.ahead_bytes(ahead, backward=True)
 
+    def rows_in_place(self, b: int) -> bool:
+        """zero1/zero2's row gather lands bucket ``b``'s rows straight in its parameters: through
+        shared memory, every parameter in equal rows (see [Note: rows gathered in place] in
+        :mod:`dspark.engine.row_gather`)."""
+        return not self.packs_gathers and all(_rows(self.specs[i])[0] % self.n == 0 for i in self.groups[b])
+
     def row_gather_bytes(self) -> int:
         pool: dict[tuple[torch.dtype, int], int] = {}
         turn: dict[torch.dtype, int] = {}
         for b, group in enumerate(self.groups):
+            if self.rows_in_place(b):  # no buffer, no turn in the pool
+                continue
             dtype = self.specs[group[0]][1]
             t = turn.get(dtype, 0)
             turn[dtype] = (t + 1) % 2
