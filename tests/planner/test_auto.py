@@ -43,9 +43,11 @@ def test_everything_fits_replicate_and_a_smaller_budget_shards_more() -> None:
     assert choose(roomy).strategy == "replicate"
     replicate_need = needed_bytes(roomy.row("replicate", 2))
     tight = choose(_plan(replicate_need - 1))
-    assert tight.strategy in ("zero2", "zero3") and tight.peak_bytes < roomy.row("replicate", 2).peak_bytes
-    zero2_need = needed_bytes(roomy.row("zero2", 2))
-    assert choose(_plan(min(zero2_need, replicate_need) - 1)).strategy == "zero3"
+    assert tight.strategy != "replicate" and tight.peak_bytes < roomy.row("replicate", 2).peak_bytes
+    # and below that choice's need, one that needs less still (zero1 gathers its updated rows in
+    # place, with no buffers after the step: on this model it needs the least)
+    tight_need = needed_bytes(roomy.row(tight.strategy, 2))
+    assert needed_bytes(roomy.row(choose(_plan(tight_need - 1)).strategy, 2)) < tight_need
     with pytest.raises(ValueError, match="no strategy fits on 2"):
         choose(_plan(1000))
 
@@ -90,7 +92,6 @@ def test_auto_engine_on_two_ranks(pool) -> None:
     budget = int(roomy[0]["replicate_need"]) - 1  # type: ignore[call-overload]
     tight = pool.run(_auto_engine, budget)
     assert tight[0]["strategy"] == tight[1]["strategy"] != "replicate"
-    assert tight[0]["strategy"] in ("zero2", "zero3")
 
 
 def _probed(budgets: list[int], highs: list[tuple[int, int]]) -> str | int | None:
