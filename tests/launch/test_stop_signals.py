@@ -339,18 +339,22 @@ def test_workers_die_with_their_launcher_when_dspark_run_dies_too(tmp_path: Path
                 os.kill(p.pid, signal.SIGKILL)
 
 
+class Stopped(Exception):
+    """torchrun's ``SignalException`` as the hook sees it: the signal in ``sigval``."""
+
+    def __init__(self, sigval: int) -> None:
+        super().__init__(sigval)
+        self.sigval = sigval
+
+
+class DiesWithASignal:
+    def __del__(self) -> None:
+        raise Stopped(signal.SIGUSR1)
+
+
 def test_a_stop_signal_raised_in_a_finalizer_is_sent_again() -> None:
     # torchrun's handler raised its SignalException inside a Popen's __del__ on a busy machine:
     # Python printed it as an ignored exception and the stop was lost
-    class Stopped(Exception):
-        def __init__(self, sigval: int) -> None:
-            super().__init__(sigval)
-            self.sigval = sigval
-
-    class DiesWithASignal:
-        def __del__(self) -> None:
-            raise Stopped(signal.SIGUSR1)
-
     received: list[int] = []
     others: list[BaseException | None] = []
     handler, hook = signal.signal(signal.SIGUSR1, lambda signum, frame: received.append(signum)), sys.unraisablehook
@@ -369,6 +373,29 @@ def test_a_stop_signal_raised_in_a_finalizer_is_sent_again() -> None:
 
         DiesOtherwise()
         assert [type(e) for e in others] == [ValueError]  # reported as before
+    finally:
+        signal.signal(signal.SIGUSR1, handler)
+        sys.unraisablehook = hook
+
+
+def test_a_stop_signal_sent_again_raises_where_it_can_propagate() -> None:
+    # torchrun's handler raises: sent from inside the hook, the signal's handler ran in the hook and
+    # the exception was dropped there too ("Exception ignored in sys.unraisablehook")
+    def raise_stopped(signum: int, frame: object) -> None:
+        raise Stopped(signum)
+
+    handler, hook = signal.signal(signal.SIGUSR1, raise_stopped), sys.unraisablehook
+    caught: list[int] = []
+    try:
+        redeliver_lost_signals(Stopped)
+        try:
+            DiesWithASignal()
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:
+                time.sleep(0.01)
+        except Stopped as stop:
+            caught.append(stop.sigval)
+        assert caught == [signal.SIGUSR1]
     finally:
         signal.signal(signal.SIGUSR1, handler)
         sys.unraisablehook = hook

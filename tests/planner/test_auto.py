@@ -69,6 +69,19 @@ def test_a_difference_below_what_the_link_probe_resolves_does_not_shard() -> Non
     assert choose(_with_steps(roomy, big)).strategy == "replicate"
 
 
+def test_a_gap_inside_the_probes_spread_does_not_shard() -> None:
+    # a busy machine: the rounds spread, so each row's step range is wide and the ranges overlap
+    roomy = _plan(1 << 40)
+    steps = {"replicate": 120.0, "zero1": 155.0, "zero2": 108.0, "zero3": 160.0}
+    spread = dataclasses.replace(_with_steps(roomy, steps), rows=tuple(
+        dataclasses.replace(r, step_ms_low=0.85 * r.step_ms, step_ms_high=3.0 * r.step_ms)
+        for r in _with_steps(roomy, steps).rows))
+    assert choose(spread).strategy == "replicate"
+    steady = dataclasses.replace(spread, rows=tuple(
+        dataclasses.replace(r, step_ms_low=0.99 * r.step_ms, step_ms_high=1.01 * r.step_ms) for r in spread.rows))
+    assert choose(steady).strategy == "zero2"  # a steady probe's 10% gap is real
+
+
 def test_the_auto_table_says_what_it_did_not_measure() -> None:
     text = str(_plan(1 << 40))
     assert_line_names(text, "activations", "compute", "not measured")

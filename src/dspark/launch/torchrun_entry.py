@@ -32,7 +32,10 @@ main thread is when the signal lands. On a busy machine that can be inside an ob
 an exception: it printed "Exception ignored in ... Traceback" and dropped the signal, so torchrun
 went on restarting workers that were being stopped. :func:`redeliver_lost_signals` installs an
 unraisable-exception hook that sends such a signal to this process again, so the handler raises it
-once more where it can propagate; every other unraisable exception is reported as before.
+once more where it can propagate; every other unraisable exception is reported as before. The
+signal is sent again from a short-lived thread, a moment after the hook returns: sent from the hook
+itself, the handler ran inside the hook (Python runs a signal's handler at the next line of its main
+thread) and the signal was lost there instead, on a busy machine again.
 
 [Note: a failed worker] When a worker fails (after any restarts), torchrun raises
 ``ChildFailedError`` out of ``run``: its traceback (torchrun's own frames) and a block without the
@@ -49,6 +52,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from typing import Any
 
 from dspark.launch import rank_logs
@@ -57,6 +61,8 @@ from dspark.launch.parent_death import stop_with_parent
 __all__ = ["describe_failure", "main", "redeliver_lost_signals", "split_argv"]
 
 _log = logging.getLogger(__name__)
+
+REDELIVER_AFTER_S = 0.01  # a lost stop signal is sent again this long after the hook that caught it
 _closed_exit_codes: dict[int, int | None] = {}
 """Local rank -> exit code of the workers torchrun closed last (see [Note: torchrun signalled itself])."""
 
@@ -123,11 +129,24 @@ def redeliver_lost_signals(signal_exception: type[BaseException]) -> None:
     def hook(unraisable: Any) -> None:
         exc = unraisable.exc_value
         if isinstance(exc, signal_exception) and isinstance(getattr(exc, "sigval", None), int):
-            os.kill(os.getpid(), int(exc.sigval))  # type: ignore[attr-defined]
+            _send_again_later(int(exc.sigval))  # type: ignore[attr-defined]
             return
         previous(unraisable)
 
     sys.unraisablehook = hook
+
+
+def _send_again_later(signum: int) -> None:
+    # Sent from here, the signal's handler would run as soon as this hook's next line does, and
+    # raise inside the hook, where Python drops it once more: a thread sends it after the hook is done.
+    def send() -> None:
+        time.sleep(REDELIVER_AFTER_S)
+        os.kill(os.getpid(), signum)
+
+    try:
+        threading.Thread(target=send, name="dspark-redeliver-signal", daemon=True).start()
+    except RuntimeError:  # no new threads while the interpreter shuts down: send it now
+        os.kill(os.getpid(), signum)
 
 
 def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:

@@ -10,7 +10,10 @@ auto plans with activations and compute left out (the table says so) and ranks t
 fit by their communication and optimizer time; with compute the same for every strategy, that order
 is the step's order. Ties (within :data:`TIE_SHARE` of the step, or :data:`TIE_MS`) go to the less
 sharded strategy: on a small model the strategies differ by a collective's latency or two, less than
-the link probe resolves, and a measured difference that small is noise, not a reason to shard. Rank
+the link probe resolves, and a measured difference that small is noise, not a reason to shard. With
+a batch, a row whose step range (the probe's rounds, ``step_ms_low``) reaches the fastest row's
+``step_ms_high`` ties too: on a busy machine the rounds spread, and a gap inside that spread is not
+one the probe measured. Rank
 0 measures and decides, and broadcasts its choice, so every rank builds the same engine. Given
 ``sample_batch=`` (one step's batch on a rank) the engine has what :func:`dspark.plan` needs, and
 auto plans activations, compute and the micro-batch too (see [Note: auto with a batch]).
@@ -158,9 +161,9 @@ def auto_plan(model: nn.Module, *, optimizer: object, precision: str, bucket_mb:
 
 
 def choose(plan: Plan, micro_batch: int | None = None) -> PlanRow:
-    """The fastest row that fits, ties (within :data:`TIE_SHARE` or :data:`TIE_MS`) to the less
-    sharded; with ``micro_batch``, only rows planned at that micro-batch (the loop's own). A clear
-    ``ValueError`` when none fits."""
+    """The fastest row that fits, ties (within :data:`TIE_SHARE` or :data:`TIE_MS`, or a step range
+    that reaches the fastest's) to the less sharded; with ``micro_batch``, only rows planned at that
+    micro-batch (the loop's own). A clear ``ValueError`` when none fits."""
     rows = [r for r in plan.rows if micro_batch is None or r.micro_batch == micro_batch]
     fitting = [r for r in rows if r.fits]
     if not fitting:
@@ -173,7 +176,9 @@ def choose(plan: Plan, micro_batch: int | None = None) -> PlanRow:
     fastest = min(fitting, key=lambda r: r.step_ms)
     order = list(all_strategies())
     limit = max(fastest.step_ms * (1 + TIE_SHARE), fastest.step_ms + TIE_MS) + 1e-9
-    ties = [r for r in fitting if r.step_ms <= limit]
+    if fastest.step_ms_high is not None:  # the probe's rounds could not tell them apart either
+        limit = max(limit, fastest.step_ms_high + 1e-9)
+    ties = [r for r in fitting if r.step_ms <= limit or (r.step_ms_low is not None and r.step_ms_low <= limit)]
     return min(ties, key=lambda r: order.index(r.strategy))
 
 
