@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
 
 from dspark.cpu_malloc import mmap_threshold_bytes
 from dspark.planner import Interconnect, Probe, RowCost, model_shape
+from dspark.planner.co_run import CoRun
 from dspark.planner.cost import fresh_map_ms, row_cost
 
 
@@ -147,14 +150,14 @@ class _FrozenTable(nn.Module):
         self.body = nn.Sequential(*(nn.Linear(256, 256) for _ in range(2)))
 
 
-def _frozen_cost(vocab: int, **probe_fields: object) -> float:
+def _frozen_cost(vocab: int, link: Interconnect = SERIAL, **probe_fields: object) -> float:
     base = _probe()
     probe = Probe(**{**{f: getattr(base, f) for f in base.__dataclass_fields__}, "unit_forward_share": (0, 1, 1),
                      **probe_fields})
     with torch.device("meta"):
         shape = model_shape(_FrozenTable(vocab), (2, True))
     return row_cost(shape=shape, probe=probe, strategy="zero3", num_ranks=2, micro_batch=8, passes=1,
-                    bucket_mb=25.0, link=SERIAL).comm_exposed_ms
+                    bucket_mb=25.0, link=link).comm_exposed_ms
 
 
 def test_zero3_regathers_for_backward_only_the_frozen_parameters_backward_reads() -> None:
@@ -172,3 +175,18 @@ def test_a_gathered_storage_above_the_mmap_threshold_costs_its_page_faults_each_
         extra = (_frozen_cost(vocab, fault_bytes_per_s=1e9, frozen_unread=unread)
                  - _frozen_cost(vocab, frozen_unread=unread))
         assert extra == pytest.approx(gathers * 1e3 * table_bytes / 1e9, rel=1e-3)
+
+
+def test_the_engines_copies_and_first_touches_take_the_co_run_slowdown() -> None:
+    """[Note: co-run slowdown]: the node's ranks copy and fault in at once, as they step."""
+    twice = dataclasses.replace(SERIAL, co_run=CoRun(ranks=2, pass_points=((1 << 20, 1.0, 2.0),),
+                                                     compute_alone_s=1.0, compute_together_s=1.0))
+    probe = _probe(copy_bytes_per_s=1e9)
+    for strategy in ("replicate", "zero2"):
+        alone = _cost(strategy, SERIAL, probe).comm_exposed_ms - _cost(strategy, SERIAL).comm_exposed_ms
+        shared = _cost(strategy, twice, probe).comm_exposed_ms - _cost(strategy, twice).comm_exposed_ms
+        assert alone > 0 and shared == pytest.approx(2 * alone, rel=1e-6)
+    vocab = (mmap_threshold_bytes() // (4 * 256)) + 1000  # the table's whole storage is mapped afresh
+    alone = _frozen_cost(vocab, fault_bytes_per_s=1e9) - _frozen_cost(vocab)
+    shared = _frozen_cost(vocab, twice, fault_bytes_per_s=1e9) - _frozen_cost(vocab, twice)
+    assert alone > 0 and shared == pytest.approx(2 * alone, rel=1e-6)

@@ -28,8 +28,9 @@ A row with more than one rank per node on a CPU pays it on the parts the probe t
   multiply's. That count is an estimate: an operation that reads its input twice moves more, an
   embedding's lookup reads only the rows it looks up.
 
-What is left unpriced: the engine's own copies around the collectives (the probe's copy rate
-alone), and the memory traffic of forward and backward beyond that count: both make a row with a
+The engine's own copies around the collectives and zero3's first touches of its gathered storages
+take the pass's slowdown at their working set too (:mod:`dspark.planner.cost`). What is left
+unpriced: the memory traffic of forward and backward beyond that count, which makes a row with a
 working set past the cache read a little low still. Rows on one rank,
 rows with one rank per node, and a GPU's ranks (their own device each) pay nothing.
 """

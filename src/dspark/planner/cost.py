@@ -36,9 +36,10 @@ before it lands, and what runs past the end of backward is exposed; zero3 gather
 the unit before it computes, so a gather longer than that compute stalls by the difference and the
 root's gathers (start of forward, start of backward) stall whole. On a link that does not overlap
 compute (gloo on one CPU core per rank: the core that computes also moves and sums the bytes)
-every collective is exposed, whole. With more than one rank on a CPU node, compute and optimizer are
-those the node's ranks pay running at once, over a link that measured it (see [Note: co-run
-slowdown] in :mod:`dspark.planner.co_run`).
+every collective is exposed, whole. With more than one rank on a CPU node, compute and optimizer,
+and the engine's copies and zero3's first touches of its gathered storages, are those the node's
+ranks pay running at once, over a link that measured it (see [Note: co-run slowdown] in
+:mod:`dspark.planner.co_run`).
 
 [Note: what each strategy sends] Per optimizer step on ``N > 1`` ranks, ``S`` a bucket's whole
 gradient bytes, ``U`` a zero3 unit's padded parameter bytes:
@@ -80,7 +81,7 @@ import torch
 
 from dspark.comm.shm_setup import shm_wanted
 from dspark.cpu_malloc import mmap_threshold_bytes
-from dspark.planner.co_run import CoRunParts, co_run_parts
+from dspark.planner.co_run import CoRun, CoRunParts, co_run_parts
 from dspark.planner.interconnect import Interconnect, all_gather_s, all_reduce_s, reduce_scatter_s
 from dspark.planner.peak_timeline import bucket_groups, step_peak
 from dspark.planner.probe_record import Probe
@@ -326,14 +327,20 @@ def _exposed_comm_ms(shape: ModelShape, probe: Probe, policy: ShardingPolicy, n:
     # into its bucket's flat buffer, but for a bucket of one, whose gradient becomes the buffer
     copied = [nbytes for nbytes, count in zip((b for _, b in grouped), bucket_counts, strict=True)
               if policy.shard_grads or count > 1]
-    local_ms = sum(_copy_ms(probe, nbytes) for nbytes in copied)
+    co_run = _node_co_run(probe, link, n)
+
+    def shared(ms: float, working_set_bytes: float) -> float:  # the engine's copy or first touch, ranks at once
+        return ms * co_run.pass_factor(working_set_bytes) if co_run is not None and ms > 0 else ms
+
+    local_ms = sum(shared(_copy_ms(probe, nbytes), 2 * nbytes) for nbytes in copied)
     extras_bytes = 8 * (2 + 3 * n + len(shape.trainable))
     after_ms = 1e3 * all_reduce_s(extras_bytes, n, link)  # the step's one small vector
     if policy.shard_grads:  # shards reduced: the non-finite flag is all-reduced before the step
         after_ms += 1e3 * all_reduce_s(FLAG_BYTES, n, link)
     if policy.splits_optimizer_on(split) and not policy.shard_params:  # the updated rows, after the step
         in_place = list(rows_in_place) or [False] * len(grouped)
-        after_ms += sum(1e3 * all_gather_s(nbytes, split, link) + (0.0 if landed else _copy_ms(probe, nbytes))
+        after_ms += sum(1e3 * all_gather_s(nbytes, split, link)
+                        + (0.0 if landed else shared(_copy_ms(probe, nbytes), 2 * nbytes))
                         for (_, nbytes), landed in zip(grouped, in_place, strict=True))
     if not policy.splits_params_on(split):
         wire = _serial_exposed(items, backward_ms) if hidden else sum(d + t for _, d, t in items)
@@ -341,7 +348,8 @@ def _exposed_comm_ms(shape: ModelShape, probe: Probe, policy: ShardingPolicy, n:
     threshold = mmap_threshold_bytes()
 
     def gathers_ms(units: list[list[int]]) -> list[float]:
-        return [1e3 * all_gather_s(sum(unit) + TAG_BYTES, split, link) + fresh_map_ms(probe, unit, threshold)
+        return [1e3 * all_gather_s(sum(unit) + TAG_BYTES, split, link)
+                + shared(fresh_map_ms(probe, unit, threshold), sum(b for b in unit if b >= threshold))
                 for unit in units]
 
     gathers = gathers_ms(shape.unit_param_bytes(split))  # forward's
@@ -464,14 +472,20 @@ def row_cost(*, shape: ModelShape, probe: Probe, strategy: str, num_ranks: int, 
                                     shared.compute_factor))
 
 
+def _node_co_run(probe: Probe, link: Interconnect, n: int) -> CoRun | None:
+    """The link's co-run slowdown where a row's ranks share a node (more than one per node, on a
+    CPU), else None."""
+    per_node = n if link.ranks_per_node is None else min(n, link.ranks_per_node)
+    return link.co_run if per_node > 1 and "cuda" not in probe.device else None
+
+
 def _co_run_row(shape: ModelShape, probe: Probe, policy: ShardingPolicy, link: Interconnect, n: int, split: int,
                 micro_batch: int, passes: int, optimizer_bytes: int, *, compute_ms: float, optimizer_ms: float,
                 check_ms: float, check_bytes: int) -> CoRunParts:
     """The row's compute, optimizer step and check pass beside the node's other ranks, each by its
     working set (see [Note: co-run slowdown] in :mod:`dspark.planner.co_run`): only with more than one
     rank per node, on a CPU, over a link that measured the slowdown."""
-    per_node = n if link.ranks_per_node is None else min(n, link.ranks_per_node)
-    co_run = link.co_run if per_node > 1 and "cuda" not in probe.device else None
+    co_run = _node_co_run(probe, link, n)
     params = sum(_whole_bytes(spec) for spec in (*shape.trainable, *shape.frozen))
     grads = sum(_whole_bytes(spec) for spec in shape.trainable)
     activations = probe.activation_bytes(micro_batch)
