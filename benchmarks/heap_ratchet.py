@@ -16,8 +16,8 @@ docs/figures.md (see [Note: table artifacts]).
 ``--vary-length`` cuts each step's batch along its sequence dimension (dim 1 of every tensor of two
 or more dimensions) to a share of its length from :data:`LENGTH_SHARES` in turn: a workload whose
 transients change size every step, where the guard must tell a longer step that needs its memory
-from a ratchet (it re-baselines on a step that is still past its margin right after a trim) rather
-than trim at every long step.
+from a ratchet rather than trim at every long step (it keeps a level it trimmed at on a heap that
+had not grown: [Note: a level trimmed before] in dspark.engine.heap_guard).
 """
 
 from __future__ import annotations

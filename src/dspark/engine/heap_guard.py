@@ -18,19 +18,26 @@ only the pages it touches. When that step is still past the margin, it needs mor
 sequence) and its reading becomes the baseline: it is trimmed once, not after every step; a heap
 that ratchets falls back below the margin, and is trimmed again each time it passes it.
 
-The margin is small on purpose. A ratcheting heap grows by tens of MB at a time over the first
-steps, and with the baseline after the third step and a margin of a tenth of the process, none of
-that growth was trimmed in a short run: the same configuration's peak differed run to run by more
-than the plan's error (docs/figures.md#plan-validation). With the baseline after the first step and
-a margin of ``GROWTH_FLOOR_BYTES`` (or ``GROWTH_SHARE`` of a large process), a rank's peak stays
-within the margin plus one step's growth of its first step's, in a short run as in a long one: the
-process peak the plan predicts (see [Note: process memory] in :mod:`dspark.planner.process_memory`).
-A trim costs page faults (the free memory the next step
-reuses comes back zeroed), paid as often as the heap grows, never on a heap that does not.
+[Note: a level trimmed before] Where the steps change size (a sequence length that varies from batch
+to batch), a long step that follows short ones is past the margin, and the step after its trim is a
+short one: that rule alone trimmed at every long step (docs/figures.md#heap-ratchet-varlen), each
+trim's pages faulted back in at the next. What tells such a step from a
+ratchet is the heap's free memory (``mallinfo2``'s free blocks, which a trim leaves counted: it gives
+back their pages, not the blocks). A ratchet lays each step's transients out in fresh memory, so its
+free memory grows step after step, trims or not (zero3 with a large embedding on 2 ranks); a long
+step that needs its memory reuses the blocks the last long step freed, so its free memory comes back
+to where it was. So the guard keeps a level: the resident memory of a trim after
+which the heap had not grown (no more free memory than at every earlier trim), and the most free
+memory it trimmed at. A step past the margin that is within the margin of both (no more resident
+memory than a level it needed before, on a heap no larger) is not trimmed. A ratchet still is, each
+time its heap grows past the most it was trimmed at, or its resident memory past the level; and a
+trim on a heap that grew does not raise the level (its resident memory holds the ratchet's fresh
+pages): the level rises only on a heap of the same size, whose pages bound it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 
@@ -68,6 +75,7 @@ class HeapGuard:
         self._baseline: HeapUsage | None = None
         self._baseline_step = 0
         self._just_trimmed = False
+        self._trimmed_at: HeapUsage | None = None   # its level and the most free memory it trimmed at
         self.trims = 0
         """How many times the guard gave the heap's free memory back."""
         self.off = False
@@ -94,14 +102,20 @@ class HeapGuard:
         # Only the heap's free memory is the ratchet's (and all a trim gives back): resident growth
         # outside the heap, Python's own arenas of small objects or a file's pages read, is not.
         heap_free_growth = usage.free_bytes - base.free_bytes
-        past_margin = min(unexplained, heap_free_growth) > max(GROWTH_FLOOR_BYTES, base.resident_bytes * GROWTH_SHARE)
+        margin = max(GROWTH_FLOOR_BYTES, base.resident_bytes * GROWTH_SHARE)
+        past_margin = min(unexplained, heap_free_growth) > margin
         if past_margin and self._just_trimmed:  # a step that touched only what it needed is still past it:
             self._baseline, self._baseline_step = usage, self._steps  # the step needs more, not a ratchet
-        self._just_trimmed = past_margin and not self._just_trimmed
+        self._just_trimmed = past_margin and not self._just_trimmed and not self._trimmed_before(usage, margin)
         if not self._just_trimmed:
             return
         self._trim()
         self.trims += 1
+        seen = self._trimmed_at or usage
+        heap_grew = usage.free_bytes > seen.free_bytes  # a ratchet's fresh memory: not a level to keep
+        self._trimmed_at = dataclasses.replace(seen, free_bytes=max(seen.free_bytes, usage.free_bytes),
+                                               resident_bytes=seen.resident_bytes if heap_grew
+                                               else max(seen.resident_bytes, usage.resident_bytes))
         if self.trims > 1:
             log.info("rank %d: the heap grew %.0f MB past what allocated memory explains after step %d: trimmed it "
                      "(%d times so far)", self._rank, unexplained / 1e6, self._steps, self.trims)
@@ -112,3 +126,10 @@ class HeapGuard:
                         "each time it grows so again (DSPARK_CPU_MALLOC=lean avoids the growth, "
                         "DSPARK_HEAP_GUARD=off lets it grow)", self._rank, base.resident_bytes / 1e6,
                         self._baseline_step, usage.resident_bytes / 1e6, self._steps, unexplained / 1e6)
+
+    def _trimmed_before(self, usage: HeapUsage, margin: float) -> bool:
+        """Whether ``usage`` is a level the guard trimmed at before: within ``margin`` of its level's
+        resident memory and of the most free memory it trimmed at (see [Note: a level trimmed before])."""
+        seen = self._trimmed_at
+        return (seen is not None and usage.resident_bytes <= seen.resident_bytes + margin
+                and usage.free_bytes <= seen.free_bytes + margin)
