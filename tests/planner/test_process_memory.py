@@ -12,7 +12,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dspark.planner.process_memory import HEAP_SHARE, RANK_BYTES, STATE_HEAP_SHARE, process_peak_bytes
+from dspark.cpu_malloc import mmap_threshold_bytes
+from dspark.planner import Interconnect, Probe, cost, model_shape
+from dspark.planner.process_memory import (
+    HEAP_SHARE,
+    RANK_BYTES,
+    STATE_HEAP_SHARE,
+    process_peak_bytes,
+    ratchet_step_bytes,
+)
 
 MB = 1 << 20
 BASE = 300 * MB
@@ -55,6 +63,34 @@ def test_a_gpu_keeps_the_allocators_ratio_and_an_unmeasured_baseline_gives_none(
                              state_bytes=900 * MB)
     assert gpu == round(BASE + 1000 * MB * 1.1)
     assert process_peak_bytes(MB, device_type="cpu", num_ranks=1, baseline_bytes=0, allocator_share=0.5) is None
+
+
+LINK = Interconnect(name="serial", bytes_per_s=1e9, latency_s=0.0, overlaps_compute=False, source="by hand")
+
+
+def test_zero3_on_several_ranks_counts_one_steps_ratchet_of_a_storage_just_below_the_mapped_size(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # an embedding gathered whole at 3/4 of the mapped size: it and its gradient ratchet the heap by
+    # two of them a step (measured on embed-tied zero3, 2 ranks, where the plan read 0.89 without it)
+    limit = mmap_threshold_bytes()
+    assert ratchet_step_bytes([limit - MB, MB]) == 2 * (limit - MB)
+    assert ratchet_step_bytes([limit // 2 - 1, limit, MB]) == 0   # holes of their size, or mapped apart
+    embedding = nn.Embedding(limit * 3 // 4 // 4096, 1024)
+    shape = model_shape(nn.Sequential(embedding, nn.Linear(1024, 8)), (2, True))
+    base = Probe.from_one_step(device="cpu", batch=8, forward_ms=10.0, backward_ms=20.0, optimizer_ms=4.0,
+                               step_bytes=1e6, num_params=3, unit_bytes=[0, 1, 1])
+    probe = Probe(**{**{f: getattr(base, f) for f in base.__dataclass_fields__}, "process_baseline_bytes": BASE})
+
+    def peak(strategy: str, ranks: int) -> int:
+        row = cost.row_cost(shape=shape, probe=probe, strategy=strategy, num_ranks=ranks, micro_batch=8, passes=1,
+                            bucket_mb=25.0, link=LINK)
+        assert row.process_peak_bytes is not None
+        return row.process_peak_bytes
+
+    counted = {(s, n): peak(s, n) for s in ("zero2", "zero3") for n in (1, 2)}
+    monkeypatch.setattr(cost, "ratchet_step_bytes", lambda storages: 0)
+    assert counted[("zero3", 2)] - peak("zero3", 2) == 2 * embedding.weight.nbytes
+    assert all(counted[key] == peak(*key) for key in [("zero2", 1), ("zero2", 2), ("zero3", 1)])
 
 
 def test_transients_mapped_apart_take_no_heap_share() -> None:

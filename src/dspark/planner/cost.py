@@ -85,7 +85,7 @@ from dspark.planner.co_run import CoRun, CoRunParts, co_run_parts
 from dspark.planner.interconnect import Interconnect, all_gather_s, all_reduce_s, reduce_scatter_s
 from dspark.planner.peak_timeline import bucket_groups, step_peak
 from dspark.planner.probe_record import Probe
-from dspark.planner.process_memory import process_peak_bytes
+from dspark.planner.process_memory import process_peak_bytes, ratchet_step_bytes
 from dspark.policy.state_bytes import expected_state_bytes
 from dspark.policy.strategies import ShardingPolicy, all_strategies
 from dspark.policy.units import TAG_BYTES  # see [Note: gather tags]
@@ -464,7 +464,9 @@ def row_cost(*, shape: ModelShape, probe: Probe, strategy: str, num_ranks: int, 
                        baseline_bytes=probe.process_baseline_bytes, allocator_share=probe.allocator_share,
                        mapped_bytes=mapped_state_bytes(shape, policy, split, bucket_mb),
                        collective_heap_bytes=collective_heap_bytes(shape, bucket_mb),
-                       state_bytes=state_total, heap_transient_bytes=heap_transient),
+                       state_bytes=state_total, heap_transient_bytes=heap_transient,
+                       ratchet_bytes=ratchet_step_bytes(b for unit in shape.unit_param_bytes(split) for b in unit)
+                       if policy.splits_params_on(split) else 0),
                    compute_ms=shared.compute_ms, comm_exposed_ms=exposed,
                    optimizer_ms=shared.optimizer_ms + shared.check_ms,
                    co_run_compute_factor=shared.compute_factor, co_run_optimizer_factor=shared.optimizer_factor,

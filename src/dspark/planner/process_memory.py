@@ -30,6 +30,13 @@ moment. What a user budgets for, and what ``memory_budget`` means, is the proces
     :mod:`dspark.engine.heap_guard`), so the share describes a short run and a long one alike;
   - the *model state* (parameters, gradients, optimizer state) is allocated once and kept: it
     leaves no holes, and its part below that size adds :data:`STATE_HEAP_SHARE` of it;
+  - under zero3 on several ranks, a gathered parameter's storage from half that size up to it (a
+    large embedding) ratchets the heap: the storage and its whole gradient, the largest blocks the
+    heap holds, die each step in an order that shifts, and the next step's land in fresh memory (the
+    heap's free memory grows by two of them a step). The guard lets a step's growth stand until the
+    next reading, so the rank holds one step's ratchet beyond its first step's
+    (:func:`ratchet_step_bytes`: two of the largest such storage). Smaller storages find holes of
+    their size among the step's other transients;
 
   plus, on a world of several ranks,
   :data:`RANK_BYTES` (the process group's buffers and threads) and a copy of the two largest
@@ -65,10 +72,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from dspark.cpu_malloc import mmap_threshold_bytes
 from dspark.planner.peak_memory import held_tensor_bytes
 
 __all__ = ["HEAP_SHARE", "RANK_BYTES", "STATE_HEAP_SHARE", "high_water_bytes", "library_baseline_bytes",
-           "model_modules", "process_bytes", "process_peak_bytes", "process_terms", "this_process_baseline_bytes"]
+           "model_modules", "process_bytes", "process_peak_bytes", "process_terms", "ratchet_step_bytes",
+           "this_process_baseline_bytes"]
 
 HEAP_SHARE = 0.70
 """CPU: the heap's resident memory beyond a step's live tensors, as a share of the most its
@@ -127,9 +136,23 @@ def library_baseline_bytes(modules: Iterable[str] = ()) -> int:
         return 0
 
 
+def ratchet_step_bytes(gathered_storage_bytes: Iterable[int]) -> int:
+    """One step's growth of a heap that ratchets under zero3 on several CPU ranks: twice the largest
+    gathered storage from half :func:`dspark.cpu_malloc.mmap_threshold_bytes` up to it (the storage
+    and its whole gradient, see [Note: process memory]); 0 where there is none.
+
+    Example::
+
+        ratchet_step_bytes([31 << 20, 1 << 20])   # 62 << 20: the large storage and its gradient
+    """
+    limit = mmap_threshold_bytes()
+    return 2 * max((n for n in gathered_storage_bytes if limit // 2 <= n < limit), default=0)
+
+
 def process_peak_bytes(tensor_peak_bytes: int, *, device_type: str, num_ranks: int, baseline_bytes: int,
                        allocator_share: float, mapped_bytes: int = 0, collective_heap_bytes: int = 0,
-                       state_bytes: int = 0, heap_transient_bytes: int | None = None) -> int | None:
+                       state_bytes: int = 0, heap_transient_bytes: int | None = None,
+                       ratchet_bytes: int = 0) -> int | None:
     """A rank's process peak from its tensor peak (see [Note: process memory]); None where the
     baseline was not measured. ``mapped_bytes``: the part of the tensor peak in allocations the C
     library maps apart from its heap (on a CPU: each of at least
@@ -140,7 +163,8 @@ def process_peak_bytes(tensor_peak_bytes: int, *, device_type: str, num_ranks: i
     peak that is not a step's transients (0: all of it is); ``heap_transient_bytes``: on a CPU the
     most the step's transients hold at once in the heap (allocations below that size, at any moment
     of the step: ``Probe.heap_step_bytes``), which the heap's share follows (None: the transients
-    at the peak, all of them in the heap).
+    at the peak, all of them in the heap); ``ratchet_bytes``: on a CPU, one step's growth of a heap
+    that ratchets (:func:`ratchet_step_bytes`), held beyond the first step's.
 
     Example::
 
@@ -154,7 +178,7 @@ def process_peak_bytes(tensor_peak_bytes: int, *, device_type: str, num_ranks: i
         return round(baseline_bytes + tensor_peak_bytes + in_heap * allocator_share)
     transient = min(in_heap, max(0, tensor_peak_bytes - state_bytes))
     in_heap_transient = transient if heap_transient_bytes is None else max(0, heap_transient_bytes)
-    extra = RANK_BYTES + collective_heap_bytes if num_ranks > 1 else 0
+    extra = RANK_BYTES + collective_heap_bytes + ratchet_bytes if num_ranks > 1 else 0
     return round(baseline_bytes + tensor_peak_bytes + in_heap_transient * allocator_share
                  + (in_heap - transient) * STATE_HEAP_SHARE + extra)
 
