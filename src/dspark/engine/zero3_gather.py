@@ -92,9 +92,11 @@ def tag_tensor(tag: int, dtype: torch.dtype, device: torch.device) -> torch.Tens
 
         tags_of(torch.stack([tag_tensor(7, torch.bfloat16, cpu)])).tolist()   # [7]
     """
-    size = torch.empty((), dtype=dtype).element_size()
-    header = torch.zeros(-(-TAG_BYTES // size), dtype=dtype, device=device)
-    header.view(torch.uint8)[:TAG_BYTES].copy_(torch.tensor([tag], dtype=torch.int64).view(torch.uint8))
+    raw = torch.tensor([tag], dtype=torch.int64, device=device)  # TAG_BYTES
+    if dtype.itemsize <= raw.element_size():  # a whole number of elements: one tensor, no copy (the
+        return raw.view(dtype)                 # cache misses at every gather of a model of many units)
+    header = torch.zeros(-(-TAG_BYTES // dtype.itemsize), dtype=dtype, device=device)
+    header.view(torch.uint8)[:TAG_BYTES].copy_(raw.view(torch.uint8))
     return header
 
 
