@@ -8,10 +8,10 @@ the others are also reading. A probe run alone cannot see that, so the link prob
 the world it already runs on (:func:`dspark.planner.link_probe.measure_co_run`): a memory-bound pass
 (a copy between two buffers) at each working set of :data:`CO_RUN_SIZES`, and a matrix multiply
 whose operands the cache holds (bound by arithmetic, not memory), each first on one rank at a time
-while the others wait at a barrier, then on every rank at once; a time is the slowest rank's, the
-median of the calls. Their ratio is the slowdown of that pass when it shares the node
-(:class:`CoRun`), a property of the host, not of the model; it travels with the link
-(:attr:`dspark.planner.interconnect.Interconnect.co_run`).
+while the others wait at a barrier, then on every rank at once, in rounds of both (a load that
+comes and goes meets both alike); a time is the slowest rank's, the median over the rounds. Their
+ratio is the slowdown of that pass when it shares the node (:class:`CoRun`), a property of the
+host, not of the model; it travels with the link (:attr:`dspark.planner.interconnect.Interconnect.co_run`).
 
 A row with more than one rank per node on a CPU pays it on the parts the probe timed alone
 (:func:`co_run_parts`), each by its own working set:

@@ -112,32 +112,29 @@ def _calls(collective: str, nbytes: int, n: int, device: torch.device,
                                          group=group, label="dspark.link_probe.all_gather")
 
 
-def _median_s(call: Callable[[], object], repeats: int, together: bool) -> float:
-    """This rank's median seconds of ``call`` over ``repeats``; ``together``: every rank starts each
-    call at a barrier (the others wait at one outside)."""
-    times = []
-    for _ in range(repeats):
-        if together:
-            comm.barrier()
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def _timed_s(call: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    call()
+    return time.perf_counter() - start
 
 
 def _alone_and_together_s(world: comm.World, call: Callable[[], object], repeats: int) -> tuple[float, float]:
-    """The slowest rank's median seconds of ``call`` run by one rank at a time while the others wait
-    at a barrier, and run by every rank at once."""
+    """``call``'s seconds run by one rank at a time while the others wait at a barrier, and run by
+    every rank at once, in ``repeats`` rounds of both (so that a load that comes and goes meets both
+    alike): the median over the rounds of the slowest rank's time."""
     call()  # warm-up
-    alone = 0.0
-    for turn in range(world.world_size):
+    rounds = []
+    for _ in range(repeats):
+        alone = 0.0
+        for turn in range(world.world_size):
+            comm.barrier()
+            if world.rank == turn:
+                alone = _timed_s(call)
         comm.barrier()
-        if world.rank == turn:
-            alone = _median_s(call, repeats, together=False)
-        comm.barrier()
-    together = _median_s(call, repeats, together=True)
-    everyone = comm.all_gather_object((alone, together), label="dspark.link_probe.co_run")
-    return max(a for a, _ in everyone), max(t for _, t in everyone)
+        rounds.append((alone, _timed_s(call)))
+    everyone = comm.all_gather_object(rounds, label="dspark.link_probe.co_run")
+    slowest = [(max(a for a, _ in per_rank), max(t for _, t in per_rank)) for per_rank in zip(*everyone, strict=True)]
+    return statistics.median(a for a, _ in slowest), statistics.median(t for _, t in slowest)
 
 
 def _copies(nbytes: int, times: int) -> Callable[[], object]:
