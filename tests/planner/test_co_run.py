@@ -14,8 +14,9 @@ from dspark.planner.cost import row_cost
 from tests.messages import assert_names
 
 MIB = 1 << 20
-# in a core's cache no slower; at 64 MiB 1.5x slower beside the other rank; the matrix multiply 1.1x
-CO_RUN = CoRun(ranks=2, pass_points=((MIB, 1e-4, 1e-4), (32 * MIB, 4e-3, 4e-3), (64 * MIB, 8e-3, 12e-3)),
+# in a core's cache no slower; from 64 MiB to 1 GiB 1.5x slower beside the other rank; the matrix multiply 1.1x
+CO_RUN = CoRun(ranks=2, pass_points=((MIB, 1e-4, 1e-4), (32 * MIB, 4e-3, 4e-3), (64 * MIB, 8e-3, 12e-3),
+                                     (1024 * MIB, 128e-3, 192e-3)),
                compute_alone_s=1e-3, compute_together_s=1.1e-3)
 LINK = Interconnect(name="serial", bytes_per_s=1e9, latency_s=0.0, overlaps_compute=False, source="by hand",
                     co_run=CO_RUN)
@@ -23,14 +24,16 @@ LINK = Interconnect(name="serial", bytes_per_s=1e9, latency_s=0.0, overlaps_comp
 
 def test_a_pass_is_slowed_by_its_working_set_as_measured() -> None:
     assert CO_RUN.pass_factor(4 * MIB) == 1.0  # the cache holds it
-    assert CO_RUN.pass_factor(1 << 30) == pytest.approx(1.5)  # past the largest size: the largest's
     assert CO_RUN.pass_factor(45 * MIB) == pytest.approx(1.25, rel=1e-2)  # halfway in log2 from 32 to 64 MiB
+    assert CO_RUN.pass_factor(1 << 30) == pytest.approx(1.5)
+    assert CO_RUN.pass_factor(2 << 30) == 1.0  # past the largest size measured: nothing is known
     assert CO_RUN.pass_bytes_per_s(64 * MIB) == pytest.approx(64 * MIB / 8e-3)
     assert CO_RUN.compute_factor == pytest.approx(1.1)
-    noisy = CoRun(ranks=2, pass_points=((MIB, 1e-4, 3e-4), (64 * MIB, 8e-3, 6e-3)),
-                  compute_alone_s=1e-3, compute_together_s=0.5e-3)
-    # a small pass slower than a larger one is a busy machine's noise; faster together is never priced
-    assert noisy.pass_factor(MIB) == 1.0 and noisy.compute_factor == 1.0
+    # a shared cache that holds one rank's 64 MiB but not both ranks': slowed there, not past it
+    bump = CoRun(ranks=2, pass_points=((MIB, 1e-4, 1e-4), (64 * MIB, 3e-3, 5e-3), (256 * MIB, 20e-3, 20e-3)),
+                 compute_alone_s=1e-3, compute_together_s=0.5e-3)
+    assert bump.pass_factor(64 * MIB) == pytest.approx(5 / 3) and bump.pass_factor(256 * MIB) == 1.0
+    assert bump.compute_factor == 1.0  # faster together is never priced
 
 
 def test_a_measurement_that_cannot_be_a_slowdown_is_refused() -> None:

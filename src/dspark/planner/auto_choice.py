@@ -50,6 +50,7 @@ from torch import nn
 from dspark import comm
 from dspark.comm import World
 from dspark.cpu_malloc import release_freed
+from dspark.planner.co_run import AUTO_CO_RUN_SIZES
 from dspark.planner.cost import row_cost
 from dspark.planner.interconnect import Interconnect
 from dspark.planner.link_probe import measure_link
@@ -202,7 +203,7 @@ def auto_choice(request: AutoRequest) -> AutoChoice:
     """
     world = request.world
     before = high_water_bytes(world.device)  # see [Note: auto's own probes and the budget]
-    link = measure_link(world, repeats=3) if world.world_size > 1 else None
+    link = measure_link(world, repeats=3, co_run_sizes=AUTO_CO_RUN_SIZES) if world.world_size > 1 else None
     group_size = hybrid_layout(world, request.shard_group_size)
     if link is not None and group_size is not None:  # two levels: the nodes' own links, and the world's
         inside = measure_link(world, repeats=3, group=comm.partition_groups(

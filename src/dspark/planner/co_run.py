@@ -29,9 +29,12 @@ A row with more than one rank per node on a CPU pays it on the parts the probe t
   embedding's lookup reads only the rows it looks up.
 
 The engine's own copies around the collectives and zero3's first touches of its gathered storages
-take the pass's slowdown at their working set too (:mod:`dspark.planner.cost`). What is left
-unpriced: the memory traffic of forward and backward beyond that count, which makes a row with a
-working set past the cache read a little low still. Rows on one rank,
+take the pass's slowdown at their working set too (:mod:`dspark.planner.cost`). What slows most is
+a working set the shared cache holds for one rank but not for every rank at once: a pass alone runs
+from the cache, beside the others from memory; one past the cache for a rank alone already runs at
+the memory's rate, and slows beside the others only where that rate is shared too. What is left
+unpriced: the memory traffic of forward and backward beyond that count, and working sets past the
+largest size measured. Rows on one rank,
 rows with one rank per node, and a GPU's ranks (their own device each) pay nothing.
 """
 
@@ -42,15 +45,18 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["CO_RUN_SIZES", "CoRun", "CoRunParts", "co_run_parts"]
+__all__ = ["AUTO_CO_RUN_SIZES", "CO_RUN_SIZES", "CoRun", "CoRunParts", "co_run_parts"]
 
-CO_RUN_SIZES = (1 << 20, 4 << 20, 16 << 20, 32 << 20, 64 << 20)
+CO_RUN_SIZES = (4 << 20, 16 << 20, 32 << 20, 64 << 20, 96 << 20, 128 << 20, 256 << 20)
 """Working sets (bytes: both buffers of the copy) the memory-bound pass is timed at: from one a
-core's cache holds to some past a CPU's shared cache, where the memory's rate sets the pace. A pass
-beyond the largest takes the largest's slowdown (which a larger one may exceed: the price is a
-floor). The largest holds about what the link probe's bucket-sized all-gather holds at once (its
-input, its shard and its output: :data:`dspark.planner.link_probe.SIZES`), so that measuring it
-raises a rank's high water hardly above what auto's link probe took it to."""
+core's cache holds to some past a CPU's shared cache, where the memory's rate sets the pace, closer
+together where one rank's working set fits the shared cache and every rank's together may not."""
+
+AUTO_CO_RUN_SIZES = tuple(size for size in CO_RUN_SIZES if size <= 64 << 20)
+"""The sizes ``strategy="auto"`` measures: no more than about what its link probe's bucket-sized
+all-gather holds at once (its input, shard and output: :data:`dspark.planner.link_probe.SIZES`), so
+that measuring them hardly raises a rank's high water, which its budget counts; beyond them auto
+prices no slowdown."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -85,19 +91,19 @@ class CoRun:
     def pass_factor(self, working_set_bytes: float) -> float:
         """How much slower a memory-bound pass over ``working_set_bytes`` runs beside the other
         ranks: the measured ratio, interpolated in the logarithm of the working set between the two
-        nearest sizes, the smallest's below it and the largest's beyond it; at least 1. A ratio above
-        one measured at a larger working set is taken as that one (a pass past more of the cache
-        waits on the memory at least as much: the excess is a busy machine's noise).
+        nearest sizes, the smallest's below it; at least 1. Beyond the largest size measured, 1.0:
+        nothing is known there, and past a shared cache the slowdown need not grow (a working set the
+        cache holds for one rank but not for all of them is slowed most; one past it for one rank
+        alone already runs at the memory's rate, which may serve every rank).
 
         Example::
 
             co_run.pass_factor(40 << 20)   # between the two sizes measured around it
         """
-        ratios = [together / alone for _, alone, together in self.pass_points]
-        # a larger working set waits on the memory at least as much: a ratio above a larger one's is noise
-        capped = [min(ratios[k:]) for k in range(len(ratios))]
-        sizes = [size for size, _, _ in self.pass_points]
-        return max(1.0, self._interpolate(working_set_bytes, list(zip(sizes, capped, strict=True))))
+        if working_set_bytes > self.pass_points[-1][0]:
+            return 1.0  # nothing measured there
+        ratios = [(size, together / alone) for size, alone, together in self.pass_points]
+        return max(1.0, self._interpolate(working_set_bytes, ratios))
 
     def pass_bytes_per_s(self, working_set_bytes: float) -> float:
         """The working-set bytes per second the pass moved on one rank alone at ``working_set_bytes``

@@ -113,6 +113,9 @@ def _calls(collective: str, nbytes: int, n: int, device: torch.device,
 
 
 def _timed_s(call: Callable[[], object]) -> float:
+    """Seconds of ``call`` run right after one more untimed: a core that waited idle at a barrier
+    runs its first pass slower, alone or not, which is no part of the slowdown measured."""
+    call()
     start = time.perf_counter()
     call()
     return time.perf_counter() - start
