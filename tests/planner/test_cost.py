@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -78,6 +79,39 @@ def test_the_engines_copies_cost_what_the_probe_measured(monkeypatch: pytest.Mon
                             "forward_ms": {"fixed": 0.0, "per_sample": 1.0},
                             "backward_ms": {"fixed": 0.0, "per_sample": 1.0},
                             "step_bytes": {"fixed": 0.0, "per_sample": 1.0}}).copy_bytes_per_s == 1e9
+
+
+def test_each_of_the_engines_copies_pays_the_probes_per_copy_cost(monkeypatch: pytest.MonkeyPatch) -> None:
+    """[Note: per-copy cost]: the engine copies one parameter at a time, so a model of many small
+    parameters pays the fixed cost of a copy more often than one of the same bytes in few."""
+    many = nn.Sequential(*(nn.Linear(64, 64) for _ in range(32)))  # 64 parameters of 133,120 elements
+    few = nn.Linear(4159, 32)  # 2 parameters, the same elements
+
+    def extra_ms(model: nn.Module, strategy: str) -> float:
+        with torch.device("meta"):
+            shape = model_shape(model, (2, True))
+        base = Probe.from_one_step(device="cpu", batch=8, forward_ms=100.0, backward_ms=200.0, optimizer_ms=40.0,
+                                   step_bytes=1e6, num_params=len(shape.trainable), unit_bytes=[1])
+
+        def exposed(probe: Probe) -> float:
+            return row_cost(shape=shape, probe=probe, strategy=strategy, num_ranks=2, micro_batch=8, passes=1,
+                            bucket_mb=25.0, link=SERIAL).comm_exposed_ms
+        return exposed(dataclasses.replace(base, per_copy_s=1e-5)) - exposed(base)
+
+    per_copy_ms = 1e-2
+    for strategy in ("replicate", "zero2"):  # each fresh gradient into its bucket; each one packed
+        assert extra_ms(many, strategy) == pytest.approx(64 * per_copy_ms, rel=1e-6)
+        assert extra_ms(few, strategy) == pytest.approx(2 * per_copy_ms, rel=1e-6)
+    with monkeypatch.context() as gloo:  # zero2's rows packed (1 copy per parameter) and landed (1 more)
+        gloo.setenv("DSPARK_SHM", "0")
+        assert extra_ms(many, "zero2") == pytest.approx(3 * 64 * per_copy_ms, rel=1e-6)
+
+
+def test_a_probe_kept_before_the_per_copy_cost_loads_without_it() -> None:
+    kept = json.loads(json.dumps(dataclasses.asdict(dataclasses.replace(_probe(), per_copy_s=2e-6))))
+    assert Probe.from_dict(kept).per_copy_s == 2e-6
+    del kept["per_copy_s"]
+    assert Probe.from_dict(kept).per_copy_s == 0.0
 
 
 def test_zero1_gathers_the_rows_of_evenly_split_parameters_in_place_through_shared_memory(

@@ -250,6 +250,7 @@ def test_the_probe_times_the_step_under_the_engines_malloc(monkeypatch: pytest.M
                                        library_baseline=False)
     assert calls == ["tuned"]
     assert probe.check_bytes_per_s > 0  # the engine's scale-and-check pass over the gradients, measured
+    assert probe.per_copy_s > 0  # [Note: per-copy cost]: one small copy into a flat buffer's view, measured
 
 
 def test_the_fault_probe_holds_one_buffer_just_past_the_mmap_threshold() -> None:

@@ -269,8 +269,9 @@ def _gather_stalls(unit_ms: Sequence[float], gather_ms: Sequence[float]) -> floa
     return stall
 
 
-def _copy_ms(probe: Probe, nbytes: float) -> float:
-    return 1e3 * nbytes / probe.copy_bytes_per_s if probe.copy_bytes_per_s > 0 else 0.0
+def _copy_ms(probe: Probe, nbytes: float, copies: int) -> float:
+    """``copies`` of the engine's copies of ``nbytes`` in all (see [Note: per-copy cost])."""
+    return 1e3 * (copies * probe.per_copy_s + (nbytes / probe.copy_bytes_per_s if probe.copy_bytes_per_s > 0 else 0))
 
 
 def gradient_check_ms(probe: Probe, grad_bytes: int, sharded: bool, split: int) -> float:
@@ -323,25 +324,25 @@ def _exposed_comm_ms(shape: ModelShape, probe: Probe, policy: ShardingPolicy, n:
     # gradient buckets, in backward: (ready ms, wire ms, then across ms); zero2/zero3 first copy the
     # whole gradients into the send buffer (compute-side work: never hidden)
     items = [(ready * backward_ms, *reduce_ms(nbytes)) for ready, nbytes in grouped]
-    # zero2/zero3 pack every bucket into its send buffer; replicate/zero1 copy each fresh gradient
-    # into its bucket's flat buffer, but for a bucket of one, whose gradient becomes the buffer
-    copied = [nbytes for nbytes, count in zip((b for _, b in grouped), bucket_counts, strict=True)
+    # zero2/zero3 pack every gradient into its bucket's send buffer; replicate/zero1 copy each fresh
+    # gradient into its bucket's flat buffer, but for a bucket of one, whose gradient becomes the buffer
+    copied = [(nbytes, count) for (_, nbytes), count in zip(grouped, bucket_counts, strict=True)
               if policy.shard_grads or count > 1]
     co_run = _node_co_run(probe, link, n)
 
     def shared(ms: float, working_set_bytes: float) -> float:  # the engine's copy or first touch, ranks at once
         return ms * co_run.pass_factor(working_set_bytes) if co_run is not None and ms > 0 else ms
 
-    local_ms = sum(shared(_copy_ms(probe, nbytes), 2 * nbytes) for nbytes in copied)
+    local_ms = sum(shared(_copy_ms(probe, nbytes, count), 2 * nbytes) for nbytes, count in copied)
     extras_bytes = 8 * (2 + 3 * n + len(shape.trainable))
     after_ms = 1e3 * all_reduce_s(extras_bytes, n, link)  # the step's one small vector
     if policy.shard_grads:  # shards reduced: the non-finite flag is all-reduced before the step
         after_ms += 1e3 * all_reduce_s(FLAG_BYTES, n, link)
     if policy.splits_optimizer_on(split) and not policy.shard_params:  # the updated rows, after the step
-        in_place = list(rows_in_place) or [False] * len(grouped)
+        in_place = list(rows_in_place) or [False] * len(grouped)  # else each parameter's rows packed, N-1 landed
         after_ms += sum(1e3 * all_gather_s(nbytes, split, link)
-                        + (0.0 if landed else shared(_copy_ms(probe, nbytes), 2 * nbytes))
-                        for (_, nbytes), landed in zip(grouped, in_place, strict=True))
+                        + (0.0 if landed else shared(_copy_ms(probe, nbytes, count * split), 2 * nbytes))
+                        for (_, nbytes), count, landed in zip(grouped, bucket_counts, in_place, strict=True))
     if not policy.splits_params_on(split):
         wire = _serial_exposed(items, backward_ms) if hidden else sum(d + t for _, d, t in items)
         return wire + local_ms + after_ms

@@ -165,5 +165,6 @@ def scale_probe(probe: Probe, source: DeviceProfile, target: DeviceProfile) -> P
         optimizer_ms=probe.optimizer_ms * memory, optimizer_fixed_ms=probe.optimizer_fixed_ms * memory,
         optimizer_ms_rounds=tuple(ms * memory for ms in probe.optimizer_ms_rounds),
         copy_bytes_per_s=probe.copy_bytes_per_s / memory if probe.copy_bytes_per_s else 0.0,
+        per_copy_s=probe.per_copy_s * memory,
         check_bytes_per_s=probe.check_bytes_per_s / memory if probe.check_bytes_per_s else 0.0,
         process_baseline_bytes=0)

@@ -44,6 +44,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from dspark.cpu_malloc import advise_huge_pages, mmap_threshold_bytes, tune_for_training
 from dspark.meta.materialize import has_meta_tensors, materialize
+from dspark.planner.copy_probe import measure_per_copy_s, median_pass_s
 from dspark.planner.peak_memory import PeakMarks, measure_interval_peaks
 from dspark.planner.probe_record import (
     OUTPUT_GRAD,
@@ -291,6 +292,7 @@ def measure_probe(model: nn.Module, sample_batch: Any, *, loss_fn: LossFn | None
                  grad_ready=tuple(ready), unit_forward_share=tuple(shares), optimizer_state=state,
                  optimizer_fixed_ms=optimizer_fixed_ms,
                  copy_bytes_per_s=measure_copy_bytes_per_s(device, min(grad_bytes_total, _COPY_MAX_BYTES)),
+                 per_copy_s=measure_per_copy_s(device),
                  check_bytes_per_s=measure_check_bytes_per_s(device, min(grad_bytes_total, _COPY_MAX_BYTES)),
                  fault_bytes_per_s=measure_fault_bytes_per_s(device),
                  frozen_unread=tuple(i for i, p in enumerate(frozen)
@@ -409,16 +411,7 @@ def _pass_bytes_per_s(device: torch.device, nbytes: int, repeats: int,
     numel = nbytes // 4
     if numel < 1:
         return 0.0
-    one_pass = prepare(numel)
-    one_pass()
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        start = time.perf_counter()
-        one_pass()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return 4 * numel / max(statistics.median(times), 1e-9)
+    return 4 * numel / max(median_pass_s(device, prepare(numel), repeats), 1e-9)
 
 
 def measure_copy_bytes_per_s(device: torch.device, nbytes: int, repeats: int = 5) -> float:

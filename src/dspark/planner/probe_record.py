@@ -55,6 +55,10 @@ class Probe:
     copy_bytes_per_s: float = 0.0
     """Bytes per second one copy between two buffers of this device moves; 0.0: not measured (the
     engine's copies then cost nothing in the plan)."""
+    per_copy_s: float = 0.0
+    """Seconds of one small copy into a view of a flat buffer, beyond its bytes (the engine makes one
+    per parameter, see [Note: per-copy cost] in :mod:`dspark.planner.copy_probe`); 0.0: not measured
+    (an older plan's JSON: the copies then cost their bytes only)."""
     check_bytes_per_s: float = 0.0
     """Bytes per second of the engine's pass over the reduced gradients that scales them and flags a
     value that is not finite (PyTorch's fused check-and-unscale kernel, see [Note: non-finite
@@ -170,6 +174,7 @@ class Probe:
                        unit_forward_share=tuple(map(float, data["unit_forward_share"])),
                        optimizer_state=(int(data["optimizer_state"][0]), bool(data["optimizer_state"][1])),
                        copy_bytes_per_s=float(data.get("copy_bytes_per_s", 0.0)),
+                       per_copy_s=float(data.get("per_copy_s", 0.0)),
                        check_bytes_per_s=float(data.get("check_bytes_per_s", 0.0)),
                        optimizer_fixed_ms=float(data.get("optimizer_fixed_ms", 0.0)),
                        grad_events=tuple(map(int, data.get("grad_events", ()))),
