@@ -11,7 +11,8 @@ and the table docs/figures.md renders (``DIR/table.json``, see [Note: table arti
 
 AdamW; each model's global batch (it divides by 1, 2 and 3). Measured per configuration, in a fresh
 ``dspark run`` launch: the process peak (``VmHWM`` of each rank's whole life: imports, model,
-engine, steps), the median step of ``--steps`` timed steps after one warm-up (the slowest rank's),
+engine, steps), the median step of ``--steps`` timed steps after :data:`WARMUP_STEPS` warm-up steps
+(the slowest rank's),
 and then the tensor peak of one more step (:func:`dspark.planner.peak_memory.measure_peak_bytes`,
 the lab's measure); the largest over ranks. On 1 rank every strategy is the same engine path, so it
 is measured once, as replicate. 3 ranks share the 2 cores: their steps are not compared. The link is
@@ -40,6 +41,11 @@ STRATEGY_NAMES = ("replicate", "zero1", "zero2", "zero3")
 PRECISIONS = ("fp32", "bf16")
 RANKS = (1, 2, 3)
 OPTIMIZER = functools.partial(torch.optim.AdamW, lr=1e-4)
+WARMUP_STEPS = 3
+"""Untimed steps before the timed ones. The plan predicts a steady step (its probe times rounds
+after a warm-up of its own); in a fresh process the second to the fourth or fifth step of some
+models still run slower than the ones after (the heap settling, pages faulted in), and a single
+warm-up step timed that."""
 
 
 def _rows(batch: Any) -> int:
@@ -71,7 +77,8 @@ def worker(name: str, precision: str, strategy: str, steps: int, size: str) -> N
         engine.backward(_loss(engine, local, loss_fn))
         engine.step()
 
-    step()  # warm-up
+    for _ in range(WARMUP_STEPS):
+        step()
     times = []
     for _ in range(steps):
         comm.barrier()
@@ -197,7 +204,8 @@ def validate(models: list[str], precisions: list[str], steps: int, size: str,
         return {**measured, "rows": rows, "replanned": now}
     return {"command": "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/plan_validation.py",
             "machine": f"{os.cpu_count()} CPU cores shared with other work; torch {torch.__version__}",
-            "size": size, "steps": steps, "link": link_data, "timestamp": now, "rows": rows, "failed": failed}
+            "size": size, "steps": steps, "warmup_steps": WARMUP_STEPS,
+            "link": link_data, "timestamp": now, "rows": rows, "failed": failed}
 
 
 COLUMNS = ("model", "precision", "strategy", "ranks", "tensor peak predicted MB", "measured MB", "ratio",
